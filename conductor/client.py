@@ -1,0 +1,284 @@
+"""The conductor's Python API: submit, claim, complete, status and results over Redis.
+
+Every state change is one Lua script (lua/); this module only validates, encodes, pipelines
+and decodes. It holds no state that Redis does not also hold, so producers, workers and
+readers can be separate processes on separate machines.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from conductor import keys as K
+from conductor.config import DEFAULTS
+from conductor.errors import BadInput, QueueFull, RedisUnavailable
+from conductor.formats import PreparedItem
+from conductor.records import Batch, BatchItem, Contract, Result, json_encoder
+from conductor.schema import check as check_schema
+from conductor.scripts import Scripts
+
+SUBMIT_CHUNK = 500  # items per submit.lua call
+SUBMIT_PIPELINE = 8  # calls per round trip
+
+_blob_decoder = msgspec.msgpack.Decoder()
+_body_decoder = msgspec.json.Decoder()
+
+
+def connect(url: str, *, timeout: float = 10.0) -> redis.Redis:
+    """A client with bounded-backoff reconnects; raises RedisUnavailable with one clear line."""
+    try:
+        client = redis.Redis.from_url(
+            url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=8),
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+            health_check_interval=30,
+        )
+        client.ping()
+    except ValueError as e:
+        raise RedisUnavailable(f"bad Redis URL {url!r}: {e}") from None
+    except redis.AuthenticationError as e:
+        raise RedisUnavailable(f"Redis at {url} refused the credentials: {e}") from None
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+        raise RedisUnavailable(f"cannot reach Redis at {url}: {e}") from None
+    return client
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+@dataclass
+class SubmitReport:
+    accepted: int = 0
+    duplicates: int = 0
+    models: set[str] = field(default_factory=set)
+
+
+class Conductor:
+    """One client of one Redis; cheap to create, safe to use from one thread at a time."""
+
+    def __init__(self, client: redis.Redis, *, migrate: bool = True) -> None:
+        self.r = client
+        self.scripts = Scripts(client)
+        check_schema(client, auto=migrate)
+        self._models_ready: set[str] = set()
+        self._prefix_cache: dict[tuple[str, str], list[str]] = {}
+
+    @classmethod
+    def from_url(cls, url: str, **kw: Any) -> Conductor:
+        return cls(connect(url), **kw)
+
+    # ------------------------------------------------------------------ models
+    def ensure_model(self, model: str, force: bool = False) -> K.ModelKeys:
+        mk = K.ModelKeys(model)
+        if model in self._models_ready and not force:
+            return mk
+        pipe = self.r.pipeline(transaction=False)
+        for name, value in DEFAULTS.items():
+            pipe.hsetnx(mk.cfg, name, value)
+        pipe.sadd(K.MODELS_KEY, model)
+        pipe.execute()
+        try:
+            self.r.xgroup_create(mk.batches, K.GROUP, id="$", mkstream=True)
+        except redis.ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+        self._models_ready.add(model)
+        return mk
+
+    def set_config(self, model: str, values: dict[str, Any]) -> None:
+        mk = self.ensure_model(model)
+        if values:
+            self.r.hset(mk.cfg, mapping=values)
+
+    def config(self, model: str) -> dict[str, str]:
+        mk = K.ModelKeys(model)
+        return {_s(k): _s(v) for k, v in self.r.hgetall(mk.cfg).items()}
+
+    def models(self) -> list[str]:
+        return sorted(_s(m) for m in self.r.smembers(K.MODELS_KEY))
+
+    # ------------------------------------------------------------------ submit
+    def submit(self, items: Iterable[PreparedItem], job: str) -> SubmitReport:
+        """Submit items under ``job``; idempotent on (job, model, item id).
+
+        Items are grouped per model; each submit.lua call takes up to SUBMIT_CHUNK items and
+        is all or nothing, and several calls share one round trip.
+        """
+        K.check_name("job", job)
+        report = SubmitReport()
+        by_model: dict[str, list[PreparedItem]] = {}
+        for it in items:
+            by_model.setdefault(it.model, []).append(it)
+        for model, its in by_model.items():
+            self._register_job(job, model)
+            mk = self.ensure_model(model)
+            report.models.add(model)
+            for start in range(0, len(its), SUBMIT_CHUNK * SUBMIT_PIPELINE):
+                self._submit_calls(mk, job, its[start:start + SUBMIT_CHUNK * SUBMIT_PIPELINE], report)
+        return report
+
+    def _register_job(self, job: str, model: str) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zadd(K.JOBS_KEY, {job: int(time.time() * 1000)}, nx=True)
+        pipe.sadd(K.job_models_key(job), model)
+        pipe.execute()
+
+    def _submit_calls(self, mk: K.ModelKeys, job: str, its: Sequence[PreparedItem], report: SubmitReport) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        keys = [mk.base, mk.cfg, mk.state]
+        for start in range(0, len(its), SUBMIT_CHUNK):
+            chunk = its[start:start + SUBMIT_CHUNK]
+            args: list[Any] = [len(chunk)]
+            seen: set[str] = set()
+            for it in chunk:
+                if it.sig in seen:
+                    prefix = b""
+                else:
+                    seen.add(it.sig)
+                    prefix = json_encoder.encode(list(it.prefix))
+                args += [job, it.id, it.sig, it.input_tokens, it.max_tokens, it.body, prefix]
+            self.scripts.submit(keys=keys, args=args, client=pipe)
+        try:
+            replies = pipe.execute(raise_on_error=False)
+        except redis.ConnectionError as e:
+            raise RedisUnavailable(f"lost Redis during submit: {e}") from None
+        for reply in replies:
+            if isinstance(reply, Exception):
+                _raise_script_error(reply)
+            for lane in reply:
+                if lane == -1:
+                    report.duplicates += 1
+                else:
+                    report.accepted += 1
+
+    # ------------------------------------------------------------------ claim
+    def claim(self, contract: Contract, consumer: str) -> tuple[Batch | None, str]:
+        """One batch under ``contract`` for ``consumer``, or (None, reason)."""
+        mk = self.ensure_model(contract.model)
+        try:
+            reply = self.scripts.claim(
+                keys=[mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed],
+                args=[consumer, contract.max_batch_size, contract.max_batch_tokens, contract.max_input_len],
+            )
+        except redis.ResponseError as e:
+            if "NOGROUP" in str(e):
+                self.ensure_model(contract.model, force=True)
+                return None, "nogroup"
+            _raise_script_error(e)
+        if reply[0] == 0:
+            return None, _s(reply[1])
+        return self._decode_batch(contract.model, _s(reply[1]), reply[2]), "batch"
+
+    def _decode_batch(self, model: str, batch_id: str, blob: bytes) -> Batch:
+        sig, ep, lane, plen, mt, ts, flags, raw_items = _blob_decoder.decode(blob)
+        items = []
+        for iid, job, tok, imt, body, deliveries in raw_items:
+            prompt, payload = _body_decoder.decode(body)
+            items.append(BatchItem(id=_s(iid), job=_s(job), input_tokens=int(tok), max_tokens=int(imt),
+                                   prompt=prompt, payload=payload, deliveries=int(deliveries)))
+        sig = _s(sig)
+        return Batch(model=model, batch_id=batch_id, shape=sig, epoch=int(ep), lane=int(lane),
+                     padded_len=int(plen), max_tokens=int(mt), claimed_at=int(ts), items=items,
+                     prefix=self.prefix(model, sig), cleanup=bool(flags & 1), reclaimed=bool(flags & 2))
+
+    def prefix(self, model: str, sig: str) -> list[str]:
+        key = (model, sig)
+        cached = self._prefix_cache.get(key)
+        if cached is None:
+            raw = self.r.hget(K.ModelKeys(model).shape(sig), "prefix")
+            cached = msgspec.json.decode(raw) if raw else []
+            if len(self._prefix_cache) > 4096:
+                self._prefix_cache.clear()
+            self._prefix_cache[key] = cached
+        return cached
+
+    # ------------------------------------------------------------------ complete
+    def complete(self, batch: Batch, results: Sequence[Result], *, final: bool = True) -> tuple[int, int]:
+        """Write results (idempotent on item id); with ``final`` ack and delete the batch."""
+        mk = K.ModelKeys(batch.model)
+        args: list[Any] = [batch.batch_id, 1 if final else 0, len(results)]
+        for res in results:
+            args += [res.job, res.id, "err" if res.error else "ok", json_encoder.encode(res)]
+        try:
+            written, acked = self.scripts.complete(keys=[mk.base, mk.state, mk.batches], args=args)
+        except redis.ResponseError as e:
+            _raise_script_error(e)
+        return int(written), int(acked)
+
+    # ------------------------------------------------------------------ jobs
+    def job_models(self, job: str) -> list[str]:
+        return sorted(_s(m) for m in self.r.smembers(K.job_models_key(job)))
+
+    def status(self, job: str) -> dict[str, Any]:
+        models = self.job_models(job)
+        total = {"job": job, "submitted": 0, "completed": 0, "failed": 0, "pending": 0, "models": {}}
+        for model in models:
+            raw = self.r.hgetall(K.ModelKeys(model).job(job))
+            row = {k: int(raw.get(k.encode(), 0)) for k in ("submitted", "completed", "failed")}
+            row["pending"] = row["submitted"] - row["completed"] - row["failed"]
+            total["models"][model] = row
+            for k in ("submitted", "completed", "failed", "pending"):
+                total[k] += row[k]
+        total["done"] = bool(models) and total["pending"] == 0
+        return total
+
+    def results(self, job: str, *, follow: bool = False, block_ms: int = 1000,
+                count: int = 1000) -> Iterator[bytes]:
+        """Result records (JSON bytes) of ``job``, from any process at any time.
+
+        With ``follow`` it keeps reading until every submitted item has a result.
+        """
+        cursors: dict[str, str] = {}
+        while True:
+            models = self.job_models(job)
+            for m in models:
+                cursors.setdefault(K.ModelKeys(m).job_results(job), "0-0")
+            got = 0
+            if cursors:
+                reply = self.r.xread(cursors, count=count, block=block_ms if follow else None)
+                for stream, entries in _stream_reply(reply):
+                    for eid, fields in entries:
+                        cursors[stream] = _s(eid)
+                        got += 1
+                        yield fields[b"r"]
+            if got:
+                continue
+            if not follow or (models and self.status(job)["done"]):
+                return
+            if not cursors:
+                time.sleep(block_ms / 1000)
+
+    def read_results(self, job: str) -> list[Result]:
+        from conductor.records import result_decoder
+        return [result_decoder.decode(r) for r in self.results(job)]
+
+
+def _stream_reply(reply: Any) -> list[tuple[str, list]]:
+    """XREAD replies are a list under RESP2 and a dict under RESP3."""
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        return [(_s(k), v[0] if v and isinstance(v[0], list) and len(v) == 1 and isinstance(v[0][0], list)
+                 else v) for k, v in reply.items()]
+    return [(_s(k), v) for k, v in reply]
+
+
+def _raise_script_error(e: Exception) -> None:
+    msg = str(e)
+    if msg.startswith("FULL") or "OOM" in msg:
+        raise QueueFull(msg) from None
+    if msg.startswith("ERR_ARG"):
+        field, _, rest = msg[len("ERR_ARG "):].partition(": ")
+        raise BadInput(field, rest) from None
+    raise e

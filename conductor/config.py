@@ -1,0 +1,50 @@
+"""Per-model thresholds, stored as plain fields of ``cdr:{model}:cfg`` (readable in redis-cli).
+
+Every field has a default here; ``ensure_model`` writes missing fields with HSETNX so an
+operator's ``conductor config`` change is never overwritten. The Lua scripts read the hash
+with HMGET and fall back to the same defaults (``lua/lib_cfg.lua`` must agree; a test checks).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# name -> (default, description). Order matters: lua/lib_cfg.lua reads them in this order.
+FIELDS: dict[str, tuple[Any, str]] = {
+    "mode": ("memory", "memory: pad to the longest item rounded up to 8 and count padded tokens; "
+                       "disk: count actual tokens and keep the release gate open"),
+    "budget_tokens": (8192, "reference batch token budget (the first worker's contract) for readiness"),
+    "budget_items": (64, "reference batch size (the first worker's contract) for readiness"),
+    "lane_max": (2048, "lanes a shape instance may own"),
+    "lane_thr_min": (0.02, "padding fraction that opens a new lane while the lane budget is empty"),
+    "lane_thr_max": (0.30, "padding fraction that opens a new lane when the lane budget is full"),
+    "lane_floor": (16, "padding (tokens) at or under which an item never opens a new lane"),
+    "lane_cap": (256, "padding (tokens) above which an item always opens a new lane, budget permitting"),
+    "lane_quiet_ms": (3000, "an empty lane without assignments this long returns its id"),
+    "activate_batches": (4, "a staged shape activates once it holds this many budgets of tokens"),
+    "drain_batches": (1, "an active shape without a full lane drains below this many budgets"),
+    "release_batches": (8, "memory mode: nothing is dispatched before this many budgets are waiting"),
+    "quiet_ms": (1000, "intake silent this long (and nothing ready): cleanup mode"),
+    "max_waiting_tokens": (0, "queue ceiling in input tokens; 0 is unlimited. Over it submit is refused"),
+    "max_deliveries": (5, "an item delivered more often than this goes to the dead letter"),
+    "aging_ms": (0, "a staged shape whose oldest item waited this long is activated next; 0 is off"),
+}
+
+DEFAULTS: dict[str, Any] = {k: v[0] for k, v in FIELDS.items()}
+
+
+def parse_value(name: str, raw: str) -> Any:
+    if name not in FIELDS:
+        raise ValueError(f"config: unknown field {name!r} (known: {', '.join(FIELDS)})")
+    default = DEFAULTS[name]
+    if name == "mode":
+        if raw not in ("memory", "disk"):
+            raise ValueError("config: mode must be 'memory' or 'disk'")
+        return raw
+    try:
+        value = type(default)(raw)
+    except ValueError:
+        raise ValueError(f"config: {name} must be a {type(default).__name__}, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"config: {name} must not be negative")
+    return value

@@ -1,0 +1,109 @@
+"""A private redis-server for the life of one run (``conductor run`` without ``--redis``) or test.
+
+It listens on 127.0.0.1 and a free port, keeps its files in a temporary folder, and is
+stopped (and the folder removed) on exit. ``kill()`` and ``restart()`` exist for tests that
+break things for real.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from conductor.errors import RedisUnavailable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def find_server() -> str:
+    path = os.environ.get("CONDUCTOR_REDIS_SERVER") or shutil.which("redis-server")
+    if not path:
+        raise RedisUnavailable(
+            "no redis-server binary found for the embedded server: install it (Debian: apt-get install "
+            "redis-server) or set CONDUCTOR_REDIS_SERVER, or pass --redis URL")
+    return path
+
+
+class EmbeddedRedis:
+    def __init__(self, *, port: int | None = None, appendonly: bool = False, appendfsync: str = "always",
+                 extra: list[str] | None = None, dir: str | None = None) -> None:
+        self.port = port or free_port()
+        self.appendonly = appendonly
+        self.appendfsync = appendfsync
+        self.extra = extra or []
+        self._own_dir = dir is None
+        self.dir = Path(dir or tempfile.mkdtemp(prefix="conductor-redis-"))
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def args(self) -> list[str]:
+        args = [find_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
+                "--save", "", "--daemonize", "no", "--logfile", str(self.dir / "redis.log"),
+                "--appendonly", "yes" if self.appendonly else "no"]
+        if self.appendonly:
+            args += ["--appendfsync", self.appendfsync]
+        return args + self.extra
+
+    def start(self, timeout: float = 10.0) -> EmbeddedRedis:
+        self.proc = subprocess.Popen(self.args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                log = (self.dir / "redis.log").read_text(errors="replace")[-2000:] \
+                    if (self.dir / "redis.log").exists() else ""
+                raise RedisUnavailable(f"embedded redis-server exited at start: {log}")
+            try:
+                c = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+                if c.ping():
+                    # AOF loading answers LOADING until done; wait for a usable server.
+                    c.dbsize()
+                    c.close()
+                    return self
+            except (redis.ConnectionError, redis.BusyLoadingError, OSError):
+                time.sleep(0.05)
+        raise RedisUnavailable(f"embedded redis-server did not answer on port {self.port} in {timeout}s")
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown save, exactly what a crash does."""
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+    def close(self) -> None:
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedRedis:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,33 @@
+"""Typed errors the conductor raises to its callers."""
+
+from __future__ import annotations
+
+
+class ConductorError(Exception):
+    """Base class of every error the conductor raises on purpose."""
+
+
+class BadInput(ConductorError):
+    """An item or argument that the conductor refuses; names the field (and line, if any)."""
+
+    def __init__(self, field: str, message: str, line: int | None = None) -> None:
+        self.field = field
+        self.line = line
+        where = f"line {line}: " if line is not None else ""
+        super().__init__(f"{where}{field}: {message}")
+
+
+class QueueFull(ConductorError):
+    """Backpressure: the model's waiting-token ceiling or Redis maxmemory refused the submit.
+
+    Nothing of the refused call was written; items accepted before it stay accepted, and a
+    re-run of the same job skips them (submission is idempotent on the item id).
+    """
+
+
+class SchemaMismatch(ConductorError):
+    """Redis holds a key layout this code does not know: run ``conductor migrate``."""
+
+
+class RedisUnavailable(ConductorError):
+    """Redis could not be reached (wrong URL, server down, TLS or auth failure)."""

@@ -1,0 +1,169 @@
+"""Input lines: validation at the edge, with the line number and field name of every refusal.
+
+Two formats are accepted, detected per line:
+
+* native: ``{"id", "model", "prefix": [cacheable parts, in order], "prompt", "input_tokens"
+  (optional), "max_tokens", "payload" (optional, any JSON)}``
+* OpenAI batch input: ``{"custom_id", "method", "url", "body": {"model", "messages",
+  "max_tokens" | "max_completion_tokens"}}``; every message but the last is a cacheable prefix
+  component (``"role: content"``), the last message's content is the prompt.
+
+When ``input_tokens`` is absent it is estimated as ``ceil(utf8_bytes(prefix + prompt) / 4)``
+(at least 1), a common rule of thumb for English BPE vocabularies; producers that know their
+tokenizer should send the real count.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import msgspec
+
+from conductor.errors import BadInput
+from conductor.keys import check_name
+from conductor.signature import shape_signature
+
+MAX_LINE_BYTES = 4 * 1024 * 1024
+MAX_PAYLOAD_BYTES = 1024 * 1024
+MAX_ID_BYTES = 512
+MAX_PREFIX_PARTS = 256
+MAX_INPUT_TOKENS = 16_777_216
+MAX_OUTPUT_TOKENS = 1_048_576
+
+_NATIVE_FIELDS = {"id", "model", "prefix", "prompt", "input_tokens", "max_tokens", "payload"}
+
+
+class PreparedItem(msgspec.Struct, frozen=True):
+    """A validated item, ready for submit.lua."""
+
+    id: str
+    model: str
+    sig: str
+    input_tokens: int
+    max_tokens: int
+    body: bytes  # JSON [prompt, payload]
+    prefix: tuple[str, ...]
+
+
+_json = msgspec.json.Encoder()
+
+
+def estimate_tokens(prefix: list[str] | tuple[str, ...], prompt: str) -> int:
+    n = sum(len(p.encode("utf-8")) for p in prefix) + len(prompt.encode("utf-8"))
+    return max(1, math.ceil(n / 4))
+
+
+def _int(obj: dict, field: str, lo: int, hi: int, line: int | None, name: str | None = None) -> int:
+    v = obj.get(field)
+    name = name or field
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadInput(name, f"must be an integer, got {type(v).__name__}", line)
+    if v < lo or v > hi:
+        raise BadInput(name, f"must be between {lo} and {hi}, got {v}", line)
+    return v
+
+
+def _str(obj: dict, field: str, line: int | None, name: str | None = None, allow_empty: bool = True) -> str:
+    v = obj.get(field)
+    name = name or field
+    if not isinstance(v, str):
+        raise BadInput(name, f"must be a string, got {type(v).__name__}", line)
+    if not allow_empty and not v:
+        raise BadInput(name, "must not be empty", line)
+    return v
+
+
+def _check_id(v: str, line: int | None, name: str = "id") -> str:
+    if not v:
+        raise BadInput(name, "must not be empty", line)
+    if len(v.encode("utf-8")) > MAX_ID_BYTES:
+        raise BadInput(name, f"longer than {MAX_ID_BYTES} bytes", line)
+    return v
+
+
+def _check_model(v: str, line: int | None, name: str = "model") -> str:
+    try:
+        return check_name("model", v)
+    except ValueError as e:
+        raise BadInput(name, str(e).split(": ", 1)[1], line) from None
+
+
+def _prepare(id_: str, model: str, prefix: list[str], prompt: str, input_tokens: int | None,
+             max_tokens: int, payload: Any, line: int | None) -> PreparedItem:
+    body = _json.encode([prompt, payload])
+    if payload is not None and len(body) - len(_json.encode([prompt, None])) > MAX_PAYLOAD_BYTES:
+        raise BadInput("payload", f"larger than {MAX_PAYLOAD_BYTES} bytes", line)
+    if input_tokens is None:
+        input_tokens = min(estimate_tokens(prefix, prompt), MAX_INPUT_TOKENS)
+    return PreparedItem(id=id_, model=model, sig=shape_signature(prefix), input_tokens=input_tokens,
+                        max_tokens=max_tokens, body=body, prefix=tuple(prefix))
+
+
+def from_native(obj: dict, line: int | None = None) -> PreparedItem:
+    unknown = set(obj) - _NATIVE_FIELDS
+    if unknown:
+        raise BadInput(sorted(unknown)[0], "unknown field (native format fields: "
+                       + ", ".join(sorted(_NATIVE_FIELDS)) + ")", line)
+    id_ = _check_id(_str(obj, "id", line), line)
+    model = _check_model(_str(obj, "model", line), line)
+    prefix = obj.get("prefix", [])
+    if not isinstance(prefix, list):
+        raise BadInput("prefix", f"must be a list of strings, got {type(prefix).__name__}", line)
+    if len(prefix) > MAX_PREFIX_PARTS:
+        raise BadInput("prefix", f"more than {MAX_PREFIX_PARTS} components", line)
+    for i, p in enumerate(prefix):
+        if not isinstance(p, str):
+            raise BadInput(f"prefix[{i}]", f"must be a string, got {type(p).__name__}", line)
+    prompt = _str(obj, "prompt", line)
+    tokens = None
+    if obj.get("input_tokens") is not None:
+        tokens = _int(obj, "input_tokens", 1, MAX_INPUT_TOKENS, line)
+    max_tokens = _int(obj, "max_tokens", 1, MAX_OUTPUT_TOKENS, line)
+    return _prepare(id_, model, prefix, prompt, tokens, max_tokens, obj.get("payload"), line)
+
+
+def from_openai(obj: dict, line: int | None = None) -> PreparedItem:
+    id_ = _check_id(_str(obj, "custom_id", line), line, "custom_id")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise BadInput("body", "must be an object", line)
+    model = _check_model(_str(body, "model", line, "body.model"), line, "body.model")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadInput("body.messages", "must be a non-empty list", line)
+    parts = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise BadInput(f"body.messages[{i}]", "must be an object", line)
+        role = _str(m, "role", line, f"body.messages[{i}].role")
+        content = _str(m, "content", line, f"body.messages[{i}].content")
+        parts.append((role, content))
+    field = "max_tokens" if "max_tokens" in body else "max_completion_tokens"
+    max_tokens = _int(body, field, 1, MAX_OUTPUT_TOKENS, line, f"body.{field}")
+    prefix = [f"{r}: {c}" for r, c in parts[:-1]]
+    return _prepare(id_, model, prefix, parts[-1][1], None, max_tokens,
+                    {"custom_id": id_}, line)
+
+
+def parse_line(raw: bytes | str, line: int | None = None) -> PreparedItem:
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8")
+    if len(raw) > MAX_LINE_BYTES:
+        raise BadInput("line", f"longer than {MAX_LINE_BYTES} bytes", line)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadInput("line", f"invalid UTF-8 at byte {e.start}", line) from None
+    try:
+        obj = msgspec.json.decode(raw)
+    except msgspec.DecodeError as e:
+        raise BadInput("line", f"not valid JSON ({e})", line) from None
+    if not isinstance(obj, dict):
+        raise BadInput("line", f"must be a JSON object, got {type(obj).__name__}", line)
+    if "custom_id" in obj:
+        return from_openai(obj, line)
+    if "id" in obj:
+        return from_native(obj, line)
+    raise BadInput("format", "unknown format: expected a native item (with \"id\") or an OpenAI batch "
+                   "line (with \"custom_id\")", line)

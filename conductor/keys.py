@@ -1,0 +1,146 @@
+"""Every Redis key name the conductor uses, in one place.
+
+All keys of one model share the hash tag ``{model}`` so that every Lua script touches a
+single slot: the same scripts run on one Redis, on Valkey and on Redis Cluster. The Lua
+scripts receive ``KEYS[1] = ModelKeys.base`` (``cdr:{model}``) and derive per-shape and
+per-lane names from it with the same suffixes as below; ``lua/lib_keys.lua`` mirrors this
+module and a test checks that the two agree.
+
+Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoch,
+``L`` = lane id, ``J`` = job name)::
+
+    cdr:schema                      string   schema version of this Redis (migrations/)
+    cdr:models                      set      models that have ever received items
+    cdr:jobs                        zset     job -> creation time (ms)
+    cdr:job:J:models                set      models a job submitted to
+    M:cfg                           hash     per-model thresholds (conductor/config.py)
+    M:state                         hash     model counters: waiting tokens/items, gate, active shape
+    M:staged                        zset     shape instance "S:E" -> waiting tokens, not yet active
+    M:staged_age                    zset     staged instance -> creation time (ms), for aging
+    M:finished                      stream   finished instances and their batch counts (thrash alarm)
+    M:shape:S                       hash     signature record: current intake epoch, prefix blob
+    M:inst:S:E                      hash     one shape instance (an epoch of a signature): state, counters
+    M:inst:S:E:lanes                zset     lane id -> representative length (rolling lanes)
+    M:inst:S:E:ready                zset     lane id -> lane id, lanes holding a full batch (round-robin)
+    M:inst:S:E:fill                 zset     lane id -> padded tokens waiting, every non-empty lane
+    M:inst:S:E:free                 set      retired lane ids, reused before new ones
+    M:lane:S:E:L                    stream   waiting items of one lane, in arrival order
+    M:lanemeta:S:E:L                hash     rep, items, tokens, last assignment time of one lane
+    M:batches                       stream   claimed batches; group "workers" holds in-flight ones
+    M:reclaimed                     list     batches taken back from dead consumers, served first
+    M:dead                          stream   dead-lettered items with their last error
+    M:hb:W                          string   heartbeat of worker W (TTL)
+    M:workers                       hash     worker -> registered contract (JSON)
+    M:job:J                         hash     job counters for this model: submitted, completed, failed
+    M:job:J:items                   hash     item id -> q (queued) | d (done): idempotency of both ends
+    M:job:J:results                 stream   result records of the job for this model, JSON
+"""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "cdr"
+SCHEMA_KEY = f"{PREFIX}:schema"
+MODELS_KEY = f"{PREFIX}:models"
+JOBS_KEY = f"{PREFIX}:jobs"
+GROUP = "workers"
+
+# Names end up inside key names and hash tags: keep them printable and free of the
+# characters that would break the tag ({}) or the ':' separated layout.
+_NAME_RE = re.compile(r"^[A-Za-z0-9._/@+=-]{1,128}$")
+
+
+def check_name(kind: str, value: str) -> str:
+    if not isinstance(value, str) or not _NAME_RE.match(value):
+        raise ValueError(
+            f"{kind}: {value!r} is not a valid name (1-128 characters from A-Z a-z 0-9 . _ / @ + = -)"
+        )
+    return value
+
+
+def job_models_key(job: str) -> str:
+    return f"{PREFIX}:job:{job}:models"
+
+
+class ModelKeys:
+    """Key names for one model; every name carries the model's hash tag."""
+
+    __slots__ = ("model", "base")
+
+    def __init__(self, model: str) -> None:
+        self.model = check_name("model", model)
+        self.base = f"{PREFIX}:{{{model}}}"
+
+    @property
+    def cfg(self) -> str:
+        return f"{self.base}:cfg"
+
+    @property
+    def state(self) -> str:
+        return f"{self.base}:state"
+
+    @property
+    def staged(self) -> str:
+        return f"{self.base}:staged"
+
+    @property
+    def staged_age(self) -> str:
+        return f"{self.base}:staged_age"
+
+    @property
+    def finished(self) -> str:
+        return f"{self.base}:finished"
+
+    @property
+    def batches(self) -> str:
+        return f"{self.base}:batches"
+
+    @property
+    def reclaimed(self) -> str:
+        return f"{self.base}:reclaimed"
+
+    @property
+    def dead(self) -> str:
+        return f"{self.base}:dead"
+
+    @property
+    def workers(self) -> str:
+        return f"{self.base}:workers"
+
+    def shape(self, sig: str) -> str:
+        return f"{self.base}:shape:{sig}"
+
+    def inst(self, inst: str) -> str:
+        """``inst`` is ``"S:E"``: a signature and its epoch."""
+        return f"{self.base}:inst:{inst}"
+
+    def inst_lanes(self, inst: str) -> str:
+        return f"{self.base}:inst:{inst}:lanes"
+
+    def inst_ready(self, inst: str) -> str:
+        return f"{self.base}:inst:{inst}:ready"
+
+    def inst_fill(self, inst: str) -> str:
+        return f"{self.base}:inst:{inst}:fill"
+
+    def inst_free(self, inst: str) -> str:
+        return f"{self.base}:inst:{inst}:free"
+
+    def lane(self, inst: str, lane: int | str) -> str:
+        return f"{self.base}:lane:{inst}:{lane}"
+
+    def lanemeta(self, inst: str, lane: int | str) -> str:
+        return f"{self.base}:lanemeta:{inst}:{lane}"
+
+    def heartbeat(self, worker: str) -> str:
+        return f"{self.base}:hb:{worker}"
+
+    def job(self, job: str) -> str:
+        return f"{self.base}:job:{job}"
+
+    def job_items(self, job: str) -> str:
+        return f"{self.base}:job:{job}:items"
+
+    def job_results(self, job: str) -> str:
+        return f"{self.base}:job:{job}:results"

@@ -1,0 +1,92 @@
+"""Records that cross process boundaries, as msgspec structs (no pickle anywhere)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class Contract(msgspec.Struct, frozen=True):
+    """The four integers a consumer registers (seeds 001, 002)."""
+
+    model: str
+    max_batch_size: int
+    max_batch_tokens: int
+    max_input_len: int
+
+
+class Body(msgspec.Struct, array_like=True):
+    """What a lane entry stores besides its plain fields: the non-cacheable part of an item."""
+
+    prompt: str
+    payload: Any = None
+
+
+class BatchItem(msgspec.Struct):
+    id: str
+    job: str
+    input_tokens: int
+    max_tokens: int
+    prompt: str
+    payload: Any = None
+    deliveries: int = 1
+
+
+class Batch(msgspec.Struct):
+    """Items of ONE lane of ONE shape instance of ONE model, packed under a contract."""
+
+    model: str
+    batch_id: str
+    shape: str
+    epoch: int
+    lane: int
+    padded_len: int
+    max_tokens: int
+    claimed_at: int
+    items: list[BatchItem]
+    prefix: list[str] = []
+    cleanup: bool = False
+    reclaimed: bool = False
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.padded_len * len(self.items)
+
+    @property
+    def actual_tokens(self) -> int:
+        return sum(i.input_tokens for i in self.items)
+
+
+class ResultError(msgspec.Struct):
+    code: str
+    message: str
+
+
+class Result(msgspec.Struct, omit_defaults=False):
+    """One line of ``conductor results``: enough to audit padding, purity, fill and order."""
+
+    id: str
+    model: str
+    job: str
+    output: str
+    output_tokens: int
+    error: ResultError | None
+    shape: str
+    epoch: int
+    lane: int
+    batch: str
+    batch_size: int
+    batch_padded_len: int
+    input_tokens: int
+    worker: str
+    claimed_at: int
+    finished_at: int
+    deliveries: int = 1
+    payload: Any = None
+
+
+json_encoder = msgspec.json.Encoder()
+result_decoder = msgspec.json.Decoder(Result)
+body_encoder = msgspec.msgpack.Encoder()
+body_decoder = msgspec.msgpack.Decoder(Body)

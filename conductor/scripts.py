@@ -1,0 +1,42 @@
+"""Loads the Lua scripts in lua/, inlining ``--@include`` lines, as redis-py Script objects.
+
+redis-py's Script runs EVALSHA and reloads the script on NOSCRIPT (a restart or SCRIPT FLUSH
+empties the cache), also inside pipelines.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from importlib import resources
+
+import redis
+
+_INCLUDE = re.compile(r"^--@include\s+(\S+)\s*$", re.M)
+NAMES = ("submit", "claim", "complete", "reclaim", "fail", "maintain")
+
+
+@functools.cache
+def source(name: str) -> str:
+    root = resources.files("conductor.lua")
+    text = (root / f"{name}.lua").read_text(encoding="utf-8")
+    return _INCLUDE.sub(lambda m: (root / m.group(1)).read_text(encoding="utf-8"), text)
+
+
+class Scripts:
+    """The conductor's atomic operations, registered on one client."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        for name in NAMES:
+            try:
+                src = source(name)
+            except FileNotFoundError:
+                continue
+            setattr(self, name, client.register_script(src))
+
+    submit: redis.commands.core.Script
+    claim: redis.commands.core.Script
+    complete: redis.commands.core.Script
+    reclaim: redis.commands.core.Script
+    fail: redis.commands.core.Script
+    maintain: redis.commands.core.Script

@@ -1,0 +1,266 @@
+-- claim.lua: assemble one batch for one consumer under its contract and deliver it through
+-- the consumer group (seeds 001, 002, 003).
+--
+-- KEYS[1] base       cdr:{model}
+-- KEYS[2] cfg        cdr:{model}:cfg
+-- KEYS[3] state      cdr:{model}:state
+-- KEYS[4] batches    cdr:{model}:batches   (group "workers")
+-- KEYS[5] reclaimed  cdr:{model}:reclaimed
+-- ARGV[1] consumer, ARGV[2] max_batch_size, ARGV[3] max_batch_tokens, ARGV[4] max_input_len
+--   (recorded only: input-length limits are the runtime's job, the broker never strands an item)
+-- Returns: {1, batch_id, blob} where blob is msgpack [sig, epoch, lane, padded_len, max_tokens,
+--   claimed_at_ms, flags, items] and each item is [id, job, input_tokens, max_tokens, body,
+--   deliveries]; flags: 1 cleanup, 2 reclaimed. Or {0, reason} when nothing is dispatched
+--   (reason: gate, wait, idle). Errors: 'ERR_ARG <field>: ...' with nothing written.
+-- Invariants: a batch holds items of ONE lane of ONE shape instance of ONE model; what does not
+--   fit stays at the head of its lane, in order; assembly order is reclaimed work, then lanes;
+--   dispatch stays on the active instance until it is empty; the work done grows with the batch
+--   (a bounded number of lanes is looked at), never with the queue.
+--@include lib.lua
+
+local base, cfg_key, state_key, batches_key, reclaimed_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local consumer = ARGV[1]
+local max_items, max_tokens = tonumber(ARGV[2]), tonumber(ARGV[3])
+if (not consumer) or #consumer < 1 or #consumer > 200 then
+  return redis.error_reply('ERR_ARG consumer: must be 1..200 bytes')
+end
+if not max_items or max_items < 1 or max_items > 65536 or max_items ~= math.floor(max_items) then
+  return redis.error_reply('ERR_ARG max_batch_size: must be an integer in 1..65536')
+end
+if not max_tokens or max_tokens < 1 or max_tokens > 1073741824 or max_tokens ~= math.floor(max_tokens) then
+  return redis.error_reply('ERR_ARG max_batch_tokens: must be an integer in 1..1073741824')
+end
+
+local cfg = load_cfg(cfg_key)
+local now = now_ms()
+local disk = cfg.mode == 'disk'
+
+-- Pack under the contract: memory mode pads to the longest item rounded up to 8 and counts
+-- padded tokens; disk mode counts actual tokens. The first item always goes, so an item
+-- larger than the budget travels alone and the runtime answers it instead of it stranding.
+local function fits(k, maxlen, sum, tok)
+  if k == 0 then return true end
+  if k >= max_items then return false end
+  if disk then return sum + tok <= max_tokens end
+  return (k + 1) * pad8(math.max(maxlen, tok)) <= max_tokens
+end
+
+local function deliver(sig, ep, lane, maxlen, mt, flags, items)
+  local blob = cmsgpack.pack({sig, ep, lane, pad8(maxlen), mt, now, flags, items})
+  local bid = redis.call('XADD', batches_key, '*', 'sig', sig, 'ep', ep, 'lane', lane,
+    'n', #items, 'plen', pad8(maxlen), 'w', consumer, 'ts', now, 'b', blob)
+  -- The group's last-delivered id always equals the stream's last id after a script, so this
+  -- read delivers exactly the entry just added and puts it in the consumer's pending list.
+  redis.call('XREADGROUP', 'GROUP', 'workers', consumer, 'COUNT', 1, 'STREAMS', batches_key, '>')
+  redis.call('HINCRBY', state_key, 'inflight_batches', 1)
+  redis.call('HINCRBY', state_key, 'inflight_items', #items)
+  redis.call('HINCRBY', state_key, 'batches', 1)
+  if flags % 2 == 1 then
+    redis.call('HINCRBY', state_key, 'cleanup_batches', 1)
+    redis.call('HINCRBY', state_key, 'cleanup_items', #items)
+  end
+  return {1, bid, blob}
+end
+
+-- 1. Reclaimed work first (seed 001's assembly order). Reclaimed batches are already pure.
+local head = redis.call('LINDEX', reclaimed_key, 0)
+if head then
+  local b = cmsgpack.unpack(head)
+  local items, take, rest = b[8], {}, {}
+  local k, maxlen, sum, mt = 0, 0, 0, 0
+  for _, it in ipairs(items) do
+    if #rest == 0 and fits(k, maxlen, sum, it[3]) then
+      take[#take + 1] = it
+      k = k + 1
+      maxlen = math.max(maxlen, it[3])
+      sum = sum + it[3]
+      mt = math.max(mt, it[4])
+    else
+      rest[#rest + 1] = it
+    end
+  end
+  if #rest == 0 then
+    redis.call('LPOP', reclaimed_key)
+  else
+    b[8] = rest
+    redis.call('LSET', reclaimed_key, 0, cmsgpack.pack(b))
+  end
+  redis.call('HINCRBY', state_key, 'reclaimed_items', -k)
+  return deliver(b[1], b[2], b[3], maxlen, mt, 2, take)
+end
+
+-- 2. Release gate: memory mode dispatches nothing until enough is waiting to make good first
+--    batches; once open it stays open. Quiet intake opens it too, so a small job still runs.
+local st = redis.call('HMGET', state_key, 'gate', 'active', 'tokens', 'last_intake_ms', 'cleanup')
+local waiting, last_intake = num(st[3]), num(st[4])
+local quiet = now - last_intake >= cfg.quiet_ms
+if st[1] ~= '1' then
+  if disk or waiting >= cfg.release_batches * cfg.budget_tokens or (quiet and waiting > 0) then
+    redis.call('HSET', state_key, 'gate', 1, 'gate_opened_ms', now)
+  else
+    return {0, 'gate'}
+  end
+end
+
+local function inst_key(inst) return base .. ':inst:' .. inst end
+
+local function activate(inst, reason)
+  local ik = inst_key(inst)
+  redis.call('ZREM', base .. ':staged', inst)
+  redis.call('ZREM', base .. ':staged_age', inst)
+  redis.call('HSET', ik, 'state', 'active', 'activated_ms', now, 'activated_by', reason)
+  redis.call('HSET', state_key, 'active', inst)
+  redis.call('HINCRBY', state_key, 'activations', 1)
+  if redis.call('HGET', state_key, 'warming') == inst then redis.call('HDEL', state_key, 'warming') end
+  return inst
+end
+
+-- The next shape: an aged one first (no shape waits for ever behind popular ones), then the
+-- staged instance with the most waiting tokens once it holds activate_batches budgets (any
+-- amount in cleanup).
+local function pick_next(cleanup)
+  if cfg.aging_ms > 0 then
+    local old = redis.call('ZRANGE', base .. ':staged_age', 0, 0, 'WITHSCORES')
+    if old[1] and now - tonumber(old[2]) >= cfg.aging_ms then return activate(old[1], 'aging') end
+  end
+  local top = redis.call('ZREVRANGE', base .. ':staged', 0, 0, 'WITHSCORES')
+  if not top[1] then return nil end
+  if cleanup or tonumber(top[2]) >= cfg.activate_batches * cfg.budget_tokens then
+    return activate(top[1], cleanup and 'cleanup' or 'threshold')
+  end
+  return nil
+end
+
+local function retire_lane(inst, lane)
+  local ik = inst_key(inst)
+  redis.call('ZREM', ik .. ':lanes', lane)
+  redis.call('ZREM', ik .. ':fill', lane)
+  redis.call('ZREM', ik .. ':ready', lane)
+  redis.call('DEL', base .. ':lane:' .. inst .. ':' .. lane, base .. ':lanemeta:' .. inst .. ':' .. lane)
+  redis.call('SADD', ik .. ':free', lane)
+  redis.call('HINCRBY', state_key, 'lanes_retired', 1)
+end
+
+local function finish(inst)
+  local ik = inst_key(inst)
+  local lanes = redis.call('ZRANGE', ik .. ':lanes', 0, -1)
+  for _, lane in ipairs(lanes) do
+    redis.call('DEL', base .. ':lane:' .. inst .. ':' .. lane, base .. ':lanemeta:' .. inst .. ':' .. lane)
+  end
+  local batches = num(redis.call('HGET', ik, 'batches'))
+  redis.call('DEL', ik, ik .. ':lanes', ik .. ':fill', ik .. ':ready', ik .. ':free')
+  redis.call('HSET', state_key, 'active', '')
+  redis.call('HINCRBY', state_key, 'shapes_finished', 1)
+  -- Batches-per-shape history for the thrash alarm and its histogram (read by the workers'
+  -- maintenance pass, then trimmed).
+  redis.call('XADD', base .. ':finished', 'MAXLEN', '~', 10000, '*', 'inst', inst, 'batches', batches,
+    'ms', now)
+end
+
+local function take_from_lane(inst, lane, flags)
+  local ik = inst_key(inst)
+  local lk = base .. ':lane:' .. inst .. ':' .. lane
+  local mk = base .. ':lanemeta:' .. inst .. ':' .. lane
+  local entries = redis.call('XRANGE', lk, '-', '+', 'COUNT', max_items)
+  local items, ids = {}, {}
+  local k, maxlen, sum, mt = 0, 0, 0, 0
+  for _, e in ipairs(entries) do
+    local f = e[2]
+    local tok = tonumber(f[6])
+    if not fits(k, maxlen, sum, tok) then break end
+    local m = tonumber(f[8])
+    items[#items + 1] = {f[2], f[4], tok, m, f[10], 1}
+    ids[#ids + 1] = e[1]
+    k = k + 1
+    maxlen = math.max(maxlen, tok)
+    sum = sum + tok
+    mt = math.max(mt, m)
+  end
+  if k == 0 then return nil end
+  redis.call('XDEL', lk, unpack(ids))
+  local left = redis.call('HINCRBY', mk, 'items', -k)
+  local left_tok = redis.call('HINCRBY', mk, 'tokens', -sum)
+  local meta = redis.call('HMGET', mk, 'rep', 'last_ms')
+  local rep = num(meta[1])
+  if left <= 0 then
+    redis.call('ZREM', ik .. ':fill', lane)
+    redis.call('ZREM', ik .. ':ready', lane)
+    redis.call('HDEL', mk, 'since_ms')
+    if now - num(meta[2]) >= cfg.lane_quiet_ms then retire_lane(inst, lane) end
+  else
+    redis.call('ZADD', ik .. ':fill', lane_weight(cfg, left, left_tok, rep), lane)
+    if not lane_is_ready(cfg, left, left_tok, rep) then redis.call('ZREM', ik .. ':ready', lane) end
+    redis.call('HSET', mk, 'since_ms', now)
+  end
+  redis.call('HINCRBY', ik, 'tokens', -sum)
+  redis.call('HINCRBY', ik, 'items', -k)
+  redis.call('HINCRBY', ik, 'batches', 1)
+  redis.call('HSET', ik, 'rr', lane)
+  redis.call('HINCRBY', state_key, 'tokens', -sum)
+  redis.call('HINCRBY', state_key, 'items', -k)
+  local sig, ep = string.match(inst, '^(%x+):(%d+)$')
+  return deliver(sig, tonumber(ep), tonumber(lane), maxlen, mt, flags, items)
+end
+
+-- Cleanup mode (seed 001): nothing normal is ready, work remains and intake has gone quiet:
+-- activation threshold 0 and batches down to one item, until empty or new work arrives.
+local cleanup = st[5] == '1'
+local function enter_cleanup()
+  if cleanup then return end
+  cleanup = true
+  redis.call('HSET', state_key, 'cleanup', 1, 'cleanup_since_ms', now)
+  redis.call('HINCRBY', state_key, 'cleanup_entries', 1)
+end
+
+local active = st[2]
+if active == false or active == '' then active = nil end
+if active and not redis.call('HGET', inst_key(active), 'state') then active = nil end
+for _ = 1, 4 do
+  if not active then
+    active = pick_next(cleanup)
+    if not active then
+      if quiet and waiting > 0 and not cleanup then
+        enter_cleanup()
+        active = pick_next(true)
+      end
+      if not active then
+        if waiting > 0 then return {0, 'wait'} end
+        if cleanup then
+          local since = num(redis.call('HGET', state_key, 'cleanup_since_ms'))
+          redis.call('HINCRBY', state_key, 'cleanup_ms', math.max(0, now - since))
+          redis.call('HSET', state_key, 'cleanup', 0)
+        end
+        return {0, 'idle'}
+      end
+    end
+  end
+  local ik = inst_key(active)
+  local info = redis.call('HMGET', ik, 'state', 'rr', 'tokens', 'last_intake_ms')
+  local ist = info[1]
+  -- Full batch: round-robin over ready lanes from the last lane served.
+  local lane = redis.call('ZRANGEBYSCORE', ik .. ':ready', '(' .. num(info[2]), '+inf', 'LIMIT', 0, 1)[1]
+  if not lane then lane = redis.call('ZRANGE', ik .. ':ready', 0, 0)[1] end
+  if lane then
+    local r = take_from_lane(active, lane, cleanup and 1 or 0)
+    if r then return r end
+  end
+  if ist == 'active' then
+    local low = num(info[3]) < cfg.drain_batches * cfg.budget_tokens
+    local inst_quiet = now - num(info[4]) >= cfg.quiet_ms
+    if low or inst_quiet or cleanup then
+      redis.call('HSET', ik, 'state', 'draining', 'draining_ms', now)
+      ist = 'draining'
+    else
+      return {0, 'wait'}
+    end
+  end
+  -- Draining: partial batches, fullest lane first, until the instance is empty.
+  local part = redis.call('ZREVRANGE', ik .. ':fill', 0, 0)[1]
+  if part then
+    local r = take_from_lane(active, part, cleanup and 1 or 0)
+    if r then return r end
+  end
+  finish(active)
+  active = nil
+end
+return {0, 'wait'}

@@ -1,0 +1,50 @@
+-- lib.lua: helpers shared by the conductor's scripts, inlined where a script says
+-- "--@include lib.lua" (conductor/scripts.py). Mirrors conductor/config.py (CFG_NAMES,
+-- CFG_DEFAULTS) and conductor/keys.py (key suffixes); tests/test_keys_config.py checks both.
+
+local CFG_NAMES = {'mode', 'budget_tokens', 'budget_items', 'lane_max', 'lane_thr_min',
+  'lane_thr_max', 'lane_floor', 'lane_cap', 'lane_quiet_ms', 'activate_batches', 'drain_batches',
+  'release_batches', 'quiet_ms', 'max_waiting_tokens', 'max_deliveries', 'aging_ms'}
+local CFG_DEFAULTS = {mode = 'memory', budget_tokens = 8192, budget_items = 64, lane_max = 2048,
+  lane_thr_min = 0.02, lane_thr_max = 0.30, lane_floor = 16, lane_cap = 256, lane_quiet_ms = 3000,
+  activate_batches = 4, drain_batches = 1, release_batches = 8, quiet_ms = 1000,
+  max_waiting_tokens = 0, max_deliveries = 5, aging_ms = 0}
+
+local function load_cfg(cfg_key)
+  local raw = redis.call('HMGET', cfg_key, unpack(CFG_NAMES))
+  local cfg = {}
+  for i, name in ipairs(CFG_NAMES) do
+    local v = raw[i]
+    if v then
+      if name ~= 'mode' then v = tonumber(v) or CFG_DEFAULTS[name] end
+      cfg[name] = v
+    else
+      cfg[name] = CFG_DEFAULTS[name]
+    end
+  end
+  return cfg
+end
+
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+local function pad8(n)
+  return math.ceil(n / 8) * 8
+end
+
+-- Tokens a lane counts against a budget: memory mode pads every item to the lane's
+-- representative length rounded up to 8 (the rep bounds every item: lanes only grow).
+local function lane_weight(cfg, items, tokens, rep)
+  if cfg.mode == 'disk' then return tokens end
+  return items * pad8(rep)
+end
+
+local function lane_is_ready(cfg, items, tokens, rep)
+  return items >= cfg.budget_items or lane_weight(cfg, items, tokens, rep) >= cfg.budget_tokens
+end
+
+local function num(v)
+  return tonumber(v) or 0
+end

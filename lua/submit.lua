@@ -1,0 +1,209 @@
+-- submit.lua: append items to their shape's rolling lanes (seed 002), atomically.
+--
+-- KEYS[1] base    cdr:{model}            (per-shape, per-lane and per-job keys derive from it)
+-- KEYS[2] cfg     cdr:{model}:cfg
+-- KEYS[3] state   cdr:{model}:state
+-- ARGV[1] n       number of items that follow (1..5000)
+-- ARGV[2..]       7 fields per item: job, id, sig (16 hex), input_tokens, max_tokens,
+--                 body (JSON [prompt, payload]), prefix (JSON list of components, or '' when
+--                 an earlier item of this call already carried it)
+-- Returns: one integer per item: the lane id it joined, or -1 when this job already has an
+--   item with this id (an interrupted submit re-run neither loses nor duplicates).
+--   Errors, with nothing written: 'ERR_ARG <field>: ...' for a malformed argument,
+--   'FULL ...' when the model's waiting-token ceiling (cfg max_waiting_tokens) would be passed.
+-- Invariants: every argument is checked before the first write (all or nothing per call);
+--   lanes only grow and are never merged; a draining or finished shape instance never takes
+--   a new item: the signature's next epoch (staged) does.
+--@include lib.lua
+
+local base, cfg_key, state_key = KEYS[1], KEYS[2], KEYS[3]
+local n = tonumber(ARGV[1])
+if not n or n < 1 or n > 5000 or n ~= math.floor(n) then
+  return redis.error_reply('ERR_ARG n: item count must be an integer in 1..5000')
+end
+if #ARGV ~= 1 + 7 * n then
+  return redis.error_reply('ERR_ARG argv: expected ' .. (1 + 7 * n) .. ' arguments, got ' .. #ARGV)
+end
+
+local MAX_TOKENS = 16777216
+local call_tokens = 0
+for i = 0, n - 1 do
+  local o = 2 + 7 * i
+  local job, id, sig = ARGV[o], ARGV[o + 1], ARGV[o + 2]
+  local tok, mt = tonumber(ARGV[o + 3]), tonumber(ARGV[o + 4])
+  if #job < 1 or #job > 128 or not string.match(job, '^[%w%._/@+=-]+$') then
+    return redis.error_reply('ERR_ARG job: invalid job name at item ' .. i)
+  end
+  if #id < 1 or #id > 512 then
+    return redis.error_reply('ERR_ARG id: must be 1..512 bytes at item ' .. i)
+  end
+  if #sig ~= 16 or not string.match(sig, '^[0-9a-f]+$') then
+    return redis.error_reply('ERR_ARG sig: must be 16 lowercase hex digits at item ' .. i)
+  end
+  if not tok or tok < 1 or tok > MAX_TOKENS or tok ~= math.floor(tok) then
+    return redis.error_reply('ERR_ARG input_tokens: must be an integer in 1..' .. MAX_TOKENS .. ' at item ' .. i)
+  end
+  if not mt or mt < 1 or mt > MAX_TOKENS or mt ~= math.floor(mt) then
+    return redis.error_reply('ERR_ARG max_tokens: must be an integer in 1..' .. MAX_TOKENS .. ' at item ' .. i)
+  end
+  call_tokens = call_tokens + tok
+end
+
+local cfg = load_cfg(cfg_key)
+if cfg.max_waiting_tokens > 0 then
+  local waiting = num(redis.call('HGET', state_key, 'tokens'))
+  if waiting + call_tokens > cfg.max_waiting_tokens then
+    return redis.error_reply('FULL model queue holds ' .. waiting .. ' waiting tokens; ' .. call_tokens ..
+      ' more would pass the ceiling of ' .. cfg.max_waiting_tokens)
+  end
+end
+
+local now = now_ms()
+local ctxs = {}
+
+local function shape_ctx(sig)
+  local ctx = ctxs[sig]
+  if ctx then return ctx end
+  local shape_key = base .. ':shape:' .. sig
+  local ep = tonumber(redis.call('HGET', shape_key, 'epoch'))
+  local st = nil
+  if ep then st = redis.call('HGET', base .. ':inst:' .. sig .. ':' .. ep, 'state') end
+  if (not st) or st == 'draining' or st == 'finished' then
+    ep = (ep or 0) + 1
+    st = 'staged'
+    local ik = base .. ':inst:' .. sig .. ':' .. ep
+    redis.call('HSET', shape_key, 'epoch', ep)
+    redis.call('HSET', ik, 'state', 'staged', 'sig', sig, 'epoch', ep, 'created_ms', now,
+      'tokens', 0, 'items', 0, 'batches', 0, 'lane_seq', 0, 'rr', -1)
+    redis.call('ZADD', base .. ':staged_age', 'NX', now, sig .. ':' .. ep)
+  end
+  local inst = sig .. ':' .. ep
+  local ik = base .. ':inst:' .. inst
+  local raw = redis.call('ZRANGE', ik .. ':lanes', 0, -1, 'WITHSCORES')
+  local reps, ids = {}, {}
+  for j = 1, #raw, 2 do
+    ids[#ids + 1] = raw[j]
+    reps[#reps + 1] = tonumber(raw[j + 1])
+  end
+  ctx = {inst = inst, ik = ik, st = st, reps = reps, ids = ids, touched = {}, order = {},
+    tokens = 0, items = 0}
+  ctxs[sig] = ctx
+  return ctx
+end
+
+-- Spend structure before spending waste: open a lane when joining the best neighbour would
+-- pad more than a threshold that rises as the lane budget fills.
+local function choose_lane(ctx, tok)
+  local reps, ids = ctx.reps, ctx.ids
+  local nl = #reps
+  local lo, hi = 1, nl + 1
+  while lo < hi do
+    local mid = math.floor((lo + hi) / 2)
+    if reps[mid] >= tok then hi = mid else lo = mid + 1 end
+  end
+  local up = lo
+  local p = pad8(tok)
+  local best, cost = nil, nil
+  if up <= nl then best = up; cost = pad8(reps[up]) - p end
+  if up > 1 then
+    local c = p - pad8(reps[up - 1])
+    if (not best) or c < cost then best = up - 1; cost = c end
+  end
+  local open = false
+  if not best then
+    open = true
+  elseif nl < cfg.lane_max and cost > cfg.lane_floor then
+    if cost > cfg.lane_cap then
+      open = true
+    else
+      local used = nl / cfg.lane_max
+      local thr = cfg.lane_thr_min + (cfg.lane_thr_max - cfg.lane_thr_min) * used * used
+      if cost / math.max(p, pad8(reps[best])) > thr then open = true end
+    end
+  end
+  if open then
+    local id = redis.call('SPOP', ctx.ik .. ':free')
+    if not id then id = redis.call('HINCRBY', ctx.ik, 'lane_seq', 1) - 1 end
+    id = tostring(id)
+    table.insert(reps, up, tok)
+    table.insert(ids, up, id)
+    return id, tok
+  end
+  if reps[best] < tok then reps[best] = tok end
+  return ids[best], reps[best]
+end
+
+local out = {}
+local job_new, job_tok = {}, {}
+local new_items, new_tokens = 0, 0
+for i = 0, n - 1 do
+  local o = 2 + 7 * i
+  local job, id, sig = ARGV[o], ARGV[o + 1], ARGV[o + 2]
+  local tok, mt, body, prefix = tonumber(ARGV[o + 3]), ARGV[o + 4], ARGV[o + 5], ARGV[o + 6]
+  if redis.call('HSETNX', base .. ':job:' .. job .. ':items', id, 'q') == 0 then
+    out[#out + 1] = -1
+  else
+    local ctx = shape_ctx(sig)
+    if prefix ~= '' then redis.call('HSETNX', base .. ':shape:' .. sig, 'prefix', prefix) end
+    local lane, rep = choose_lane(ctx, tok)
+    redis.call('XADD', base .. ':lane:' .. ctx.inst .. ':' .. lane, '*',
+      'id', id, 'job', job, 'tok', tok, 'mt', mt, 'd', body)
+    local t = ctx.touched[lane]
+    if not t then
+      t = {items = 0, tokens = 0}
+      ctx.touched[lane] = t
+      ctx.order[#ctx.order + 1] = lane
+    end
+    t.items = t.items + 1
+    t.tokens = t.tokens + tok
+    t.rep = rep
+    ctx.tokens = ctx.tokens + tok
+    ctx.items = ctx.items + 1
+    job_new[job] = (job_new[job] or 0) + 1
+    job_tok[job] = (job_tok[job] or 0) + tok
+    new_items = new_items + 1
+    new_tokens = new_tokens + tok
+    out[#out + 1] = tonumber(lane)
+  end
+end
+
+-- Counters move once per call, not once per item.
+for sig, ctx in pairs(ctxs) do
+  local ik = ctx.ik
+  for _, lane in ipairs(ctx.order) do
+    local t = ctx.touched[lane]
+    local mk = base .. ':lanemeta:' .. ctx.inst .. ':' .. lane
+    local items = redis.call('HINCRBY', mk, 'items', t.items)
+    local tokens = redis.call('HINCRBY', mk, 'tokens', t.tokens)
+    local rep = math.max(t.rep, num(redis.call('HGET', mk, 'rep')))
+    redis.call('HSET', mk, 'rep', rep, 'last_ms', now)
+    redis.call('HSETNX', mk, 'since_ms', now)
+    redis.call('ZADD', ik .. ':lanes', rep, lane)
+    redis.call('ZADD', ik .. ':fill', lane_weight(cfg, items, tokens, rep), lane)
+    if lane_is_ready(cfg, items, tokens, rep) then redis.call('ZADD', ik .. ':ready', lane, lane) end
+  end
+  if ctx.items > 0 then
+    local tokens = redis.call('HINCRBY', ik, 'tokens', ctx.tokens)
+    redis.call('HINCRBY', ik, 'items', ctx.items)
+    redis.call('HSET', ik, 'last_intake_ms', now)
+    if ctx.st == 'staged' or ctx.st == 'warming' then
+      redis.call('ZADD', base .. ':staged', tokens, ctx.inst)
+    end
+  end
+end
+for job, cnt in pairs(job_new) do
+  redis.call('HINCRBY', base .. ':job:' .. job, 'submitted', cnt)
+  redis.call('HINCRBY', base .. ':job:' .. job, 'submitted_tokens', job_tok[job])
+end
+if new_items > 0 then
+  redis.call('HINCRBY', state_key, 'tokens', new_tokens)
+  redis.call('HINCRBY', state_key, 'items', new_items)
+  redis.call('HINCRBY', state_key, 'submitted', new_items)
+  redis.call('HSET', state_key, 'last_intake_ms', now)
+  if redis.call('HGET', state_key, 'cleanup') == '1' then
+    local since = num(redis.call('HGET', state_key, 'cleanup_since_ms'))
+    redis.call('HINCRBY', state_key, 'cleanup_ms', math.max(0, now - since))
+    redis.call('HSET', state_key, 'cleanup', 0)
+  end
+end
+return out
