@@ -8,7 +8,7 @@ readers can be separate processes on separate machines.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,7 +85,9 @@ class Conductor:
             return mk
         pipe = self.r.pipeline(transaction=False)
         for name, value in DEFAULTS.items():
-            pipe.hsetnx(mk.cfg, name, value)
+            # The reference budget is the first worker's contract (seed 001), set when it registers.
+            if name not in ("budget_tokens", "budget_items"):
+                pipe.hsetnx(mk.cfg, name, value)
         pipe.sadd(K.MODELS_KEY, model)
         pipe.execute()
         try:
@@ -216,6 +218,57 @@ class Conductor:
             _raise_script_error(e)
         return int(written), int(acked)
 
+    # ------------------------------------------------------------------ failure paths
+    def fail(self, batch: Batch, consumer: str, reason: str) -> tuple[int, int]:
+        """Give back a batch the engine could not run: (items requeued, items dead-lettered)."""
+        mk = K.ModelKeys(batch.model)
+        k, d = self.scripts.fail(keys=[mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed],
+                                 args=[batch.batch_id, consumer, reason[:4096]])
+        return int(k), int(d)
+
+    def reclaim_consumer(self, model: str, consumer: str, *, force: bool = False,
+                         min_idle_ms: int = 0, count: int = 100) -> dict[str, int]:
+        """Move ``consumer``'s pending batches to the reclaimed queue if it is dead (or ``force``)."""
+        mk = K.ModelKeys(model)
+        total = {"batches": 0, "items": 0, "dead": 0, "left": 0, "deleted": 0}
+        while True:
+            b, k, d, left, deleted = self.scripts.reclaim(
+                keys=[mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed],
+                args=[consumer, 1 if force else 0, min_idle_ms, count])
+            total["batches"] += int(b)
+            total["items"] += int(k)
+            total["dead"] += int(d)
+            total["left"] = int(left)
+            total["deleted"] = int(deleted)
+            if int(b) < count:
+                return total
+
+    def consumers(self, model: str) -> list[dict[str, Any]]:
+        mk = K.ModelKeys(model)
+        try:
+            rows = self.r.xinfo_consumers(mk.batches, K.GROUP)
+        except redis.ResponseError:
+            return []
+        out = []
+        for row in rows:
+            row = {_s(k): (_s(v) if isinstance(v, bytes) else v) for k, v in row.items()}
+            row["alive"] = bool(self.r.exists(mk.heartbeat(row["name"])))
+            out.append(row)
+        return out
+
+    def reclaim_dead(self, model: str, *, min_idle_ms: int = 0) -> dict[str, int]:
+        """One reclaim sweep over every consumer of ``model`` without a live heartbeat."""
+        total = {"consumers": 0, "batches": 0, "items": 0, "dead": 0}
+        for row in self.consumers(model):
+            if row["alive"] and not min_idle_ms:
+                continue
+            res = self.reclaim_consumer(model, row["name"], min_idle_ms=min_idle_ms)
+            if res["batches"] or res["deleted"]:
+                total["consumers"] += 1
+            for k in ("batches", "items", "dead"):
+                total[k] += res[k]
+        return total
+
     # ------------------------------------------------------------------ jobs
     def job_models(self, job: str) -> list[str]:
         return sorted(_s(m) for m in self.r.smembers(K.job_models_key(job)))
@@ -233,11 +286,12 @@ class Conductor:
         total["done"] = bool(models) and total["pending"] == 0
         return total
 
-    def results(self, job: str, *, follow: bool = False, block_ms: int = 1000,
-                count: int = 1000) -> Iterator[bytes]:
+    def results(self, job: str, *, follow: bool = False, block_ms: int = 1000, count: int = 1000,
+                should_stop: Callable[[], bool] | None = None) -> Iterator[bytes]:
         """Result records (JSON bytes) of ``job``, from any process at any time.
 
-        With ``follow`` it keeps reading until every submitted item has a result.
+        With ``follow`` it keeps reading until every submitted item has a result (or
+        ``should_stop`` says so).
         """
         cursors: dict[str, str] = {}
         while True:
@@ -254,7 +308,7 @@ class Conductor:
                         yield fields[b"r"]
             if got:
                 continue
-            if not follow or (models and self.status(job)["done"]):
+            if not follow or (models and self.status(job)["done"]) or (should_stop and should_stop()):
                 return
             if not cursors:
                 time.sleep(block_ms / 1000)

@@ -30,6 +30,7 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     M:reclaimed                     list     batches taken back from dead consumers, served first
     M:dead                          stream   dead-lettered items with their last error
     M:hb:W                          string   heartbeat of worker W (TTL)
+    M:lease:maint                   string   which worker runs the periodic sweep (TTL)
     M:workers                       hash     worker -> registered contract (JSON)
     M:job:J                         hash     job counters for this model: submitted, completed, failed
     M:job:J:items                   hash     item id -> q (queued) | d (done): idempotency of both ends
@@ -132,6 +133,10 @@ class ModelKeys:
 
     def lanemeta(self, inst: str, lane: int | str) -> str:
         return f"{self.base}:lanemeta:{inst}:{lane}"
+
+    @property
+    def maint_lease(self) -> str:
+        return f"{self.base}:lease:maint"
 
     def heartbeat(self, worker: str) -> str:
         return f"{self.base}:hb:{worker}"

@@ -1,0 +1,9 @@
+"""A Redis Streams job conductor for batch LLM inference: full, pure, cache-friendly batches."""
+
+from conductor.client import Conductor, connect
+from conductor.errors import BadInput, ConductorError, QueueFull, RedisUnavailable, SchemaMismatch
+from conductor.records import Batch, BatchItem, Contract, Result
+from conductor.signature import shape_signature
+
+__all__ = ["BadInput", "Batch", "BatchItem", "Conductor", "ConductorError", "Contract", "QueueFull",
+           "RedisUnavailable", "Result", "SchemaMismatch", "connect", "shape_signature"]

@@ -1,0 +1,5 @@
+import sys
+
+from conductor.cli import main
+
+sys.exit(main())

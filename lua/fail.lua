@@ -1,0 +1,30 @@
+-- fail.lua: a worker gives back a batch it could not run (engine error), to retry or dead-letter.
+--
+-- KEYS[1] base       cdr:{model}
+-- KEYS[2] cfg        cdr:{model}:cfg
+-- KEYS[3] state      cdr:{model}:state
+-- KEYS[4] batches    cdr:{model}:batches   (group "workers")
+-- KEYS[5] reclaimed  cdr:{model}:reclaimed
+-- ARGV[1] batch_id   the pending batch
+-- ARGV[2] consumer   the worker giving it back (must own it)
+-- ARGV[3] reason     the error, kept with a dead-lettered item
+-- Returns: {items requeued, items dead-lettered}; {0, 0} when the batch was not pending for
+--   this consumer (already completed, failed or reclaimed).
+-- Invariants: the same as reclaim.lua: nothing with a result is redone, an item is delivered at
+--   most max_deliveries times, then dead-lettered with a failed result so its job completes.
+--@include lib.lua
+--@include lib_requeue.lua
+
+local base, cfg_key, state_key, batches_key, reclaimed_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local bid, consumer, reason = ARGV[1], ARGV[2], ARGV[3] or ''
+if not bid or not string.match(bid, '^%d+%-%d+$') then
+  return redis.error_reply('ERR_ARG batch_id: must be a stream id like 1700000000000-0')
+end
+if (not consumer) or #consumer < 1 then return redis.error_reply('ERR_ARG consumer: must not be empty') end
+if #reason > 4096 then reason = string.sub(reason, 1, 4096) end
+local cfg = load_cfg(cfg_key)
+local now = now_ms()
+local p = redis.call('XPENDING', batches_key, 'workers', bid, bid, 1, consumer)
+if #p == 0 then return {0, 0} end
+local k, d = requeue(bid, reason)
+return {k, d}

@@ -1,0 +1,55 @@
+-- reclaim.lua: move a dead consumer's pending batches to the reclaimed queue (served first).
+--
+-- KEYS[1] base       cdr:{model}
+-- KEYS[2] cfg        cdr:{model}:cfg
+-- KEYS[3] state      cdr:{model}:state
+-- KEYS[4] batches    cdr:{model}:batches   (group "workers")
+-- KEYS[5] reclaimed  cdr:{model}:reclaimed
+-- ARGV[1] consumer     whose pending entries to take
+-- ARGV[2] force        1: take them even with a live heartbeat (a draining worker handing back)
+-- ARGV[3] min_idle_ms  with a live heartbeat, still take entries idle this long (lease lost);
+--                      0 disables this fallback
+-- ARGV[4] count        at most this many batches per call (the caller loops)
+-- Returns: {batches, items requeued, items dead-lettered, pending left, consumer deleted 0|1}
+-- Invariants: a consumer whose heartbeat key lives keeps its leased batches (the heartbeat
+--   thread extends leases with XCLAIM JUSTID); results already written are never redone;
+--   the consumer is deleted only once its pending list is empty (DELCONSUMER would discard it).
+--@include lib.lua
+--@include lib_requeue.lua
+
+local base, cfg_key, state_key, batches_key, reclaimed_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local consumer, force = ARGV[1], ARGV[2]
+local min_idle, count = tonumber(ARGV[3]), tonumber(ARGV[4])
+if (not consumer) or #consumer < 1 or #consumer > 200 then
+  return redis.error_reply('ERR_ARG consumer: must be 1..200 bytes')
+end
+if force ~= '0' and force ~= '1' then return redis.error_reply('ERR_ARG force: must be 0 or 1') end
+if not min_idle or min_idle < 0 then return redis.error_reply('ERR_ARG min_idle_ms: must be >= 0') end
+if not count or count < 1 or count > 1000 then return redis.error_reply('ERR_ARG count: must be in 1..1000') end
+
+local cfg = load_cfg(cfg_key)
+local now = now_ms()
+local alive = redis.call('EXISTS', base .. ':hb:' .. consumer) == 1
+local idle_floor = 0
+if alive and force ~= '1' then
+  if min_idle == 0 then return {0, 0, 0, -1, 0} end
+  idle_floor = min_idle
+end
+
+local pending = redis.call('XPENDING', batches_key, 'workers', 'IDLE', idle_floor, '-', '+', count, consumer)
+local batches, items, dead = 0, 0, 0
+for _, p in ipairs(pending) do
+  local k, d = requeue(p[1], 'consumer ' .. consumer .. (alive and ' lost its lease' or ' died'))
+  batches = batches + 1
+  items = items + k
+  dead = dead + d
+end
+local left = #redis.call('XPENDING', batches_key, 'workers', '-', '+', 1, consumer)
+local deleted = 0
+if left == 0 and not alive then
+  redis.call('XGROUP', 'DELCONSUMER', batches_key, 'workers', consumer)
+  redis.call('HDEL', base .. ':workers', consumer)
+  deleted = 1
+end
+if batches > 0 then redis.call('HINCRBY', state_key, 'reclaims', batches) end
+return {batches, items, dead, left, deleted}

@@ -1,0 +1,63 @@
+"""Fixtures: every test talks to a real redis-server started here, never to 127.0.0.1:6379."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conductor.client import Conductor, connect
+from conductor.embedded import EmbeddedRedis
+from conductor.formats import PreparedItem, parse_line
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[EmbeddedRedis]:
+    srv = EmbeddedRedis().start()
+    assert srv.port != 6379
+    yield srv
+    srv.close()
+
+
+@pytest.fixture()
+def redis_url(redis_server: EmbeddedRedis) -> Iterator[str]:
+    r = connect(redis_server.url)
+    r.flushall()
+    r.script_flush()
+    yield redis_server.url
+    r.close()
+
+
+@pytest.fixture()
+def cdr(redis_url: str) -> Conductor:
+    return Conductor(connect(redis_url))
+
+
+@pytest.fixture()
+def fresh_server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
+    """A private server a test may kill and restart (AOF with fsync always)."""
+    srv = EmbeddedRedis(appendonly=True, appendfsync="always", dir=str(tmp_path / "redis")).start()
+    yield srv
+    srv.close()
+
+
+def item(i: int | str, tokens: int, *, model: str = "m", prefix: tuple[str, ...] = ("sys",),
+         max_tokens: int = 16, payload: object = None) -> PreparedItem:
+    return parse_line(json.dumps({"id": str(i), "model": model, "prefix": list(prefix), "prompt": f"p{i}",
+                                  "input_tokens": tokens, "max_tokens": max_tokens, "payload": payload}))
+
+
+def cli(*args: str, url: str, check: bool = True, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CONDUCTOR_REDIS_URL=url)
+    p = subprocess.run([sys.executable, "-m", "conductor", *args], capture_output=True, env=env,
+                       timeout=timeout, cwd=str(ROOT), **kw)
+    if check and p.returncode != 0:
+        raise AssertionError(f"conductor {' '.join(args)} exited {p.returncode}: {p.stderr.decode()[-2000:]}")
+    return p

@@ -1,0 +1,42 @@
+"""Test helpers that drive the scripts directly and read Redis back."""
+
+from __future__ import annotations
+
+import time
+
+from conductor.client import Conductor
+from conductor.records import Batch, Contract, Result
+
+
+def results_for(batch: Batch, worker: str = "w", error: bool = False) -> list[Result]:
+    from conductor.records import ResultError
+    return [Result(id=i.id, model=batch.model, job=i.job, output="out", output_tokens=1,
+                   error=ResultError("boom", "x") if error else None, shape=batch.shape, epoch=batch.epoch,
+                   lane=batch.lane, batch=batch.batch_id, batch_size=len(batch.items),
+                   batch_padded_len=batch.padded_len, input_tokens=i.input_tokens, worker=worker,
+                   claimed_at=batch.claimed_at, finished_at=0) for i in batch.items]
+
+
+def drain(c: Conductor, contract: Contract, consumer: str = "w", complete: bool = True,
+          timeout: float = 10.0) -> list[Batch]:
+    """Claim (and complete) until the model is idle."""
+    out = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        b, why = c.claim(contract, consumer)
+        if b is None:
+            if why == "idle":
+                return out
+            time.sleep(0.02)
+            continue
+        out.append(b)
+        if complete:
+            c.complete(b, results_for(b, consumer))
+    raise AssertionError("model did not go idle")
+
+
+def quick(c: Conductor, model: str = "m", **cfg) -> None:
+    """Thresholds that let small tests dispatch without waiting for a big backlog."""
+    base = {"quiet_ms": 50, "release_batches": 0, "activate_batches": 0}
+    base.update(cfg)
+    c.set_config(model, base)

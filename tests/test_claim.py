@@ -1,0 +1,149 @@
+import pytest
+
+from conductor import keys as K
+from conductor.records import Contract
+from tests.conftest import item
+from tests.helpers import drain, quick, results_for
+
+
+def contract(size=64, tokens=8192, model="m"):
+    return Contract(model=model, max_batch_size=size, max_batch_tokens=tokens, max_input_len=100000)
+
+
+def test_memory_mode_pads_to_longest_rounded_to_8_and_closes_on_tokens(cdr):
+    quick(cdr, budget_tokens=1024, budget_items=64)
+    # all in one lane (within the 16-token floor): 97..103 tokens, padded length 104
+    cdr.submit([item(i, 97 + i % 7) for i in range(30)], "j")
+    b, _ = cdr.claim(contract(tokens=1024), "w")
+    assert b.padded_len == 104
+    assert len(b.items) == 1024 // 104  # 9 items: the 10th would pass the padded budget
+    assert b.padded_tokens <= 1024
+
+
+def test_batch_closes_on_item_count(cdr):
+    quick(cdr)
+    cdr.submit([item(i, 10) for i in range(50)], "j")
+    b, _ = cdr.claim(contract(size=16), "w")
+    assert len(b.items) == 16
+
+
+def test_disk_mode_counts_actual_tokens(cdr):
+    quick(cdr, mode="disk")
+    cdr.submit([item(i, 97 + i % 7) for i in range(30)], "j")
+    b, _ = cdr.claim(contract(tokens=1024), "w")
+    assert sum(i.input_tokens for i in b.items) <= 1024
+    assert sum(i.input_tokens for i in b.items) + b.items[-1].input_tokens > 1024 - 103
+    assert len(b.items) == 10  # 97+98+...: ten fit in actual tokens, nine in padded
+
+
+def test_leftovers_stay_in_order_for_the_next_consumer(cdr):
+    quick(cdr)
+    cdr.submit([item(f"{i:03d}", 100) for i in range(25)], "j")
+    seen = []
+    for w in ("a", "b", "c"):
+        b, _ = cdr.claim(contract(size=10), w)
+        seen += [i.id for i in b.items]
+    assert seen == [f"{i:03d}" for i in range(25)]
+
+
+def test_oversized_item_travels_alone_and_never_strands(cdr):
+    quick(cdr)
+    cdr.submit([item("big", 50000), item("small", 10)], "j")
+    batches = drain(cdr, contract(tokens=8192))
+    assert sorted(len(b.items) for b in batches) == [1, 1]
+    assert cdr.status("j")["pending"] == 0
+
+
+def test_batches_are_pure_and_stay_on_one_shape_until_empty(cdr):
+    quick(cdr, budget_tokens=512, budget_items=8)
+    items = []
+    for s, count in (("A", 40), ("B", 80), ("C", 20)):
+        items += [item(f"{s}{i}", 20 + (i % 3) * 60, prefix=(s,)) for i in range(count)]
+    cdr.submit(items, "j")
+    cdr.submit([item(f"x{i}", 20, model="other") for i in range(10)], "j")
+    batches = drain(cdr, contract(size=8, tokens=512))
+    order = []
+    for b in batches:
+        assert b.model == "m"
+        assert len({(b.shape, b.epoch, b.lane)}) == 1
+        assert {i.id[0] for i in b.items} == {b.prefix[0]}
+        if not order or order[-1] != b.prefix[0]:
+            order.append(b.prefix[0])
+    assert order == ["B", "A", "C"]  # most waiting tokens first, each shape once
+    assert cdr.status("j")["models"]["m"]["pending"] == 0
+    assert cdr.status("j")["models"]["other"]["pending"] == 10
+
+
+def test_ready_lane_search_is_round_robin(cdr):
+    quick(cdr, budget_tokens=64, budget_items=4)
+    cdr.set_config("m", {"lane_floor": 0, "lane_thr_min": 0.01, "lane_thr_max": 0.01})
+    items = []
+    for lane_len in (8, 200, 800):
+        items += [item(f"{lane_len}-{i}", lane_len) for i in range(8)]
+    cdr.submit(items, "j")
+    lanes = []
+    for _ in range(6):
+        b, _ = cdr.claim(contract(size=4, tokens=100000), "w")
+        lanes.append(b.lane)
+    assert lanes[:3] == sorted(set(lanes[:3]), key=lanes[:3].index) and len(set(lanes[:3])) == 3
+    assert lanes[3:] == lanes[:3]
+
+
+def test_release_gate_holds_until_threshold_then_stays_open(cdr):
+    cdr.set_config("m", {"release_batches": 2, "budget_tokens": 1000, "quiet_ms": 60000, "activate_batches": 0})
+    cdr.submit([item(i, 100) for i in range(10)], "j")  # 1000 < 2000 tokens
+    b, why = cdr.claim(contract(tokens=1000), "w")
+    assert (b, why) == (None, "gate")
+    cdr.submit([item(i, 100) for i in range(10, 20)], "j")
+    b, _ = cdr.claim(contract(tokens=1000), "w")
+    assert b is not None
+    cdr.complete(b, results_for(b))
+    drain(cdr, contract(tokens=1000))
+    cdr.submit([item(i, 100) for i in range(20, 22)], "j")  # below threshold, but the gate stays open
+    assert cdr.r.hget(K.ModelKeys("m").state, "gate") == b"1"
+
+
+def test_disk_mode_gate_is_always_open(cdr):
+    cdr.set_config("m", {"mode": "disk", "release_batches": 100, "quiet_ms": 60000, "activate_batches": 0,
+                         "budget_tokens": 200})
+    cdr.submit([item(i, 100) for i in range(4)], "j")
+    b, _ = cdr.claim(contract(tokens=200), "w")
+    assert b is not None and len(b.items) == 2
+
+
+def test_cleanup_mode_drains_the_tail_after_intake_goes_quiet(cdr):
+    import time
+    cdr.set_config("m", {"quiet_ms": 200, "release_batches": 8, "activate_batches": 4})
+    cdr.submit([item(i, 30) for i in range(7)], "j")  # far below every threshold
+    assert cdr.claim(contract(), "w")[0] is None
+    time.sleep(0.25)
+    batches = drain(cdr, contract())
+    assert sum(len(b.items) for b in batches) == 7
+    assert all(b.cleanup for b in batches)
+    st = cdr.r.hgetall(K.ModelKeys("m").state)
+    assert int(st[b"cleanup_entries"]) == 1 and int(st[b"cleanup_items"]) == 7
+    assert st[b"cleanup"] == b"0"  # left cleanup once empty
+
+
+def test_draining_instance_takes_no_new_items(cdr):
+    quick(cdr, budget_tokens=400, budget_items=4)
+    cdr.set_config("m", {"quiet_ms": 60000, "drain_batches": 100})
+    cdr.submit([item(i, 100) for i in range(6)], "j")
+    b1, _ = cdr.claim(contract(size=4, tokens=400), "w")  # full lane first
+    b2, _ = cdr.claim(contract(size=4, tokens=400), "w")  # then the instance drains
+    assert b1.epoch == 1 and b2.epoch == 1
+    cdr.submit([item("late", 100)], "j")
+    from conductor.signature import shape_signature
+    sig = shape_signature(["sys"])
+    mk = K.ModelKeys("m")
+    assert int(cdr.r.hget(mk.shape(sig), "epoch")) == 2  # the late arrival went to a new staged epoch
+    assert cdr.r.hget(mk.inst(f"{sig}:2"), "state") == b"staged"
+    assert int(cdr.r.hget(mk.inst(f"{sig}:2"), "items")) == 1
+
+
+def test_claim_arguments_are_checked(cdr):
+    mk = K.ModelKeys("m")
+    cdr.ensure_model("m")
+    for args in (["w", 0, 100, 10], ["w", 10, -1, 10], ["", 10, 10, 10], ["w", "x", 10, 10]):
+        with pytest.raises(Exception, match="ERR_ARG"):
+            cdr.scripts.claim(keys=[mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed], args=args)

@@ -1,0 +1,52 @@
+from conductor import keys as K
+from conductor.records import Contract
+from tests.conftest import item
+from tests.helpers import quick, results_for
+
+C = Contract(model="m", max_batch_size=64, max_batch_tokens=8192, max_input_len=4096)
+
+
+def test_completion_is_idempotent_on_item_id(cdr):
+    quick(cdr)
+    cdr.submit([item(i, 10) for i in range(5)], "j")
+    b, _ = cdr.claim(C, "w")
+    assert cdr.complete(b, results_for(b)) == (5, 1)
+    assert cdr.complete(b, results_for(b)) == (0, 0)  # second completion writes nothing
+    assert len(cdr.read_results("j")) == 5
+    st = cdr.status("j")
+    assert (st["completed"], st["pending"]) == (5, 0)
+    mk = K.ModelKeys("m")
+    assert cdr.r.xlen(mk.batches) == 0
+    assert cdr.r.xpending(mk.batches, "workers")["pending"] == 0
+
+
+def test_partial_then_final_completion(cdr):
+    quick(cdr)
+    cdr.submit([item(i, 10) for i in range(4)], "j")
+    b, _ = cdr.claim(C, "w")
+    res = results_for(b)
+    assert cdr.complete(b, res[:2], final=False) == (2, 0)
+    assert cdr.r.xpending(K.ModelKeys("m").batches, "workers")["pending"] == 1
+    assert cdr.complete(b, res, final=True) == (2, 1)
+    assert sorted(r.id for r in cdr.read_results("j")) == ["0", "1", "2", "3"]
+
+
+def test_per_item_errors_are_results(cdr):
+    quick(cdr)
+    cdr.submit([item(i, 10) for i in range(3)], "j")
+    b, _ = cdr.claim(C, "w")
+    cdr.complete(b, results_for(b, error=True))
+    st = cdr.status("j")
+    assert (st["failed"], st["completed"], st["pending"]) == (3, 0, 0)
+    assert all(r.error and r.error.code == "boom" for r in cdr.read_results("j"))
+
+
+def test_counters_return_to_zero(cdr):
+    quick(cdr)
+    cdr.submit([item(i, 10 + i) for i in range(100)], "j")
+    from tests.helpers import drain
+    drain(cdr, C)
+    st = {k.decode(): v.decode() for k, v in cdr.r.hgetall(K.ModelKeys("m").state).items()}
+    assert st["tokens"] == "0" and st["items"] == "0"
+    assert st["inflight_items"] == "0" and st["inflight_batches"] == "0"
+    assert st["completed"] == "100"

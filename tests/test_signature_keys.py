@@ -1,0 +1,51 @@
+import re
+from pathlib import Path
+
+import xxhash
+
+from conductor.config import DEFAULTS, FIELDS
+from conductor.keys import ModelKeys
+from conductor.signature import shape_signature
+
+LIB = (Path(__file__).resolve().parent.parent / "lua" / "lib.lua").read_text()
+
+
+def test_signature_is_stable_and_documented():
+    # Recompute by the documented algorithm, independently of the module.
+    import struct
+    acc = xxhash.xxh64_intdigest(b"") ^ 2
+    for comp in ("system", "shots"):
+        acc = xxhash.xxh64_intdigest(struct.pack("<QQ", acc, xxhash.xxh64_intdigest(comp.encode())))
+    assert shape_signature(["system", "shots"]) == f"{acc:016x}"
+    assert re.fullmatch(r"[0-9a-f]{16}", shape_signature([]))
+
+
+def test_signature_depends_on_order_and_count():
+    assert shape_signature(["a", "b"]) != shape_signature(["b", "a"])
+    assert shape_signature(["ab"]) != shape_signature(["a", "b"])
+    assert shape_signature([]) != shape_signature([""])
+    assert shape_signature(["é"]) == shape_signature(["é"])
+
+
+def test_all_model_keys_share_one_hash_tag():
+    mk = ModelKeys("llama-3.1-8b")
+    names = [mk.cfg, mk.state, mk.staged, mk.batches, mk.reclaimed, mk.dead, mk.workers, mk.shape("ab"),
+             mk.inst("ab:1"), mk.inst_lanes("ab:1"), mk.lane("ab:1", 3), mk.lanemeta("ab:1", 3),
+             mk.heartbeat("w"), mk.job("j"), mk.job_items("j"), mk.job_results("j"), mk.maint_lease]
+    assert all(n.startswith("cdr:{llama-3.1-8b}:") for n in names)
+
+
+def test_lua_config_mirror_agrees_with_python():
+    names = re.search(r"CFG_NAMES = \{(.*?)\}", LIB, re.S).group(1)
+    assert re.findall(r"'(\w+)'", names) == list(FIELDS)
+    defaults = re.search(r"CFG_DEFAULTS = \{(.*?)\}", LIB, re.S).group(1)
+    lua = dict(re.findall(r"(\w+) = ('?[\w.]+'?)", defaults))
+    for k, v in DEFAULTS.items():
+        assert lua[k].strip("'") == str(v), k
+
+
+def test_bad_model_names_are_refused():
+    import pytest
+    for bad in ["", "a{b}", "a b", "x" * 200, "a:b"]:
+        with pytest.raises(ValueError, match="model"):
+            ModelKeys(bad)

@@ -1,0 +1,135 @@
+import pytest
+
+from conductor import keys as K
+from conductor.errors import BadInput, QueueFull
+from tests.conftest import item
+
+
+def lanes(c, inst):
+    return {int(m): int(s) for m, s in c.r.zrange(K.ModelKeys("m").inst_lanes(inst), 0, -1, withscores=True)}
+
+
+def inst_of(c, prefix=("sys",)):
+    from conductor.signature import shape_signature
+    sig = shape_signature(list(prefix))
+    ep = int(c.r.hget(K.ModelKeys("m").shape(sig), "epoch"))
+    return f"{sig}:{ep}"
+
+
+def submit_one(c, i, tok, job="j", **kw):
+    return c.submit([item(i, tok, **kw)], job)
+
+
+def test_first_item_opens_lane_and_close_items_join(cdr):
+    submit_one(cdr, 1, 100)
+    submit_one(cdr, 2, 104)  # same 8-token bucket: no padding at all
+    submit_one(cdr, 3, 110)  # 8 tokens of padding: under the floor (16), never a new lane
+    inst = inst_of(cdr)
+    assert lanes(cdr, inst) == {0: 110}  # lanes only grow: rep rose to 110
+
+
+def test_padding_over_cap_opens_lane(cdr):
+    cdr.set_config("m", {"lane_cap": 64, "lane_thr_max": 0.99, "lane_thr_min": 0.99})
+    submit_one(cdr, 1, 1000)
+    submit_one(cdr, 2, 1100)  # 100 tokens (9 %) under a 99 % threshold, but over the 64-token cap
+    assert sorted(lanes(cdr, inst_of(cdr)).values()) == [1000, 1100]
+
+
+def test_padding_over_threshold_opens_lane_and_neighbour_that_pads_less_wins(cdr):
+    submit_one(cdr, 1, 100)
+    submit_one(cdr, 2, 200)  # 50 % padding: new lane
+    assert sorted(lanes(cdr, inst_of(cdr)).values()) == [100, 200]
+    submit_one(cdr, 3, 190)  # pads 10 into the 200 lane, would grow the 100 lane by 90
+    ln = lanes(cdr, inst_of(cdr))
+    assert sorted(ln.values()) == [100, 200]
+    mk = K.ModelKeys("m")
+    by_rep = {v: k for k, v in ln.items()}
+    assert int(cdr.r.hget(mk.lanemeta(inst_of(cdr), by_rep[200]), "items")) == 2
+
+
+def test_threshold_rises_as_lane_budget_fills(cdr):
+    # Two lanes of four used (50 %): threshold = 0.02 + (0.5 - 0.02) * 0.25 = 14 %.
+    cdr.set_config("m", {"lane_max": 4, "lane_thr_min": 0.02, "lane_thr_max": 0.5, "lane_floor": 0,
+                         "lane_cap": 100000})
+    submit_one(cdr, 1, 1000)
+    submit_one(cdr, 2, 1100)  # 9.4 % > 5 % with one lane of four used: opens
+    assert len(lanes(cdr, inst_of(cdr))) == 2
+    submit_one(cdr, 3, 1200)  # 8.3 % against 1100: under 14 % now, joins and grows that lane
+    ln = lanes(cdr, inst_of(cdr))
+    assert sorted(ln.values()) == [1000, 1200]
+
+
+def test_full_lane_budget_joins_nearest(cdr):
+    cdr.set_config("m", {"lane_max": 2})
+    submit_one(cdr, 1, 100)
+    submit_one(cdr, 2, 1000)
+    submit_one(cdr, 3, 3000)  # would open a lane, budget is full: joins the 1000 lane, which grows
+    assert sorted(lanes(cdr, inst_of(cdr)).values()) == [100, 3000]
+
+
+def test_resubmit_is_idempotent(cdr):
+    items = [item(i, 50 + i) for i in range(300)]
+    rep = cdr.submit(items[:200], "j")
+    assert (rep.accepted, rep.duplicates) == (200, 0)
+    rep = cdr.submit(items, "j")  # an interrupted submit re-run: the first 200 are skipped
+    assert (rep.accepted, rep.duplicates) == (100, 200)
+    assert cdr.status("j")["submitted"] == 300
+    assert int(cdr.r.hget(K.ModelKeys("m").state, "items")) == 300
+
+
+def _dump(c):
+    return {k: c.r.dump(k) for k in sorted(c.r.scan_iter("cdr:{m}:*"))}
+
+
+def test_bad_arguments_write_nothing(cdr):
+    cdr.submit([item(1, 10)], "j")
+    before = _dump(cdr)
+    mk = K.ModelKeys("m")
+    bad_calls = [
+        [1, "j", "x", "0123456789abcdef", 0, 5, b"[]", b""],  # zero tokens
+        [1, "j", "x", "0123456789abcdef", -4, 5, b"[]", b""],
+        [1, "j", "x", "0123456789abcdef", "ten", 5, b"[]", b""],
+        [1, "j", "x", "nothex", 10, 5, b"[]", b""],
+        [1, "bad job", "x", "0123456789abcdef", 10, 5, b"[]", b""],
+        [1, "j", "", "0123456789abcdef", 10, 5, b"[]", b""],
+        [2, "j", "x", "0123456789abcdef", 10, 5, b"[]", b""],  # count does not match
+        [1, "j", "x", "0123456789abcdef", 10, 10**12, b"[]", b""],
+        # a good item followed by a bad one: all or nothing
+        [2, "j", "y", "0123456789abcdef", 10, 5, b"[]", b"", "j", "z", "0123456789abcdef", 10, 0, b"[]", b""],
+    ]
+    for args in bad_calls:
+        with pytest.raises(Exception, match="ERR_ARG"):
+            cdr.scripts.submit(keys=[mk.base, mk.cfg, mk.state], args=args)
+    assert _dump(cdr) == before
+
+
+def test_full_queue_is_a_typed_error_and_writes_nothing(cdr):
+    cdr.set_config("m", {"max_waiting_tokens": 1000})
+    cdr.submit([item(i, 100) for i in range(8)], "j")
+    before = _dump(cdr)
+    with pytest.raises(QueueFull, match="ceiling"):
+        cdr.submit([item(i, 100) for i in range(8, 11)], "j")
+    assert _dump(cdr) == before
+
+
+def test_script_errors_name_the_field(cdr):
+    mk = K.ModelKeys("m")
+    cdr.ensure_model("m")
+    from conductor.client import _raise_script_error
+    try:
+        cdr.scripts.submit(keys=[mk.base, mk.cfg, mk.state], args=[1, "j", "x", "0" * 16, 0, 5, b"[]", b""])
+    except Exception as e:  # noqa: BLE001
+        with pytest.raises(BadInput) as ei:
+            _raise_script_error(e)
+        assert ei.value.field == "input_tokens"
+
+
+def test_prefix_is_stored_once_per_shape(cdr):
+    cdr.submit([item(i, 40, prefix=("big system prompt", "shots")) for i in range(50)], "j")
+    from conductor.signature import shape_signature
+    sig = shape_signature(["big system prompt", "shots"])
+    assert cdr.prefix("m", sig) == ["big system prompt", "shots"]
+    # lane entries carry only the prompt and payload
+    inst = inst_of(cdr, ("big system prompt", "shots"))
+    entry = cdr.r.xrange(K.ModelKeys("m").lane(inst, 0), count=1)[0][1]
+    assert b"big system prompt" not in entry[b"d"]

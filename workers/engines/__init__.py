@@ -1,0 +1,23 @@
+"""Engines the worker can drive; ``make_engine`` imports heavy ones only when chosen."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from workers.engines.base import Engine, Finished
+
+
+def make_engine(kind: str, **kw: Any) -> Engine:
+    if kind == "sim":
+        from workers.engines.sim import SimEngine
+        return SimEngine(**kw)
+    if kind == "torch":
+        from workers.engines.torch_engine import TorchEngine
+        return TorchEngine(**kw)
+    if kind == "trtllm":
+        from workers.engines.trtllm import TrtllmEngine
+        return TrtllmEngine(**kw)
+    raise ValueError(f"engine: unknown engine {kind!r} (sim, torch, trtllm)")
+
+
+__all__ = ["Engine", "Finished", "make_engine"]

@@ -1,0 +1,176 @@
+"""``sim``: a GPU cost model. It is a SIMULATION: no model runs, outputs are placeholders.
+
+It exists for demos, tests and benchmarks, so that batching quality (padding, shape
+switches, prefix-cache reuse, graph reuse, admission policy) turns into time the way it
+would on a GPU. Parameters (``SimParams``), all in simulated seconds:
+
+* ``prefill_per_token``: prefill cost of each uncached token; padding tokens cost like real
+  ones (a batch prefills ``padded_len`` tokens per item).
+* ``decode_base`` + ``decode_per_seq`` x active sequences: one decode step; every active
+  sequence advances one token per step.
+* prefix cache: holds the prefix of ``cache_shapes`` shape signatures (LRU). A hit skips the
+  prefix tokens of every item; a switch to a shape not held loses the oldest.
+* graph cache: keyed by (lane padded length, shape, epoch); a miss costs ``graph_build``.
+  ``prewarm`` builds graphs ahead, off the critical path.
+* output length: drawn deterministically from the item id, between 1/4 and all of max_tokens.
+
+``time_scale`` multiplies the sleeps (0: never sleep, only count). Counters: simulated time,
+prefix hit and miss tokens, padding tokens, graph rebuilds, shape switches, steps.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from dataclasses import dataclass, field
+
+import xxhash
+
+from conductor.formats import estimate_tokens
+from conductor.records import Batch, BatchItem, Contract
+from workers.engines.base import Finished, too_long
+
+
+@dataclass
+class SimParams:
+    prefill_per_token: float = 2e-6
+    decode_base: float = 0.006
+    decode_per_seq: float = 2e-5
+    graph_build: float = 0.05
+    cache_shapes: int = 1
+
+
+@dataclass
+class SimCounters:
+    sim_seconds: float = 0.0
+    prefix_hit_tokens: int = 0
+    prefix_miss_tokens: int = 0
+    prefill_tokens: int = 0
+    padding_tokens: int = 0
+    actual_tokens: int = 0
+    graph_rebuilds: int = 0
+    graphs_prewarmed: int = 0
+    shape_switches: int = 0
+    steps: int = 0
+    finished: int = 0
+    output_tokens: int = 0
+    shapes_seen: list[str] = field(default_factory=list)
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        total = self.prefix_hit_tokens + self.prefix_miss_tokens
+        return self.prefix_hit_tokens / total if total else 1.0
+
+
+def output_len(item_id: str, max_tokens: int) -> int:
+    frac = (xxhash.xxh64_intdigest(item_id.encode("utf-8")) % 10_000) / 10_000
+    return max(1, min(max_tokens, round(max_tokens * (0.25 + 0.75 * frac))))
+
+
+class SimEngine:
+    kind = "sim"
+
+    def __init__(self, model: str, *, max_batch_size: int = 64, max_batch_tokens: int = 8192,
+                 max_input_len: int = 4096, time_scale: float = 0.0, params: SimParams | None = None,
+                 max_slots: int = 4096) -> None:
+        self._contract = Contract(model=model, max_batch_size=max_batch_size,
+                                  max_batch_tokens=max_batch_tokens, max_input_len=max_input_len)
+        self.time_scale = time_scale
+        self.p = params or SimParams()
+        self.max_slots = max_slots
+        self.counters = SimCounters()
+        self._prefix_lru: list[str] = []
+        self._graphs: set[tuple[int, str, int]] = set()
+        self._heap: list[tuple[int, int, Finished]] = []
+        self._seq = 0
+        self._step_no = 0
+
+    @property
+    def model(self) -> str:
+        return self._contract.model
+
+    @property
+    def contract(self) -> Contract:
+        return self._contract
+
+    def _spend(self, seconds: float) -> None:
+        self.counters.sim_seconds += seconds
+        if self.time_scale > 0:
+            time.sleep(seconds * self.time_scale)
+
+    def _prefix_hit(self, shape: str) -> bool:
+        if shape in self._prefix_lru:
+            self._prefix_lru.remove(shape)
+            self._prefix_lru.append(shape)
+            return True
+        if self.counters.shapes_seen and self.counters.shapes_seen[-1] != shape:
+            self.counters.shape_switches += 1
+        self.counters.shapes_seen.append(shape)
+        self._prefix_lru.append(shape)
+        del self._prefix_lru[:-self.p.cache_shapes]
+        return False
+
+    def admit(self, batch: Batch, items: list[BatchItem]) -> list[Finished]:
+        c = self.counters
+        refused = [too_long(batch, it, self._contract.max_input_len)
+                   for it in items if it.input_tokens > self._contract.max_input_len]
+        items = [it for it in items if it.input_tokens <= self._contract.max_input_len]
+        if not items:
+            return refused
+        plen = batch.padded_len
+        prefix_tokens = min(estimate_tokens(batch.prefix, "") if batch.prefix else 0,
+                            min(it.input_tokens for it in items))
+        hit = self._prefix_hit(batch.shape)
+        cached = prefix_tokens if hit else 0
+        if not hit and prefix_tokens:
+            # The first sequence computes the prefix; the rest of the batch shares it.
+            cached_after_first = prefix_tokens * (len(items) - 1)
+        else:
+            cached_after_first = 0
+        actual = sum(it.input_tokens for it in items)
+        padded = plen * len(items)
+        hit_tokens = cached * len(items) + cached_after_first
+        compute = max(0, padded - hit_tokens)
+        c.prefix_hit_tokens += hit_tokens
+        c.prefix_miss_tokens += prefix_tokens * len(items) - hit_tokens
+        c.prefill_tokens += compute
+        c.padding_tokens += padded - actual
+        c.actual_tokens += actual
+        cost = compute * self.p.prefill_per_token
+        gkey = (plen, batch.shape, batch.epoch)
+        if gkey not in self._graphs:
+            c.graph_rebuilds += 1
+            self._graphs.add(gkey)
+            cost += self.p.graph_build
+        self._spend(cost)
+        for it in items:
+            n = output_len(it.id, it.max_tokens)
+            self._seq += 1
+            fin = Finished(batch, it, f"<sim output: {n} tokens>", n)
+            heapq.heappush(self._heap, (self._step_no + n, self._seq, fin))
+        return refused
+
+    def step(self) -> list[Finished]:
+        if not self._heap:
+            return []
+        self._step_no += 1
+        self.counters.steps += 1
+        self._spend(self.p.decode_base + self.p.decode_per_seq * len(self._heap))
+        self.counters.output_tokens += len(self._heap)
+        done = []
+        while self._heap and self._heap[0][0] <= self._step_no:
+            done.append(heapq.heappop(self._heap)[2])
+        self.counters.finished += len(done)
+        return done
+
+    def active(self) -> int:
+        return len(self._heap)
+
+    def prewarm(self, shape: str, lanes: list[int], epoch: int) -> None:
+        for plen in lanes:
+            if (plen, shape, epoch) not in self._graphs:
+                self._graphs.add((plen, shape, epoch))
+                self.counters.graphs_prewarmed += 1
+
+    def close(self) -> None:
+        self._heap.clear()

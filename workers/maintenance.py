@@ -1,0 +1,79 @@
+"""Periodic work (reclaim sweep, thrash alarm) run by whichever worker holds a short lease.
+
+No central daemon is needed for correctness: any live worker of a model can sweep, and the
+lease (SET NX PX, renewed by its holder) keeps it to one at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import redis
+
+from conductor.client import Conductor
+from conductor.keys import ModelKeys
+
+log = logging.getLogger("conductor.maintenance")
+
+# Renew-if-mine in one step, so a lease that expired and went to another worker is not taken back.
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) and 1 or 0
+"""
+
+
+class Maintenance:
+    def __init__(self, conductor: Conductor, model: str, owner: str, *, interval_s: float = 1.0,
+                 lease_ms: int = 5000, stale_idle_ms: int = 300_000, thrash_batches: int = 100) -> None:
+        self.c = conductor
+        self.keys = ModelKeys(model)
+        self.model = model
+        self.owner = owner
+        self.interval_s = interval_s
+        self.lease_ms = lease_ms
+        self.stale_idle_ms = stale_idle_ms
+        self.thrash_batches = thrash_batches
+        self._renew = conductor.r.register_script(_RENEW)
+        self._next = 0.0
+        self._finished_cursor = "$"
+        self.batches_per_shape: list[int] = []
+
+    def tick(self) -> dict | None:
+        now = time.monotonic()
+        if now < self._next:
+            return None
+        self._next = now + self.interval_s
+        try:
+            if not int(self._renew(keys=[self.keys.maint_lease], args=[self.owner, self.lease_ms])):
+                return None
+            res = self.c.reclaim_dead(self.model)
+            if res["batches"]:
+                log.info(json.dumps({"event": "reclaimed", "model": self.model, **res}))
+            self._thrash_alarm()
+            return res
+        except (redis.RedisError, OSError) as e:
+            log.warning(json.dumps({"event": "maintenance_failed", "model": self.model, "error": str(e)}))
+            return None
+
+    def _thrash_alarm(self) -> None:
+        """A shape that finished in under ``thrash_batches`` batches did not pay for its switch."""
+        from conductor import metrics
+
+        if self._finished_cursor == "$":
+            last = self.c.r.xrevrange(self.keys.finished, count=1)
+            self._finished_cursor = last[0][0].decode() if last else "0-0"
+            return
+        for eid, f in self.c.r.xrange(self.keys.finished, min=f"({self._finished_cursor}", count=1000):
+            self._finished_cursor = eid.decode()
+            batches = int(f[b"batches"])
+            self.batches_per_shape.append(batches)
+            metrics.BATCHES_PER_SHAPE.labels(self.model).observe(batches)
+            if batches < self.thrash_batches:
+                metrics.THRASHING_SHAPES.labels(self.model).inc()
+                log.critical(json.dumps({"event": "shape_thrashing", "model": self.model,
+                                         "instance": f[b"inst"].decode(), "batches": batches,
+                                         "threshold": self.thrash_batches}))

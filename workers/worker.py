@@ -1,0 +1,267 @@
+"""One worker process per GPU: pull batches under the engine's contract, run them, write back.
+
+The loop, once per turn:
+
+1. Reclaim finished slots: one engine step hands back finished sequences; their results are
+   written, and a batch whose last item finished is acknowledged.
+2. Retry buffer first: result writes that failed (Redis away) are retried before anything new.
+3. Pull only when the admission latch admits and there are free slots below the pending
+   ceiling; the pull asks for at most that many items. Continuing decodes are outside the
+   token budget: only new prefills count against it.
+4. With nothing new, a progress-only step still advances the active sequences; an idle
+   worker waits outside Redis (Lua cannot block), backing off up to ``poll_max_s``.
+
+A heartbeat thread renews the worker's heartbeat key and extends the lease on its in-flight
+batches (XCLAIM to itself with JUSTID resets idle time without counting a delivery), so a
+slow but live worker is never robbed by a reclaim.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import redis
+
+from conductor import keys as K
+from conductor.client import Conductor
+from conductor.errors import RedisUnavailable
+from conductor.records import Batch, Contract, Result
+from workers.engines.base import Engine, Finished
+from workers.latch import AdmissionLatch
+
+log = logging.getLogger("conductor.worker")
+
+
+def event(name: str, **fields: object) -> None:
+    """One structured log line per event."""
+    log.info(json.dumps({"event": name, **fields}, default=str))
+
+
+@dataclass
+class WorkerOptions:
+    name: str = ""
+    high_water: int | None = None
+    low_water: int | None = None
+    pending_ceiling: int | None = None
+    heartbeat_ttl_s: float = 10.0
+    poll_max_s: float = 0.05
+    drain_s: float = 30.0
+    max_batches: int | None = None  # stop after this many claimed batches (tests, benchmarks)
+    idle_exit_s: float | None = None  # exit after this long with nothing to do
+
+
+@dataclass
+class _InFlight:
+    batch: Batch
+    left: int
+    results: list[Result] = field(default_factory=list)
+
+
+class Worker:
+    def __init__(self, conductor: Conductor, engine: Engine, opts: WorkerOptions | None = None) -> None:
+        self.c = conductor
+        self.engine = engine
+        self.opts = opts or WorkerOptions()
+        self.latch = AdmissionLatch(self.opts.high_water, self.opts.low_water)
+        self.name = self.opts.name or f"{socket.gethostname()}-{os.getpid()}"
+        self.contract: Contract = engine.contract
+        self.keys = K.ModelKeys(self.contract.model)
+        self.inflight: dict[str, _InFlight] = {}
+        self.retry: deque[tuple[Batch, list[Result], bool]] = deque()
+        self.stopping = threading.Event()
+        self.batches_claimed = 0
+        self.finished = 0
+        self.output_tokens = 0
+        self._lock = threading.Lock()
+        self._hb_thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def register(self) -> None:
+        c = self.contract
+        self.c.ensure_model(c.model)
+        pipe = self.c.r.pipeline(transaction=False)
+        pipe.hset(self.keys.workers, self.name, json.dumps(
+            {"max_batch_size": c.max_batch_size, "max_batch_tokens": c.max_batch_tokens,
+             "max_input_len": c.max_input_len, "engine": self.engine.kind, "pid": os.getpid()}))
+        # The first consumer's contract is the model's reference for "a full batch".
+        pipe.hsetnx(self.keys.cfg, "budget_tokens", c.max_batch_tokens)
+        pipe.hsetnx(self.keys.cfg, "budget_items", c.max_batch_size)
+        pipe.set(self.keys.heartbeat(self.name), int(time.time() * 1000), px=int(self.opts.heartbeat_ttl_s * 1000))
+        pipe.execute()
+        event("registered", worker=self.name, model=c.model, engine=self.engine.kind,
+              max_batch_size=c.max_batch_size, max_batch_tokens=c.max_batch_tokens,
+              max_input_len=c.max_input_len, high_water=self.latch.high, low_water=self.latch.low)
+
+    def deregister(self) -> None:
+        try:
+            pipe = self.c.r.pipeline(transaction=False)
+            pipe.hdel(self.keys.workers, self.name)
+            pipe.delete(self.keys.heartbeat(self.name))
+            pipe.execute()
+            pending = self.c.r.xpending_range(self.keys.batches, K.GROUP, "-", "+", 1, consumername=self.name)
+            if not pending:
+                # DELCONSUMER discards pending entries: only once the list is empty.
+                self.c.r.xgroup_delconsumer(self.keys.batches, K.GROUP, self.name)
+        except (redis.RedisError, OSError) as e:
+            event("deregister_failed", worker=self.name, error=str(e))
+        event("deregistered", worker=self.name)
+
+    def _heartbeat_loop(self) -> None:
+        period = self.opts.heartbeat_ttl_s / 3
+        while not self.stopping.wait(period):
+            try:
+                with self._lock:
+                    ids = [b.batch.batch_id for b in self.inflight.values()]
+                pipe = self.c.r.pipeline(transaction=False)
+                pipe.set(self.keys.heartbeat(self.name), int(time.time() * 1000),
+                         px=int(self.opts.heartbeat_ttl_s * 1000))
+                if ids:
+                    pipe.xclaim(self.keys.batches, K.GROUP, self.name, 0, ids, justid=True)
+                pipe.execute()
+            except (redis.RedisError, OSError) as e:
+                event("heartbeat_failed", worker=self.name, error=str(e))
+
+    def request_stop(self, *_: object) -> None:
+        self.stopping.set()
+
+    def install_signals(self) -> None:
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+
+    # ------------------------------------------------------------------ results
+    def _result(self, fin: Finished) -> Result:
+        b, it = fin.batch, fin.item
+        return Result(id=it.id, model=b.model, job=it.job, output=fin.output, output_tokens=fin.output_tokens,
+                      error=fin.error, shape=b.shape, epoch=b.epoch, lane=b.lane, batch=b.batch_id,
+                      batch_size=len(b.items), batch_padded_len=b.padded_len, input_tokens=it.input_tokens,
+                      worker=self.name, claimed_at=b.claimed_at, finished_at=int(time.time() * 1000),
+                      deliveries=it.deliveries, payload=it.payload)
+
+    def _collect(self, finished: list[Finished]) -> None:
+        for fin in finished:
+            entry = self.inflight.get(fin.batch.batch_id)
+            if entry is None:
+                continue
+            entry.results.append(self._result(fin))
+            entry.left -= 1
+            self.finished += 1
+            self.output_tokens += fin.output_tokens
+            if entry.left == 0:
+                with self._lock:
+                    del self.inflight[fin.batch.batch_id]
+                self.retry.append((entry.batch, entry.results, True))
+
+    def _flush_writes(self) -> bool:
+        """Write queued results, oldest first; False when Redis is away (kept for retry)."""
+        while self.retry:
+            batch, results, final = self.retry[0]
+            try:
+                self.c.complete(batch, results, final=final)
+            except (redis.ConnectionError, redis.TimeoutError, RedisUnavailable, OSError) as e:
+                event("complete_retry", worker=self.name, batch=batch.batch_id, error=str(e))
+                return False
+            self.retry.popleft()
+        return True
+
+    # ------------------------------------------------------------------ loop
+    def free_slots(self) -> int | None:
+        limits = [x for x in (self.latch.room(self.engine.active()),
+                              None if self.opts.pending_ceiling is None
+                              else self.opts.pending_ceiling - self.engine.active()) if x is not None]
+        return min(limits) if limits else None
+
+    def _pull(self) -> bool:
+        free = self.free_slots()
+        if free is not None and free <= 0:
+            return False
+        size = self.contract.max_batch_size if free is None else min(self.contract.max_batch_size, free)
+        contract = Contract(model=self.contract.model, max_batch_size=size,
+                            max_batch_tokens=self.contract.max_batch_tokens,
+                            max_input_len=self.contract.max_input_len)
+        batch, _reason = self.c.claim(contract, self.name)
+        if batch is None:
+            return False
+        self.batches_claimed += 1
+        with self._lock:
+            self.inflight[batch.batch_id] = _InFlight(batch, len(batch.items))
+        refused = self.engine.admit(batch, batch.items)
+        self._collect(refused)
+        return True
+
+    def turn(self) -> bool:
+        """One turn of the loop; returns whether anything happened."""
+        busy = False
+        if self.engine.active():
+            self._collect(self.engine.step())
+            busy = True
+        if not self._flush_writes():
+            return busy
+        if self.stopping.is_set():
+            return busy
+        if self.opts.max_batches is not None and self.batches_claimed >= self.opts.max_batches:
+            return busy
+        if self.latch.admits(self.engine.active()):
+            try:
+                busy = self._pull() or busy
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+                event("claim_failed", worker=self.name, error=str(e))
+        return busy
+
+    def run(self) -> None:
+        self.register()
+        self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        self._hb_thread.start()
+        idle_since = time.monotonic()
+        sleep = 0.001
+        try:
+            while not self.stopping.is_set():
+                if self.turn():
+                    idle_since = time.monotonic()
+                    sleep = 0.001
+                    continue
+                if self.opts.max_batches is not None and self.batches_claimed >= self.opts.max_batches \
+                        and not self.inflight and not self.retry:
+                    break
+                if self.opts.idle_exit_s is not None and time.monotonic() - idle_since > self.opts.idle_exit_s:
+                    break
+                time.sleep(sleep)
+                sleep = min(sleep * 2, self.opts.poll_max_s)
+            self.drain()
+        finally:
+            self.stopping.set()
+            self.deregister()
+
+    def drain(self) -> None:
+        """Stop pulling, finish in-flight work within ``drain_s``; what is left is handed back."""
+        deadline = time.monotonic() + self.opts.drain_s
+        event("draining", worker=self.name, active=self.engine.active(), inflight=len(self.inflight))
+        while (self.engine.active() or self.retry) and time.monotonic() < deadline:
+            if self.engine.active():
+                self._collect(self.engine.step())
+            if not self._flush_writes():
+                time.sleep(0.05)
+        if self.inflight:
+            self.hand_back()
+        event("drained", worker=self.name, finished=self.finished)
+
+    def hand_back(self) -> None:
+        """Write what finished, and give unfinished batches to the reclaimed queue at once."""
+        for entry in list(self.inflight.values()):
+            if entry.results:
+                self.retry.append((entry.batch, entry.results, False))
+        self._flush_writes()
+        ids = [e.batch.batch_id for e in self.inflight.values()]
+        if ids:
+            self.c.reclaim_consumer(self.contract.model, self.name, force=True)
+        event("handed_back", worker=self.name, batches=len(ids))
+        self.inflight.clear()
+        self.engine.close()
+
