@@ -1,0 +1,13 @@
+from tests.conftest import ROOT
+
+
+def _commands():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    return [ln.strip() for ln in lines if ln.startswith("    python3 -m venv")]
+
+
+def test_readme_opens_with_the_main_job_and_the_tests_and_ci_runs_the_latter():
+    main, tests = _commands()[:2]
+    assert "conductor run" in main
+    assert "pytest" in tests
+    assert tests in (ROOT / ".ci" / "run").read_text()
