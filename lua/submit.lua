@@ -179,6 +179,7 @@ for sig, ctx in pairs(ctxs) do
     redis.call('HSET', mk, 'rep', rep, 'last_ms', now)
     redis.call('HSETNX', mk, 'since_ms', now)
     redis.call('ZADD', ik .. ':lanes', rep, lane)
+    redis.call('ZADD', ik .. ':touch', now, lane)
     redis.call('ZADD', ik .. ':fill', lane_weight(cfg, items, tokens, rep), lane)
     if lane_is_ready(cfg, items, tokens, rep) then redis.call('ZADD', ik .. ':ready', lane, lane) end
   end
