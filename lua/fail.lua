@@ -13,7 +13,6 @@
 -- Invariants: the same as reclaim.lua: nothing with a result is redone, an item is delivered at
 --   most max_deliveries times, then dead-lettered with a failed result so its job completes.
 --@include lib.lua
---@include lib_requeue.lua
 
 local base, cfg_key, state_key, batches_key, reclaimed_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local bid, consumer, reason = ARGV[1], ARGV[2], ARGV[3] or ''
@@ -24,6 +23,8 @@ if (not consumer) or #consumer < 1 then return redis.error_reply('ERR_ARG consum
 if #reason > 4096 then reason = string.sub(reason, 1, 4096) end
 local cfg = load_cfg(cfg_key)
 local now = now_ms()
+-- After the locals it reads (base, state_key, batches_key, reclaimed_key, cfg, now).
+--@include lib_requeue.lua
 local p = redis.call('XPENDING', batches_key, 'workers', bid, bid, 1, consumer)
 if #p == 0 then return {0, 0} end
 local k, d = requeue(bid, reason)

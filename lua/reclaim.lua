@@ -15,7 +15,6 @@
 --   thread extends leases with XCLAIM JUSTID); results already written are never redone;
 --   the consumer is deleted only once its pending list is empty (DELCONSUMER would discard it).
 --@include lib.lua
---@include lib_requeue.lua
 
 local base, cfg_key, state_key, batches_key, reclaimed_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local consumer, force = ARGV[1], ARGV[2]
@@ -29,6 +28,8 @@ if not count or count < 1 or count > 1000 then return redis.error_reply('ERR_ARG
 
 local cfg = load_cfg(cfg_key)
 local now = now_ms()
+-- After the locals it reads (base, state_key, batches_key, reclaimed_key, cfg, now).
+--@include lib_requeue.lua
 local alive = redis.call('EXISTS', base .. ':hb:' .. consumer) == 1
 local idle_floor = 0
 if alive and force ~= '1' then
