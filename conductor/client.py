@@ -180,7 +180,9 @@ class Conductor:
             _raise_script_error(e)
         if reply[0] == 0:
             return None, _s(reply[1])
-        return self._decode_batch(contract.model, _s(reply[1]), reply[2]), "batch"
+        batch = self._decode_batch(contract.model, _s(reply[1]), reply[2])
+        batch.warming = _s(reply[3]) if len(reply) > 3 else ""
+        return batch, "batch"
 
     def _decode_batch(self, model: str, batch_id: str, blob: bytes) -> Batch:
         sig, ep, lane, plen, mt, ts, flags, raw_items = _blob_decoder.decode(blob)
@@ -192,7 +194,15 @@ class Conductor:
         sig = _s(sig)
         return Batch(model=model, batch_id=batch_id, shape=sig, epoch=int(ep), lane=int(lane),
                      padded_len=int(plen), max_tokens=int(mt), claimed_at=int(ts), items=items,
-                     prefix=self.prefix(model, sig), cleanup=bool(flags & 1), reclaimed=bool(flags & 2))
+                     prefix=self.prefix(model, sig), cleanup=bool(flags & 1), reclaimed=bool(flags & 2),
+                     hygiene=bool(flags & 4))
+
+    def prewarm_info(self, model: str, inst: str) -> tuple[str, int, list[int]]:
+        """(shape, epoch, padded lengths of its lanes) of a warming instance, for engine.prewarm."""
+        mk = K.ModelKeys(model)
+        sig, _, ep = inst.partition(":")
+        reps = self.r.zrange(mk.inst_lanes(inst), 0, -1, withscores=True)
+        return sig, int(ep), sorted({-(-int(rep) // 8) * 8 for _, rep in reps})
 
     def prefix(self, model: str, sig: str) -> list[str]:
         key = (model, sig)

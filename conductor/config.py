@@ -27,7 +27,10 @@ FIELDS: dict[str, tuple[Any, str]] = {
     "quiet_ms": (1000, "intake silent this long (and nothing ready): cleanup mode"),
     "max_waiting_tokens": (0, "queue ceiling in input tokens; 0 is unlimited. Over it submit is refused"),
     "max_deliveries": (5, "an item delivered more often than this goes to the dead letter"),
-    "aging_ms": (0, "a staged shape whose oldest item waited this long is activated next; 0 is off"),
+    "aging_ms": (300000, "a staged shape whose oldest item waited this long preempts the active one; 0 is off"),
+    "prewarm_batches": (2, "below this many budgets pending on the active shape, the next shape starts warming"),
+    "hygiene_items": (4, "a lane with fewer items than this and no assignment for hygiene_idle_ms is force-drained"),
+    "hygiene_idle_ms": (5000, "see hygiene_items"),
 }
 
 DEFAULTS: dict[str, Any] = {k: v[0] for k, v in FIELDS.items()}

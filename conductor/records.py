@@ -48,6 +48,8 @@ class Batch(msgspec.Struct):
     prefix: list[str] = []
     cleanup: bool = False
     reclaimed: bool = False
+    hygiene: bool = False
+    warming: str = ""  # the shape instance "sig:epoch" being pre-warmed, if any (the pre-warm signal)
 
     @property
     def padded_tokens(self) -> int:

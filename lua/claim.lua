@@ -8,14 +8,17 @@
 -- KEYS[5] reclaimed  cdr:{model}:reclaimed
 -- ARGV[1] consumer, ARGV[2] max_batch_size, ARGV[3] max_batch_tokens, ARGV[4] max_input_len
 --   (recorded only: input-length limits are the runtime's job, the broker never strands an item)
--- Returns: {1, batch_id, blob} where blob is msgpack [sig, epoch, lane, padded_len, max_tokens,
---   claimed_at_ms, flags, items] and each item is [id, job, input_tokens, max_tokens, body,
---   deliveries]; flags: 1 cleanup, 2 reclaimed. Or {0, reason} when nothing is dispatched
---   (reason: gate, wait, idle). Errors: 'ERR_ARG <field>: ...' with nothing written.
+-- Returns: {1, batch_id, blob, warming} where blob is msgpack [sig, epoch, lane, padded_len,
+--   max_tokens, claimed_at_ms, flags, items] and each item is [id, job, input_tokens, max_tokens,
+--   body, deliveries]; flags: 1 cleanup, 2 reclaimed, 4 force-drained lane; warming is the shape
+--   instance "sig:epoch" being pre-warmed ('' if none): the pre-warm signal. Or {0, reason}
+--   when nothing is dispatched (reason: gate, wait, idle). Errors: 'ERR_ARG <field>: ...' with
+--   nothing written.
 -- Invariants: a batch holds items of ONE lane of ONE shape instance of ONE model; what does not
 --   fit stays at the head of its lane, in order; assembly order is reclaimed work, then lanes;
---   dispatch stays on the active instance until it is empty; the work done grows with the batch
---   (a bounded number of lanes is looked at), never with the queue.
+--   dispatch stays on the active instance until it is empty (or an aged shape preempts it); at
+--   most one instance is warming; the work done grows with the batch (a bounded number of lanes
+--   is looked at), never with the queue.
 --@include lib.lua
 
 local base, cfg_key, state_key, batches_key, reclaimed_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
@@ -59,7 +62,7 @@ local function deliver(sig, ep, lane, maxlen, mt, flags, items)
     redis.call('HINCRBY', state_key, 'cleanup_batches', 1)
     redis.call('HINCRBY', state_key, 'cleanup_items', #items)
   end
-  return {1, bid, blob}
+  return {1, bid, blob, redis.call('HGET', state_key, 'warming') or ''}
 end
 
 -- 1. Reclaimed work first (seed 001's assembly order). Reclaimed batches are already pure.
@@ -115,13 +118,27 @@ local function activate(inst, reason)
   return inst
 end
 
+local function aged()
+  if cfg.aging_ms <= 0 then return nil end
+  local old = redis.call('ZRANGE', base .. ':staged_age', 0, 0, 'WITHSCORES')
+  if old[1] and now - tonumber(old[2]) >= cfg.aging_ms then return old[1] end
+  return nil
+end
+
 -- The next shape: an aged one first (no shape waits for ever behind popular ones), then the
--- staged instance with the most waiting tokens once it holds activate_batches budgets (any
--- amount in cleanup).
+-- one warming (it prepared for this switch), then the staged instance with the most waiting
+-- tokens once it holds activate_batches budgets (any amount in cleanup).
 local function pick_next(cleanup)
-  if cfg.aging_ms > 0 then
-    local old = redis.call('ZRANGE', base .. ':staged_age', 0, 0, 'WITHSCORES')
-    if old[1] and now - tonumber(old[2]) >= cfg.aging_ms then return activate(old[1], 'aging') end
+  local old = aged()
+  if old then
+    -- An aged shape is served whatever its fill: it drains at once (late arrivals stage anew).
+    activate(old, 'aging')
+    redis.call('HSET', inst_key(old), 'state', 'draining', 'draining_ms', now)
+    return old
+  end
+  local warm = redis.call('HGET', state_key, 'warming')
+  if warm and redis.call('HGET', inst_key(warm), 'state') == 'warming' then
+    return activate(warm, 'warmed')
   end
   local top = redis.call('ZREVRANGE', base .. ':staged', 0, 0, 'WITHSCORES')
   if not top[1] then return nil end
@@ -131,11 +148,38 @@ local function pick_next(cleanup)
   return nil
 end
 
+-- Pre-warm (seed 003): when the active instance runs low, mark the staged instance with the
+-- most tokens above its activation threshold as warming (one at a time) and tell the workers,
+-- so graphs and caches are ready before the switch.
+local function maybe_warm(inst_tokens)
+  if inst_tokens >= cfg.prewarm_batches * cfg.budget_tokens then return end
+  local cur = redis.call('HGET', state_key, 'warming')
+  if cur and cur ~= '' and redis.call('HGET', inst_key(cur), 'state') == 'warming' then return end
+  local top = redis.call('ZREVRANGE', base .. ':staged', 0, 0, 'WITHSCORES')
+  if not top[1] or tonumber(top[2]) < cfg.activate_batches * cfg.budget_tokens then return end
+  redis.call('HSET', inst_key(top[1]), 'state', 'warming', 'warming_ms', now)
+  redis.call('HSET', state_key, 'warming', top[1])
+  redis.call('HINCRBY', state_key, 'warmings', 1)
+  redis.call('PUBLISH', base .. ':events', 'warming ' .. top[1])
+end
+
+-- Aging preemption: the active instance steps back to staged (lanes and items intact) so an
+-- aged shape runs next; it is re-dated so it does not preempt straight back.
+local function preempt(inst)
+  local ik = inst_key(inst)
+  redis.call('HSET', ik, 'state', 'staged', 'preempted_ms', now)
+  redis.call('ZADD', base .. ':staged', num(redis.call('HGET', ik, 'tokens')), inst)
+  redis.call('ZADD', base .. ':staged_age', now, inst)
+  redis.call('HSET', state_key, 'active', '')
+  redis.call('HINCRBY', state_key, 'preemptions', 1)
+end
+
 local function retire_lane(inst, lane)
   local ik = inst_key(inst)
   redis.call('ZREM', ik .. ':lanes', lane)
   redis.call('ZREM', ik .. ':fill', lane)
   redis.call('ZREM', ik .. ':ready', lane)
+  redis.call('ZREM', ik .. ':touch', lane)
   redis.call('DEL', base .. ':lane:' .. inst .. ':' .. lane, base .. ':lanemeta:' .. inst .. ':' .. lane)
   redis.call('SADD', ik .. ':free', lane)
   redis.call('HINCRBY', state_key, 'lanes_retired', 1)
@@ -148,7 +192,7 @@ local function finish(inst)
     redis.call('DEL', base .. ':lane:' .. inst .. ':' .. lane, base .. ':lanemeta:' .. inst .. ':' .. lane)
   end
   local batches = num(redis.call('HGET', ik, 'batches'))
-  redis.call('DEL', ik, ik .. ':lanes', ik .. ':fill', ik .. ':ready', ik .. ':free')
+  redis.call('DEL', ik, ik .. ':lanes', ik .. ':fill', ik .. ':ready', ik .. ':free', ik .. ':touch')
   redis.call('HSET', state_key, 'active', '')
   redis.call('HINCRBY', state_key, 'shapes_finished', 1)
   -- Batches-per-shape history for the thrash alarm and its histogram (read by the workers'
@@ -192,8 +236,9 @@ local function take_from_lane(inst, lane, flags)
     if not lane_is_ready(cfg, left, left_tok, rep) then redis.call('ZREM', ik .. ':ready', lane) end
     redis.call('HSET', mk, 'since_ms', now)
   end
-  redis.call('HINCRBY', ik, 'tokens', -sum)
+  local inst_tokens = redis.call('HINCRBY', ik, 'tokens', -sum)
   redis.call('HINCRBY', ik, 'items', -k)
+  if redis.call('HGET', ik, 'state') ~= 'staged' then maybe_warm(inst_tokens) end
   redis.call('HINCRBY', ik, 'batches', 1)
   redis.call('HSET', ik, 'rr', lane)
   redis.call('HINCRBY', state_key, 'tokens', -sum)
@@ -237,6 +282,32 @@ for _ = 1, 4 do
   local ik = inst_key(active)
   local info = redis.call('HMGET', ik, 'state', 'rr', 'tokens', 'last_intake_ms')
   local ist = info[1]
+  if ist == 'active' and aged() then
+    preempt(active)
+    active = pick_next(cleanup)
+    ik = inst_key(active)
+    info = redis.call('HMGET', ik, 'state', 'rr', 'tokens', 'last_intake_ms')
+    ist = info[1]
+  end
+  -- Lane hygiene (seed 003): a small lane nobody assigned to for a while, while the shape
+  -- stays busy elsewhere, is force-drained so its items do not wait for ever.
+  local stale = redis.call('ZRANGEBYSCORE', ik .. ':touch', '-inf', now - cfg.hygiene_idle_ms, 'LIMIT', 0, 1)[1]
+  if stale then
+    local left = num(redis.call('HGET', base .. ':lanemeta:' .. active .. ':' .. stale, 'items'))
+    if left > 0 and left < cfg.hygiene_items then
+      redis.call('HINCRBY', state_key, 'hygiene_drains', 1)
+      local r = take_from_lane(active, stale, (cleanup and 1 or 0) + 4)
+      if r then return r end
+    elseif left == 0 then
+      redis.call('ZREM', ik .. ':touch', stale)
+      if redis.call('EXISTS', base .. ':lanemeta:' .. active .. ':' .. stale) == 1 then
+        retire_lane(active, stale)
+      end
+    else
+      -- a big lane: it dispatches by readiness or drain; look at it again later
+      redis.call('ZADD', ik .. ':touch', now, stale)
+    end
+  end
   -- Full batch: round-robin over ready lanes from the last lane served.
   local lane = redis.call('ZRANGEBYSCORE', ik .. ':ready', '(' .. num(info[2]), '+inf', 'LIMIT', 0, 1)[1]
   if not lane then lane = redis.call('ZRANGE', ik .. ':ready', 0, 0)[1] end
