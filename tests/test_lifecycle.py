@@ -246,3 +246,45 @@ def test_thrash_alarm_counts_short_shapes(cdr, caplog):
     assert metrics.THRASHING_SHAPES.labels("m")._value.get() - before == 3
     assert len(m.batches_per_shape) == 3 and all(b < 100 for b in m.batches_per_shape)
     assert sum("shape_thrashing" in r.message for r in caplog.records) == 3
+
+
+def test_drain_threshold_is_exact(cdr):
+    # budget 800: drain under 2 budgets = 1600 tokens when no lane holds a full batch
+    setup(cdr, activate_batches=0, drain_batches=2)
+    cdr.set_config("m", {"lane_floor": 0, "lane_thr_min": 0.01, "lane_thr_max": 0.01})
+    # eight lanes of two items each (at most 2 x 312 padded < 800): no lane ready, 3280 tokens
+    cdr.submit([item(f"a{i}", 100 + 30 * (i % 8)) for i in range(16)], "j")
+    tokens = int(cdr.r.hget(MK.state, "tokens"))
+    assert tokens >= 1600
+    assert cdr.claim(contract(tokens=100000), "w") == (None, "wait")
+    assert state(cdr, inst("sys")) == "active"
+    cdr.set_config("m", {"drain_batches": tokens // 800 + 1})  # now pending < threshold
+    b, _ = cdr.claim(contract(tokens=100000), "w")
+    assert b is not None and state(cdr, inst("sys")) == "draining"
+
+
+def test_only_one_shape_warms_at_a_time(cdr):
+    setup(cdr, activate_batches=1, prewarm_batches=100)
+    cdr.submit([item(f"a{i}", 100, prefix=("A",)) for i in range(40)], "j")
+    for s in "BCD":
+        cdr.submit([item(f"{s}{i}", 100, prefix=(s,)) for i in range(10)], "j")
+    for _ in range(3):
+        b, _ = cdr.claim(contract(), "w")
+        assert b.prefix == ["A"]
+    states = [state(cdr, inst(s)) for s in "BCD"]
+    assert states.count("warming") == 1 and states.count("staged") == 2
+    assert int(cdr.r.hget(MK.state, "warmings")) == 1
+
+
+def test_quiet_lane_ids_are_reused(cdr):
+    setup(cdr, activate_batches=0, drain_batches=0, hygiene_idle_ms=60000)
+    cdr.set_config("m", {"lane_quiet_ms": 0, "lane_floor": 0, "lane_thr_min": 0.01, "lane_thr_max": 0.01})
+    cdr.submit([item(f"a{i}", 100) for i in range(8)] + [item(f"b{i}", 500) for i in range(8)], "j")
+    ids = {int(x) for x in cdr.r.zrange(MK.inst_lanes(inst("sys")), 0, -1)}
+    assert ids == {0, 1}
+    b, _ = cdr.claim(contract(tokens=100000), "w")  # empties one lane; quiet at once: its id returns
+    freed = int(b.lane)
+    assert cdr.r.smembers(MK.inst_free(inst("sys"))) == {str(freed).encode()}
+    cdr.submit([item("c0", 2000)], "j")  # a new lane takes the freed id, not a new one
+    assert {int(x) for x in cdr.r.zrange(MK.inst_lanes(inst("sys")), 0, -1)} == {0, 1}
+    assert int(cdr.r.hget(MK.inst(inst("sys")), "lane_seq")) == 2
