@@ -13,7 +13,7 @@ from importlib import resources
 import redis
 
 _INCLUDE = re.compile(r"^--@include\s+(\S+)\s*$", re.M)
-NAMES = ("submit", "claim", "complete", "reclaim", "fail", "maintain")
+NAMES = ("submit", "claim", "complete", "reclaim", "fail", "maintain", "repair")
 
 
 @functools.cache
@@ -40,3 +40,4 @@ class Scripts:
     reclaim: redis.commands.core.Script
     fail: redis.commands.core.Script
     maintain: redis.commands.core.Script
+    repair: redis.commands.core.Script

@@ -1,0 +1,517 @@
+"""Recompute every counter the conductor keeps from the data it counts, and repair drift.
+
+The conductor decides everything from counters (waiting tokens per model, shape instance and
+lane; lane fill and readiness; in-flight and reclaimed items; job counts). ``verify`` reads the
+data those counters summarise and returns one row per counter: recorded value, truth, difference.
+
+What is checked, for one model (``M`` = ``cdr:{model}``):
+
+- every lane ``M:lane:S:E:L``: its length and token sum against ``M:lanemeta:S:E:L`` items and
+  tokens; the lane's rep bounds its longest item; ``M:inst:S:E:lanes`` scores the rep; the
+  ``fill`` score is the lane weight (memory: items x pad8(rep); disk: tokens) for a non-empty
+  lane and absent for an empty one; ``ready`` holds exactly the lanes with a full batch;
+- every shape instance ``M:inst:S:E``: tokens and items against the sum of its lanes' truth;
+  a staged or warming instance is in ``M:staged`` scored with its tokens, no other one is;
+- the model ``M:state``: tokens and items against the sum over instances; inflight_batches and
+  inflight_items against the group's pending entries (XPENDING) and the ``n`` field of each;
+  reclaimed_items against the items inside the reclaimed list's batches; submitted, completed
+  and failed against the sums over the model's jobs; batch entries that are not pending
+  (leaked: nothing would ever retire them);
+- every job ``M:job:J``: submitted against the entries of ``M:job:J:items``; completed and
+  failed against the ok and error records of ``M:job:J:results``; done items ('d') against
+  the number of result records.
+
+With ``items=True`` it also keeps a ledger of every item id: each queued ('q') item must be in
+exactly one place (a lane, a pending batch, or a reclaimed batch), no done item may wait in a
+lane, and nothing waits that no job submitted. That costs memory in proportion to the items.
+
+Reads go in bounded steps (SCAN, HSCAN, XRANGE, XPENDING and LRANGE with COUNT) so a run never
+blocks Redis for long. The price: the reads are not one atomic snapshot. Against a live system
+a row can differ only because a script ran between two reads; run against a quiet system, or
+re-check (``verify_confirmed`` reports only rows that differ the same way in two passes).
+
+``repair`` rewrites counters from the truth: per shape instance in one Lua call
+(lua/repair.lua, which moves the model's waiting counters by the instance's own correction),
+then model and job counters in a WATCH/MULTI transaction that gives up when a script writes
+the model's state in between (retried a few times).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import redis
+
+from conductor import keys as K
+from conductor.config import DEFAULTS
+
+PAGE = 1000  # entries per SCAN / HSCAN / XRANGE step
+PENDING_PAGE = 500
+LIST_PAGE = 100
+EXAMPLES = 20  # item ids quoted per ledger finding
+
+_blob_decoder = msgspec.msgpack.Decoder()
+
+
+class _ResultStatus(msgspec.Struct):
+    id: str
+    error: Any = None
+
+
+_result_decoder = msgspec.json.Decoder(_ResultStatus)
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _i(v: Any) -> int:
+    if v is None:
+        return 0
+    try:
+        return int(float(_s(v)))
+    except ValueError:
+        return 0
+
+
+def pad8(n: int) -> int:
+    return -(-n // 8) * 8
+
+
+@dataclass(frozen=True)
+class Row:
+    """One counter next to the truth it counts. ``kind`` groups rows for the drift gauge."""
+
+    model: str
+    key: str
+    field: str
+    recorded: int
+    truth: int
+    kind: str
+
+    @property
+    def diff(self) -> int:
+        return self.recorded - self.truth
+
+
+@dataclass
+class Report:
+    model: str
+    rows: list[Row] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)  # ledger findings (items=True)
+
+    @property
+    def drift(self) -> list[Row]:
+        return [r for r in self.rows if r.diff]
+
+    @property
+    def ok(self) -> bool:
+        return not self.drift and not self.problems
+
+    def by_kind(self) -> dict[str, int]:
+        """Sum of absolute differences per kind of counter (the drift gauge's value)."""
+        out: dict[str, int] = {}
+        for r in self.rows:
+            out[r.kind] = out.get(r.kind, 0) + abs(r.diff)
+        return out
+
+
+@dataclass
+class _Lane:
+    items: int = 0
+    tokens: int = 0
+    max_tok: int = 0
+
+
+@dataclass
+class _Cfg:
+    disk: bool
+    budget_tokens: float
+    budget_items: float
+
+    def weight(self, items: int, tokens: int, rep: int) -> int:
+        return tokens if self.disk else items * pad8(rep)
+
+    def ready(self, items: int, tokens: int, rep: int) -> bool:
+        return items >= self.budget_items or self.weight(items, tokens, rep) >= self.budget_tokens
+
+
+def _cfg(r: redis.Redis, mk: K.ModelKeys) -> _Cfg:
+    raw = r.hmget(mk.cfg, ["mode", "budget_tokens", "budget_items"])
+
+    def num(v: Any, name: str) -> float:
+        try:
+            return float(_s(v))
+        except (TypeError, ValueError):
+            return float(DEFAULTS[name])
+
+    return _Cfg(disk=_s(raw[0]) == "disk" if raw[0] else DEFAULTS["mode"] == "disk",
+                budget_tokens=num(raw[1], "budget_tokens"), budget_items=num(raw[2], "budget_items"))
+
+
+@dataclass
+class _Keys:
+    """The model's keys found by one SCAN, grouped by what they hold."""
+
+    insts: set[str] = field(default_factory=set)
+    lanes: dict[str, set[str]] = field(default_factory=dict)  # inst -> lane ids (streams or metas)
+    jobs: set[str] = field(default_factory=set)
+
+
+def _classify(r: redis.Redis, mk: K.ModelKeys) -> _Keys:
+    b = re.escape(mk.base)
+    inst_re = re.compile(rf"^{b}:inst:([0-9a-f]{{16}}:\d+)(?::[a-z_]+)?$")
+    lane_re = re.compile(rf"^{b}:lane(?:meta)?:([0-9a-f]{{16}}:\d+):(\d+)$")
+    job_re = re.compile(rf"^{b}:job:([^:]+)(?::(?:items|results))?$")
+    out = _Keys()
+    for raw in r.scan_iter(match=f"{mk.base}:*", count=PAGE):
+        key = _s(raw)
+        if m := inst_re.match(key):
+            out.insts.add(m.group(1))
+        elif m := lane_re.match(key):
+            out.lanes.setdefault(m.group(1), set()).add(m.group(2))
+        elif m := job_re.match(key):
+            out.jobs.add(m.group(1))
+    return out
+
+
+def _xrange(r: redis.Redis, key: str) -> Iterator[tuple[bytes, dict]]:
+    start = "-"
+    while True:
+        page = r.xrange(key, min=start, max="+", count=PAGE)
+        yield from page
+        if len(page) < PAGE:
+            return
+        start = "(" + _s(page[-1][0])
+
+
+def _zset(r: redis.Redis, key: str) -> dict[str, float]:
+    return {_s(m): float(s) for m, s in r.zscan_iter(key, count=PAGE)}
+
+
+class _Ledger:
+    """Where every item id is: (job, id) -> places. Only kept with items=True."""
+
+    def __init__(self) -> None:
+        self.places: dict[tuple[str, str], list[str]] = {}
+        self.state: dict[tuple[str, str], str] = {}
+
+    def add(self, job: Any, iid: Any, place: str) -> None:
+        self.places.setdefault((_s(job), _s(iid)), []).append(place)
+
+    def problems(self, model: str) -> list[str]:
+        lost, dup, phantom, done_waiting = [], [], [], []
+        for key, st in self.state.items():
+            places = self.places.get(key, [])
+            if st == "q":
+                if not places:
+                    lost.append(key)
+                elif len(places) > 1:
+                    dup.append((key, places))
+            elif any(p.startswith("lane ") for p in places):
+                done_waiting.append((key, places))
+        for key, places in self.places.items():
+            if key not in self.state:
+                phantom.append((key, places))
+        out = []
+
+        def show(xs: list) -> str:
+            return ", ".join(str(x) for x in xs[:EXAMPLES]) + (" ..." if len(xs) > EXAMPLES else "")
+
+        if lost:
+            out.append(f"{model}: {len(lost)} queued item(s) are in no lane, pending batch or reclaimed batch "
+                       f"(lost): {show(lost)}")
+        if dup:
+            out.append(f"{model}: {len(dup)} queued item(s) are in more than one place (duplicated): {show(dup)}")
+        if done_waiting:
+            out.append(f"{model}: {len(done_waiting)} item(s) with a result still wait in a lane: {show(done_waiting)}")
+        if phantom:
+            out.append(f"{model}: {len(phantom)} item(s) wait that no job submitted: {show(phantom)}")
+        return out
+
+
+def verify(r: redis.Redis, model: str, *, items: bool = False) -> Report:
+    """Every counter of ``model`` next to its truth (see the module docstring)."""
+    mk = K.ModelKeys(model)
+    rep = Report(model)
+    rows = rep.rows
+    ledger = _Ledger() if items else None
+    cfg = _cfg(r, mk)
+    found = _classify(r, mk)
+
+    def row(key: str, fld: str, recorded: int, truth: int, kind: str) -> None:
+        rows.append(Row(model, key, fld, int(recorded), int(truth), kind))
+
+    # ---- lanes and shape instances
+    staged = _zset(r, mk.staged)
+    state = {_s(k): _s(v) for k, v in r.hgetall(mk.state).items()}
+    model_tokens = model_items = 0
+    for inst in sorted(found.insts | set(found.lanes) | set(staged)):
+        ih = {_s(k): _s(v) for k, v in r.hgetall(mk.inst(inst)).items()}
+        lanes_z = _zset(r, mk.inst_lanes(inst))
+        fill = _zset(r, mk.inst_fill(inst))
+        ready = _zset(r, mk.inst_ready(inst))
+        free = {_s(x) for x in r.sscan_iter(mk.inst_free(inst), count=PAGE)}
+        lane_ids = sorted(set(lanes_z) | set(fill) | set(ready) | found.lanes.get(inst, set()), key=int)
+        inst_tokens = inst_items = 0
+        for lane in lane_ids:
+            lk, mkey = mk.lane(inst, lane), mk.lanemeta(inst, lane)
+            t = _Lane()
+            for _eid, f in _xrange(r, lk):
+                tok = _i(f.get(b"tok"))
+                t.items += 1
+                t.tokens += tok
+                t.max_tok = max(t.max_tok, tok)
+                if ledger is not None:
+                    ledger.add(f.get(b"job"), f.get(b"id"), f"lane {inst}:{lane}")
+            meta = r.hmget(mkey, ["items", "tokens", "rep"])
+            has_meta = any(v is not None for v in meta)
+            m_items, m_tokens, m_rep = (_i(v) for v in meta)
+            inst_tokens += t.tokens
+            inst_items += t.items
+            if has_meta or t.items:
+                row(mkey, "items", m_items, t.items, "lane.items")
+                row(mkey, "tokens", m_tokens, t.tokens, "lane.tokens")
+                # Lanes only grow: the rep bounds every item, else a memory-mode batch under-pads.
+                row(mkey, "rep", m_rep, max(m_rep, t.max_tok), "lane.rep")
+            if has_meta or lane in lanes_z:
+                row(mk.inst_lanes(inst), f"lane {lane} rep", int(lanes_z.get(lane, 0)), m_rep, "lanes.rep")
+            in_fill = lane in fill
+            row(mk.inst_fill(inst), f"lane {lane} member", int(in_fill), int(t.items > 0), "fill.member")
+            if in_fill and t.items:
+                row(mk.inst_fill(inst), f"lane {lane} score", int(fill[lane]),
+                    cfg.weight(t.items, t.tokens, max(m_rep, t.max_tok)), "fill.score")
+            if has_meta or t.items:
+                row(mk.inst_free(inst), f"lane {lane} member", int(lane in free), 0, "free.member")
+            row(mk.inst_ready(inst), f"lane {lane} member", int(lane in ready),
+                int(t.items > 0 and cfg.ready(t.items, t.tokens, max(m_rep, t.max_tok))), "ready.member")
+        ist = ih.get("state", "")
+        if ih or inst_items:
+            row(mk.inst(inst), "tokens", _i(ih.get("tokens")), inst_tokens, "inst.tokens")
+            row(mk.inst(inst), "items", _i(ih.get("items")), inst_items, "inst.items")
+        should_stage = ist in ("staged", "warming")
+        if should_stage or inst in staged:
+            row(mk.staged, f"{inst} member", int(inst in staged), int(should_stage), "staged.member")
+        if should_stage and inst in staged:
+            row(mk.staged, f"{inst} score", int(staged[inst]), inst_tokens, "staged.score")
+        model_tokens += inst_tokens
+        model_items += inst_items
+    row(mk.state, "tokens", _i(state.get("tokens")), model_tokens, "state.tokens")
+    row(mk.state, "items", _i(state.get("items")), model_items, "state.items")
+
+    # ---- in flight: the group's pending entries and the n of each
+    batches, pending_items, pending_ids = _pending(r, mk, ledger)
+    row(mk.state, "inflight_batches", _i(state.get("inflight_batches")), batches, "state.inflight_batches")
+    row(mk.state, "inflight_items", _i(state.get("inflight_items")), pending_items, "state.inflight_items")
+    leaked = sum(1 for eid, _f in _xrange(r, mk.batches) if _s(eid) not in pending_ids)
+    row(mk.batches, "entries not pending", leaked, 0, "batches.leaked")
+
+    # ---- reclaimed batches
+    row(mk.state, "reclaimed_items", _i(state.get("reclaimed_items")), _reclaimed(r, mk, ledger),
+        "state.reclaimed_items")
+
+    # ---- jobs
+    sums = {"submitted": 0, "completed": 0, "failed": 0}
+    for job in sorted(found.jobs):
+        truth = _job_truth(r, mk, job, ledger)
+        jh = r.hmget(mk.job(job), ["submitted", "completed", "failed"])
+        for fld, v in zip(("submitted", "completed", "failed"), jh, strict=True):
+            row(mk.job(job), fld, _i(v), truth[fld], f"job.{fld}")
+            sums[fld] += truth[fld]
+        row(mk.job_items(job), "done (d)", truth["done"], truth["results"], "job.done")
+        if truth["dup_results"]:
+            rep.problems.append(f"{model}: job {job} has {truth['dup_results']} duplicated result record(s)")
+    for fld, v in sums.items():
+        row(mk.state, fld, _i(state.get(fld)), v, f"state.{fld}")
+    if ledger is not None:
+        rep.problems.extend(ledger.problems(model))
+    return rep
+
+
+def _pending(r: redis.Redis, mk: K.ModelKeys, ledger: _Ledger | None) -> tuple[int, int, set[str]]:
+    ids: set[str] = set()
+    items = 0
+    start = "-"
+    while True:
+        try:
+            page = r.xpending_range(mk.batches, K.GROUP, min=start, max="+", count=PENDING_PAGE)
+        except redis.ResponseError as e:
+            if "NOGROUP" in str(e):
+                return 0, 0, ids
+            raise
+        if not page:
+            break
+        pipe = r.pipeline(transaction=False)
+        for p in page:
+            pipe.xrange(mk.batches, min=p["message_id"], max=p["message_id"])
+        for p, entry in zip(page, pipe.execute(), strict=True):
+            bid = _s(p["message_id"])
+            ids.add(bid)
+            if not entry:
+                continue  # a pending entry whose message was deleted counts no items
+            f = entry[0][1]
+            items += _i(f.get(b"n"))
+            if ledger is not None and f.get(b"b"):
+                for it in _blob_decoder.decode(f[b"b"])[7]:
+                    ledger.add(it[1], it[0], f"batch {bid}")
+        if len(page) < PENDING_PAGE:
+            break
+        start = "(" + _s(page[-1]["message_id"])
+    return len(ids), items, ids
+
+
+def _reclaimed(r: redis.Redis, mk: K.ModelKeys, ledger: _Ledger | None) -> int:
+    n = 0
+    i = 0
+    while True:
+        page = r.lrange(mk.reclaimed, i, i + LIST_PAGE - 1)
+        for blob in page:
+            its = _blob_decoder.decode(blob)[7]
+            n += len(its)
+            if ledger is not None:
+                for it in its:
+                    ledger.add(it[1], it[0], "reclaimed")
+        if len(page) < LIST_PAGE:
+            return n
+        i += LIST_PAGE
+
+
+def _job_truth(r: redis.Redis, mk: K.ModelKeys, job: str, ledger: _Ledger | None) -> dict[str, int]:
+    submitted = done = 0
+    for iid, st in r.hscan_iter(mk.job_items(job), count=PAGE):
+        submitted += 1
+        s = _s(st)
+        if s == "d":
+            done += 1
+        if ledger is not None:
+            ledger.state[(job, _s(iid))] = s
+    ok = err = results = 0
+    seen: set[str] | None = set() if ledger is not None else None
+    dup = 0
+    for _eid, f in _xrange(r, mk.job_results(job)):
+        results += 1
+        try:
+            rec = _result_decoder.decode(f.get(b"r", b""))
+        except msgspec.DecodeError:
+            err += 1  # an unreadable record is no success
+            continue
+        if rec.error is None:
+            ok += 1
+        else:
+            err += 1
+        if seen is not None:
+            if rec.id in seen:
+                dup += 1
+            seen.add(rec.id)
+    return {"submitted": submitted, "completed": ok, "failed": err, "done": done, "results": results,
+            "dup_results": dup}
+
+
+def verify_confirmed(r: redis.Redis, model: str, *, items: bool = False, pause_s: float = 0.2) -> Report:
+    """Like ``verify``, but a differing row counts only when a second pass finds the same difference.
+
+    Meant for a live system, where one pass can catch a script between two of its reads.
+    """
+    first = verify(r, model, items=items)
+    if first.ok:
+        return first
+    time.sleep(pause_s)
+    second = verify(r, model, items=items)
+    seen = {(x.key, x.field, x.diff) for x in first.drift}
+    confirmed = {(x.key, x.field) for x in second.drift if (x.key, x.field, x.diff) in seen}
+    rows = [x if (x.key, x.field) in confirmed or not x.diff else Row(x.model, x.key, x.field, x.truth, x.truth, x.kind)
+            for x in second.rows]
+    problems = [p for p in second.problems if p in first.problems]
+    return Report(model, rows, problems)
+
+
+# ---------------------------------------------------------------------------- repair
+
+@dataclass(frozen=True)
+class Change:
+    key: str
+    field: str
+    old: str
+    new: str
+
+
+def repair(r: redis.Redis, model: str, *, attempts: int = 5) -> tuple[list[Change], list[str]]:
+    """Rewrite ``model``'s counters from the truth. Returns (changes made, what could not be done)."""
+    from conductor.scripts import Scripts
+
+    mk = K.ModelKeys(model)
+    scripts = Scripts(r)
+    changes: list[Change] = []
+    failed: list[str] = []
+    found = _classify(r, mk)
+    staged = _zset(r, mk.staged)
+    for inst in sorted(found.insts | set(found.lanes) | set(staged)):
+        extra = sorted(found.lanes.get(inst, set()), key=int)
+        try:
+            out = scripts.repair(keys=[mk.base, mk.cfg, mk.state], args=[inst, *extra])
+        except redis.ResponseError as e:
+            failed.append(f"{mk.inst(inst)}: {e}")
+            continue
+        for i in range(0, len(out), 4):
+            changes.append(Change(*(_s(x) for x in out[i:i + 4])))
+    for _ in range(attempts):
+        try:
+            changes += _repair_model(r, mk)
+            break
+        except redis.WatchError:
+            time.sleep(0.05)
+    else:
+        failed.append(f"{mk.state}: the model's state kept changing during {attempts} attempts; "
+                      "model and job counters not repaired (retry on a quieter system)")
+    return changes, failed
+
+
+def _repair_model(r: redis.Redis, mk: K.ModelKeys) -> list[Change]:
+    """Model and job counters from the truth, in one WATCH/MULTI transaction.
+
+    Every script that moves these counters writes the model's state hash, so a script that
+    runs between the reads and the writes aborts the transaction (WatchError) instead of
+    being overwritten; the job keys cover a job written without a count change.
+    """
+    found = _classify(r, mk)
+    jobs_sorted = sorted(found.jobs)
+    with r.pipeline(transaction=True) as pipe:
+        watch = [mk.state, mk.batches, mk.reclaimed]
+        for job in jobs_sorted:
+            watch += [mk.job(job), mk.job_items(job), mk.job_results(job)]
+        pipe.watch(*watch)
+        # Reads on the plain client: WATCH sees writes from every connection until EXEC.
+        state = {_s(k): _s(v) for k, v in r.hgetall(mk.state).items()}
+        truth: dict[str, int] = {"tokens": 0, "items": 0}
+        for inst in sorted(found.insts):
+            tok, n = r.hmget(mk.inst(inst), ["tokens", "items"])
+            truth["tokens"] += _i(tok)
+            truth["items"] += _i(n)
+        truth["inflight_batches"], truth["inflight_items"], _ids = _pending(r, mk, None)
+        truth["reclaimed_items"] = _reclaimed(r, mk, None)
+        sums = {"submitted": 0, "completed": 0, "failed": 0}
+        job_rows: list[tuple[str, str, str, int]] = []
+        for job in jobs_sorted:
+            jt = _job_truth(r, mk, job, None)
+            cur = r.hmget(mk.job(job), ["submitted", "completed", "failed"])
+            for fld, v in zip(("submitted", "completed", "failed"), cur, strict=True):
+                sums[fld] += jt[fld]
+                if _i(v) != jt[fld]:
+                    job_rows.append((job, fld, _s(v) if v is not None else "", jt[fld]))
+        truth.update(sums)
+        changes: list[Change] = []
+        pipe.multi()
+        for fld, v in truth.items():
+            if _i(state.get(fld)) != v:
+                pipe.hset(mk.state, fld, v)
+                changes.append(Change(mk.state, fld, state.get(fld, ""), str(v)))
+        for job, fld, old, new in job_rows:
+            pipe.hset(mk.job(job), fld, new)
+            changes.append(Change(mk.job(job), fld, old, str(new)))
+        pipe.execute()
+    return changes

@@ -1,0 +1,173 @@
+-- repair.lua: rewrite one shape instance's counters from its lane streams (conductor inspect
+-- --verify --repair; conductor/verify.py). An operator's tool, not a hot path: it reads every
+-- entry of the instance's lanes inside one call.
+--
+-- KEYS[1] base    cdr:{model}
+-- KEYS[2] cfg     cdr:{model}:cfg
+-- KEYS[3] state   cdr:{model}:state   (read only here: the model's counters are rewritten after
+--                                      every instance, as the sum of the instances, by verify.py)
+-- ARGV[1] inst    "S:E": signature (hex) and epoch
+-- ARGV[2..]       lane ids a SCAN found for this instance (streams or metas that the instance's
+--                 lanes ZSET may no longer list)
+-- Returns: a flat list of changes, 4 strings each: key, field, old value, new value ('' when
+--   absent). Errors, with nothing written: 'ERR_ARG inst: ...'; 'ERR_STATE inst: ...' when
+--   lanes hold items but the instance hash is gone (a human must decide where they belong).
+-- Invariant: afterwards each lane's meta items and tokens equal its stream, its rep bounds its
+--   longest item and scores it in the lanes ZSET, fill scores exactly the non-empty lanes with
+--   their weight, ready holds exactly the lanes with a full batch under the current config, no
+--   lane in use is in the free set, the instance's tokens and items are the sum of its lanes,
+--   and a staged or warming instance (only those) is scored in the staged ZSET with its tokens.
+--@include lib.lua
+
+local base, cfg_key = KEYS[1], KEYS[2]
+local inst = ARGV[1]
+if not inst or not string.match(inst, '^%x+:%d+$') then
+  return redis.error_reply('ERR_ARG inst: must be a shape instance "S:E"')
+end
+for i = 2, #ARGV do
+  if not string.match(ARGV[i], '^%d+$') then return redis.error_reply('ERR_ARG lane: must be a lane id') end
+end
+local cfg = load_cfg(cfg_key)
+local now = now_ms()
+local ik = base .. ':inst:' .. inst
+local out = {}
+local function changed(key, field, old, new)
+  out[#out + 1] = key
+  out[#out + 1] = field
+  out[#out + 1] = old and tostring(old) or ''
+  out[#out + 1] = new and tostring(new) or ''
+end
+
+local lanes, seen = {}, {}
+local function add(lane)
+  if not seen[lane] then
+    seen[lane] = true
+    lanes[#lanes + 1] = lane
+  end
+end
+for _, z in ipairs({':lanes', ':fill', ':ready'}) do
+  for _, lane in ipairs(redis.call('ZRANGE', ik .. z, 0, -1)) do add(lane) end
+end
+for i = 2, #ARGV do add(ARGV[i]) end
+
+-- Truth first, so an instance that cannot be repaired is refused before the first write.
+local truth, total_tok, total_items = {}, 0, 0
+for _, lane in ipairs(lanes) do
+  local n, tok, mx = 0, 0, 0
+  for _, e in ipairs(redis.call('XRANGE', base .. ':lane:' .. inst .. ':' .. lane, '-', '+')) do
+    local f = e[2]
+    for j = 1, #f, 2 do
+      if f[j] == 'tok' then
+        local t = tonumber(f[j + 1]) or 0
+        tok = tok + t
+        if t > mx then mx = t end
+      end
+    end
+    n = n + 1
+  end
+  truth[lane] = {n = n, tok = tok, mx = mx}
+  total_tok = total_tok + tok
+  total_items = total_items + n
+end
+local exists = redis.call('EXISTS', ik) == 1
+if not exists and total_items > 0 then
+  return redis.error_reply('ERR_STATE inst: ' .. inst .. ' is gone but its lanes hold ' .. total_items ..
+    ' items (' .. total_tok .. ' tokens)')
+end
+
+for _, lane in ipairs(lanes) do
+  local t = truth[lane]
+  local mk = base .. ':lanemeta:' .. inst .. ':' .. lane
+  local meta = redis.call('HMGET', mk, 'items', 'tokens', 'rep')
+  local has_meta = meta[1] or meta[2] or meta[3]
+  local rep = num(meta[3])
+  if t.n > 0 or has_meta then
+    if num(meta[1]) ~= t.n then
+      redis.call('HSET', mk, 'items', t.n)
+      changed(mk, 'items', meta[1], t.n)
+    end
+    if num(meta[2]) ~= t.tok then
+      redis.call('HSET', mk, 'tokens', t.tok)
+      changed(mk, 'tokens', meta[2], t.tok)
+    end
+    if rep < t.mx or not meta[3] then
+      local new = math.max(rep, t.mx)
+      redis.call('HSET', mk, 'rep', new)
+      changed(mk, 'rep', meta[3], new)
+      rep = new
+    end
+    if t.n > 0 then
+      redis.call('HSETNX', mk, 'last_ms', now)
+      redis.call('HSETNX', mk, 'since_ms', now)
+    end
+    local score = redis.call('ZSCORE', ik .. ':lanes', lane)
+    if tonumber(score) ~= rep then
+      redis.call('ZADD', ik .. ':lanes', rep, lane)
+      changed(ik .. ':lanes', 'lane ' .. lane .. ' rep', score, rep)
+    end
+    if redis.call('SREM', ik .. ':free', lane) == 1 then changed(ik .. ':free', 'lane ' .. lane, 1, 0) end
+  else
+    -- Listed but without meta or items: a lane that was never retired; retire it.
+    local score = redis.call('ZSCORE', ik .. ':lanes', lane)
+    if score then
+      redis.call('ZREM', ik .. ':lanes', lane)
+      changed(ik .. ':lanes', 'lane ' .. lane .. ' rep', score, nil)
+      if exists then redis.call('SADD', ik .. ':free', lane) end
+    end
+  end
+  local fs = redis.call('ZSCORE', ik .. ':fill', lane)
+  local in_ready = redis.call('ZSCORE', ik .. ':ready', lane)
+  if t.n > 0 then
+    local w = lane_weight(cfg, t.n, t.tok, rep)
+    if tonumber(fs) ~= w then
+      redis.call('ZADD', ik .. ':fill', w, lane)
+      changed(ik .. ':fill', 'lane ' .. lane, fs, w)
+    end
+    local should = lane_is_ready(cfg, t.n, t.tok, rep)
+    if should and not in_ready then
+      redis.call('ZADD', ik .. ':ready', lane, lane)
+      changed(ik .. ':ready', 'lane ' .. lane, 0, 1)
+    elseif in_ready and not should then
+      redis.call('ZREM', ik .. ':ready', lane)
+      changed(ik .. ':ready', 'lane ' .. lane, 1, 0)
+    end
+  else
+    if fs then
+      redis.call('ZREM', ik .. ':fill', lane)
+      changed(ik .. ':fill', 'lane ' .. lane, fs, nil)
+    end
+    if in_ready then
+      redis.call('ZREM', ik .. ':ready', lane)
+      changed(ik .. ':ready', 'lane ' .. lane, 1, 0)
+    end
+  end
+end
+
+if exists then
+  local cur = redis.call('HMGET', ik, 'tokens', 'items', 'state')
+  if num(cur[1]) ~= total_tok then
+    redis.call('HSET', ik, 'tokens', total_tok)
+    changed(ik, 'tokens', cur[1], total_tok)
+  end
+  if num(cur[2]) ~= total_items then
+    redis.call('HSET', ik, 'items', total_items)
+    changed(ik, 'items', cur[2], total_items)
+  end
+  local sc = redis.call('ZSCORE', base .. ':staged', inst)
+  if cur[3] == 'staged' or cur[3] == 'warming' then
+    if tonumber(sc) ~= total_tok then
+      redis.call('ZADD', base .. ':staged', total_tok, inst)
+      changed(base .. ':staged', inst, sc, total_tok)
+    end
+  elseif sc then
+    redis.call('ZREM', base .. ':staged', inst)
+    changed(base .. ':staged', inst, sc, nil)
+  end
+else
+  local sc = redis.call('ZSCORE', base .. ':staged', inst)
+  if sc then
+    redis.call('ZREM', base .. ':staged', inst)
+    changed(base .. ':staged', inst, sc, nil)
+  end
+end
+return out
