@@ -43,6 +43,7 @@ def cdr(redis_url: str) -> Conductor:
 @pytest.fixture()
 def fresh_server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
     """A private server a test may kill and restart (AOF with fsync always)."""
+    (tmp_path / "redis").mkdir()  # redis-server refuses to start in a --dir that does not exist
     srv = EmbeddedRedis(appendonly=True, appendfsync="always", dir=str(tmp_path / "redis")).start()
     yield srv
     srv.close()

@@ -32,10 +32,10 @@ import redis
 
 from conductor import keys as K
 from conductor.client import Conductor
-from conductor.errors import RedisUnavailable
 from conductor.records import Batch, Contract, Result
 from workers.engines.base import Engine, Finished
 from workers.latch import AdmissionLatch
+from workers.transient import RIDE_OUT, is_transient
 
 log = logging.getLogger("conductor.worker")
 
@@ -118,8 +118,7 @@ class Worker:
         period = self.opts.heartbeat_ttl_s / 3
         while not self.stopping.wait(period):
             try:
-                with self._lock:
-                    ids = [b.batch.batch_id for b in self.inflight.values()]
+                ids = self.leased_ids()
                 pipe = self.c.r.pipeline(transaction=False)
                 pipe.set(self.keys.heartbeat(self.name), int(time.time() * 1000),
                          px=int(self.opts.heartbeat_ttl_s * 1000))
@@ -128,6 +127,13 @@ class Worker:
                 pipe.execute()
             except (redis.RedisError, OSError) as e:
                 event("heartbeat_failed", worker=self.name, error=str(e))
+
+    def leased_ids(self) -> list[str]:
+        """Batches this worker still owes results for: running ones and those waiting to be written."""
+        with self._lock:
+            ids = [b.batch.batch_id for b in self.inflight.values()]
+            ids += [batch.batch_id for batch, _, _ in self.retry if batch.batch_id not in ids]
+        return ids
 
     def request_stop(self, *_: object) -> None:
         self.stopping.set()
@@ -157,7 +163,7 @@ class Worker:
             if entry.left == 0:
                 with self._lock:
                     del self.inflight[fin.batch.batch_id]
-                self.retry.append((entry.batch, entry.results, True))
+                    self.retry.append((entry.batch, entry.results, True))
 
     def _flush_writes(self) -> bool:
         """Write queued results, oldest first; False when Redis is away (kept for retry)."""
@@ -165,17 +171,28 @@ class Worker:
             batch, results, final = self.retry[0]
             try:
                 self.c.complete(batch, results, final=final)
-            except (redis.ConnectionError, redis.TimeoutError, RedisUnavailable, OSError) as e:
+            except RIDE_OUT as e:
+                if not is_transient(e):
+                    raise
                 event("complete_retry", worker=self.name, batch=batch.batch_id, error=str(e))
                 return False
-            self.retry.popleft()
+            with self._lock:
+                self.retry.popleft()
         return True
 
     # ------------------------------------------------------------------ loop
+    def pending(self) -> int:
+        """Items pulled and not yet written back: in a batch still running (alive in the engine or
+        finished beside siblings that are not) or waiting in the retry buffer."""
+        with self._lock:
+            return (sum(len(e.batch.items) for e in self.inflight.values())
+                    + sum(len(results) for _, results, _ in self.retry))
+
     def free_slots(self) -> int | None:
+        """How many items one pull may ask for (None: only the engine's contract limits it)."""
         limits = [x for x in (self.latch.room(self.engine.active()),
                               None if self.opts.pending_ceiling is None
-                              else self.opts.pending_ceiling - self.engine.active()) if x is not None]
+                              else self.opts.pending_ceiling - self.pending()) if x is not None]
         return min(limits) if limits else None
 
     def _pull(self) -> bool:
@@ -192,9 +209,24 @@ class Worker:
         self.batches_claimed += 1
         with self._lock:
             self.inflight[batch.batch_id] = _InFlight(batch, len(batch.items))
-        refused = self.engine.admit(batch, batch.items)
+        try:
+            refused = self.engine.admit(batch, batch.items)
+        except Exception as e:  # noqa: BLE001 - any engine failure: the batch goes back, the worker lives
+            self._give_back_failed(batch, e)
+            return True
         self._collect(refused)
         return True
+
+    def _give_back_failed(self, batch: Batch, err: Exception) -> None:
+        """The engine could not take a batch: requeue it (fail.lua counts deliveries, dead-letters at N)."""
+        with self._lock:
+            self.inflight.pop(batch.batch_id, None)
+        event("admit_failed", worker=self.name, batch=batch.batch_id, error=repr(err))
+        try:
+            self.c.fail(batch, self.name, f"engine {self.engine.kind}: {err!r}")
+        except RIDE_OUT as e:
+            # Left pending under this consumer: a reclaim after this worker stops picks it up.
+            event("fail_write_failed", worker=self.name, batch=batch.batch_id, error=str(e))
 
     def turn(self) -> bool:
         """One turn of the loop; returns whether anything happened."""
@@ -211,7 +243,9 @@ class Worker:
         if self.latch.admits(self.engine.active()):
             try:
                 busy = self._pull() or busy
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+            except RIDE_OUT as e:
+                if not is_transient(e):
+                    raise
                 event("claim_failed", worker=self.name, error=str(e))
         return busy
 
@@ -254,14 +288,21 @@ class Worker:
 
     def hand_back(self) -> None:
         """Write what finished, and give unfinished batches to the reclaimed queue at once."""
-        for entry in list(self.inflight.values()):
-            if entry.results:
-                self.retry.append((entry.batch, entry.results, False))
-        self._flush_writes()
+        with self._lock:
+            for entry in self.inflight.values():
+                if entry.results:
+                    self.retry.append((entry.batch, entry.results, False))
         ids = [e.batch.batch_id for e in self.inflight.values()]
-        if ids:
-            self.c.reclaim_consumer(self.contract.model, self.name, force=True)
-        event("handed_back", worker=self.name, batches=len(ids))
-        self.inflight.clear()
+        try:
+            self._flush_writes()
+            res = self.c.reclaim_consumer(self.contract.model, self.name, force=True) if ids else {}
+        except RIDE_OUT as e:
+            # Redis is away: the batches stay pending under this name and the heartbeat key
+            # expires, so the next reclaim sweep hands them on (as after a SIGKILL).
+            event("hand_back_failed", worker=self.name, batches=len(ids), error=str(e))
+            res = {}
+        event("handed_back", worker=self.name, batches=len(ids), requeued=res.get("items", 0))
+        with self._lock:
+            self.inflight.clear()
         self.engine.close()
 

@@ -1,0 +1,28 @@
+"""Which Redis failures a worker rides out (keep the work, retry later) rather than dies of.
+
+A connection that drops is the obvious case; a server that is up but refuses writes for a
+while is the other one: no replica acknowledges (NOREPLICAS), a failover left it read-only
+(READONLY), it is loading its data (LOADING), a script is hogging it (BUSY), it is out of
+memory (OOM, which the client reports as QueueFull). A worker that died on these would throw
+away finished sequences it could have written a second later.
+"""
+
+from __future__ import annotations
+
+import redis
+
+from conductor.errors import QueueFull, RedisUnavailable
+
+_TRANSIENT_REPLIES = ("NOREPLICAS", "READONLY", "LOADING", "BUSY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN",
+                      "OOM")
+
+RIDE_OUT: tuple[type[BaseException], ...] = (redis.RedisError, RedisUnavailable, QueueFull, OSError)
+
+
+def is_transient(e: BaseException) -> bool:
+    """True for failures that pass by themselves; False for bugs and bad arguments."""
+    if isinstance(e, (redis.ConnectionError, redis.TimeoutError, RedisUnavailable, QueueFull, OSError)):
+        return True
+    if isinstance(e, redis.ResponseError):
+        return str(e).startswith(_TRANSIENT_REPLIES)
+    return False
