@@ -163,6 +163,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from conductor.inspect import model_overview, render
     c = _conductor(args)
     models = [args.model] if args.model else c.models()
+    if args.verify or args.repair:
+        from conductor.verify import cli_verify
+        return cli_verify(c.r, models, do_repair=args.repair, show_all=args.all, ledger=not args.no_ledger,
+                          as_json=args.json)
     views = [model_overview(c, m, lanes=args.lanes) for m in models]
     if args.json:
         print(json.dumps(views, default=str))
@@ -333,6 +337,12 @@ def build_parser() -> argparse.ArgumentParser:
     rc = sub.add_parser("reclaim", help="one reclaim sweep of a model's dead consumers")
     rc.add_argument("model")
     rc.add_argument("--min-idle-ms", type=int, default=0)
+    i.add_argument("--verify", action="store_true",
+                   help="recompute every counter from the data it counts; exit 1 when any differs")
+    i.add_argument("--repair", action="store_true", help="with --verify: rewrite differing counters from the truth")
+    i.add_argument("--all", action="store_true", help="with --verify: list lane-level counters that agree too")
+    i.add_argument("--no-ledger", action="store_true",
+                   help="with --verify: skip the per-item ledger (lost/duplicated items; memory grows with items)")
     rc.set_defaults(fn=cmd_reclaim)
 
     run = sub.add_parser("run", help="the main job: submit FILE, run N workers per model, write results")
