@@ -202,6 +202,19 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dead_letter(args: argparse.Namespace) -> int:
+    from conductor.deadletter import DeadLetter
+    dl = DeadLetter(_conductor(args))
+    if args.action == "list":
+        for d in dl.items(model=args.model, job=args.job):
+            print(json.dumps(d.as_dict()))
+    elif args.action == "retry":
+        print(json.dumps(dl.retry(model=args.model, job=args.job)))
+    else:
+        print(json.dumps({"purged": dl.purge(model=args.model, job=args.job)}))
+    return 0
+
+
 def cmd_reclaim(args: argparse.Namespace) -> int:
     c = _conductor(args)
     print(json.dumps(c.reclaim_dead(args.model, min_idle_ms=args.min_idle_ms)))
@@ -344,6 +357,12 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--no-ledger", action="store_true",
                    help="with --verify: skip the per-item ledger (lost/duplicated items; memory grows with items)")
     rc.set_defaults(fn=cmd_reclaim)
+
+    dl = sub.add_parser("dead-letter", help="list, retry or purge dead-lettered items")
+    dl.add_argument("action", choices=["list", "retry", "purge"])
+    dl.add_argument("--job")
+    dl.add_argument("--model")
+    dl.set_defaults(fn=cmd_dead_letter)
 
     run = sub.add_parser("run", help="the main job: submit FILE, run N workers per model, write results")
     run.add_argument("file")

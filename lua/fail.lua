@@ -27,5 +27,5 @@ local now = now_ms()
 --@include lib_requeue.lua
 local p = redis.call('XPENDING', batches_key, 'workers', bid, bid, 1, consumer)
 if #p == 0 then return {0, 0} end
-local k, d = requeue(bid, reason)
+local k, d = requeue(bid, reason, true)
 return {k, d}

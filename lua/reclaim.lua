@@ -11,6 +11,8 @@
 --                      0 disables this fallback
 -- ARGV[4] count        at most this many batches per call (the caller loops)
 -- Returns: {batches, items requeued, items dead-lettered, pending left, consumer deleted 0|1}
+--   A dead consumer's newest batch is blamed for its death (dead-lettered at max_deliveries),
+--   the others, and every batch of a live or draining one, only at twice that (lib_requeue.lua).
 -- Invariants: a consumer whose heartbeat key lives keeps its leased batches (the heartbeat
 --   thread extends leases with XCLAIM JUSTID); results already written are never redone;
 --   the consumer is deleted only once its pending list is empty (DELCONSUMER would discard it).
@@ -37,10 +39,18 @@ if alive and force ~= '1' then
   idle_floor = min_idle
 end
 
+-- A consumer that died holding several batches most likely died admitting the last one it
+-- took: only that one is blamed (lib_requeue.lua). A worker holds few batches, so this
+-- scan stays small.
+local newest = nil
+if not alive then
+  local all = redis.call('XPENDING', batches_key, 'workers', '-', '+', 100000, consumer)
+  if #all > 0 then newest = all[#all][1] end
+end
 local pending = redis.call('XPENDING', batches_key, 'workers', 'IDLE', idle_floor, '-', '+', count, consumer)
 local batches, items, dead = 0, 0, 0
 for _, p in ipairs(pending) do
-  local k, d = requeue(p[1], 'consumer ' .. consumer .. (alive and ' lost its lease' or ' died'))
+  local k, d = requeue(p[1], 'consumer ' .. consumer .. (alive and ' lost its lease' or ' died'), p[1] == newest)
   batches = batches + 1
   items = items + k
   dead = dead + d

@@ -165,3 +165,20 @@ def test_repeatedly_dying_items_travel_alone_then_go_to_the_dead_letter(cdr):
     assert (st["failed"], st["pending"]) == (3, 0)
     assert {r.error.code for r in cdr.read_results("j")} == {"dead_letter"}
     assert cdr.claim(contract(), "w")[1] == "idle"
+
+
+def test_a_dead_consumer_s_newest_batch_is_blamed_the_older_ones_are_not(cdr):
+    """Innocent items that shared a dying worker with a poison batch get twice the deliveries."""
+    quick(cdr, max_deliveries=2)
+    cdr.submit([item(f"{i:02d}", 10) for i in range(4)], "j")
+    for n in range(2):
+        older, _ = cdr.claim(contract(size=2), f"d{n}")
+        newer, _ = cdr.claim(contract(size=2), f"d{n}")
+        res = cdr.reclaim_dead("m")
+        if n == 1:
+            # both batches at 2 deliveries: only the newest one (the last the worker took) is dead
+            assert res["dead"] == 2 and {d[b"id"] for _, d in cdr.r.xrange(MK.dead)} == \
+                {i.id.encode() for i in newer.items}
+            break
+    b, _ = cdr.claim(contract(size=2), "w")
+    assert [i.deliveries for i in b.items] == [3] and b.items[0].id in {i.id for i in older.items}

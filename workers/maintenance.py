@@ -50,7 +50,10 @@ class Maintenance:
         try:
             if not int(self._renew(keys=[self.keys.maint_lease], args=[self.owner, self.lease_ms])):
                 return None
-            res = self.c.reclaim_dead(self.model)
+            # Live consumers lose only entries idle past stale_idle_ms: their heartbeat extends
+            # every lease it knows of, so such an entry is one whose claim reply never arrived
+            # (Redis died between running the script and answering).
+            res = self.c.reclaim_dead(self.model, min_idle_ms=self.stale_idle_ms)
             if res["batches"]:
                 log.info(json.dumps({"event": "reclaimed", "model": self.model, **res}))
             self._thrash_alarm()

@@ -1,0 +1,50 @@
+-- dead_retry.lua: give dead-lettered items another chance, atomically.
+--
+-- KEYS[1] base       cdr:{model}
+-- KEYS[2] state      cdr:{model}:state
+-- KEYS[3] dead       cdr:{model}:dead
+-- KEYS[4] reclaimed  cdr:{model}:reclaimed
+-- ARGV[1..]          ids of entries in the dead stream (1..1000)
+-- Returns: {retried, skipped}: skipped counts ids that are no longer in the dead stream, and
+--   entries whose item no longer holds its dead-letter result (a purged job, a second retry).
+-- Invariants: per retried item, in one step: its dead-letter result leaves the job's results
+--   stream, its state goes back d -> q, the job's and the model's failed counters go down by
+--   one, and it joins the reclaimed queue (served first) alone with its deliveries reset to 1;
+--   so a job holds at most one result per item, and the item is delivered again at most
+--   max_deliveries times before it comes back here.
+--@include lib.lua
+
+local base, state_key, dead_key, reclaimed_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+if #ARGV < 1 or #ARGV > 1000 then return redis.error_reply('ERR_ARG ids: give 1..1000 dead-letter ids') end
+for i = 1, #ARGV do
+  if not string.match(ARGV[i], '^%d+%-%d+$') then
+    return redis.error_reply('ERR_ARG ids: ' .. string.sub(ARGV[i], 1, 40) .. ' is not a stream id')
+  end
+end
+
+local now = now_ms()
+local retried, skipped = 0, 0
+for i = 1, #ARGV do
+  local entry = redis.call('XRANGE', dead_key, ARGV[i], ARGV[i])[1]
+  local f = {}
+  if entry then
+    for j = 1, #entry[2], 2 do f[entry[2][j]] = entry[2][j + 1] end
+  end
+  local jk = f.job and (base .. ':job:' .. f.job)
+  if jk and redis.call('HGET', jk .. ':items', f.id) == 'd' and f.rid
+      and redis.call('XDEL', jk .. ':results', f.rid) == 1 then
+    redis.call('HSET', jk .. ':items', f.id, 'q')
+    redis.call('HINCRBY', jk, 'failed', -1)
+    redis.call('HINCRBY', state_key, 'failed', -1)
+    redis.call('HINCRBY', state_key, 'dead_retried', 1)
+    local tok, mt = tonumber(f.tok), tonumber(f.mt)
+    redis.call('RPUSH', reclaimed_key, cmsgpack.pack({f.sig, tonumber(f.ep), tonumber(f.lane), pad8(tok), mt, now,
+      2, {{f.id, f.job, tok, mt, f.d, 1}}}))
+    redis.call('HINCRBY', state_key, 'reclaimed_items', 1)
+    redis.call('XDEL', dead_key, ARGV[i])
+    retried = retried + 1
+  else
+    skipped = skipped + 1
+  end
+end
+return {retried, skipped}
