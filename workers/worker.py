@@ -36,6 +36,7 @@ from conductor.records import Batch, Contract, Result
 from workers.engines.base import Engine, Finished
 from workers.latch import AdmissionLatch
 from workers.transient import RIDE_OUT, is_transient
+from workers.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("conductor.worker")
 
@@ -82,6 +83,7 @@ class Worker:
         self.output_tokens = 0
         self._lock = threading.Lock()
         self._hb_thread: threading.Thread | None = None
+        self.metrics = WorkerMetrics(self.contract.model, self.name, self.contract.max_batch_tokens)
 
     # ------------------------------------------------------------------ lifecycle
     def register(self) -> None:
@@ -178,6 +180,7 @@ class Worker:
                 return False
             with self._lock:
                 self.retry.popleft()
+            self.metrics.written(results)
         return True
 
     # ------------------------------------------------------------------ loop
@@ -207,6 +210,7 @@ class Worker:
         if batch is None:
             return False
         self.batches_claimed += 1
+        self.metrics.claimed(batch)
         with self._lock:
             self.inflight[batch.batch_id] = _InFlight(batch, len(batch.items))
         try:
@@ -228,11 +232,22 @@ class Worker:
             # Left pending under this consumer: a reclaim after this worker stops picks it up.
             event("fail_write_failed", worker=self.name, batch=batch.batch_id, error=str(e))
 
+    def _step(self) -> None:
+        t = time.perf_counter()
+        finished = self.engine.step()
+        self.metrics.stepped(time.perf_counter() - t)
+        self._collect(finished)
+
     def turn(self) -> bool:
         """One turn of the loop; returns whether anything happened."""
+        busy = self._turn()
+        self.metrics.state(self.engine.active(), self.latch.gated, self.latch.transitions, len(self.retry))
+        return busy
+
+    def _turn(self) -> bool:
         busy = False
         if self.engine.active():
-            self._collect(self.engine.step())
+            self._step()
             busy = True
         if not self._flush_writes():
             return busy
@@ -255,14 +270,8 @@ class Worker:
         self._hb_thread.start()
         idle_since = time.monotonic()
         sleep = 0.001
-        # The reclaim sweep runs in whichever live worker holds the model's maintenance lease.
-        from workers.maintenance import Maintenance
-        ttl_ms = int(self.opts.heartbeat_ttl_s * 1000)
-        maint = Maintenance(self.c, self.contract.model, self.name, lease_ms=max(1000, min(5000, 3 * ttl_ms)),
-                            stale_idle_ms=max(3000, 10 * ttl_ms))
         try:
             while not self.stopping.is_set():
-                maint.tick()
                 if self.turn():
                     idle_since = time.monotonic()
                     sleep = 0.001
@@ -285,7 +294,7 @@ class Worker:
         event("draining", worker=self.name, active=self.engine.active(), inflight=len(self.inflight))
         while (self.engine.active() or self.retry) and time.monotonic() < deadline:
             if self.engine.active():
-                self._collect(self.engine.step())
+                self._step()
             if not self._flush_writes():
                 time.sleep(0.05)
         if self.inflight:

@@ -1,0 +1,58 @@
+"""The worker's Prometheus figures (objects in conductor/metrics.py), bound to one model and worker.
+
+Kept out of the loop's code so the loop reads as the ladder it is: each method is one moment
+of a turn (a batch claimed, a step taken, results written, the state at the end of a turn).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from conductor import metrics as M
+from conductor.records import Batch, Result
+
+
+class WorkerMetrics:
+    def __init__(self, model: str, worker: str, budget_tokens: int) -> None:
+        self.model = model
+        self.budget_tokens = budget_tokens
+        lw = (model, worker)
+        self.active = M.ACTIVE_SLOTS.labels(*lw)
+        self.gated = M.LATCH_GATED.labels(*lw)
+        self.transitions = M.LATCH_TRANSITIONS.labels(*lw)
+        self.finished = M.FINISHED.labels(*lw)
+        self.output_tokens = M.OUTPUT_TOKENS.labels(*lw)
+        self.step_seconds = M.STEP_SECONDS.labels(*lw)
+        self.retry_depth = M.RETRY_DEPTH.labels(*lw)
+        self.shape_switches = M.SHAPE_SWITCHES.labels(*lw)
+        self.fill = M.BATCH_FILL.labels(model)
+        self.size = M.BATCH_SIZE.labels(model)
+        self.padded = M.PADDED_TOKENS.labels(model)
+        self.actual = M.ACTUAL_TOKENS.labels(model)
+        self._last_shape = ""
+        self._transitions_seen = 0
+
+    def claimed(self, batch: Batch) -> None:
+        self.size.observe(len(batch.items))
+        self.fill.observe(batch.padded_tokens / self.budget_tokens if self.budget_tokens else 0.0)
+        self.padded.inc(batch.padded_tokens)
+        self.actual.inc(batch.actual_tokens)
+        if self._last_shape and batch.shape != self._last_shape:
+            self.shape_switches.inc()
+        self._last_shape = batch.shape
+
+    def stepped(self, seconds: float) -> None:
+        self.step_seconds.observe(seconds)
+
+    def written(self, results: Sequence[Result]) -> None:
+        """Counted when the write lands: a finished sequence whose result is lost is worth nothing."""
+        self.finished.inc(len(results))
+        self.output_tokens.inc(sum(r.output_tokens for r in results))
+
+    def state(self, active: int, gated: bool, transitions: int, retry_depth: int) -> None:
+        self.active.set(active)
+        self.gated.set(1 if gated else 0)
+        if transitions > self._transitions_seen:
+            self.transitions.inc(transitions - self._transitions_seen)
+            self._transitions_seen = transitions
+        self.retry_depth.set(retry_depth)
