@@ -78,6 +78,8 @@ class Worker:
         self.inflight: dict[str, _InFlight] = {}
         self.retry: deque[tuple[Batch, list[Result], bool]] = deque()
         self.stopping = threading.Event()
+        # Separate from ``stopping``: leases must keep being extended while the worker drains.
+        self._hb_stop = threading.Event()
         self.batches_claimed = 0
         self.finished = 0
         self.output_tokens = 0
@@ -118,7 +120,7 @@ class Worker:
 
     def _heartbeat_loop(self) -> None:
         period = self.opts.heartbeat_ttl_s / 3
-        while not self.stopping.wait(period):
+        while not self._hb_stop.wait(period):
             try:
                 ids = self.leased_ids()
                 pipe = self.c.r.pipeline(transaction=False)
@@ -286,7 +288,14 @@ class Worker:
             self.drain()
         finally:
             self.stopping.set()
+            self._stop_heartbeat()
             self.deregister()
+
+    def _stop_heartbeat(self) -> None:
+        """Before deregistering, so the thread cannot write the heartbeat key back after it is deleted."""
+        self._hb_stop.set()
+        if self._hb_thread is not None:
+            self._hb_thread.join(timeout=5)
 
     def drain(self) -> None:
         """Stop pulling, finish in-flight work within ``drain_s``; what is left is handed back."""
