@@ -35,6 +35,7 @@ from conductor.client import Conductor
 from conductor.records import Batch, Contract, Result
 from workers.engines.base import Engine, Finished
 from workers.latch import AdmissionLatch
+from workers.sdnotify import Notifier
 from workers.transient import RIDE_OUT, is_transient
 from workers.worker_metrics import WorkerMetrics
 
@@ -85,6 +86,8 @@ class Worker:
         self.output_tokens = 0
         self._lock = threading.Lock()
         self._hb_thread: threading.Thread | None = None
+        self._wd_thread: threading.Thread | None = None
+        self.notifier = Notifier()
         self.metrics = WorkerMetrics(self.contract.model, self.name, self.contract.max_batch_tokens)
 
     # ------------------------------------------------------------------ lifecycle
@@ -131,6 +134,12 @@ class Worker:
                 pipe.execute()
             except (redis.RedisError, OSError) as e:
                 event("heartbeat_failed", worker=self.name, error=str(e))
+
+    def _watchdog_loop(self, every: float) -> None:
+        # Its own thread, not the heartbeat's: that one can sit for many seconds in Redis
+        # reconnects, and systemd must not kill a worker that is riding out an outage.
+        while not self._hb_stop.wait(every):
+            self.notifier.watchdog()
 
     def leased_ids(self) -> list[str]:
         """Batches this worker still owes results for: running ones and those waiting to be written."""
@@ -270,6 +279,12 @@ class Worker:
         self.register()
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self._hb_thread.start()
+        if self.notifier.enabled and self.notifier.watchdog_s:
+            self.notifier.watchdog()
+            self._wd_thread = threading.Thread(target=self._watchdog_loop, args=(self.notifier.watchdog_s,),
+                                               name="watchdog", daemon=True)
+            self._wd_thread.start()
+        self.notifier.ready(f"pulling for {self.contract.model} ({self.engine.kind}) as {self.name}")
         idle_since = time.monotonic()
         sleep = 0.001
         try:
@@ -294,13 +309,15 @@ class Worker:
     def _stop_heartbeat(self) -> None:
         """Before deregistering, so the thread cannot write the heartbeat key back after it is deleted."""
         self._hb_stop.set()
-        if self._hb_thread is not None:
-            self._hb_thread.join(timeout=5)
+        for t in (self._hb_thread, self._wd_thread):
+            if t is not None:
+                t.join(timeout=5)
 
     def drain(self) -> None:
         """Stop pulling, finish in-flight work within ``drain_s``; what is left is handed back."""
         deadline = time.monotonic() + self.opts.drain_s
         event("draining", worker=self.name, active=self.engine.active(), inflight=len(self.inflight))
+        self.notifier.stopping(f"draining {self.engine.active()} sequences for up to {self.opts.drain_s:g}s")
         while (self.engine.active() or self.retry) and time.monotonic() < deadline:
             if self.engine.active():
                 self._step()
