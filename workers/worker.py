@@ -287,8 +287,14 @@ class Worker:
         self.notifier.ready(f"pulling for {self.contract.model} ({self.engine.kind}) as {self.name}")
         idle_since = time.monotonic()
         sleep = 0.001
+        # The reclaim sweep runs in whichever live worker holds the model's maintenance lease.
+        from workers.maintenance import Maintenance
+        ttl_ms = int(self.opts.heartbeat_ttl_s * 1000)
+        maint = Maintenance(self.c, self.contract.model, self.name, lease_ms=max(1000, min(5000, 3 * ttl_ms)),
+                            stale_idle_ms=max(3000, 10 * ttl_ms))
         try:
             while not self.stopping.is_set():
+                maint.tick()
                 if self.turn():
                     idle_since = time.monotonic()
                     sleep = 0.001
