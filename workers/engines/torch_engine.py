@@ -1,0 +1,248 @@
+"""``torch``: a real PyTorch / transformers causal LM under the continuous-batching protocol.
+
+``model_path`` is a local folder with a transformers model and tokenizer (nothing is ever
+downloaded: ``local_files_only``), or ``tiny``: a random-initialised two-layer Llama built
+from a config with a byte-level tokenizer, for tests and demos (its text is noise; its forward
+passes, KV cache and batching are real).
+
+How a batch runs:
+
+* The prompt of an item is ``"\\n".join(batch.prefix) + "\\n" + prompt`` (just ``prompt``
+  without a prefix). Every item of a batch shares the shape's prefix, so the prefix's KV is
+  computed once per shape (batch of one) and kept in a small LRU keyed by shape signature;
+  each later batch of that shape copies it and repeats it across its rows
+  (``DynamicCache.batch_repeat_interleave``) and only runs the suffixes. The last prefix
+  token travels with the suffix so every row has at least one new token to predict from.
+* Suffixes of different lengths are padded between the prefix and the suffix; the attention
+  mask hides the pads and position ids skip them, so each row sees exactly its own prompt.
+* Each admitted batch is a cohort with its own cache; ``step`` runs one greedy decode step
+  per cohort. A row that finishes (EOS or its ``max_tokens``) leaves at once and its KV rows
+  are dropped (``batch_select_indices``), so finished sequences stop costing compute.
+  Cohorts are not fused into one forward pass: the engine batches within a claimed batch.
+* Greedy decoding: the same prompt gives the same output, in any batch.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from conductor.records import Batch, BatchItem, Contract, ResultError
+from workers.engines.base import Finished, too_long
+from workers.engines.byte_tokenizer import ByteTokenizer
+
+TINY_CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2)
+
+
+def _torch() -> Any:
+    try:
+        import torch
+        import transformers  # noqa: F401
+    except ImportError as e:
+        raise ImportError(
+            f"engine torch needs PyTorch and transformers ({e.name} is missing): "
+            "pip install 'conductor[torch]' (torch==2.13.0)") from None
+    return torch
+
+
+@dataclass
+class TorchCounters:
+    prefix_computes: int = 0
+    prefix_hit_tokens: int = 0
+    prefill_tokens: int = 0
+    decode_steps: int = 0
+    output_tokens: int = 0
+    finished: int = 0
+
+
+@dataclass
+class _Cohort:
+    batch: Batch
+    items: list[BatchItem]
+    cache: Any
+    mask: Any  # (rows, seen) attention mask over everything in the cache
+    pos: Any  # (rows,) position id of the next token
+    last: Any  # (rows,) the token to feed next
+    out: list[list[int]] = field(default_factory=list)
+
+
+class TorchEngine:
+    kind = "torch"
+
+    def __init__(self, model: str, *, model_path: str | None = None, max_batch_size: int = 16,
+                 max_batch_tokens: int = 8192, max_input_len: int = 1024, device: str | None = None,
+                 prefix_cache_shapes: int = 4, seed: int = 0) -> None:
+        if not model_path:
+            raise ValueError("--model-path: the torch engine needs a local model folder, or 'tiny'")
+        torch = _torch()
+        self.torch = torch
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if model_path == "tiny":
+            from transformers import LlamaConfig, LlamaForCausalLM
+            torch.manual_seed(seed)
+            cfg = LlamaConfig(**TINY_CONFIG)
+            self.lm = LlamaForCausalLM(cfg)
+            self.tok: Any = ByteTokenizer()
+            self.eos = ByteTokenizer.eos_token_id
+            self.pad = ByteTokenizer.pad_token_id
+            self._encode = lambda text, bos: self.tok.encode(text, bos=bos)
+            limit = cfg.max_position_embeddings
+        else:
+            self.lm, self.tok, limit = self._load(model_path)
+            self.eos = self.tok.eos_token_id
+            self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eos
+            bos = self.tok.bos_token_id
+
+            def encode(text: str, with_bos: bool) -> list[int]:
+                ids = self.tok.encode(text, add_special_tokens=False)
+                return [bos, *ids] if with_bos and bos is not None else ids
+            self._encode = encode
+        self.lm.to(self.device).eval()
+        self.max_positions = int(limit)
+        self._contract = Contract(model=model, max_batch_size=max_batch_size, max_batch_tokens=max_batch_tokens,
+                                  max_input_len=min(max_input_len, self.max_positions))
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.lm.forward).parameters else "past_key_values"
+        self._prefixes: OrderedDict[str, tuple[list[int], Any]] = OrderedDict()
+        self.prefix_cache_shapes = prefix_cache_shapes
+        self.cohorts: list[_Cohort] = []
+        self.counters = TorchCounters()
+
+    def _load(self, path: str) -> tuple[Any, Any, int]:
+        from pathlib import Path
+
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        if not Path(path).is_dir():
+            raise ValueError(f"--model-path: {path!r} is not a folder (a local transformers model, or 'tiny')")
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        dtype = self.torch.bfloat16 if self.device.startswith("cuda") else self.torch.float32
+        lm = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+        limit = getattr(lm.config, "max_position_embeddings", None) or 4096
+        return lm, tok, limit
+
+    @property
+    def model(self) -> str:
+        return self._contract.model
+
+    @property
+    def contract(self) -> Contract:
+        return self._contract
+
+    # ------------------------------------------------------------------ forward passes
+    def _forward(self, ids: Any, mask: Any, pos: Any, cache: Any) -> tuple[Any, Any]:
+        kw = {self._cache_kw: cache} if cache is not None else {}
+        with self.torch.inference_mode():
+            out = self.lm(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, **kw)
+        new_cache = getattr(out, "cache", None) if self._cache_kw == "cache" else None
+        return out.logits[:, -1, :], new_cache if new_cache is not None else out.past_key_values
+
+    def _prefix(self, shape: str, prefix: list[str]) -> tuple[list[int], Any]:
+        """The shape's prefix ids without their last token, and their KV (None when empty)."""
+        hit = self._prefixes.get(shape)
+        if hit is not None:
+            self._prefixes.move_to_end(shape)
+            return hit
+        ids = self._encode("\n".join(prefix) + "\n" if prefix else "", True)[:-1]
+        cache = None
+        if ids:
+            t = self.torch.tensor([ids], device=self.device)
+            _, cache = self._forward(t, self.torch.ones_like(t), self.torch.arange(len(ids), device=self.device)[None],
+                                     None)
+            self.counters.prefix_computes += 1
+            self.counters.prefill_tokens += len(ids)
+        self._prefixes[shape] = (ids, cache)
+        while len(self._prefixes) > self.prefix_cache_shapes:
+            self._prefixes.popitem(last=False)
+        return ids, cache
+
+    # ------------------------------------------------------------------ protocol
+    def admit(self, batch: Batch, items: list[BatchItem]) -> list[Finished]:
+        torch = self.torch
+        limit = self._contract.max_input_len
+        pre_ids, pre_cache = self._prefix(batch.shape, batch.prefix)
+        full = self._encode("\n".join(batch.prefix) + "\n" if batch.prefix else "", True)
+        refused, rows, suffixes = [], [], []
+        for it in items:
+            suffix = full[len(pre_ids):] + self._encode(it.prompt, False)
+            n = len(pre_ids) + len(suffix)
+            if it.input_tokens > limit:
+                refused.append(too_long(batch, it, limit))
+            elif n > limit or n + it.max_tokens > self.max_positions:
+                refused.append(Finished(batch, it, "", 0, ResultError(
+                    "input_too_long", f"prompt is {n} tokens for this model's tokenizer (+ max_tokens "
+                    f"{it.max_tokens}); this engine takes max_input_len {limit}, {self.max_positions} positions")))
+            else:
+                rows.append(it)
+                suffixes.append(suffix)
+        if not rows:
+            return refused
+        p, s = len(pre_ids), max(len(x) for x in suffixes)
+        ids = torch.full((len(rows), s), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(rows), p + s), dtype=torch.long)
+        mask[:, :p] = 1
+        for r, suf in enumerate(suffixes):
+            ids[r, s - len(suf):] = torch.tensor(suf)
+            mask[r, p + s - len(suf):] = 1
+        pos_all = (mask.cumsum(1) - 1).clamp(min=0)
+        ids, mask, pos_all = ids.to(self.device), mask.to(self.device), pos_all.to(self.device)
+        cache = None
+        if pre_cache is not None:
+            cache = copy.deepcopy(pre_cache)
+            cache.batch_repeat_interleave(len(rows))
+            self.counters.prefix_hit_tokens += p * len(rows)
+        logits, cache = self._forward(ids, mask, pos_all[:, p:], cache)
+        self.counters.prefill_tokens += sum(len(x) for x in suffixes)
+        c = _Cohort(batch, rows, cache, mask, pos_all[:, -1] + 1, logits.argmax(-1), [[] for _ in rows])
+        self.cohorts.append(c)
+        return refused + self._harvest(c)
+
+    def _harvest(self, c: _Cohort) -> list[Finished]:
+        """Record each row's new token; rows that end leave the cohort and its cache."""
+        done, keep = [], []
+        for r, tok in enumerate(c.last.tolist()):
+            it = c.items[r]
+            if tok != self.eos:
+                c.out[r].append(tok)
+            if tok == self.eos or len(c.out[r]) >= it.max_tokens:
+                text = self.tok.decode(c.out[r]) if isinstance(self.tok, ByteTokenizer) \
+                    else self.tok.decode(c.out[r], skip_special_tokens=True)
+                done.append(Finished(c.batch, it, text, len(c.out[r])))
+                self.counters.finished += 1
+                self.counters.output_tokens += len(c.out[r])
+            else:
+                keep.append(r)
+        if len(keep) < len(c.items):
+            if keep:
+                idx = self.torch.tensor(keep, device=self.device)
+                c.cache.batch_select_indices(idx)
+                c.mask, c.pos, c.last = c.mask[idx], c.pos[idx], c.last[idx]
+                c.items = [c.items[r] for r in keep]
+                c.out = [c.out[r] for r in keep]
+            else:
+                self.cohorts.remove(c)
+        return done
+
+    def step(self) -> list[Finished]:
+        done: list[Finished] = []
+        for c in list(self.cohorts):
+            c.mask = self.torch.cat([c.mask, self.torch.ones_like(c.mask[:, :1])], dim=1)
+            logits, c.cache = self._forward(c.last[:, None], c.mask, c.pos[:, None], c.cache)
+            c.pos = c.pos + 1
+            c.last = logits.argmax(-1)
+            done += self._harvest(c)
+        if self.cohorts or done:
+            self.counters.decode_steps += 1
+        return done
+
+    def active(self) -> int:
+        return sum(len(c.items) for c in self.cohorts)
+
+    def prewarm(self, shape: str, lanes: list[int], epoch: int) -> None:
+        """Nothing to build ahead for eager PyTorch; the prefix KV is computed with the first batch."""
+
+    def close(self) -> None:
+        self.cohorts.clear()
+        self._prefixes.clear()
