@@ -1,0 +1,285 @@
+"""Issue 2's benchmark: submit items/s against RQ and the plain-XADD limit; claim round trip.
+
+    .venv/bin/python bench/submit_claim.py            # full run, rewrites its RESULTS.md section
+    .venv/bin/python bench/submit_claim.py --quick    # small sizes, prints only
+
+Everything runs in ONE process against a private redis-server started here (EmbeddedRedis),
+so the peers and the limit are measured on the same server in the same minute:
+
+* submit: ``Conductor.submit`` (bulk, pipelined submit.lua calls) vs RQ 2.12.0's
+  ``Queue.enqueue_many`` (JSONSerializer, the pinned version in the ``bench`` extra) vs a plain
+  redis-py pipeline of XADDs carrying the same fields and bytes (the limit). Systems are
+  interleaved within each repetition; figures are medians over the repetitions. Client CPU
+  (``time.process_time``) and server time (INFO commandstats) split each run.
+* claim: 64-item batches of ~300-byte items from a backlog that stays at or above the
+  ``--backlog`` size, timed per call: ``Conductor.claim`` (with decoding), the bare claim.lua
+  call (EVALSHA, no decoding) and a bare XREADGROUP COUNT 64 of the same bytes from a plain
+  stream (the floor), interleaved call by call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import redis  # noqa: E402
+
+from bench.common import command_line, git_rev, machine, median, now_utc, pct, table, write_section  # noqa: E402
+from conductor import keys as K  # noqa: E402
+from conductor.client import Conductor, connect  # noqa: E402
+from conductor.embedded import EmbeddedRedis  # noqa: E402
+from conductor.formats import PreparedItem, parse_line  # noqa: E402
+from conductor.records import Contract  # noqa: E402
+
+MODEL = "bench"
+PROMPT_BYTES = 280  # body = JSON [prompt, null]: about 290 bytes, plus id/job/tok/mt fields
+
+
+def make_items(n: int, *, shapes: int, seed: int, tag: str, mu: float = 5.0, sigma: float = 0.5) -> list[PreparedItem]:
+    """``n`` items of about 300 bytes over ``shapes`` shapes, lognormal input lengths."""
+    rng = random.Random(seed)
+    alphabet = "abcdefghijklmnopqrstuvwxyz "
+    prefixes = [[f"You are assistant number {s}. " + "Follow the house style. " * 8] for s in range(shapes)]
+    out = []
+    for i in range(n):
+        prompt = "".join(rng.choice(alphabet) for _ in range(16)) * (PROMPT_BYTES // 16)
+        tok = max(1, min(4000, int(rng.lognormvariate(mu, sigma))))
+        out.append(parse_line(json.dumps({
+            "id": f"{tag}-{i:07d}", "model": MODEL, "prefix": prefixes[i % shapes], "prompt": prompt,
+            "input_tokens": tok, "max_tokens": 64})))
+    return out
+
+
+def server_stats(r: redis.Redis) -> dict[str, dict]:
+    return r.info("commandstats")
+
+
+def cmd_usec(stats: dict, name: str) -> tuple[float, int]:
+    row = stats.get(f"cmdstat_{name}") or {}
+    return float(row.get("usec", 0)), int(row.get("calls", 0))
+
+
+# ---------------------------------------------------------------------------------- submit
+def run_conductor(r: redis.Redis, items: list[PreparedItem], job: str) -> None:
+    c = Conductor(r)
+    rep = c.submit(items, job)
+    assert rep.accepted == len(items), rep
+
+
+def run_rq(r: redis.Redis, items: list[PreparedItem], job: str, chunk: int = 1000) -> None:
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+    q = Queue("bench", connection=r, serializer=JSONSerializer)
+    for s in range(0, len(items), chunk):
+        q.enqueue_many([Queue.prepare_data("bench.rq_fifo.run_item",
+                                           args=(it.id, job, it.sig, it.input_tokens, it.max_tokens,
+                                                 it.body.decode()))
+                        for it in items[s:s + chunk]])
+
+
+def run_xadd(r: redis.Redis, items: list[PreparedItem], job: str, chunk: int = 1000) -> None:
+    key = "plain:stream"
+    for s in range(0, len(items), chunk):
+        pipe = r.pipeline(transaction=False)
+        for it in items[s:s + chunk]:
+            pipe.xadd(key, {"id": it.id, "job": job, "sig": it.sig, "tok": it.input_tokens,
+                            "mt": it.max_tokens, "d": it.body})
+        pipe.execute()
+
+
+SUBMITTERS: dict[str, Callable[[redis.Redis, list[PreparedItem], str], None]] = {
+    "conductor": run_conductor, "rq": run_rq, "xadd": run_xadd}
+
+
+def bench_submit(r: redis.Redis, n: int, reps: int, shapes: int) -> dict[str, dict[str, list[float]]]:
+    items = make_items(n, shapes=shapes, seed=1, tag="s")
+    out: dict[str, dict[str, list[float]]] = {k: {"rate": [], "client_us": [], "server_us": [], "wall_s": []}
+                                              for k in SUBMITTERS}
+    for rep in range(reps):
+        order = list(SUBMITTERS)
+        order = order[rep % len(order):] + order[:rep % len(order)]
+        for name in order:
+            r.flushall()
+            r.config_resetstat()
+            gc.collect()
+            c0, t0 = time.process_time(), time.perf_counter()
+            SUBMITTERS[name](r, items, f"job{rep}")
+            wall, client = time.perf_counter() - t0, time.process_time() - c0
+            stats = server_stats(r)
+            server = sum(float(v.get("usec", 0)) for v in stats.values())
+            out[name]["rate"].append(n / wall)
+            out[name]["wall_s"].append(wall)
+            out[name]["client_us"].append(client * 1e6 / n)
+            out[name]["server_us"].append(server / n)
+            print(f"  submit rep {rep} {name:10s} {n / wall:9.0f} items/s  client {client * 1e6 / n:6.1f} us/item"
+                  f"  server {server / n:6.1f} us/item", flush=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------- claim
+def bench_claim(r: redis.Redis, backlog: int, claims: int, batch: int) -> dict[str, object]:
+    r.flushall()
+    c = Conductor(r)
+    budget = batch * 512  # every item is under 512 tokens: batches close on their item count
+    c.set_config(MODEL, {"release_batches": 0, "activate_batches": 0, "quiet_ms": 600_000,
+                         "budget_tokens": budget, "budget_items": batch})
+    # Two of the three timed calls consume a batch; the backlog never drops under --backlog.
+    total = backlog + (2 * claims + 60) * batch
+    items = make_items(total, shapes=1, seed=2, tag="c", mu=4.6, sigma=0.25)
+    t0 = time.perf_counter()
+    for s in range(0, total, 20_000):
+        c.submit(items[s:s + 20_000], "claimjob")
+    print(f"  claim backlog: {total} items submitted in {time.perf_counter() - t0:.1f} s", flush=True)
+    floor_key = "plain:floor"
+    for s in range(0, total, 2000):
+        pipe = r.pipeline(transaction=False)
+        for it in items[s:s + 2000]:
+            pipe.xadd(floor_key, {"id": it.id, "job": "claimjob", "tok": it.input_tokens, "mt": it.max_tokens,
+                                  "d": it.body})
+        pipe.execute()
+    r.xgroup_create(floor_key, "g", id="0")
+    contract = Contract(model=MODEL, max_batch_size=batch, max_batch_tokens=budget, max_input_len=100_000)
+    mk = K.ModelKeys(MODEL)
+    keys = [mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed]
+    args = ["raw", batch, budget, 100_000]
+
+    def conductor_claim() -> int:
+        b, why = c.claim(contract, "lib")
+        assert b is not None, why
+        return len(b.items)
+
+    def raw_claim() -> int:
+        reply = c.scripts.claim(keys=keys, args=args)
+        assert reply[0] == 1, reply
+        return -1
+
+    def floor_read() -> int:
+        reply = r.xreadgroup("g", "f", {floor_key: ">"}, count=batch)
+        return -1 if reply else 0
+
+    calls = {"conductor.claim": conductor_claim, "claim.lua (raw EVALSHA)": raw_claim,
+             "XREADGROUP COUNT 64 (floor)": floor_read}
+    for fn in calls.values():  # warm up: script cache, connection, prefix cache
+        for _ in range(15):
+            fn()
+    r.config_resetstat()
+    lat: dict[str, list[float]] = {k: [] for k in calls}
+    sizes: list[int] = []
+    gc.collect()
+    for i in range(claims):
+        for name in (list(calls)[i % 3:] + list(calls)[:i % 3]):
+            t = time.perf_counter_ns()
+            got = calls[name]()
+            lat[name].append((time.perf_counter_ns() - t) / 1000)
+            if got > 0:
+                sizes.append(got)
+    stats = server_stats(r)
+    ev_usec, ev_calls = cmd_usec(stats, "evalsha")
+    xr_usec, xr_calls = cmd_usec(stats, "xreadgroup")
+    left = int(r.hget(mk.state, "items") or 0)
+    return {"lat": lat, "sizes": sizes, "server_claim_us": ev_usec / max(1, ev_calls),
+            "server_xread_us": xr_usec / max(1, xr_calls), "xread_calls": xr_calls, "claim_calls": ev_calls,
+            "backlog_left": left, "total": total}
+
+
+# ---------------------------------------------------------------------------------- report
+def report(args: argparse.Namespace, mach: str, sub: dict, clm: dict) -> str:
+    lim = median(sub["xadd"]["rate"])
+    rows = []
+    for name, label in (("conductor", "conductor (Conductor.submit, bulk submit.lua)"),
+                        ("rq", "RQ 2.12.0 enqueue_many (JSONSerializer)"),
+                        ("xadd", "plain pipelined XADD, same bytes (the limit)")):
+        d = sub[name]
+        rows.append([label, f"{median(d['rate']):,.0f}", f"{min(d['rate']):,.0f} .. {max(d['rate']):,.0f}",
+                     f"{median(d['rate']) / lim:.2f}x", f"{median(d['client_us']):.1f}",
+                     f"{median(d['server_us']):.1f}"])
+    ratio = median(sub["conductor"]["rate"]) / lim
+    crow = []
+    for name, xs in clm["lat"].items():
+        crow.append([name, f"{pct(xs, 50):.0f}", f"{pct(xs, 90):.0f}", f"{pct(xs, 99):.0f}", f"{max(xs):.0f}"])
+    c50, c99 = pct(clm["lat"]["conductor.claim"], 50), pct(clm["lat"]["conductor.claim"], 99)
+    r50, r99 = pct(clm["lat"]["claim.lua (raw EVALSHA)"], 50), pct(clm["lat"]["claim.lua (raw EVALSHA)"], 99)
+    f50 = pct(clm["lat"]["XREADGROUP COUNT 64 (floor)"], 50)
+    sizes = clm["sizes"]
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "MISSED"
+
+    return "\n".join([
+        "## Submit and claim (issue 2)",
+        "",
+        f"Command: `{command_line()}`  ",
+        f"Machine: {mach}  ",
+        f"Date: {now_utc()}, commit {git_rev()}  ",
+        "Server: a private redis-server started by the benchmark (EmbeddedRedis), no persistence, "
+        "same host as the client (2 cores shared with other work: expect noise).",
+        "",
+        f"### Submit: {args.items:,} items of about 300 bytes, {args.shapes} shapes, "
+        f"median of {args.reps} repetitions",
+        "",
+        table(["system", "items/s (median)", "range", "vs limit", "client CPU us/item", "server us/item"], rows),
+        "",
+        f"Goal conductor >= 0.8x the plain-XADD limit: **{ratio:.2f}x, {verdict(ratio >= 0.8)}**. "
+        "Client CPU is `time.process_time()` of the submitting process; server time is the sum of "
+        "INFO commandstats usec over the run (for the conductor: submit.lua inside EVALSHA).",
+        "",
+        f"### Claim: {args.batch}-item batches from a backlog of >= {args.backlog:,} items, "
+        f"{args.claims} calls each, interleaved",
+        "",
+        table(["call", "p50 us", "p90 us", "p99 us", "max us"], crow),
+        "",
+        f"Server time per call (INFO commandstats usec_per_call): claim.lua (EVALSHA) "
+        f"**{clm['server_claim_us']:.0f} us**, bare XREADGROUP COUNT {args.batch} "
+        f"**{clm['server_xread_us']:.0f} us**. Batch size p50/min: {pct(sizes, 50):.0f}/{min(sizes)} items; "
+        f"items left in the backlog after timing: {clm['backlog_left']:,}.",
+        "",
+        f"Goals (Conductor.claim round trip): p50 <= 500 us: **{c50:.0f} us, {verdict(c50 <= 500)}**; "
+        f"p99 <= 1 ms: **{c99:.0f} us, {verdict(c99 <= 1000)}**. The bare script call: p50 {r50:.0f} us, "
+        f"p99 {r99:.0f} us; the floor p50 {f50:.0f} us (claim p50 / floor p50 = {c50 / f50:.2f}x).",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--items", type=int, help="items per submit repetition (50,000; quick 2,000)")
+    p.add_argument("--reps", type=int, help="submit repetitions (5; quick 2)")
+    p.add_argument("--shapes", type=int, default=20)
+    p.add_argument("--backlog", type=int, help="claim backlog floor (100,000; quick 2,000)")
+    p.add_argument("--claims", type=int, help="timed calls of each kind (1,000; quick 50)")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--quick", action="store_true", help="small sizes; prints, writes nothing")
+    p.add_argument("--no-write", action="store_true", help="do not rewrite bench/RESULTS.md")
+    args = p.parse_args(argv)
+    sizes = {"items": 2000, "reps": 2, "backlog": 2000, "claims": 50} if args.quick else \
+        {"items": 50_000, "reps": 5, "backlog": 100_000, "claims": 1000}
+    for k, v in sizes.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    args.no_write = args.no_write or args.quick
+    with EmbeddedRedis() as srv:
+        r = connect(srv.url)
+        mach = machine(r)
+        print(f"redis-server on port {srv.port}; {mach}", flush=True)
+        sub = bench_submit(r, args.items, args.reps, args.shapes)
+        clm = bench_claim(r, args.backlog, args.claims, args.batch)
+        text = report(args, mach, sub, clm)
+    print()
+    print(text)
+    if not args.no_write:
+        write_section("submit_claim", text)
+        print("\nwrote bench/RESULTS.md (section submit_claim)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

@@ -1,0 +1,714 @@
+"""Issue 6: the conductor against its peers and the offline oracle, same workload, same engine.
+
+    .venv/bin/python bench/suite.py            # full mode (standard workload), rewrites RESULTS.md
+    .venv/bin/python bench/suite.py --quick    # under 2 minutes; CI smoke size
+
+Systems, all with ``workers.engines.sim.SimEngine`` (a SIMULATED GPU: throughput figures are
+in simulated GPU seconds, ``SimEngine.counters.sim_seconds``, not wall time), the same
+contract (batch size, batch tokens, input length) and the same admission latch:
+
+* ``rq``: RQ 2.12.0 as a FIFO job queue (enqueue_many, JSONSerializer); each worker pops job
+  ids in order (LPOP) and fetches them (Job.fetch_many), batching whatever comes next up to
+  the token budget; what does not fit opens the worker's next batch.
+* ``stream``: one plain Redis stream with a consumer group, XREADGROUP in order, the same
+  FIFO token-budget batching.
+* ``oracle``: every item known in advance, sorted by shape (most tokens first) and length,
+  cut greedily under the contract: the best padding and prefix reuse a broker could reach.
+* ``conductor``: Conductor.submit, then the real ``workers.worker.Worker`` loop (claim,
+  engine, complete) against claim.lua and complete.lua; results read back and checked:
+  every id exactly once.
+
+All workers of a system run in this process, scheduled in simulated time: the worker whose
+simulated clock is lowest takes the next turn (a turn: one decode step, then a pull when the
+latch admits), so the fleet behaves as parallel GPUs. A worker that finds nothing to do waits
+``IDLE_QUANTUM`` simulated seconds. FIFO peers hand the engine batches that mix shapes: the
+engine admits them as one sub-batch per shape, every item padded to the batch's longest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import redis  # noqa: E402
+
+from bench.common import command_line, git_rev, machine, median, now_utc, pct, table, write_section  # noqa: E402
+from bench.workload import Workload, WorkloadSpec, generate  # noqa: E402
+from conductor.client import Conductor, connect  # noqa: E402
+from conductor.config import parse_value  # noqa: E402
+from conductor.embedded import EmbeddedRedis  # noqa: E402
+from conductor.formats import PreparedItem  # noqa: E402
+from conductor.records import Batch, BatchItem, result_decoder  # noqa: E402
+from workers.engines.sim import SimEngine  # noqa: E402
+from workers.latch import AdmissionLatch  # noqa: E402
+from workers.worker import Worker, WorkerOptions  # noqa: E402
+
+IDLE_QUANTUM = 0.002  # simulated seconds an idle worker waits before it looks again
+SYSTEMS = ("rq", "stream", "oracle", "conductor")
+
+
+@dataclass
+class SuiteConfig:
+    workers: int = 4
+    max_batch_size: int = 64
+    max_batch_tokens: int = 65536
+    max_input_len: int = 8192
+    high_water: int = 256
+    low_water: int = 192
+    max_wall_s: float = 600.0
+    conductor_cfg: dict[str, Any] = field(default_factory=dict)  # cfg fields set before submitting
+
+
+def pad8(n: int) -> int:
+    return -(-n // 8) * 8
+
+
+class RecordingSim(SimEngine):
+    """The sim engine, plus a trace of (simulated time, sequences finished)."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self.trace: list[tuple[float, int]] = []
+
+    def step(self) -> list:
+        done = super().step()
+        if done:
+            self.trace.append((self.counters.sim_seconds, len(done)))
+        return done
+
+
+@dataclass
+class Record:
+    """What one system did, in the terms of the report."""
+
+    system: str
+    items: int = 0
+    submit_s: float = 0.0
+    mem_per_item: float = float("nan")
+    redis_cpu_us_per_item: float = float("nan")
+    claim_us: list[float] = field(default_factory=list)
+    # one row per batch: items, padded length, actual tokens, items asked for, shapes in it
+    batches: list[tuple[int, int, int, int, tuple[str, ...]]] = field(default_factory=list)
+    engines: list[RecordingSim] = field(default_factory=list)
+    makespan: float = 0.0
+    wall_s: float = 0.0
+    complete: str = "n/a"
+    notes: list[str] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------------ peers
+@dataclass(slots=True)
+class Item:
+    id: str
+    sig: str
+    tok: int
+    mt: int
+
+
+def _fits(k: int, maxlen: int, tok: int, size: int, budget: int) -> bool:
+    if k == 0:
+        return True
+    if k >= size:
+        return False
+    return (k + 1) * pad8(max(maxlen, tok)) <= budget
+
+
+class FifoSource:
+    """FIFO token-budget batching over a fetch function; the item that does not fit is kept,
+    in order, for this worker's next batch."""
+
+    def __init__(self, fetch: Callable[[int], list[Item]], budget: int) -> None:
+        self.fetch = fetch
+        self.budget = budget
+        self.carry: deque[Item] = deque()
+
+    def next_batch(self, size: int) -> list[Item]:
+        need = size - len(self.carry)
+        if need > 0:
+            self.carry.extend(self.fetch(need))
+        out: list[Item] = []
+        maxlen = 0
+        while self.carry and _fits(len(out), maxlen, self.carry[0].tok, size, self.budget):
+            it = self.carry.popleft()
+            out.append(it)
+            maxlen = max(maxlen, it.tok)
+        return out
+
+
+class OracleSource:
+    """Every item known in advance: sorted by shape (most tokens first) and length, cut greedily."""
+
+    def __init__(self, items: list[PreparedItem], size: int, budget: int) -> None:
+        tokens = Counter()
+        for it in items:
+            tokens[it.sig] += it.input_tokens
+        order = sorted(items, key=lambda it: (-tokens[it.sig], it.sig, it.input_tokens, it.id))
+        self.batches: deque[list[Item]] = deque()
+        cur: list[Item] = []
+        maxlen = 0
+        for p in order:
+            it = Item(p.id, p.sig, p.input_tokens, p.max_tokens)
+            if cur and (cur[0].sig != it.sig or not _fits(len(cur), maxlen, it.tok, size, budget)):
+                self.batches.append(cur)
+                cur, maxlen = [], 0
+            cur.append(it)
+            maxlen = max(maxlen, it.tok)
+        if cur:
+            self.batches.append(cur)
+
+    def next_batch(self, size: int) -> list[Item]:
+        if not self.batches:
+            return []
+        b = self.batches.popleft()
+        if len(b) > size:
+            self.batches.appendleft(b[size:])
+            b = b[:size]
+        return b
+
+
+class PeerWorker:
+    """The worker loop of workers/worker.py (step, then pull when the latch admits) over a peer."""
+
+    def __init__(self, idx: int, engine: RecordingSim, source: Any, cfg: SuiteConfig, rec: Record,
+                 prefixes: dict[str, tuple[str, ...]]) -> None:
+        self.idx = idx
+        self.engine = engine
+        self.source = source
+        self.cfg = cfg
+        self.rec = rec
+        self.prefixes = prefixes
+        self.latch = AdmissionLatch(cfg.high_water, cfg.low_water)
+        self.finished = 0
+        self.seq = 0
+
+    def turn(self) -> bool:
+        busy = False
+        if self.engine.active():
+            self.finished += len(self.engine.step())
+            busy = True
+        if self.latch.admits(self.engine.active()):
+            room = self.latch.room(self.engine.active())
+            size = self.cfg.max_batch_size if room is None else min(self.cfg.max_batch_size, room)
+            if size > 0:
+                t = time.perf_counter_ns()
+                items = self.source.next_batch(size)
+                if items:
+                    self.rec.claim_us.append((time.perf_counter_ns() - t) / 1000)
+                    self._admit(items, size)
+                    busy = True
+        return busy
+
+    def _admit(self, items: list[Item], asked: int) -> None:
+        plen = pad8(max(it.tok for it in items))
+        self.seq += 1
+        groups: dict[str, list[Item]] = {}
+        for it in items:
+            groups.setdefault(it.sig, []).append(it)
+        self.rec.batches.append((len(items), plen, sum(it.tok for it in items), asked, tuple(groups)))
+        for sig, its in groups.items():
+            b = Batch(model="peer", batch_id=f"{self.idx}-{self.seq}", shape=sig, epoch=0, lane=0, padded_len=plen,
+                      max_tokens=max(it.mt for it in its), claimed_at=0,
+                      items=[BatchItem(id=it.id, job="j", input_tokens=it.tok, max_tokens=it.mt, prompt="")
+                             for it in its], prefix=list(self.prefixes[sig]))
+            self.finished += len(self.engine.admit(b, b.items))
+
+
+# ------------------------------------------------------------------------------------ driver
+def drive(workers: list[Any], engines: list[RecordingSim], total: int, finished: Callable[[], int],
+          release: Callable[[float], None] | None, max_wall_s: float) -> tuple[float, float]:
+    """Run turns in simulated-time order until ``total`` sequences finished: (makespan, wall)."""
+    n = len(workers)
+    idle = [0.0] * n
+    last_finish = [0.0] * n
+    t0 = time.monotonic()
+    idle_run = 0
+    while finished() < total:
+        clocks = [engines[i].counters.sim_seconds + idle[i] for i in range(n)]
+        w = min(range(n), key=clocks.__getitem__)
+        if release is not None:
+            release(clocks[w])
+        before = engines[w].counters.finished
+        if workers[w].turn():
+            idle_run = 0
+            if engines[w].counters.finished != before:
+                last_finish[w] = engines[w].counters.sim_seconds + idle[w]
+        else:
+            idle[w] += IDLE_QUANTUM
+            idle_run += 1
+            if idle_run >= 4 * n:
+                time.sleep(0.002)  # the broker may be waiting on wall-clock quiet time
+        if time.monotonic() - t0 > max_wall_s:
+            raise RuntimeError(f"gave up after {max_wall_s:.0f} s wall: {finished()} of {total} finished")
+    return max(last_finish), time.monotonic() - t0
+
+
+def _redis_cpu(r: redis.Redis) -> float:
+    info = r.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+
+
+def _engines(cfg: SuiteConfig, model: str) -> list[RecordingSim]:
+    return [RecordingSim(model, max_batch_size=cfg.max_batch_size, max_batch_tokens=cfg.max_batch_tokens,
+                         max_input_len=cfg.max_input_len, time_scale=0.0) for _ in range(cfg.workers)]
+
+
+class Releaser:
+    """Submits items whose simulated arrival time has come (trickle); everything at once for a backlog."""
+
+    def __init__(self, wl: Workload, submit: Callable[[list[PreparedItem]], None]) -> None:
+        self.items = wl.items
+        self.arrival = wl.arrival_s
+        self.submit = submit
+        self.next = 0
+        self.spent = 0.0
+
+    def __call__(self, now: float) -> None:
+        if self.next >= len(self.items) or self.arrival[self.next] > now:
+            return
+        end = self.next
+        while end < len(self.items) and self.arrival[end] <= now + 0.05:
+            end += 1
+        t = time.perf_counter()
+        self.submit(self.items[self.next:end])
+        self.spent += time.perf_counter() - t
+        self.next = end
+
+
+def run_peer(system: str, r: redis.Redis, wl: Workload, cfg: SuiteConfig) -> Record:
+    rec = Record(system, items=len(wl.items))
+    prefixes = {s.sig: s.prefix for s in wl.shapes}
+    engines = _engines(cfg, wl.spec.model)
+    rec.engines = engines
+    r.flushall()
+    mem0, cpu0 = int(r.info("memory")["used_memory"]), _redis_cpu(r)
+    backlog = wl.spec.arrival == "backlog"
+
+    if system == "rq":
+        from rq import Queue
+        from rq.job import Job
+        from rq.serializers import JSONSerializer
+        q = Queue("bench", connection=r, serializer=JSONSerializer)
+
+        def submit(its: list[PreparedItem]) -> None:
+            for s in range(0, len(its), 1000):
+                q.enqueue_many([Queue.prepare_data("bench.rq_fifo.run_item",
+                                                   args=(it.id, it.sig, it.input_tokens, it.max_tokens))
+                                for it in its[s:s + 1000]])
+
+        def make_fetch(_i: int) -> Callable[[int], list[Item]]:
+            def fetch(n: int) -> list[Item]:
+                ids = r.lpop(q.key, n) or []
+                jobs = Job.fetch_many([i.decode() if isinstance(i, bytes) else i for i in ids], connection=r,
+                                      serializer=JSONSerializer)
+                return [Item(*j.args) for j in jobs if j is not None]
+            return fetch
+    elif system == "stream":
+        key = "plain:{bench}:items"
+
+        def submit(its: list[PreparedItem]) -> None:
+            for s in range(0, len(its), 1000):
+                pipe = r.pipeline(transaction=False)
+                for it in its[s:s + 1000]:
+                    pipe.xadd(key, {"id": it.id, "sig": it.sig, "tok": it.input_tokens, "mt": it.max_tokens,
+                                    "d": it.body})
+                pipe.execute()
+        r.xgroup_create(key, "g", id="0", mkstream=True)
+
+        def make_fetch(i: int) -> Callable[[int], list[Item]]:
+            def fetch(n: int) -> list[Item]:
+                reply = r.xreadgroup("g", f"w{i}", {key: ">"}, count=n)
+                entries = _entries(reply)
+                if entries:
+                    pipe = r.pipeline(transaction=False)
+                    ids = [e[0] for e in entries]
+                    pipe.xack(key, "g", *ids)
+                    pipe.xdel(key, *ids)
+                    pipe.execute()
+                return [Item(f[b"id"].decode(), f[b"sig"].decode(), int(f[b"tok"]), int(f[b"mt"]))
+                        for _, f in entries]
+            return fetch
+    elif system == "oracle":
+        oracle = OracleSource(wl.items, cfg.max_batch_size, cfg.max_batch_tokens)
+        rec.notes.append("offline: no Redis, no submit; arrival ignored")
+    else:
+        raise ValueError(system)
+
+    if system == "oracle":
+        workers = [PeerWorker(i, engines[i], oracle, cfg, rec, prefixes) for i in range(cfg.workers)]
+        release = None
+    else:
+        workers = [PeerWorker(i, engines[i], FifoSource(make_fetch(i), cfg.max_batch_tokens), cfg, rec, prefixes)
+                   for i in range(cfg.workers)]
+        rel = Releaser(wl, submit)
+        if backlog:
+            rel(0.0)
+            rec.submit_s = rel.spent
+            rec.mem_per_item = (int(r.info("memory")["used_memory"]) - mem0) / len(wl.items)
+            release = None
+        else:
+            release = rel
+    rec.makespan, rec.wall_s = drive(workers, engines, len(wl.items), lambda: sum(w.finished for w in workers),
+                                     release, cfg.max_wall_s)
+    if system != "oracle":
+        if not backlog:
+            rec.submit_s = rel.spent
+        rec.redis_cpu_us_per_item = (_redis_cpu(r) - cpu0) * 1e6 / len(wl.items)
+    return rec
+
+
+def _entries(reply: Any) -> list:
+    if not reply:
+        return []
+    if isinstance(reply, dict):
+        (v,) = reply.values()
+        return v[0] if v and isinstance(v[0], list) and len(v) == 1 and isinstance(v[0][0], list) else v
+    return reply[0][1]
+
+
+def run_conductor(r: redis.Redis, url: str, wl: Workload, cfg: SuiteConfig, job: str = "suite") -> Record:
+    rec = Record("conductor", items=len(wl.items))
+    engines = _engines(cfg, wl.spec.model)
+    rec.engines = engines
+    r.flushall()
+    r.script_flush()
+    producer = Conductor(connect(url))
+    producer.ensure_model(wl.spec.model)
+    if cfg.conductor_cfg:
+        producer.set_config(wl.spec.model, cfg.conductor_cfg)
+    mem0, cpu0 = int(r.info("memory")["used_memory"]), _redis_cpu(r)
+    workers = []
+    for i, eng in enumerate(engines):
+        c = Conductor(connect(url))
+        w = Worker(c, eng, WorkerOptions(name=f"suite-w{i}", high_water=cfg.high_water, low_water=cfg.low_water,
+                                         heartbeat_ttl_s=3600.0))
+        w.register()
+        _instrument(c, rec, i)
+        workers.append(w)
+    backlog = wl.spec.arrival == "backlog"
+    rel = Releaser(wl, lambda its: producer.submit(its, job))
+    if backlog:
+        rel(0.0)
+        rec.submit_s = rel.spent
+        rec.mem_per_item = (int(r.info("memory")["used_memory"]) - mem0) / len(wl.items)
+    rec.makespan, rec.wall_s = drive(workers, engines, len(wl.items), lambda: sum(w.finished for w in workers),
+                                     None if backlog else rel, cfg.max_wall_s)
+    if not backlog:
+        rec.submit_s = rel.spent
+    for w in workers:  # results of the last batches are written on the turn after they finish
+        while w.retry or w.inflight:
+            w.turn()
+        w.deregister()
+    rec.redis_cpu_us_per_item = (_redis_cpu(r) - cpu0) * 1e6 / len(wl.items)
+    rec.complete = check_complete(producer, job, wl)
+    return rec
+
+
+def _instrument(c: Conductor, rec: Record, idx: int) -> None:
+    """Time each claim round trip (with decoding) and note each batch the worker gets."""
+    inner = c.claim
+
+    def claim(contract: Any, consumer: str) -> tuple[Batch | None, str]:
+        t = time.perf_counter_ns()
+        batch, why = inner(contract, consumer)
+        if batch is not None:
+            rec.claim_us.append((time.perf_counter_ns() - t) / 1000)
+            rec.batches.append((len(batch.items), batch.padded_len, batch.actual_tokens, contract.max_batch_size,
+                                (batch.shape,)))
+        return batch, why
+    c.claim = claim  # type: ignore[method-assign]
+
+
+def check_complete(c: Conductor, job: str, wl: Workload) -> str:
+    """'ok' when every submitted id has exactly one result, else what is wrong."""
+    seen = Counter(result_decoder.decode(raw).id for raw in c.results(job))
+    want = {it.id for it in wl.items}
+    missing = len(want - set(seen))
+    doubled = sum(1 for v in seen.values() if v > 1)
+    extra = len(set(seen) - want)
+    if missing or doubled or extra:
+        return f"INCOMPLETE: {missing} missing, {doubled} doubled, {extra} unknown"
+    return "ok: every id exactly once"
+
+
+# ------------------------------------------------------------------------------------ figures
+def batch_fill(n: int, plen: int, asked: int, cfg: SuiteConfig) -> float:
+    """How full a batch is against what its worker asked for: the token budget or the item count
+    (the latch may ask for fewer than max_batch_size items when few slots are free)."""
+    return min(1.0, max(n * plen / cfg.max_batch_tokens, n / asked))
+
+
+def batch_fills(rec: Record, cfg: SuiteConfig) -> list[float]:
+    return [batch_fill(n, plen, asked, cfg) for n, plen, _a, asked, _s in rec.batches]
+
+
+def figures(rec: Record, cfg: SuiteConfig) -> dict[str, float]:
+    eng = rec.engines
+    fin = sum(e.counters.finished for e in eng)
+    out_tok = sum(e.counters.output_tokens for e in eng)
+    actual = sum(e.counters.actual_tokens for e in eng)
+    padding = sum(e.counters.padding_tokens for e in eng)
+    hit = sum(e.counters.prefix_hit_tokens for e in eng)
+    miss = sum(e.counters.prefix_miss_tokens for e in eng)
+    fills = batch_fills(rec, cfg)
+    per_shape = Counter(s for *_x, sigs in rec.batches for s in sigs)
+    return {
+        "submit_items_s": rec.items / rec.submit_s if rec.submit_s else float("nan"),
+        "seq_s": fin / rec.makespan if rec.makespan else float("nan"),
+        "tok_s": (actual + out_tok) / rec.makespan if rec.makespan else float("nan"),
+        "makespan": rec.makespan,
+        "wall_s": rec.wall_s,
+        "padding_waste": padding / (padding + actual) if actual else float("nan"),
+        "fill_p50": pct(fills, 50), "fill_p90": pct(fills, 90), "fill_p99": pct(fills, 99),
+        "prefix_hit": hit / (hit + miss) if hit + miss else float("nan"),
+        "switches_per_worker": sum(e.counters.shape_switches for e in eng) / len(eng),
+        "batches": len(rec.batches),
+        "batches_per_shape_p50": median(list(per_shape.values())),
+        "graph_rebuilds": sum(e.counters.graph_rebuilds for e in eng),
+        "claim_p50": pct(rec.claim_us, 50), "claim_p99": pct(rec.claim_us, 99),
+        "redis_cpu_us_item": rec.redis_cpu_us_per_item,
+        "mem_per_item": rec.mem_per_item,
+        "finished": fin,
+    }
+
+
+ROWS: list[tuple[str, str, str, bool]] = [
+    # key, label, format, higher is better
+    ("submit_items_s", "submit items/s (wall)", "{:,.0f}", True),
+    ("seq_s", "finished sequences/s (SIMULATED GPU time)", "{:,.1f}", True),
+    ("tok_s", "tokens/s in+out (SIMULATED GPU time)", "{:,.0f}", True),
+    ("makespan", "makespan, simulated s (fleet)", "{:,.1f}", False),
+    ("padding_waste", "padding waste (padded-actual)/padded", "{:.3%}", False),
+    ("fill_p50", "batch fill p50", "{:.1%}", True),
+    ("fill_p90", "batch fill p90", "{:.1%}", True),
+    ("fill_p99", "batch fill p99", "{:.1%}", True),
+    ("prefix_hit", "prefix-cache hit (tokens)", "{:.2%}", True),
+    ("switches_per_worker", "shape switches per worker", "{:,.1f}", False),
+    ("batches", "batches", "{:,.0f}", False),
+    ("batches_per_shape_p50", "batches per shape p50", "{:,.0f}", False),
+    ("graph_rebuilds", "sim graph builds", "{:,.0f}", False),
+    ("claim_p50", "claim round trip p50 us", "{:,.0f}", False),
+    ("claim_p99", "claim round trip p99 us", "{:,.0f}", False),
+    ("redis_cpu_us_item", "Redis CPU us per item (whole run)", "{:,.1f}", False),
+    ("mem_per_item", "Redis memory bytes per queued item", "{:,.0f}", False),
+    ("wall_s", "wall seconds of the run", "{:,.1f}", False),
+]
+
+
+def _fmt(fmt: str, v: float) -> str:
+    return "n/a" if v != v else fmt.format(v)  # NaN check
+
+
+def report(args: argparse.Namespace, mach: str, spec: WorkloadSpec, cfg: SuiteConfig, recs: dict[str, Record],
+           figs: dict[str, dict[str, float]], plots: list[str]) -> str:
+    systems = [s for s in SYSTEMS if s in figs]
+    peers = [s for s in ("rq", "stream") if s in figs]
+    header = ["figure", *systems, "conductor / oracle", "conductor / best peer"]
+    rows = []
+    for key, label, fmt, higher in ROWS:
+        row = [label] + [_fmt(fmt, figs[s][key]) for s in systems]
+        c = figs.get("conductor", {}).get(key, float("nan"))
+        o = figs.get("oracle", {}).get(key, float("nan"))
+        pv = [figs[p][key] for p in peers if figs[p][key] == figs[p][key]]
+        best = (max(pv) if higher else min(pv)) if pv else float("nan")
+        row.append(f"{c / o:.2f}x" if o and o == o and c == c else "n/a")
+        row.append(f"{c / best:.2f}x" if best and best == best and c == c else "n/a")
+        rows.append(row)
+    f = figs.get("conductor", {})
+    o = figs.get("oracle", {})
+    fifo = max((figs[p]["seq_s"] for p in peers), default=float("nan"))
+
+    def goal(name: str, ok: bool, value: str) -> str:
+        return f"- {name}: {value} **{'met' if ok else 'MISSED'}**"
+    goals = []
+    if f and o:
+        goals = [
+            goal("padding waste <= 0.42 % and <= 1.1x the oracle's", f["padding_waste"] <= 0.0042
+                 and f["padding_waste"] <= 1.1 * o["padding_waste"],
+                 f"{f['padding_waste']:.3%} (oracle {o['padding_waste']:.3%})"),
+            goal("fill >= 99 % at p50 and p90", f["fill_p50"] >= 0.99 and f["fill_p90"] >= 0.99,
+                 f"p50 {f['fill_p50']:.1%}, p90 {f['fill_p90']:.1%}"),
+            goal("sim prefix-cache hit >= 99.9 %", f["prefix_hit"] >= 0.999, f"{f['prefix_hit']:.2%}"),
+            goal("finished sequences/s >= 3x the FIFO peers", f["seq_s"] >= 3 * fifo,
+                 f"{f['seq_s'] / fifo:.2f}x the better FIFO peer"),
+            goal("finished sequences/s >= 0.95x the oracle", f["seq_s"] >= 0.95 * o["seq_s"],
+                 f"{f['seq_s'] / o['seq_s']:.2f}x"),
+        ]
+    lines = [
+        f"## Suite: conductor vs peers vs oracle (issue 6, {'quick' if args.quick else 'full'} mode)",
+        "",
+        f"Command: `{command_line()}`  ",
+        f"Machine: {mach}  ",
+        f"Date: {now_utc()}, commit {git_rev()}  ",
+        f"Workload: {spec.items:,} items, {spec.shapes} shapes (Zipf s={spec.zipf_s}), prefixes "
+        f"{spec.prefix_min}..{spec.prefix_max} tokens, suffix lognormal(mu=ln {round(2.718281828 ** spec.suffix_mu)}, "
+        f"sigma={spec.suffix_sigma}), output limits {list(spec.output_limits)} per shape, arrival {spec.arrival}"
+        f"{f' at {spec.rate:,.0f} items per simulated s' if spec.arrival == 'trickle' else ''}, seed {spec.seed}.  ",
+        f"Contract for every system: {cfg.workers} workers, max batch {cfg.max_batch_size} items, "
+        f"{cfg.max_batch_tokens:,} tokens (memory mode: padded to the longest item rounded up to 8), max input "
+        f"{cfg.max_input_len:,}; admission latch high/low water {cfg.high_water}/{cfg.low_water} active sequences.  ",
+        "Engine: `SimEngine` with default SimParams (prefill 2 us per uncached token, decode step 6 ms + 20 us "
+        "per sequence, graph build 50 ms per (padded length, shape, epoch), prefix cache of 1 shape). "
+        "**Throughput figures are in SIMULATED GPU seconds** (the fleet's makespan: the latest simulated "
+        "time at which a worker finished its last sequence), not wall time; wall time is listed separately.",
+        "",
+        table(header, rows),
+        "",
+        "Definitions: batch fill = max(padded tokens / token budget, items / items asked for) (the worker "
+        "asks for min(max batch size, free slots under the latch)); padding waste from "
+        "the engines' counters; prefix-cache hit = prefix tokens served from the sim's cache / all prefix "
+        "tokens; batches per shape = batches that carried items of a shape (median over shapes); claim round "
+        "trip = Conductor.claim (with decoding) for the conductor, LPOP + Job.fetch_many for RQ, XREADGROUP "
+        "for the stream; Redis memory per queued item = used_memory after submitting the backlog, minus "
+        "before, per item; Redis CPU = the server's used_cpu_user+sys over submit and run, per item.",
+        "",
+        f"Conductor results: {recs['conductor'].complete if 'conductor' in recs else 'not run'}.",
+        "",
+        "Goals (issue 6, on this workload):",
+        *goals,
+    ]
+    if plots:
+        lines += ["", "Plots: " + ", ".join(f"[{Path(p).name}](plots/{Path(p).name})" for p in plots)]
+    return "\n".join(lines)
+
+
+def make_plots(recs: dict[str, Record], figs: dict[str, dict[str, float]], cfg: SuiteConfig,
+               out: Path) -> list[str]:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    systems = [s for s in SYSTEMS if s in recs]
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for s in systems:
+        fills = batch_fills(recs[s], cfg)
+        ax.hist(fills, bins=40, range=(0, 1), histtype="step", label=s, linewidth=1.5)
+    ax.set_xlabel("batch fill")
+    ax.set_ylabel("batches")
+    ax.set_title("Batch fill")
+    ax.legend()
+    paths.append(_save(fig, out / "batch_fill.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar(systems, [100 * figs[s]["padding_waste"] for s in systems])
+    ax.set_ylabel("padding waste, %")
+    ax.set_title("Padding waste per system")
+    paths.append(_save(fig, out / "padding_waste.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for s in systems:
+        per_shape = Counter(sig for *_x, sigs in recs[s].batches for sig in sigs)
+        ax.hist(list(per_shape.values()), bins=30, histtype="step", label=s, linewidth=1.5)
+    ax.set_xlabel("batches carrying a shape")
+    ax.set_ylabel("shapes")
+    ax.set_title("Batches per shape")
+    ax.legend()
+    paths.append(_save(fig, out / "batches_per_shape.png"))
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for s in systems:
+        trace = sorted(p for e in recs[s].engines for p in e.trace)
+        xs, ys, total = [], [], 0
+        for t, k in trace:
+            total += k
+            xs.append(t)
+            ys.append(total)
+        ax.plot(xs, ys, label=s)
+    ax.set_xlabel("simulated seconds (per worker clock)")
+    ax.set_ylabel("finished sequences")
+    ax.set_title("Finished sequences over simulated time")
+    ax.legend()
+    paths.append(_save(fig, out / "finished_over_time.png"))
+    return paths
+
+
+def _save(fig: Any, path: Path) -> str:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    return str(path)
+
+
+def run_suite(spec: WorkloadSpec, cfg: SuiteConfig, systems: tuple[str, ...] = SYSTEMS,
+              log: Callable[[str], None] = print) -> tuple[dict[str, Record], dict[str, dict[str, float]], str]:
+    wl = generate(spec)
+    recs: dict[str, Record] = {}
+    with EmbeddedRedis() as srv:
+        r = connect(srv.url)
+        mach = machine(r)
+        log(f"redis-server on port {srv.port}; {mach}")
+        for s in systems:
+            gc.collect()
+            rec = run_conductor(r, srv.url, wl, cfg) if s == "conductor" else run_peer(s, r, wl, cfg)
+            recs[s] = rec
+            fig = figures(rec, cfg)
+            log(f"  {s:10s} seq/s(sim) {fig['seq_s']:9.1f}  waste {fig['padding_waste']:.3%}  fill p50 "
+                f"{fig['fill_p50']:.1%}  hit {fig['prefix_hit']:.2%}  wall {rec.wall_s:.1f}s  {rec.complete}")
+    return recs, {s: figures(r_, cfg) for s, r_ in recs.items()}, mach
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="small workload, under 2 minutes")
+    p.add_argument("--items", type=int)
+    p.add_argument("--shapes", type=int)
+    p.add_argument("--workers", type=int)
+    p.add_argument("--arrival", choices=("backlog", "trickle"), default="backlog")
+    p.add_argument("--rate", type=float, default=2000.0, help="trickle: items per simulated second")
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--systems", default=",".join(SYSTEMS))
+    p.add_argument("--no-write", action="store_true", help="print only; RESULTS.md and plots untouched")
+    p.add_argument("--json", help="also write the figures as JSON to this file")
+    p.add_argument("--conductor-cfg", default="", metavar="K=V,...",
+                   help="model config fields for the conductor (conductor/config.py), e.g. lane_floor=8")
+    args = p.parse_args(argv)
+    spec = WorkloadSpec(items=5_000 if args.quick else 60_000, shapes=20 if args.quick else 50,
+                        arrival=args.arrival, rate=args.rate, seed=args.seed)
+    cfg = SuiteConfig(workers=2 if args.quick else 4)
+    if args.items:
+        spec.items = args.items
+    if args.shapes:
+        spec.shapes = args.shapes
+    if args.workers:
+        cfg.workers = args.workers
+    for kv in filter(None, args.conductor_cfg.split(",")):
+        k, _, v = kv.partition("=")
+        try:
+            cfg.conductor_cfg[k] = parse_value(k, v)
+        except ValueError as e:
+            p.error(f"--conductor-cfg: {e}")
+    systems = tuple(s for s in args.systems.split(",") if s)
+    unknown = set(systems) - set(SYSTEMS)
+    if unknown:
+        p.error(f"--systems: unknown {sorted(unknown)} (known: {', '.join(SYSTEMS)})")
+    recs, figs, mach = run_suite(spec, cfg, systems)
+    plots = [] if args.no_write else make_plots(recs, figs, cfg, Path(__file__).resolve().parent / "plots")
+    text = report(args, mach, spec, cfg, recs, figs, plots)
+    print()
+    print(text)
+    if args.json:
+        Path(args.json).write_text(json.dumps(figs, indent=1))
+    if not args.no_write:
+        write_section("suite_quick" if args.quick else "suite", text)
+        print("\nwrote bench/RESULTS.md")
+    return 0 if "conductor" not in recs or recs["conductor"].complete.startswith("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
