@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
+from conductor.errors import ConductorError
 from conductor.records import Batch, BatchItem, Contract, ResultError
+
+
+class EngineUnavailable(ConductorError):
+    """The chosen engine cannot run here (its package is missing); the CLI prints it in one line."""
+
+
+class EngineConfigError(ConductorError, ValueError):
+    """A bad engine flag, named at the start of the message (``--model-path: ...``)."""
 
 
 class Finished:

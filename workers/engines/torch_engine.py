@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conductor.records import Batch, BatchItem, Contract, ResultError
-from workers.engines.base import Finished, too_long
+from workers.engines.base import EngineConfigError, EngineUnavailable, Finished, too_long
 from workers.engines.byte_tokenizer import ByteTokenizer
 
 TINY_CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -43,7 +43,7 @@ def _torch() -> Any:
         import torch
         import transformers  # noqa: F401
     except ImportError as e:
-        raise ImportError(
+        raise EngineUnavailable(
             f"engine torch needs PyTorch and transformers ({e.name} is missing): "
             "pip install 'conductor[torch]' (torch==2.13.0)") from None
     return torch
@@ -77,7 +77,7 @@ class TorchEngine:
                  max_batch_tokens: int = 8192, max_input_len: int = 1024, device: str | None = None,
                  prefix_cache_shapes: int = 4, seed: int = 0) -> None:
         if not model_path:
-            raise ValueError("--model-path: the torch engine needs a local model folder, or 'tiny'")
+            raise EngineConfigError("--model-path: the torch engine needs a local model folder, or 'tiny'")
         torch = _torch()
         self.torch = torch
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -116,7 +116,7 @@ class TorchEngine:
 
         from transformers import AutoModelForCausalLM, AutoTokenizer
         if not Path(path).is_dir():
-            raise ValueError(f"--model-path: {path!r} is not a folder (a local transformers model, or 'tiny')")
+            raise EngineConfigError(f"--model-path: {path!r} is not a folder (a local transformers model, or 'tiny')")
         tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
         dtype = self.torch.bfloat16 if self.device.startswith("cuda") else self.torch.float32
         lm = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
