@@ -30,7 +30,9 @@ def cpu_model() -> str:
 
 
 def machine(r: redis.Redis | None = None) -> str:
-    parts = [f"nproc {os.cpu_count()}", cpu_model(), f"Python {platform.python_version()}"]
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    parts = [f"nproc {os.cpu_count()}", cpu_model(), f"load average {load} at the start",
+             f"Python {platform.python_version()}"]
     if r is not None:
         parts.append(f"Redis {r.info('server')['redis_version']}")
     try:

@@ -132,7 +132,7 @@ def bench_claim(r: redis.Redis, backlog: int, claims: int, batch: int) -> dict[s
     budget = batch * 512  # every item is under 512 tokens: batches close on their item count
     c.set_config(MODEL, {"release_batches": 0, "activate_batches": 0, "quiet_ms": 600_000,
                          "budget_tokens": budget, "budget_items": batch})
-    # Two of the three timed calls consume a batch; the backlog never drops under --backlog.
+    # Two of the timed calls consume a batch from the backlog, which never drops under --backlog.
     total = backlog + (2 * claims + 60) * batch
     items = make_items(total, shapes=1, seed=2, tag="c", mu=4.6, sigma=0.25)
     t0 = time.perf_counter()
@@ -166,8 +166,16 @@ def bench_claim(r: redis.Redis, backlog: int, claims: int, batch: int) -> dict[s
         reply = r.xreadgroup("g", "f", {floor_key: ">"}, count=batch)
         return -1 if reply else 0
 
+    raw_conn = r.connection_pool.get_connection()
+
+    def floor_raw() -> int:
+        # hiredis parses the reply in C; redis-py's per-entry callbacks (dicts of fields) are skipped.
+        raw_conn.send_command("XREADGROUP", "GROUP", "g", "f", "COUNT", batch, "STREAMS", floor_key, ">")
+        reply = raw_conn.read_response(disable_decoding=True)
+        return -1 if reply else 0
+
     calls = {"conductor.claim": conductor_claim, "claim.lua (raw EVALSHA)": raw_claim,
-             "XREADGROUP COUNT 64 (floor)": floor_read}
+             "XREADGROUP COUNT 64 (floor)": floor_read, "XREADGROUP COUNT 64, raw reply (floor)": floor_raw}
     for fn in calls.values():  # warm up: script cache, connection, prefix cache
         for _ in range(15):
             fn()
@@ -175,8 +183,9 @@ def bench_claim(r: redis.Redis, backlog: int, claims: int, batch: int) -> dict[s
     lat: dict[str, list[float]] = {k: [] for k in calls}
     sizes: list[int] = []
     gc.collect()
+    names = list(calls)
     for i in range(claims):
-        for name in (list(calls)[i % 3:] + list(calls)[:i % 3]):
+        for name in names[i % len(names):] + names[:i % len(names)]:
             t = time.perf_counter_ns()
             got = calls[name]()
             lat[name].append((time.perf_counter_ns() - t) / 1000)
@@ -185,6 +194,7 @@ def bench_claim(r: redis.Redis, backlog: int, claims: int, batch: int) -> dict[s
     stats = server_stats(r)
     ev_usec, ev_calls = cmd_usec(stats, "evalsha")
     xr_usec, xr_calls = cmd_usec(stats, "xreadgroup")
+    r.connection_pool.release(raw_conn)
     left = int(r.hget(mk.state, "items") or 0)
     return {"lat": lat, "sizes": sizes, "server_claim_us": ev_usec / max(1, ev_calls),
             "server_xread_us": xr_usec / max(1, xr_calls), "xread_calls": xr_calls, "claim_calls": ev_calls,
@@ -192,7 +202,7 @@ def bench_claim(r: redis.Redis, backlog: int, claims: int, batch: int) -> dict[s
 
 
 # ---------------------------------------------------------------------------------- report
-def report(args: argparse.Namespace, mach: str, sub: dict, clm: dict) -> str:
+def report(args: argparse.Namespace, mach: str, sub: dict, clm: dict, why: dict | None = None) -> str:
     lim = median(sub["xadd"]["rate"])
     rows = []
     for name, label in (("conductor", "conductor (Conductor.submit, bulk submit.lua)"),
@@ -245,7 +255,28 @@ def report(args: argparse.Namespace, mach: str, sub: dict, clm: dict) -> str:
         f"Goals (Conductor.claim round trip): p50 <= 500 us: **{c50:.0f} us, {verdict(c50 <= 500)}**; "
         f"p99 <= 1 ms: **{c99:.0f} us, {verdict(c99 <= 1000)}**. The bare script call: p50 {r50:.0f} us, "
         f"p99 {r99:.0f} us; the floor p50 {f50:.0f} us (claim p50 / floor p50 = {c50 / f50:.2f}x).",
+        *(_why_lines(why) if why else []),
     ])
+
+
+def _why_lines(why: dict) -> list[str]:
+    from bench import claim_profile, submit_profile
+    sp = why["submit"]
+    return [
+        "",
+        "### Where the server time goes (copies of the scripts, measured in the same run)",
+        "",
+        f"submit.lua, {sp['chunk']:,} items per call, {sp['shapes']} shapes, median of the repetitions "
+        "(`bench/submit_profile.py`):",
+        "",
+        submit_profile.as_markdown(sp),
+        "",
+        "claim.lua, 64-item batches, copies called in turn on one backlog (`bench/claim_profile.py`; "
+        "xtrim: XTRIM MINID instead of XDEL; small-entry: batch blob outside the batches stream entry; "
+        "packed-entry: lane entries hold the item pre-encoded):",
+        "",
+        claim_profile.as_markdown(why["claim"]),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--quick", action="store_true", help="small sizes; prints, writes nothing")
     p.add_argument("--no-write", action="store_true", help="do not rewrite bench/RESULTS.md")
+    p.add_argument("--no-why", action="store_true", help="skip the script profiles (on by default, off in quick)")
     args = p.parse_args(argv)
     sizes = {"items": 2000, "reps": 2, "backlog": 2000, "claims": 50} if args.quick else \
         {"items": 50_000, "reps": 5, "backlog": 100_000, "claims": 1000}
@@ -271,7 +303,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"redis-server on port {srv.port}; {mach}", flush=True)
         sub = bench_submit(r, args.items, args.reps, args.shapes)
         clm = bench_claim(r, args.backlog, args.claims, args.batch)
-        text = report(args, mach, sub, clm)
+        why = None
+        if not (args.quick or args.no_why):
+            from bench import claim_profile, submit_profile
+            from conductor.client import SUBMIT_CHUNK
+            r.flushall()
+            why = {"submit": submit_profile.profile(r, 20_000, 3, SUBMIT_CHUNK, shapes=args.shapes),
+                   "claim": claim_profile.profile(r, 0, 300)}
+        text = report(args, mach, sub, clm, why)
     print()
     print(text)
     if not args.no_write:
