@@ -396,8 +396,11 @@ def _read_submit_reply(conn: Any, chunk: Sequence[PreparedItem], report: SubmitR
 
 def _raise_script_error(e: Exception) -> None:
     msg = str(e)
-    if msg.startswith("FULL") or "OOM" in msg:
+    if msg.startswith("FULL"):
         raise QueueFull(msg) from None
+    # redis-py turns Redis's "OOM ..." reply into OutOfMemoryError and drops the prefix.
+    if isinstance(e, redis.OutOfMemoryError) or msg.startswith("OOM"):
+        raise QueueFull(f"Redis is full (maxmemory reached, nothing of this call written): {msg}") from None
     if msg.startswith("ERR_ARG"):
         field, _, rest = msg[len("ERR_ARG "):].partition(": ")
         raise BadInput(field, rest) from None

@@ -50,16 +50,19 @@ def test_client_rides_out_a_redis_crash_and_restart(fresh_server):
     assert sorted(int(r.id) for r in cdr.read_results("j")) == list(range(20))
 
 
-def test_unreachable_redis_is_one_clear_error():
+def test_unreachable_redis_gives_up_after_bounded_backoff_with_one_clear_error():
     from conductor.embedded import free_port
     from conductor.errors import RedisUnavailable
     port = free_port()
+    t0 = time.monotonic()
     try:
         connect(f"redis://127.0.0.1:{port}/0", timeout=0.2)
     except RedisUnavailable as e:
         assert f"cannot reach Redis at redis://127.0.0.1:{port}/0" in str(e)
     else:
         raise AssertionError("connect to a closed port succeeded")
+    # 8 retries, 0.1 s doubling to a 2 s cap: about 9 s, then it stops trying
+    assert 5 < time.monotonic() - t0 < 20
 
 
 def _hammer_and_kill(srv: EmbeddedRedis, seconds: float) -> tuple[set[str], set[str]]:

@@ -61,6 +61,7 @@ def test_live_consumer_with_extended_lease_is_never_robbed(cdr):
         assert p[0]["time_since_delivered"] < 400
     finally:
         w.stopping.set()
+        w._hb_stop.set()  # the heartbeat thread's own stop (it outlives the loop while draining)
         hb.join()
     time.sleep(0.7)  # heartbeat key expires: now it is dead
     assert cdr.reclaim_dead("m")["batches"] == 1

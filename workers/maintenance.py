@@ -14,6 +14,7 @@ import redis
 
 from conductor.client import Conductor
 from conductor.keys import ModelKeys
+from conductor.retention import trim_model
 
 log = logging.getLogger("conductor.maintenance")
 
@@ -57,6 +58,7 @@ class Maintenance:
             if res["batches"]:
                 log.info(json.dumps({"event": "reclaimed", "model": self.model, **res}))
             self._thrash_alarm()
+            trim_model(self.c, self.model)
             return res
         except (redis.RedisError, OSError) as e:
             log.warning(json.dumps({"event": "maintenance_failed", "model": self.model, "error": str(e)}))
