@@ -121,11 +121,13 @@ class Conductor:
         Items are grouped per model; each submit.lua call takes up to SUBMIT_CHUNK items and
         is all or nothing; SUBMIT_WINDOW calls are in flight at a time.
         """
-        K.check_name("job", job)
+        _check_name("job", job)
         report = SubmitReport()
         by_model: dict[str, list[PreparedItem]] = {}
         for it in items:
             by_model.setdefault(it.model, []).append(it)
+        for model in by_model:  # every name checked before the first write
+            _check_name("model", model)
         for model, its in by_model.items():
             self._register_job(job, model)
             mk = self.ensure_model(model)
@@ -392,6 +394,13 @@ def _read_submit_reply(conn: Any, chunk: Sequence[PreparedItem], report: SubmitR
         return e
     _count_submit_reply(reply, report)
     return None
+
+
+def _check_name(kind: str, value: str) -> None:
+    try:
+        K.check_name(kind, value)
+    except ValueError as e:
+        raise BadInput(kind, str(e).split(": ", 1)[1]) from None
 
 
 def _raise_script_error(e: Exception) -> None:

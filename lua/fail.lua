@@ -19,7 +19,9 @@ local bid, consumer, reason = ARGV[1], ARGV[2], ARGV[3] or ''
 if not bid or not string.match(bid, '^%d+%-%d+$') then
   return redis.error_reply('ERR_ARG batch_id: must be a stream id like 1700000000000-0')
 end
-if (not consumer) or #consumer < 1 then return redis.error_reply('ERR_ARG consumer: must not be empty') end
+if (not consumer) or #consumer < 1 or #consumer > 200 then
+  return redis.error_reply('ERR_ARG consumer: must be 1..200 bytes')
+end
 if #reason > 4096 then reason = string.sub(reason, 1, 4096) end
 local cfg = load_cfg(cfg_key)
 local now = now_ms()
