@@ -7,6 +7,7 @@ readers can be separate processes on separate machines.
 
 from __future__ import annotations
 
+import re
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -15,7 +16,7 @@ from typing import Any
 
 import msgspec
 import redis
-from redis.backoff import ExponentialBackoff
+from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from conductor import keys as K
@@ -38,7 +39,9 @@ _body_decoder = msgspec.json.Decoder()
 
 def connect(url: str, *, timeout: float = 10.0) -> redis.Redis:
     """A client with bounded-backoff reconnects; raises RedisUnavailable with one clear line."""
+    shown = redact_url(url)
     try:
+        _refuse_bad_credentials_at_once(url, timeout)
         client = redis.Redis.from_url(
             url,
             socket_timeout=timeout,
@@ -49,12 +52,35 @@ def connect(url: str, *, timeout: float = 10.0) -> redis.Redis:
         )
         client.ping()
     except ValueError as e:
-        raise RedisUnavailable(f"bad Redis URL {url!r}: {e}") from None
+        raise RedisUnavailable(f"bad Redis URL {shown!r}: {e}") from None
     except redis.AuthenticationError as e:
-        raise RedisUnavailable(f"Redis at {url} refused the credentials: {e}") from None
+        raise RedisUnavailable(f"Redis at {shown} refused the credentials: {e}") from None
     except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
-        raise RedisUnavailable(f"cannot reach Redis at {url}: {e}") from None
+        raise RedisUnavailable(f"cannot reach Redis at {shown}: {e}") from None
     return client
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url)
+
+
+def _refuse_bad_credentials_at_once(url: str, timeout: float) -> None:
+    # redis-py's AuthenticationError is a ConnectionError, so the retrying client would spend
+    # its whole backoff (tens of seconds) on a wrong password: ask once, without retries.
+    probe = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                                 retry=Retry(NoBackoff(), 0))
+    try:
+        probe.ping()
+    except redis.AuthenticationError:
+        raise
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+        if "CERTIFICATE_VERIFY_FAILED" in str(e) or "WRONG_VERSION_NUMBER" in str(e):
+            raise RedisUnavailable(f"TLS with Redis at {redact_url(url)} failed (check ssl_ca_certs, and "
+                                   f"rediss:// against a TLS port): {e}") from None
+        # down or restarting: the retrying client waits for it
+    finally:
+        probe.close()
 
 
 def _s(v: Any) -> str:
