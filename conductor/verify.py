@@ -104,6 +104,9 @@ class Report:
     model: str
     rows: list[Row] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # ledger findings (items=True)
+    # items=True: queued items by place (waiting, inflight, reclaimed) and done items, so that
+    # submitted == waiting + inflight + reclaimed + done can be checked item by item.
+    ledger: dict[str, int] = field(default_factory=dict)
 
     @property
     def drift(self) -> list[Row]:
@@ -203,6 +206,16 @@ class _Ledger:
 
     def add(self, job: Any, iid: Any, place: str) -> None:
         self.places.setdefault((_s(job), _s(iid)), []).append(place)
+
+    def counts(self) -> dict[str, int]:
+        out = {"submitted": len(self.state), "done": 0, "waiting": 0, "inflight": 0, "reclaimed": 0}
+        for key, st in self.state.items():
+            if st != "q":
+                out["done"] += 1
+                continue
+            for p in self.places.get(key, []):
+                out["waiting" if p.startswith("lane ") else "inflight" if p.startswith("batch ") else "reclaimed"] += 1
+        return out
 
     def problems(self, model: str) -> list[str]:
         lost, dup, phantom, done_waiting = [], [], [], []
@@ -330,6 +343,7 @@ def verify(r: redis.Redis, model: str, *, items: bool = False) -> Report:
         row(mk.state, fld, _i(state.get(fld)), v, f"state.{fld}")
     if ledger is not None:
         rep.problems.extend(ledger.problems(model))
+        rep.ledger = ledger.counts()
     return rep
 
 
