@@ -329,18 +329,31 @@ def verify(r: redis.Redis, model: str, *, items: bool = False) -> Report:
         "state.reclaimed_items")
 
     # ---- jobs
-    sums = {"submitted": 0, "completed": 0, "failed": 0}
+    sums = {"submitted": 0, "completed": 0, "failed": 0, "done": 0}
+    any_trimmed = False
     for job in sorted(found.jobs):
         truth = _job_truth(r, mk, job, ledger)
-        jh = r.hmget(mk.job(job), ["submitted", "completed", "failed"])
-        for fld, v in zip(("submitted", "completed", "failed"), jh, strict=True):
-            row(mk.job(job), fld, _i(v), truth[fld], f"job.{fld}")
-            sums[fld] += truth[fld]
-        row(mk.job_items(job), "done (d)", truth["done"], truth["results"], "job.done")
+        sub, comp, fail = (_i(v) for v in r.hmget(mk.job(job), ["submitted", "completed", "failed"]))
+        row(mk.job(job), "submitted", sub, truth["submitted"], "job.submitted")
+        if truth["trimmed"]:
+            # Retention dropped old records: only their sum is known (one 'd' per result written).
+            any_trimmed = True
+            row(mk.job(job), "completed+failed", comp + fail, truth["done"], "job.done")
+        else:
+            row(mk.job(job), "completed", comp, truth["completed"], "job.completed")
+            row(mk.job(job), "failed", fail, truth["failed"], "job.failed")
+            row(mk.job_items(job), "done (d)", truth["done"], truth["results"], "job.done")
+        for k in sums:
+            sums[k] += truth[k]
         if truth["dup_results"]:
             rep.problems.append(f"{model}: job {job} has {truth['dup_results']} duplicated result record(s)")
-    for fld, v in sums.items():
-        row(mk.state, fld, _i(state.get(fld)), v, f"state.{fld}")
+    row(mk.state, "submitted", _i(state.get("submitted")), sums["submitted"], "state.submitted")
+    if any_trimmed:
+        row(mk.state, "completed+failed", _i(state.get("completed")) + _i(state.get("failed")), sums["done"],
+            "state.done")
+    else:
+        row(mk.state, "completed", _i(state.get("completed")), sums["completed"], "state.completed")
+        row(mk.state, "failed", _i(state.get("failed")), sums["failed"], "state.failed")
     if ledger is not None:
         rep.problems.extend(ledger.problems(model))
         rep.ledger = ledger.counts()
@@ -422,8 +435,10 @@ def _job_truth(r: redis.Redis, mk: K.ModelKeys, job: str, ledger: _Ledger | None
             if rec.id in seen:
                 dup += 1
             seen.add(rec.id)
+    # Fewer records than done items: retention trimmed the job's results (conductor/retention.py),
+    # so the ok/error split of the trimmed ones is gone. (A lost record looks the same.)
     return {"submitted": submitted, "completed": ok, "failed": err, "done": done, "results": results,
-            "dup_results": dup}
+            "dup_results": dup, "trimmed": results < done}
 
 
 def verify_confirmed(r: redis.Redis, model: str, *, items: bool = False, pause_s: float = 0.2) -> Report:
@@ -509,14 +524,20 @@ def _repair_model(r: redis.Redis, mk: K.ModelKeys) -> list[Change]:
         truth["inflight_batches"], truth["inflight_items"], _ids = _pending(r, mk, None)
         truth["reclaimed_items"] = _reclaimed(r, mk, None)
         sums = {"submitted": 0, "completed": 0, "failed": 0}
+        trimmed = False
         job_rows: list[tuple[str, str, str, int]] = []
         for job in jobs_sorted:
             jt = _job_truth(r, mk, job, None)
             cur = r.hmget(mk.job(job), ["submitted", "completed", "failed"])
             for fld, v in zip(("submitted", "completed", "failed"), cur, strict=True):
                 sums[fld] += jt[fld]
+                if jt["trimmed"] and fld != "submitted":
+                    trimmed = True
+                    continue  # the ok/error split of trimmed records is gone: leave the counters
                 if _i(v) != jt[fld]:
                     job_rows.append((job, fld, _s(v) if v is not None else "", jt[fld]))
+        if trimmed:
+            del sums["completed"], sums["failed"]
         truth.update(sums)
         changes: list[Change] = []
         pipe.multi()
@@ -533,7 +554,7 @@ def _repair_model(r: redis.Redis, mk: K.ModelKeys) -> list[Change]:
 
 # ---------------------------------------------------------------------------- command line
 
-_ALWAYS_SHOWN = ("state.", "inst.", "staged.", "job.", "batches.")
+_ALWAYS_SHOWN = ("state.", "inst.", "staged.", "job.", "batches.")  # lane-level rows only when they differ
 
 
 def render(report: Report, *, show_all: bool = False) -> str:

@@ -115,3 +115,23 @@ def test_ledger_finds_lost_and_duplicated_items(cdr):
     rep = verify(cdr.r, "m", items=True)
     assert any("lost" in p and f[b"id"].decode() in p for p in rep.problems)
     assert (mk.lanemeta(inst, lane), "items") in {(r.key, r.field) for r in rep.drift}
+
+
+def test_results_trimmed_by_retention_are_checked_by_their_sum(cdr):
+    from conductor.retention import trim_job_results
+    from tests.helpers import drain
+    quick(cdr)
+    _submit_mix(cdr, n=12)
+    batches = drain(cdr, C, "a", complete=False)
+    for i, b in enumerate(batches):
+        cdr.complete(b, results_for(b, "a", error=i == 0))
+    assert verify(cdr.r, "m").ok
+    assert trim_job_results(cdr, "j", 10**13) == 12
+    mk = K.ModelKeys("m")
+    rep = verify(cdr.r, "m", items=True)
+    assert rep.ok, (_drift(rep), rep.problems)
+    fields = {(r.key, r.field): (r.recorded, r.truth) for r in rep.rows}
+    assert fields[(mk.job("j"), "completed+failed")] == (12, 12)
+    assert (mk.job("j"), "completed") not in fields
+    cdr.r.hincrby(mk.job("j"), "failed", 1)
+    assert [(r.key, r.field, r.diff) for r in verify(cdr.r, "m").drift] == [(mk.job("j"), "completed+failed", 1)]
