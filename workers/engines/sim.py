@@ -13,6 +13,16 @@ would on a GPU. Parameters (``SimParams``), all in simulated seconds:
 * graph cache: keyed by (lane padded length, shape, epoch); a miss costs ``graph_build``.
   ``prewarm`` builds graphs ahead, off the critical path.
 * output length: drawn deterministically from the item id, between 1/4 and all of max_tokens.
+* ``kv_capacity_tokens`` (0: unlimited): the KV memory, in tokens. A sequence holds its
+  padded prompt plus what it generated so far. When a decode step would need more, sequences
+  are preempted: their KV is dropped, so are the tokens they generated, and each comes back,
+  oldest first, when room returns, paying its prefill again. ``preempt`` picks the victim:
+  ``largest`` (the sequence holding the most KV, which frees the most memory per eviction:
+  what a runtime without admission control does, and how seed 000's engine ended up
+  advancing thousands of sequences that never finished) or ``newest`` (the last admitted,
+  vLLM's recompute policy, which protects old sequences and so wastes less). Either way an
+  engine admitted into without limit keeps prefilling and decoding, so tokens/s stays high,
+  for sequences that lose their work.
 
 ``time_scale`` multiplies the sleeps (0: never sleep, only count). Counters: simulated time,
 prefix hit and miss tokens, padding tokens, graph rebuilds, shape switches, steps.
@@ -22,6 +32,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import xxhash
@@ -38,6 +49,8 @@ class SimParams:
     decode_per_seq: float = 2e-5
     graph_build: float = 0.05
     cache_shapes: int = 1
+    kv_capacity_tokens: int = 0
+    preempt: str = "largest"
 
 
 @dataclass
@@ -54,12 +67,23 @@ class SimCounters:
     steps: int = 0
     finished: int = 0
     output_tokens: int = 0
+    useful_output_tokens: int = 0
+    preemptions: int = 0
+    lost_tokens: int = 0
+    recompute_tokens: int = 0
     shapes_seen: list[str] = field(default_factory=list)
 
     @property
     def prefix_hit_rate(self) -> float:
         total = self.prefix_hit_tokens + self.prefix_miss_tokens
         return self.prefix_hit_tokens / total if total else 1.0
+
+
+class _Seq:
+    __slots__ = ("order", "fin", "prompt", "target", "done")
+
+    def __init__(self, order: int, fin: Finished, prompt: int, target: int) -> None:
+        self.order, self.fin, self.prompt, self.target, self.done = order, fin, prompt, target, 0
 
 
 def output_len(item_id: str, max_tokens: int) -> int:
@@ -82,6 +106,9 @@ class SimEngine:
         self._prefix_lru: list[str] = []
         self._graphs: set[tuple[int, str, int]] = set()
         self._heap: list[tuple[int, int, Finished]] = []
+        # Only with a KV capacity: sequences holding KV, and preempted ones waiting for room.
+        self._resident: list[_Seq] = []
+        self._evicted: deque[_Seq] = deque()
         self._seq = 0
         self._step_no = 0
 
@@ -147,10 +174,60 @@ class SimEngine:
             n = output_len(it.id, it.max_tokens)
             self._seq += 1
             fin = Finished(batch, it, f"<sim output: {n} tokens>", n)
-            heapq.heappush(self._heap, (self._step_no + n, self._seq, fin))
+            if self.p.kv_capacity_tokens:
+                self._resident.append(_Seq(self._seq, fin, plen, n))
+            else:
+                heapq.heappush(self._heap, (self._step_no + n, self._seq, fin))
         return refused
 
+    def _kv(self) -> int:
+        return sum(q.prompt + q.done for q in self._resident)
+
+    def _step_capped(self) -> list[Finished]:
+        """One decode step under a KV capacity: preempt the newest to fit, readmit the oldest."""
+        c, cap = self.counters, self.p.kv_capacity_tokens
+        kv = self._kv()
+        if kv + len(self._resident) > cap:
+            if self.p.preempt == "newest":
+                self._resident.sort(key=lambda q: q.order)
+            else:
+                self._resident.sort(key=lambda q: (q.prompt + q.done, q.order))
+            while len(self._resident) > 1 and kv + len(self._resident) > cap:
+                q = self._resident.pop()
+                kv -= q.prompt + q.done
+                c.preemptions += 1
+                c.lost_tokens += q.done
+                q.done = 0
+                self._evicted.append(q)
+        recompute = 0
+        while self._evicted and (not self._resident
+                                 or kv + len(self._resident) + self._evicted[0].prompt + 1 <= cap):
+            q = self._evicted.popleft()
+            self._resident.append(q)
+            kv += q.prompt
+            recompute += q.prompt
+        if recompute:
+            c.recompute_tokens += recompute
+            c.prefill_tokens += recompute
+            self._spend(recompute * self.p.prefill_per_token)
+        self._spend(self.p.decode_base + self.p.decode_per_seq * len(self._resident))
+        c.output_tokens += len(self._resident)
+        done, keep = [], []
+        for q in self._resident:
+            q.done += 1
+            (done if q.done >= q.target else keep).append(q)
+        self._resident = keep
+        c.finished += len(done)
+        c.useful_output_tokens += sum(q.target for q in done)
+        return [q.fin for q in done]
+
     def step(self) -> list[Finished]:
+        if self.p.kv_capacity_tokens:
+            if not (self._resident or self._evicted):
+                return []
+            self._step_no += 1
+            self.counters.steps += 1
+            return self._step_capped()
         if not self._heap:
             return []
         self._step_no += 1
@@ -161,10 +238,11 @@ class SimEngine:
         while self._heap and self._heap[0][0] <= self._step_no:
             done.append(heapq.heappop(self._heap)[2])
         self.counters.finished += len(done)
+        self.counters.useful_output_tokens += sum(f.output_tokens for f in done)
         return done
 
     def active(self) -> int:
-        return len(self._heap)
+        return len(self._heap) + len(self._resident) + len(self._evicted)
 
     def prewarm(self, shape: str, lanes: list[int], epoch: int) -> None:
         for plen in lanes:
@@ -174,3 +252,5 @@ class SimEngine:
 
     def close(self) -> None:
         self._heap.clear()
+        self._resident.clear()
+        self._evicted.clear()
