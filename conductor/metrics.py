@@ -36,7 +36,8 @@ SHAPE_SWITCHES = Counter("conductor_worker_shape_switches", "Batches whose shape
 BATCHES_PER_SHAPE = Histogram("conductor_batches_per_shape", "Batches a shape instance ran before it finished",
                               ["model"], buckets=(1, 10, 50, 100, 500, 1000, 5000, 10000))
 THRASHING_SHAPES = Counter("conductor_thrashing_shapes", "Shapes that finished in under 100 batches", ["model"])
-DRIFT = Gauge("conductor_counter_drift", "Counter minus the truth it counts", ["model", "counter"])
+DRIFT = Gauge("conductor_counter_drift", "Sum of |counter - the truth it counts| over the counters of one kind "
+              "(conductor/verify.py; 0 = exact), set by the maintenance lease holder", ["model", "counter"])
 
 
 class ModelStateCollector(Collector):

@@ -38,6 +38,8 @@ the model's state in between (retried a few times).
 
 from __future__ import annotations
 
+import json
+import logging
 import re
 import time
 from collections.abc import Iterator
@@ -49,6 +51,8 @@ import redis
 
 from conductor import keys as K
 from conductor.config import DEFAULTS
+
+log = logging.getLogger("conductor.verify")
 
 PAGE = 1000  # entries per SCAN / HSCAN / XRANGE step
 PENDING_PAGE = 500
@@ -457,6 +461,37 @@ def verify_confirmed(r: redis.Redis, model: str, *, items: bool = False, pause_s
             for x in second.rows]
     problems = [p for p in second.problems if p in first.problems]
     return Report(model, rows, problems)
+
+
+# ---------------------------------------------------------------------------- drift gauge
+
+_published: dict[str, set[str]] = {}
+
+
+def publish_drift(report: Report) -> None:
+    """Set the drift gauge per (model, kind of counter); one critical log line when any differs."""
+    from conductor import metrics
+
+    kinds = report.by_kind()
+    for kind in _published.get(report.model, set()) - set(kinds):
+        metrics.DRIFT.labels(report.model, kind).set(0)
+    for kind, v in kinds.items():
+        metrics.DRIFT.labels(report.model, kind).set(v)
+    _published[report.model] = set(kinds)
+    if not report.ok:
+        log.critical(json.dumps({
+            "event": "counter_drift", "model": report.model, "differ": len(report.drift),
+            "kinds": {k: v for k, v in kinds.items() if v},
+            "rows": [[x.key, x.field, x.recorded, x.truth] for x in report.drift[:EXAMPLES]],
+            "problems": report.problems[:EXAMPLES],
+            "fix": f"conductor inspect {report.model} --verify --repair"}))
+
+
+def watch_drift(r: redis.Redis, model: str, *, pause_s: float = 0.5) -> Report:
+    """The periodic check (maintenance lease holder): counters only, confirmed by a second pass."""
+    report = verify_confirmed(r, model, items=False, pause_s=pause_s)
+    publish_drift(report)
+    return report
 
 
 # ---------------------------------------------------------------------------- repair

@@ -1,4 +1,4 @@
-"""Periodic work (reclaim sweep, thrash alarm) run by whichever worker holds a short lease.
+"""Periodic work (reclaim sweep, thrash alarm, counter drift check) run by whichever worker holds a short lease.
 
 No central daemon is needed for correctness: any live worker of a model can sweep, and the
 lease (SET NX PX, renewed by its holder) keeps it to one at a time.
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 import time
 
 import redis
@@ -29,7 +31,8 @@ return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) and 1 or 0
 
 class Maintenance:
     def __init__(self, conductor: Conductor, model: str, owner: str, *, interval_s: float = 1.0,
-                 lease_ms: int = 5000, stale_idle_ms: int = 300_000, thrash_batches: int = 100) -> None:
+                 lease_ms: int = 5000, stale_idle_ms: int = 300_000, thrash_batches: int = 100,
+                 verify_interval_s: float | None = None) -> None:
         self.c = conductor
         self.keys = ModelKeys(model)
         self.model = model
@@ -42,6 +45,13 @@ class Maintenance:
         self._next = 0.0
         self._finished_cursor = "$"
         self.batches_per_shape: list[int] = []
+        # Counter drift check (conductor/verify.py): reads every waiting entry in bounded steps,
+        # so it runs seldom and in a thread of its own; 0 turns it off.
+        if verify_interval_s is None:
+            verify_interval_s = float(os.environ.get("CONDUCTOR_VERIFY_INTERVAL_S", "60"))
+        self.verify_interval_s = verify_interval_s
+        self._verify_next = time.monotonic() + verify_interval_s
+        self.verify_thread: threading.Thread | None = None
 
     def tick(self) -> dict | None:
         now = time.monotonic()
@@ -58,11 +68,29 @@ class Maintenance:
             if res["batches"]:
                 log.info(json.dumps({"event": "reclaimed", "model": self.model, **res}))
             self._thrash_alarm()
+            self._drift_check()
             trim_model(self.c, self.model)
             return res
         except (redis.RedisError, OSError) as e:
             log.warning(json.dumps({"event": "maintenance_failed", "model": self.model, "error": str(e)}))
             return None
+
+    def _drift_check(self) -> None:
+        if self.verify_interval_s <= 0 or (self.verify_thread and self.verify_thread.is_alive()):
+            return
+        now = time.monotonic()
+        if now < self._verify_next:
+            return
+        self._verify_next = now + self.verify_interval_s
+        self.verify_thread = threading.Thread(target=self._verify, name="verify", daemon=True)
+        self.verify_thread.start()
+
+    def _verify(self) -> None:
+        from conductor.verify import watch_drift
+        try:
+            watch_drift(self.c.r, self.model)
+        except Exception as e:  # noqa: BLE001 - a check must never take its worker down
+            log.warning(json.dumps({"event": "verify_failed", "model": self.model, "error": repr(e)}))
 
     def _thrash_alarm(self) -> None:
         """A shape that finished in under ``thrash_batches`` batches did not pay for its switch."""
