@@ -117,3 +117,21 @@ def test_progress_only_steps_finish_work_when_nothing_new_arrives(cdr):
     assert w.batches_claimed == 1 and w.engine.active() == 0
     w.turn()
     assert cdr.status("j")["completed"] == 4
+
+
+def test_continuing_decodes_are_outside_the_token_budget(cdr):
+    """Only new prefills count against max_batch_tokens: sequences mid-generation neither shrink
+    the next pull nor get squeezed out by it."""
+    quick(cdr, budget_tokens=1024, budget_items=8)
+    cdr.submit([item(f"i{k:03d}", 200, max_tokens=64) for k in range(40)], "j")
+    w = worker(cdr, sim(max_batch_size=8, max_batch_tokens=1024))
+    sizes = []
+    for _ in range(4):
+        before = set(w.inflight)
+        alive = w.engine.active()
+        out_before = w.engine.counters.output_tokens
+        w.turn()
+        assert w.engine.counters.output_tokens - out_before == alive  # every live sequence decoded
+        sizes += [len(w.inflight[b].batch.items) for b in set(w.inflight) - before]
+    assert sizes == [5, 5, 5, 5]  # 5 x 200 (padded 200) <= 1024, however many are alive
+    assert w.engine.active() == 20

@@ -329,8 +329,10 @@ class Worker:
                 self._step()
             if not self._flush_writes():
                 time.sleep(0.05)
+            self.metrics.state(self.engine.active(), self.latch.gated, self.latch.transitions, len(self.retry))
         if self.inflight:
             self.hand_back()
+        self.metrics.state(self.engine.active(), self.latch.gated, self.latch.transitions, len(self.retry))
         event("drained", worker=self.name, finished=self.finished)
 
     def hand_back(self) -> None:
