@@ -3,8 +3,8 @@ with every counter checked against the truth after every step (conductor/verify.
 
 The machine drives submit (several shapes, lengths and jobs, resubmitted ids), claim (several
 contracts and consumers), complete (partial, final, twice, and late after a reclaim), fail,
-worker death (heartbeat gone, then reclaim), lease loss (an idle sweep of live consumers) and
-time passing (small quiet/lane/hygiene/aging thresholds, so the lifecycle moves: cleanup,
+worker death (heartbeat gone, then reclaim), lease loss (an idle sweep of live consumers), a
+dead-letter retry, and time passing (small quiet/lane/hygiene/aging thresholds, so the lifecycle moves: cleanup,
 draining, finishing, lane retirement, pre-warm, aging preemption). After each step:
 
 - ``verify`` finds no counter that differs from the data it counts, and its item ledger finds
@@ -135,6 +135,17 @@ class Accounting(RuleBasedStateMachine):
         self.open.remove((batch, consumer))
         self.stale.append((batch, consumer))
 
+    @rule(contract=st.sampled_from(CONTRACTS), times=st.integers(1, 4))
+    def poison_loop(self, contract: Contract, times: int) -> None:
+        """A worker whose engine fails every batch: reclaimed work comes back until dead-lettered."""
+        self.r.set(MK.heartbeat("c2"), 1, px=HB_MS)
+        for _ in range(times):
+            batch, _why = self.c.claim(contract, "c2")
+            if batch is None:
+                return
+            self.c.fail(batch, "c2", "poison")
+            self.stale.append((batch, "c2"))
+
     @rule(consumer=st.sampled_from(CONSUMERS))
     def worker_dies(self, consumer: str) -> None:
         self.r.delete(MK.heartbeat(consumer))
@@ -152,6 +163,11 @@ class Accounting(RuleBasedStateMachine):
         for x in [x for x in self.open if x[0].batch_id not in pending]:
             self.open.remove(x)
             self.stale.append(x)
+
+    @rule(job=st.sampled_from((None, *JOBS)))
+    def dead_letter_retried(self, job: str | None) -> None:
+        from conductor.deadletter import DeadLetter
+        DeadLetter(self.c).retry(model=MODEL, job=job)
 
     @rule(ms=st.sampled_from([2, 12, 30]))
     def time_passes(self, ms: int) -> None:
