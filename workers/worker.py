@@ -89,6 +89,7 @@ class Worker:
         self._wd_thread: threading.Thread | None = None
         self.notifier = Notifier()
         self.metrics = WorkerMetrics(self.contract.model, self.name, self.contract.max_batch_tokens)
+        self._prewarmed = ""
 
     # ------------------------------------------------------------------ lifecycle
     def register(self) -> None:
@@ -230,7 +231,16 @@ class Worker:
             self._give_back_failed(batch, e)
             return True
         self._collect(refused)
+        if batch.warming and batch.warming != self._prewarmed:
+            self._prewarm(batch.warming)
         return True
+
+    def _prewarm(self, inst: str) -> None:
+        """The pre-warm signal rides on claim replies: build the next shape's graphs before the switch."""
+        self._prewarmed = inst
+        shape, epoch, lanes = self.c.prewarm_info(self.contract.model, inst)
+        self.engine.prewarm(shape, lanes, epoch)
+        event("prewarm", worker=self.name, shape=shape, epoch=epoch, lanes=len(lanes))
 
     def _give_back_failed(self, batch: Batch, err: Exception) -> None:
         """The engine could not take a batch: requeue it (fail.lua counts deliveries, dead-letters at N)."""
