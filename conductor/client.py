@@ -132,6 +132,18 @@ class Conductor:
         mk = self.ensure_model(model)
         if values:
             self.r.hset(mk.cfg, mapping=values)
+            if {"budget_tokens", "budget_items", "mode"} & set(values):
+                self.reindex(model)
+
+    def reindex(self, model: str) -> int:
+        """Re-derive lane indices of every waiting shape instance after the reference contract or
+        mode changed; returns how many instances were re-derived (claim also does it lazily)."""
+        mk = K.ModelKeys(model)
+        insts = {_s(i) for i in self.r.zrange(mk.staged, 0, -1)}
+        active = self.r.hget(mk.state, "active")
+        if active:
+            insts.add(_s(active))
+        return sum(int(self.scripts.reindex(keys=[mk.base, mk.cfg, mk.state], args=[i])) for i in insts if i)
 
     def config(self, model: str) -> dict[str, str]:
         mk = K.ModelKeys(model)

@@ -13,7 +13,7 @@ from importlib import resources
 import redis
 
 _INCLUDE = re.compile(r"^--@include\s+(\S+)\s*$", re.M)
-NAMES = ("submit", "claim", "complete", "reclaim", "fail", "maintain", "repair")
+NAMES = ("submit", "claim", "complete", "reclaim", "fail", "maintain", "repair", "reindex")
 
 
 @functools.cache
@@ -40,4 +40,5 @@ class Scripts:
     reclaim: redis.commands.core.Script
     fail: redis.commands.core.Script
     maintain: redis.commands.core.Script
+    reindex: redis.commands.core.Script
     repair: redis.commands.core.Script

@@ -280,14 +280,16 @@ for _ = 1, 4 do
     end
   end
   local ik = inst_key(active)
-  local info = redis.call('HMGET', ik, 'state', 'rr', 'tokens', 'last_intake_ms')
+  local info = redis.call('HMGET', ik, 'state', 'rr', 'tokens', 'last_intake_ms', 'idx')
   local ist = info[1]
+  if info[5] ~= index_version(cfg) then reindex(base, state_key, cfg, active) end
   if ist == 'active' and aged() then
     preempt(active)
     active = pick_next(cleanup)
     ik = inst_key(active)
-    info = redis.call('HMGET', ik, 'state', 'rr', 'tokens', 'last_intake_ms')
+    info = redis.call('HMGET', ik, 'state', 'rr', 'tokens', 'last_intake_ms', 'idx')
     ist = info[1]
+    if info[5] ~= index_version(cfg) then reindex(base, state_key, cfg, active) end
   end
   -- Lane hygiene (seed 003): a small lane nobody assigned to for a while, while the shape
   -- stays busy elsewhere, is force-drained so its items do not wait for ever.

@@ -50,3 +50,28 @@ end
 local function num(v)
   return tonumber(v) or 0
 end
+
+-- The fill and ready indices of a shape instance are derived under one reference contract and
+-- mode; when those change (the first worker registers after items wait, an operator switches
+-- mode) the instance's indices are re-derived before it is served (claim.lua).
+local function index_version(cfg)
+  return cfg.budget_tokens .. ':' .. cfg.budget_items .. ':' .. cfg.mode
+end
+
+
+-- Re-derive fill scores and ready membership of every lane of one shape instance (bounded by
+-- lane_max lanes); claim.lua calls it lazily, reindex.lua eagerly after a config change.
+local function reindex(base, state_key, cfg, inst)
+  local ik = base .. ':inst:' .. inst
+  redis.call('DEL', ik .. ':ready', ik .. ':fill')
+  for _, lane in ipairs(redis.call('ZRANGE', ik .. ':lanes', 0, -1)) do
+    local m = redis.call('HMGET', base .. ':lanemeta:' .. inst .. ':' .. lane, 'items', 'tokens', 'rep')
+    local items, tokens, rep = num(m[1]), num(m[2]), num(m[3])
+    if items > 0 then
+      redis.call('ZADD', ik .. ':fill', lane_weight(cfg, items, tokens, rep), lane)
+      if lane_is_ready(cfg, items, tokens, rep) then redis.call('ZADD', ik .. ':ready', lane, lane) end
+    end
+  end
+  redis.call('HSET', ik, 'idx', index_version(cfg))
+  redis.call('HINCRBY', state_key, 'reindexes', 1)
+end

@@ -74,7 +74,7 @@ local function shape_ctx(sig)
     local ik = base .. ':inst:' .. sig .. ':' .. ep
     redis.call('HSET', shape_key, 'epoch', ep)
     redis.call('HSET', ik, 'state', 'staged', 'sig', sig, 'epoch', ep, 'created_ms', now,
-      'tokens', 0, 'items', 0, 'batches', 0, 'lane_seq', 0, 'rr', -1)
+      'tokens', 0, 'items', 0, 'batches', 0, 'lane_seq', 0, 'rr', -1, 'idx', index_version(cfg))
     redis.call('ZADD', base .. ':staged_age', 'NX', now, sig .. ':' .. ep)
   end
   local inst = sig .. ':' .. ep

@@ -29,24 +29,36 @@ def _backlog_then_first_worker(cdr) -> K.ModelKeys:  # noqa: ANN001
     return mk
 
 
-@pytest.mark.xfail(strict=True, reason="BUG (lifecycle/worker owners): the first worker's budget (HSETNX in "
-                   "Worker.register) or a `conductor config` change of mode/budget_* does not re-derive the "
-                   "fill/ready indices of lanes that already wait; fix: re-derive them (lua/repair.lua per "
-                   "instance) whenever those fields change")
-def test_ready_index_follows_the_reference_budget(cdr):
-    _backlog_then_first_worker(cdr)
+def test_worker_registration_rederives_the_indices_at_once(cdr):
+    """The first worker's budget (Worker.register) re-derives lanes that waited for it."""
+    from workers.engines.sim import SimEngine
+    from workers.worker import Worker, WorkerOptions
+    quick(cdr, quiet_ms=60_000)
+    cdr.submit([item(i, 100) for i in range(20)], "j")
+    Worker(cdr, SimEngine("m", max_batch_size=C.max_batch_size, max_batch_tokens=C.max_batch_tokens),
+           WorkerOptions(name="w")).register()
     rep = verify(cdr.r, "m")
     assert rep.ok, [(r.key, r.field, r.recorded, r.truth) for r in rep.drift]
+    batch, _ = cdr.claim(C, "w")
+    assert batch is not None and len(batch.items) == 8
 
 
-def test_stale_ready_index_delays_a_full_batch_until_repaired(cdr):
-    mk = _backlog_then_first_worker(cdr)
+def test_config_change_behind_the_conductors_back_is_rederived_by_claim(cdr):
+    mk = _backlog_then_first_worker(cdr)  # raw HSETNX: nothing re-derived yet
     drift = verify(cdr.r, "m").drift
     assert [r.kind for r in drift] == ["ready.member"] and drift[0].key.startswith(mk.base + ":inst:")
-    batch, why = cdr.claim(C, "w")
-    assert batch is None and why == "wait"  # 20 items of one lane wait, 8 make a full batch
-    changes, failed = repair(cdr.r, "m")
-    assert not failed and [c.key for c in changes] == [drift[0].key]
+    batch, why = cdr.claim(C, "w")  # the instance's index version differs: claim re-derives first
+    assert batch is not None and len(batch.items) == 8  # 20 items of one lane: a full batch of 8
+    assert int(cdr.r.hget(mk.state, "reindexes")) == 1
     assert verify(cdr.r, "m").ok
-    batch, why = cdr.claim(C, "w")
-    assert batch is not None and len(batch.items) == 8
+
+
+def test_conductor_config_of_mode_rederives_the_indices(cdr):
+    quick(cdr, quiet_ms=60_000, budget_tokens=1024, budget_items=8)
+    cdr.submit([item(i, 97) for i in range(10)], "j")  # 10 x 104 padded > 1024, 970 actual < 1024
+    assert verify(cdr.r, "m").ok
+    cdr.set_config("m", {"mode": "disk", "budget_items": 64})
+    assert verify(cdr.r, "m").ok
+    cdr.set_config("m", {"mode": "memory"})
+    assert verify(cdr.r, "m").ok
+    assert repair(cdr.r, "m") == ([], [])
