@@ -7,8 +7,6 @@ re-derives them, and until then a lane holding a full batch is not dispatched as
 
 from __future__ import annotations
 
-import pytest
-
 from conductor import keys as K
 from conductor.records import Contract
 from conductor.verify import repair, verify

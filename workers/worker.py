@@ -103,7 +103,10 @@ class Worker:
         pipe.hsetnx(self.keys.cfg, "budget_tokens", c.max_batch_tokens)
         pipe.hsetnx(self.keys.cfg, "budget_items", c.max_batch_size)
         pipe.set(self.keys.heartbeat(self.name), int(time.time() * 1000), px=int(self.opts.heartbeat_ttl_s * 1000))
-        pipe.execute()
+        set_tokens, set_items = pipe.execute()[1:3]
+        if set_tokens or set_items:
+            # Lanes that waited for this first worker were judged under the default budget.
+            self.c.reindex(c.model)
         event("registered", worker=self.name, model=c.model, engine=self.engine.kind,
               max_batch_size=c.max_batch_size, max_batch_tokens=c.max_batch_tokens,
               max_input_len=c.max_input_len, high_water=self.latch.high, low_water=self.latch.low)
