@@ -55,6 +55,7 @@ from conductor.config import DEFAULTS
 log = logging.getLogger("conductor.verify")
 
 PAGE = 1000  # entries per SCAN / HSCAN / XRANGE step
+SNAPSHOT = 10_000  # entries an instance (or the in-flight set) may hold to be read in one MULTI
 PENDING_PAGE = 500
 LIST_PAGE = 100
 EXAMPLES = 20  # item ids quoted per ledger finding
@@ -108,6 +109,7 @@ class Report:
     model: str
     rows: list[Row] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)  # ledger findings (items=True)
+    notes: list[str] = field(default_factory=list)  # what was not checked, and why
     # items=True: queued items by place (waiting, inflight, reclaimed) and done items, so that
     # submitted == waiting + inflight + reclaimed + done can be checked item by item.
     ledger: dict[str, int] = field(default_factory=dict)
@@ -146,6 +148,11 @@ class _Cfg:
 
     def ready(self, items: int, tokens: int, rep: int) -> bool:
         return items >= self.budget_items or self.weight(items, tokens, rep) >= self.budget_tokens
+
+    @property
+    def index_version(self) -> str:
+        """lib.lua's index_version: the config an instance's fill and ready indices follow."""
+        return f"{self.budget_tokens:.14g}:{self.budget_items:.14g}:{'disk' if self.disk else 'memory'}"
 
 
 def _cfg(r: redis.Redis, mk: K.ModelKeys) -> _Cfg:
@@ -187,10 +194,10 @@ def _classify(r: redis.Redis, mk: K.ModelKeys) -> _Keys:
     return out
 
 
-def _xrange(r: redis.Redis, key: str) -> Iterator[tuple[bytes, dict]]:
+def _xrange(r: redis.Redis, key: str, upto: str | None = None) -> Iterator[tuple[bytes, dict]]:
     start = "-"
     while True:
-        page = r.xrange(key, min=start, max="+", count=PAGE)
+        page = r.xrange(key, min=start, max=upto or "+", count=PAGE)
         yield from page
         if len(page) < PAGE:
             return
@@ -252,6 +259,80 @@ class _Ledger:
         return out
 
 
+@dataclass
+class _InstRead:
+    """What one shape instance holds; ``atomic`` when it was read in one MULTI (a snapshot)."""
+
+    ih: dict[str, str]
+    lanes_z: dict[str, float]
+    fill: dict[str, float]
+    ready: dict[str, float]
+    free: set[str]
+    staged_score: float | None
+    lanes: dict[str, tuple[_Lane, list[Any]]]  # lane id -> (truth, meta items/tokens/rep)
+    atomic: bool
+
+
+def _lane_truth(entries: Any, inst: str, lane: str, ledger: _Ledger | None) -> _Lane:
+    t = _Lane()
+    for _eid, f in entries:
+        tok = _i(f.get(b"tok"))
+        t.items += 1
+        t.tokens += tok
+        t.max_tok = max(t.max_tok, tok)
+        if ledger is not None:
+            ledger.add(f.get(b"job"), f.get(b"id"), f"lane {inst}:{lane}")
+    return t
+
+
+def _read_instance(r: redis.Redis, mk: K.ModelKeys, inst: str, scanned: set[str],
+                   ledger: _Ledger | None) -> _InstRead:
+    """One MULTI per instance when it holds at most SNAPSHOT entries (each row then compares values
+    of one moment, even on a live system); bounded pages otherwise."""
+    ik = mk.inst(inst)
+    for _attempt in range(3):
+        pipe = r.pipeline(transaction=False)
+        for z in (mk.inst_lanes(inst), mk.inst_fill(inst), mk.inst_ready(inst)):
+            pipe.zrange(z, 0, -1)
+        ids = sorted({_s(x) for got in pipe.execute() for x in got} | scanned, key=int)
+        pipe = r.pipeline(transaction=False)
+        for lane in ids:
+            pipe.xlen(mk.lane(inst, lane))
+        if sum(pipe.execute()) > SNAPSHOT:
+            break
+        pipe = r.pipeline(transaction=True)
+        pipe.hgetall(ik)
+        for z in (mk.inst_lanes(inst), mk.inst_fill(inst), mk.inst_ready(inst)):
+            pipe.zrange(z, 0, -1, withscores=True)
+        pipe.smembers(mk.inst_free(inst))
+        pipe.zscore(mk.staged, inst)
+        for lane in ids:
+            pipe.xrange(mk.lane(inst, lane))
+            pipe.hmget(mk.lanemeta(inst, lane), ["items", "tokens", "rep"])
+        res = pipe.execute()
+        lanes_z, fill, ready = ({_s(m): float(sc) for m, sc in z} for z in res[1:4])
+        if not (set(lanes_z) | set(fill) | set(ready)) <= set(ids):
+            continue  # a lane opened between the two reads: read again
+        lanes = {}
+        for i, lane in enumerate(ids):
+            entries, meta = res[6 + 2 * i], res[7 + 2 * i]
+            lanes[lane] = (_lane_truth(entries, inst, lane, ledger), meta)
+        return _InstRead({_s(k): _s(v) for k, v in res[0].items()}, lanes_z, fill, ready,
+                         {_s(x) for x in res[4]}, None if res[5] is None else float(res[5]), lanes, True)
+    ih = {_s(k): _s(v) for k, v in r.hgetall(ik).items()}
+    lanes_z = _zset(r, mk.inst_lanes(inst))
+    fill = _zset(r, mk.inst_fill(inst))
+    ready = _zset(r, mk.inst_ready(inst))
+    free = {_s(x) for x in r.sscan_iter(mk.inst_free(inst), count=PAGE)}
+    lanes = {}
+    for lane in sorted(set(lanes_z) | set(fill) | set(ready) | scanned, key=int):
+        t = _lane_truth(_xrange(r, mk.lane(inst, lane)), inst, lane, ledger)
+        lanes[lane] = (t, r.hmget(mk.lanemeta(inst, lane), ["items", "tokens", "rep"]))
+    staged_score = r.zscore(mk.staged, inst)
+    return _InstRead(ih, lanes_z, fill, ready, free, None if staged_score is None else float(staged_score),
+                     lanes, False)
+
+
 def verify(r: redis.Redis, model: str, *, items: bool = False) -> Report:
     """Every counter of ``model`` next to its truth (see the module docstring)."""
     mk = K.ModelKeys(model)
@@ -264,104 +345,136 @@ def verify(r: redis.Redis, model: str, *, items: bool = False) -> Report:
     def row(key: str, fld: str, recorded: int, truth: int, kind: str) -> None:
         rows.append(Row(model, key, fld, int(recorded), int(truth), kind))
 
-    # ---- lanes and shape instances
-    staged = _zset(r, mk.staged)
-    state = {_s(k): _s(v) for k, v in r.hgetall(mk.state).items()}
-    model_tokens = model_items = 0
-    for inst in sorted(found.insts | set(found.lanes) | set(staged)):
-        ih = {_s(k): _s(v) for k, v in r.hgetall(mk.inst(inst)).items()}
-        lanes_z = _zset(r, mk.inst_lanes(inst))
-        fill = _zset(r, mk.inst_fill(inst))
-        ready = _zset(r, mk.inst_ready(inst))
-        free = {_s(x) for x in r.sscan_iter(mk.inst_free(inst), count=PAGE)}
-        lane_ids = sorted(set(lanes_z) | set(fill) | set(ready) | found.lanes.get(inst, set()), key=int)
+    # ---- lanes and shape instances: each against the entries it counts
+    insts = sorted(found.insts | set(found.lanes) | set(_zset(r, mk.staged)))
+    for inst in insts:
+        ir = _read_instance(r, mk, inst, found.lanes.get(inst, set()), ledger)
         inst_tokens = inst_items = 0
-        for lane in lane_ids:
-            lk, mkey = mk.lane(inst, lane), mk.lanemeta(inst, lane)
-            t = _Lane()
-            for _eid, f in _xrange(r, lk):
-                tok = _i(f.get(b"tok"))
-                t.items += 1
-                t.tokens += tok
-                t.max_tok = max(t.max_tok, tok)
-                if ledger is not None:
-                    ledger.add(f.get(b"job"), f.get(b"id"), f"lane {inst}:{lane}")
-            meta = r.hmget(mkey, ["items", "tokens", "rep"])
+        # An instance indexed under an older reference contract or mode is re-derived by the next
+        # claim that serves it (lib.lua reindex): its fill scores and readiness are not drift.
+        current = ir.ih.get("idx") == cfg.index_version or not ir.ih
+        if not current:
+            rep.notes.append(f"{mk.inst(inst)}: indices follow config {ir.ih.get('idx') or '(none)'}, not "
+                             f"{cfg.index_version}; re-derived when served: fill scores and readiness not checked")
+        for lane, (t, meta) in ir.lanes.items():
+            mkey = mk.lanemeta(inst, lane)
             has_meta = any(v is not None for v in meta)
             m_items, m_tokens, m_rep = (_i(v) for v in meta)
+            rep_truth = max(m_rep, t.max_tok)
             inst_tokens += t.tokens
             inst_items += t.items
             if has_meta or t.items:
                 row(mkey, "items", m_items, t.items, "lane.items")
                 row(mkey, "tokens", m_tokens, t.tokens, "lane.tokens")
                 # Lanes only grow: the rep bounds every item, else a memory-mode batch under-pads.
-                row(mkey, "rep", m_rep, max(m_rep, t.max_tok), "lane.rep")
-            if has_meta or lane in lanes_z:
-                row(mk.inst_lanes(inst), f"lane {lane} rep", int(lanes_z.get(lane, 0)), m_rep, "lanes.rep")
-            in_fill = lane in fill
+                row(mkey, "rep", m_rep, rep_truth, "lane.rep")
+                row(mk.inst_free(inst), f"lane {lane} member", int(lane in ir.free), 0, "free.member")
+            if has_meta or lane in ir.lanes_z:
+                row(mk.inst_lanes(inst), f"lane {lane} rep", int(ir.lanes_z.get(lane, 0)), m_rep, "lanes.rep")
+            in_fill = lane in ir.fill
             row(mk.inst_fill(inst), f"lane {lane} member", int(in_fill), int(t.items > 0), "fill.member")
-            if in_fill and t.items:
-                row(mk.inst_fill(inst), f"lane {lane} score", int(fill[lane]),
-                    cfg.weight(t.items, t.tokens, max(m_rep, t.max_tok)), "fill.score")
-            if has_meta or t.items:
-                row(mk.inst_free(inst), f"lane {lane} member", int(lane in free), 0, "free.member")
-            row(mk.inst_ready(inst), f"lane {lane} member", int(lane in ready),
-                int(t.items > 0 and cfg.ready(t.items, t.tokens, max(m_rep, t.max_tok))), "ready.member")
-        ist = ih.get("state", "")
-        if ih or inst_items:
-            row(mk.inst(inst), "tokens", _i(ih.get("tokens")), inst_tokens, "inst.tokens")
-            row(mk.inst(inst), "items", _i(ih.get("items")), inst_items, "inst.items")
-        should_stage = ist in ("staged", "warming")
-        if should_stage or inst in staged:
-            row(mk.staged, f"{inst} member", int(inst in staged), int(should_stage), "staged.member")
-        if should_stage and inst in staged:
-            row(mk.staged, f"{inst} score", int(staged[inst]), inst_tokens, "staged.score")
-        model_tokens += inst_tokens
-        model_items += inst_items
-    row(mk.state, "tokens", _i(state.get("tokens")), model_tokens, "state.tokens")
-    row(mk.state, "items", _i(state.get("items")), model_items, "state.items")
+            if in_fill and t.items and current:
+                row(mk.inst_fill(inst), f"lane {lane} score", int(ir.fill[lane]),
+                    cfg.weight(t.items, t.tokens, rep_truth), "fill.score")
+            if current:
+                row(mk.inst_ready(inst), f"lane {lane} member", int(lane in ir.ready),
+                    int(t.items > 0 and cfg.ready(t.items, t.tokens, rep_truth)), "ready.member")
+        if ir.ih or inst_items:
+            row(mk.inst(inst), "tokens", _i(ir.ih.get("tokens")), inst_tokens, "inst.tokens")
+            row(mk.inst(inst), "items", _i(ir.ih.get("items")), inst_items, "inst.items")
+        should_stage = ir.ih.get("state", "") in ("staged", "warming")
+        if should_stage or ir.staged_score is not None:
+            row(mk.staged, f"{inst} member", int(ir.staged_score is not None), int(should_stage), "staged.member")
+        if should_stage and ir.staged_score is not None:
+            row(mk.staged, f"{inst} score", int(ir.staged_score), _i(ir.ih.get("tokens")), "staged.score")
 
-    # ---- in flight: the group's pending entries and the n of each
-    batches, pending_items, pending_ids = _pending(r, mk, ledger)
-    row(mk.state, "inflight_batches", _i(state.get("inflight_batches")), batches, "state.inflight_batches")
-    row(mk.state, "inflight_items", _i(state.get("inflight_items")), pending_items, "state.inflight_items")
-    leaked = sum(1 for eid, _f in _xrange(r, mk.batches) if _s(eid) not in pending_ids)
-    row(mk.batches, "entries not pending", leaked, 0, "batches.leaked")
+    # ---- the model's waiting counters against the sum of its instances' counters, in one MULTI
+    # (each instance's counters were checked against its lanes above).
+    pipe = r.pipeline(transaction=True)
+    pipe.hmget(mk.state, ["tokens", "items"])
+    for inst in insts:
+        pipe.hmget(mk.inst(inst), ["tokens", "items"])
+    got = pipe.execute()
+    row(mk.state, "tokens", _i(got[0][0]), sum(_i(x[0]) for x in got[1:]), "state.tokens")
+    row(mk.state, "items", _i(got[0][1]), sum(_i(x[1]) for x in got[1:]), "state.items")
 
-    # ---- reclaimed batches
-    row(mk.state, "reclaimed_items", _i(state.get("reclaimed_items")), _reclaimed(r, mk, ledger),
-        "state.reclaimed_items")
+    # ---- in flight and reclaimed: pending entries and the n of each; items inside reclaimed batches
+    fl = _read_inflight(r, mk, ledger)
+    row(mk.state, "inflight_batches", fl["recorded_batches"], fl["batches"], "state.inflight_batches")
+    row(mk.state, "inflight_items", fl["recorded_items"], fl["items"], "state.inflight_items")
+    row(mk.batches, "entries not pending", fl["leaked"], 0, "batches.leaked")
+    row(mk.state, "reclaimed_items", fl["recorded_reclaimed"], fl["reclaimed"], "state.reclaimed_items")
 
-    # ---- jobs
-    sums = {"submitted": 0, "completed": 0, "failed": 0, "done": 0}
-    any_trimmed = False
-    for job in sorted(found.jobs):
+    # ---- jobs: counters against the items hash and the results records
+    jobs = sorted(found.jobs)
+    for job in jobs:
         truth = _job_truth(r, mk, job, ledger)
-        sub, comp, fail = (_i(v) for v in r.hmget(mk.job(job), ["submitted", "completed", "failed"]))
-        row(mk.job(job), "submitted", sub, truth["submitted"], "job.submitted")
+        row(mk.job(job), "submitted", truth["rec_submitted"], truth["submitted"], "job.submitted")
         if truth["trimmed"]:
             # Retention dropped old records: only their sum is known (one 'd' per result written).
-            any_trimmed = True
-            row(mk.job(job), "completed+failed", comp + fail, truth["done"], "job.done")
+            row(mk.job(job), "completed+failed", truth["rec_completed"] + truth["rec_failed"], truth["done"],
+                "job.done")
         else:
-            row(mk.job(job), "completed", comp, truth["completed"], "job.completed")
-            row(mk.job(job), "failed", fail, truth["failed"], "job.failed")
+            row(mk.job(job), "completed", truth["rec_completed"], truth["completed"], "job.completed")
+            row(mk.job(job), "failed", truth["rec_failed"], truth["failed"], "job.failed")
             row(mk.job_items(job), "done (d)", truth["done"], truth["results"], "job.done")
-        for k in sums:
-            sums[k] += truth[k]
         if truth["dup_results"]:
             rep.problems.append(f"{model}: job {job} has {truth['dup_results']} duplicated result record(s)")
-    row(mk.state, "submitted", _i(state.get("submitted")), sums["submitted"], "state.submitted")
-    if any_trimmed:
-        row(mk.state, "completed+failed", _i(state.get("completed")) + _i(state.get("failed")), sums["done"],
-            "state.done")
-    else:
-        row(mk.state, "completed", _i(state.get("completed")), sums["completed"], "state.completed")
-        row(mk.state, "failed", _i(state.get("failed")), sums["failed"], "state.failed")
+    # ---- the model's job totals against the sum of its jobs' counters, in one MULTI
+    fields = ["submitted", "completed", "failed"]
+    pipe = r.pipeline(transaction=True)
+    pipe.hmget(mk.state, fields)
+    for job in jobs:
+        pipe.hmget(mk.job(job), fields)
+    got = pipe.execute()
+    for i, fld in enumerate(fields):
+        row(mk.state, fld, _i(got[0][i]), sum(_i(x[i]) for x in got[1:]), f"state.{fld}")
     if ledger is not None:
         rep.problems.extend(ledger.problems(model))
         rep.ledger = ledger.counts()
     return rep
+
+
+def _read_inflight(r: redis.Redis, mk: K.ModelKeys, ledger: _Ledger | None) -> dict[str, int]:
+    """One MULTI when the pending list, the batches stream and the reclaimed list are small
+    (they hold what workers have in hand, not the backlog); bounded pages otherwise."""
+    pipe = r.pipeline(transaction=True)
+    pipe.hmget(mk.state, ["inflight_batches", "inflight_items", "reclaimed_items"])
+    pipe.xpending_range(mk.batches, K.GROUP, min="-", max="+", count=SNAPSHOT + 1)
+    pipe.xrange(mk.batches, count=SNAPSHOT + 1)
+    pipe.lrange(mk.reclaimed, 0, SNAPSHOT)
+    res = pipe.execute(raise_on_error=False)
+    st, pend, entries, blobs = res
+    if isinstance(pend, Exception):
+        if "NOGROUP" not in str(pend):
+            raise pend
+        pend = []
+    out = {"recorded_batches": _i(st[0]), "recorded_items": _i(st[1]), "recorded_reclaimed": _i(st[2])}
+    if len(pend) <= SNAPSHOT and len(entries) <= SNAPSHOT and len(blobs) <= SNAPSHOT:
+        pending = {_s(p["message_id"]) for p in pend}
+        items = 0
+        for eid, f in entries:
+            bid = _s(eid)
+            if bid not in pending:
+                continue
+            items += _i(f.get(b"n"))
+            if ledger is not None and f.get(b"b"):
+                for it in _blob_decoder.decode(f[b"b"])[7]:
+                    ledger.add(it[1], it[0], f"batch {bid}")
+        reclaimed = 0
+        for blob in blobs:
+            its = _blob_decoder.decode(blob)[7]
+            reclaimed += len(its)
+            if ledger is not None:
+                for it in its:
+                    ledger.add(it[1], it[0], "reclaimed")
+        out.update(batches=len(pending), items=items, reclaimed=reclaimed,
+                   leaked=sum(1 for eid, _f in entries if _s(eid) not in pending))
+        return out
+    batches, items, pending = _pending(r, mk, ledger)
+    out.update(batches=batches, items=items, reclaimed=_reclaimed(r, mk, ledger),
+               leaked=sum(1 for eid, _f in _xrange(r, mk.batches) if _s(eid) not in pending))
+    return out
 
 
 def _pending(r: redis.Redis, mk: K.ModelKeys, ledger: _Ledger | None) -> tuple[int, int, set[str]]:
@@ -413,8 +526,30 @@ def _reclaimed(r: redis.Redis, mk: K.ModelKeys, ledger: _Ledger | None) -> int:
 
 
 def _job_truth(r: redis.Redis, mk: K.ModelKeys, job: str, ledger: _Ledger | None) -> dict[str, int]:
+    """A job's counters and their truth. A job of at most SNAPSHOT items and results is read in one
+    MULTI; a bigger one counts results up to the last id of a snapshot of its counters, so only
+    its items hash (the 'd' count) is read while it may move."""
+    fields = ["submitted", "completed", "failed"]
+    pipe = r.pipeline(transaction=True)
+    pipe.hmget(mk.job(job), fields)
+    pipe.hlen(mk.job_items(job))
+    pipe.xlen(mk.job_results(job))
+    pipe.xrevrange(mk.job_results(job), count=1)
+    rec, n_items, n_results, last = pipe.execute()
+    item_states: Any
+    records: Any
+    if n_items <= SNAPSHOT and n_results <= SNAPSHOT:
+        pipe = r.pipeline(transaction=True)
+        pipe.hmget(mk.job(job), fields)
+        pipe.hgetall(mk.job_items(job))
+        pipe.xrange(mk.job_results(job))
+        rec, item_states, records = pipe.execute()
+        item_states = item_states.items()
+    else:
+        item_states = r.hscan_iter(mk.job_items(job), count=PAGE)
+        records = _xrange(r, mk.job_results(job), upto=_s(last[0][0]) if last else None) if last else []
     submitted = done = 0
-    for iid, st in r.hscan_iter(mk.job_items(job), count=PAGE):
+    for iid, st in item_states:
         submitted += 1
         s = _s(st)
         if s == "d":
@@ -424,25 +559,28 @@ def _job_truth(r: redis.Redis, mk: K.ModelKeys, job: str, ledger: _Ledger | None
     ok = err = results = 0
     seen: set[str] | None = set() if ledger is not None else None
     dup = 0
-    for _eid, f in _xrange(r, mk.job_results(job)):
+    for _eid, f in records:
         results += 1
         try:
-            rec = _result_decoder.decode(f.get(b"r", b""))
+            res = _result_decoder.decode(f.get(b"r", b""))
         except msgspec.DecodeError:
             err += 1  # an unreadable record is no success
             continue
-        if rec.error is None:
+        if res.error is None:
             ok += 1
         else:
             err += 1
         if seen is not None:
-            if rec.id in seen:
+            if res.id in seen:
                 dup += 1
-            seen.add(rec.id)
+            seen.add(res.id)
+    if n_items > SNAPSHOT or n_results > SNAPSHOT:
+        submitted = n_items  # the snapshot's count, not the pages'
     # Fewer records than done items: retention trimmed the job's results (conductor/retention.py),
     # so the ok/error split of the trimmed ones is gone. (A lost record looks the same.)
     return {"submitted": submitted, "completed": ok, "failed": err, "done": done, "results": results,
-            "dup_results": dup, "trimmed": results < done}
+            "dup_results": dup, "trimmed": results < done,
+            "rec_submitted": _i(rec[0]), "rec_completed": _i(rec[1]), "rec_failed": _i(rec[2])}
 
 
 def verify_confirmed(r: redis.Redis, model: str, *, items: bool = False, pause_s: float = 0.2) -> Report:
@@ -609,6 +747,7 @@ def render(report: Report, *, show_all: bool = False) -> str:
     if hidden:
         out.append(f"  ({hidden} lane-level counters agree with the truth; --all lists them)")
     out.extend(f"  ledger: {p}" for p in report.problems)
+    out.extend(f"  note: {n}" for n in report.notes)
     return "\n".join(out)
 
 

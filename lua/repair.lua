@@ -16,7 +16,8 @@
 --   longest item and scores it in the lanes ZSET, fill scores exactly the non-empty lanes with
 --   their weight, ready holds exactly the lanes with a full batch under the current config, no
 --   lane in use is in the free set, the instance's tokens and items are the sum of its lanes,
---   and a staged or warming instance (only those) is scored in the staged ZSET with its tokens.
+--   a staged or warming instance (only those) is scored in the staged ZSET with its tokens, and
+--   the instance's index version (lib.lua index_version) names the current config.
 --@include lib.lua
 
 local base, cfg_key = KEYS[1], KEYS[2]
@@ -144,6 +145,12 @@ for _, lane in ipairs(lanes) do
 end
 
 if exists then
+  -- fill and ready now follow the current config (claim.lua would re-derive them otherwise).
+  local idx = redis.call('HGET', ik, 'idx')
+  if idx ~= index_version(cfg) then
+    redis.call('HSET', ik, 'idx', index_version(cfg))
+    changed(ik, 'idx', idx, index_version(cfg))
+  end
   local cur = redis.call('HMGET', ik, 'tokens', 'items', 'state')
   if num(cur[1]) ~= total_tok then
     redis.call('HSET', ik, 'tokens', total_tok)

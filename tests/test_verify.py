@@ -83,6 +83,9 @@ def test_corrupted_counters_are_caught_and_repaired(cdr):
         (mk.staged, f"{other} score"): 1 - int(cdr.r.hget(mk.inst(other), "tokens")),
         (mk.inst_fill(other), f"lane {lane0} member"): -1,
         (mk.job("j"), "completed"): 1,
+        # the model's totals are checked against the sum of the next level's counters
+        (mk.state, "items"): -3,
+        (mk.state, "completed"): -1,
     }
     changes, failed = repair(cdr.r, "m")
     assert not failed
@@ -134,4 +137,5 @@ def test_results_trimmed_by_retention_are_checked_by_their_sum(cdr):
     assert fields[(mk.job("j"), "completed+failed")] == (12, 12)
     assert (mk.job("j"), "completed") not in fields
     cdr.r.hincrby(mk.job("j"), "failed", 1)
-    assert [(r.key, r.field, r.diff) for r in verify(cdr.r, "m").drift] == [(mk.job("j"), "completed+failed", 1)]
+    assert [(r.key, r.field, r.diff) for r in verify(cdr.r, "m").drift] == [
+        (mk.job("j"), "completed+failed", 1), (mk.state, "failed", -1)]
