@@ -337,6 +337,12 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("model", nargs="?")
     i.add_argument("--lanes", action="store_true")
     i.add_argument("--json", action="store_true")
+    i.add_argument("--verify", action="store_true",
+                   help="recompute every counter from the data it counts; exit 1 when any differs")
+    i.add_argument("--repair", action="store_true", help="with --verify: rewrite differing counters from the truth")
+    i.add_argument("--all", action="store_true", help="with --verify: list lane-level counters that agree too")
+    i.add_argument("--no-ledger", action="store_true",
+                   help="with --verify: skip the per-item ledger (lost/duplicated items; memory grows with items)")
     i.set_defaults(fn=cmd_inspect)
 
     m = sub.add_parser("migrate", help="bring the Redis key schema to this version")
@@ -350,12 +356,6 @@ def build_parser() -> argparse.ArgumentParser:
     rc = sub.add_parser("reclaim", help="one reclaim sweep of a model's dead consumers")
     rc.add_argument("model")
     rc.add_argument("--min-idle-ms", type=int, default=0)
-    i.add_argument("--verify", action="store_true",
-                   help="recompute every counter from the data it counts; exit 1 when any differs")
-    i.add_argument("--repair", action="store_true", help="with --verify: rewrite differing counters from the truth")
-    i.add_argument("--all", action="store_true", help="with --verify: list lane-level counters that agree too")
-    i.add_argument("--no-ledger", action="store_true",
-                   help="with --verify: skip the per-item ledger (lost/duplicated items; memory grows with items)")
     rc.set_defaults(fn=cmd_reclaim)
 
     dl = sub.add_parser("dead-letter", help="list, retry or purge dead-lettered items")
