@@ -15,10 +15,12 @@ How a batch runs:
   token travels with the suffix so every row has at least one new token to predict from.
 * Suffixes of different lengths are padded between the prefix and the suffix; the attention
   mask hides the pads and position ids skip them, so each row sees exactly its own prompt.
-* Each admitted batch is a cohort with its own cache; ``step`` runs one greedy decode step
-  per cohort. A row that finishes (EOS or its ``max_tokens``) leaves at once and its KV rows
-  are dropped (``batch_select_indices``), so finished sequences stop costing compute.
-  Cohorts are not fused into one forward pass: the engine batches within a claimed batch.
+* A new batch is prefilled on its own, then merged into the running set: shorter caches are
+  padded on the left (masked), so one forward pass per ``step`` decodes every live sequence,
+  whichever batch it came from. A row that finishes (EOS or its ``max_tokens``) leaves at
+  once and its KV rows are dropped (``batch_select_indices``); columns no live row needs any
+  more are cut off the front. Caches whose layers are not plain key/value tensors (sliding
+  windows, hybrid models) are not merged: such batches decode as separate cohorts.
 * Greedy decoding: the same prompt gives the same output, in any batch.
 """
 
@@ -57,11 +59,12 @@ class TorchCounters:
     decode_steps: int = 0
     output_tokens: int = 0
     finished: int = 0
+    merges: int = 0
 
 
 @dataclass
 class _Cohort:
-    batch: Batch
+    batches: list[Batch]  # per row: the batch the row's item came in
     items: list[BatchItem]
     cache: Any
     mask: Any  # (rows, seen) attention mask over everything in the cache
@@ -195,9 +198,46 @@ class TorchEngine:
             self.counters.prefix_hit_tokens += p * len(rows)
         logits, cache = self._forward(ids, mask, pos_all[:, p:], cache)
         self.counters.prefill_tokens += sum(len(x) for x in suffixes)
-        c = _Cohort(batch, rows, cache, mask, pos_all[:, -1] + 1, logits.argmax(-1), [[] for _ in rows])
+        c = _Cohort([batch] * len(rows), rows, cache, mask, pos_all[:, -1] + 1, logits.argmax(-1),
+                    [[] for _ in rows])
         self.cohorts.append(c)
-        return refused + self._harvest(c)
+        done = self._harvest(c)
+        if len(self.cohorts) > 1 and c in self.cohorts and self._mergeable(self.cohorts[0]) and self._mergeable(c):
+            self._merge_into(self.cohorts[0], c)
+        return refused + done
+
+    @staticmethod
+    def _mergeable(c: _Cohort) -> bool:
+        layers = getattr(c.cache, "layers", None)
+        return bool(layers) and all(type(x).__name__ == "DynamicLayer" and getattr(x, "keys", None) is not None
+                                    and x.keys.dim() == 4 for x in layers)
+
+    def _merge_into(self, a: _Cohort, b: _Cohort) -> None:
+        """Append b's rows to a: left-pad the shorter cache (and mask) so both have one length."""
+        F = self.torch.nn.functional
+        la, lb = a.mask.shape[1], b.mask.shape[1]
+        n = max(la, lb)
+        for x, y in zip(a.cache.layers, b.cache.layers, strict=True):
+            x.keys = self.torch.cat([F.pad(x.keys, (0, 0, n - la, 0)), F.pad(y.keys, (0, 0, n - lb, 0))])
+            x.values = self.torch.cat([F.pad(x.values, (0, 0, n - la, 0)), F.pad(y.values, (0, 0, n - lb, 0))])
+        a.mask = self.torch.cat([F.pad(a.mask, (n - la, 0)), F.pad(b.mask, (n - lb, 0))])
+        a.pos, a.last = self.torch.cat([a.pos, b.pos]), self.torch.cat([a.last, b.last])
+        a.batches += b.batches
+        a.items += b.items
+        a.out += b.out
+        self.cohorts.remove(b)
+        self.counters.merges += 1
+
+    def _trim(self, c: _Cohort) -> None:
+        """Cut columns that no live row attends to off the front of the cache and the mask."""
+        if not self._mergeable(c):
+            return
+        used = c.mask.any(0).nonzero()
+        first = int(used[0]) if len(used) else 0
+        if first > 0:
+            for x in c.cache.layers:
+                x.keys, x.values = x.keys[:, :, first:], x.values[:, :, first:]
+            c.mask = c.mask[:, first:]
 
     def _harvest(self, c: _Cohort) -> list[Finished]:
         """Record each row's new token; rows that end leave the cohort and its cache."""
@@ -209,7 +249,7 @@ class TorchEngine:
             if tok == self.eos or len(c.out[r]) >= it.max_tokens:
                 text = self.tok.decode(c.out[r]) if isinstance(self.tok, ByteTokenizer) \
                     else self.tok.decode(c.out[r], skip_special_tokens=True)
-                done.append(Finished(c.batch, it, text, len(c.out[r])))
+                done.append(Finished(c.batches[r], it, text, len(c.out[r])))
                 self.counters.finished += 1
                 self.counters.output_tokens += len(c.out[r])
             else:
@@ -220,7 +260,9 @@ class TorchEngine:
                 c.cache.batch_select_indices(idx)
                 c.mask, c.pos, c.last = c.mask[idx], c.pos[idx], c.last[idx]
                 c.items = [c.items[r] for r in keep]
+                c.batches = [c.batches[r] for r in keep]
                 c.out = [c.out[r] for r in keep]
+                self._trim(c)
             else:
                 self.cohorts.remove(c)
         return done
