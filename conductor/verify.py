@@ -11,29 +11,42 @@ What is checked, for one model (``M`` = ``cdr:{model}``):
   ``fill`` score is the lane weight (memory: items x pad8(rep); disk: tokens) for a non-empty
   lane and absent for an empty one; ``ready`` holds exactly the lanes with a full batch;
 - every shape instance ``M:inst:S:E``: tokens and items against the sum of its lanes' truth;
-  a staged or warming instance is in ``M:staged`` scored with its tokens, no other one is;
-- the model ``M:state``: tokens and items against the sum over instances; inflight_batches and
-  inflight_items against the group's pending entries (XPENDING) and the ``n`` field of each;
-  reclaimed_items against the items inside the reclaimed list's batches; submitted, completed
-  and failed against the sums over the model's jobs; batch entries that are not pending
-  (leaked: nothing would ever retire them);
+  a staged or warming instance is in ``M:staged`` scored with its tokens, no other one is; an
+  instance whose indices follow an older config (``idx``, lib.lua) awaits re-derivation by the
+  next claim: its fill scores and readiness are noted, not checked;
+- the model ``M:state``: tokens and items against the sum of its instances' counters;
+  inflight_batches and inflight_items against the group's pending entries (XPENDING) and the
+  ``n`` field of each; reclaimed_items against the items inside the reclaimed list's batches;
+  submitted, completed and failed against the sum of its jobs' counters; batch entries that
+  are not pending (leaked: nothing would ever retire them);
 - every job ``M:job:J``: submitted against the entries of ``M:job:J:items``; completed and
-  failed against the ok and error records of ``M:job:J:results``; done items ('d') against
-  the number of result records.
+  failed against the ok and error records of ``M:job:J:results`` (after retention trimmed
+  them, their sum against the done items); done items ('d') against the number of records.
+
+Each level is checked against the level below, so one wrong counter shows up next to both of
+its neighbours (an instance's tokens against its lanes, and the model's tokens against it).
 
 With ``items=True`` it also keeps a ledger of every item id: each queued ('q') item must be in
 exactly one place (a lane, a pending batch, or a reclaimed batch), no done item may wait in a
 lane, and nothing waits that no job submitted. That costs memory in proportion to the items.
 
-Reads go in bounded steps (SCAN, HSCAN, XRANGE, XPENDING and LRANGE with COUNT) so a run never
-blocks Redis for long. The price: the reads are not one atomic snapshot. Against a live system
-a row can differ only because a script ran between two reads; run against a quiet system, or
-re-check (``verify_confirmed`` reports only rows that differ the same way in two passes).
+Reads are bounded: an instance with at most SNAPSHOT entries (with its lanes, metas and
+indices), the in-flight and reclaimed sets, each small job, and each level's totals are read in
+one MULTI, so those rows compare values of one moment even while scripts run (a MULTI of 10,000
+entries is a few ms of server time). Bigger ones are read in pages (SCAN, HSCAN, XRANGE,
+XPENDING, LRANGE with COUNT) and are not one snapshot: against a live system such a row, or a
+row whose key appeared between two reads (a new shape instance, a changed config), can differ
+only because a script ran in between. Run against a quiet system, or re-check:
+``verify_confirmed`` reports only rows that differ the same way in two passes. Measured here:
+100,000 waiting items in 20 shapes verify in 1.7 s (3.7 s with the ledger), the longest single
+server step 10 ms (an HSCAN page of the 100,000-item job); on a live run of two sim workers
+under steady intake, 3 of 29 single passes showed a transient row, none confirmed.
 
-``repair`` rewrites counters from the truth: per shape instance in one Lua call
-(lua/repair.lua, which moves the model's waiting counters by the instance's own correction),
-then model and job counters in a WATCH/MULTI transaction that gives up when a script writes
-the model's state in between (retried a few times).
+``repair`` rewrites counters from the truth: each shape instance (its lanes, metas, indices,
+counters and staged score) in one Lua call (lua/repair.lua), then the model's counters (as the
+sum of the repaired instances and of the jobs) and the job counters in a WATCH/MULTI transaction
+that gives up when a script writes the model's state in between (retried a few times). Items
+are never moved: a ledger finding (a lost or duplicated item) is for a human.
 """
 
 from __future__ import annotations
