@@ -229,3 +229,22 @@ def test_parse_line_on_arbitrary_bytes_never_raises_anything_but_badinput(raw):
         parse_line(raw)
     except BadInput as e:
         assert e.field
+
+
+@SETTINGS
+@given(data=st.data())
+def test_maintenance_scripts_refuse_malformed_arguments_and_write_nothing(busy, data):
+    from conductor.scripts import source
+    cdr, _ = busy
+    which = data.draw(st.sampled_from(["trim", "trim_results", "dead_retry"]))
+    script = cdr.r.register_script(source(which))
+    if which == "trim":
+        call_expecting(cdr, script, [MK.batches, MK.finished], [data.draw(not_an_int_in(0, 10_000_000))],
+                       "finished_keep")
+    elif which == "trim_results":
+        call_expecting(cdr, script, [MK.job("j"), MK.job_results("j")],
+                       [data.draw(not_an_int_in(0, 253402300799999))], "before_ms")
+    else:
+        entry = cdr.r.xrange(MK.dead)[0][0].decode()
+        bad = data.draw(st.one_of(st.just(""), st.text(max_size=30).filter(lambda s: not re.fullmatch(r"\d+-\d+", s))))
+        call_expecting(cdr, script, [MK.base, MK.state, MK.dead, MK.reclaimed], [entry, bad], "ids")
