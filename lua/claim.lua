@@ -1,3 +1,6 @@
+#!lua flags=allow-oom
+-- allow-oom: at maxmemory a full Redis must still drain (this script frees or moves memory); only
+-- submit.lua is refused, with QueueFull.
 -- claim.lua: assemble one batch for one consumer under its contract and deliver it through
 -- the consumer group (seeds 001, 002, 003).
 --

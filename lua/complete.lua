@@ -1,3 +1,6 @@
+#!lua flags=allow-oom
+-- allow-oom: at maxmemory a full Redis must still drain (this script frees or moves memory); only
+-- submit.lua is refused, with QueueFull.
 -- complete.lua: write results back idempotently and retire a finished batch.
 --
 -- KEYS[1] base     cdr:{model}

@@ -1,3 +1,6 @@
+#!lua flags=allow-oom
+-- allow-oom: at maxmemory a full Redis must still drain (this script frees or moves memory); only
+-- submit.lua is refused, with QueueFull.
 -- fail.lua: a worker gives back a batch it could not run (engine error), to retry or dead-letter.
 --
 -- KEYS[1] base       cdr:{model}

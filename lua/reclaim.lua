@@ -1,3 +1,6 @@
+#!lua flags=allow-oom
+-- allow-oom: at maxmemory a full Redis must still drain (this script frees or moves memory); only
+-- submit.lua is refused, with QueueFull.
 -- reclaim.lua: move a dead consumer's pending batches to the reclaimed queue (served first).
 --
 -- KEYS[1] base       cdr:{model}

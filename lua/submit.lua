@@ -25,7 +25,10 @@ if #ARGV ~= 1 + 7 * n then
   return redis.error_reply('ERR_ARG argv: expected ' .. (1 + 7 * n) .. ' arguments, got ' .. #ARGV)
 end
 
+-- Mirrors conductor/formats.py: the edge refuses first; the script refuses what other clients send.
 local MAX_TOKENS = 16777216
+local MAX_OUTPUT = 1048576
+local MAX_BODY = 8388608
 local call_tokens = 0
 for i = 0, n - 1 do
   local o = 2 + 7 * i
@@ -43,8 +46,23 @@ for i = 0, n - 1 do
   if not tok or tok < 1 or tok > MAX_TOKENS or tok ~= math.floor(tok) then
     return redis.error_reply('ERR_ARG input_tokens: must be an integer in 1..' .. MAX_TOKENS .. ' at item ' .. i)
   end
-  if not mt or mt < 1 or mt > MAX_TOKENS or mt ~= math.floor(mt) then
-    return redis.error_reply('ERR_ARG max_tokens: must be an integer in 1..' .. MAX_TOKENS .. ' at item ' .. i)
+  if not mt or mt < 1 or mt > MAX_OUTPUT or mt ~= math.floor(mt) then
+    return redis.error_reply('ERR_ARG max_tokens: must be an integer in 1..' .. MAX_OUTPUT .. ' at item ' .. i)
+  end
+  local body, prefix = ARGV[o + 5], ARGV[o + 6]
+  if #body > MAX_BODY or #prefix > MAX_BODY then
+    return redis.error_reply('ERR_ARG body: larger than ' .. MAX_BODY .. ' bytes at item ' .. i)
+  end
+  -- Workers decode the body: a malformed one would fail every delivery until dead-lettered.
+  local ok, dec = pcall(cjson.decode, body)
+  if not ok or type(dec) ~= 'table' or type(dec[1]) ~= 'string' then
+    return redis.error_reply('ERR_ARG body: must be a JSON array [prompt, payload] at item ' .. i)
+  end
+  if prefix ~= '' then
+    ok, dec = pcall(cjson.decode, prefix)
+    if not ok or type(dec) ~= 'table' then
+      return redis.error_reply('ERR_ARG prefix: must be a JSON list of strings at item ' .. i)
+    end
   end
   call_tokens = call_tokens + tok
 end

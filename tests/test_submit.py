@@ -81,21 +81,28 @@ def _dump(c):
     return {k: c.r.dump(k) for k in sorted(c.r.scan_iter("cdr:{m}:*"))}
 
 
+B = b'["p", null]'
+
+
 def test_bad_arguments_write_nothing(cdr):
     cdr.submit([item(1, 10)], "j")
     before = _dump(cdr)
     mk = K.ModelKeys("m")
     bad_calls = [
-        [1, "j", "x", "0123456789abcdef", 0, 5, b"[]", b""],  # zero tokens
-        [1, "j", "x", "0123456789abcdef", -4, 5, b"[]", b""],
-        [1, "j", "x", "0123456789abcdef", "ten", 5, b"[]", b""],
-        [1, "j", "x", "nothex", 10, 5, b"[]", b""],
-        [1, "bad job", "x", "0123456789abcdef", 10, 5, b"[]", b""],
-        [1, "j", "", "0123456789abcdef", 10, 5, b"[]", b""],
-        [2, "j", "x", "0123456789abcdef", 10, 5, b"[]", b""],  # count does not match
-        [1, "j", "x", "0123456789abcdef", 10, 10**12, b"[]", b""],
+        [1, "j", "x", "0123456789abcdef", 0, 5, B, b""],  # zero tokens
+        [1, "j", "x", "0123456789abcdef", -4, 5, B, b""],
+        [1, "j", "x", "0123456789abcdef", "ten", 5, B, b""],
+        [1, "j", "x", "nothex", 10, 5, B, b""],
+        [1, "bad job", "x", "0123456789abcdef", 10, 5, B, b""],
+        [1, "j", "", "0123456789abcdef", 10, 5, B, b""],
+        [2, "j", "x", "0123456789abcdef", 10, 5, B, b""],  # count does not match
+        [1, "j", "x", "0123456789abcdef", 10, 10**12, B, b""],
+        [1, "j", "x", "0123456789abcdef", 10, 5, b"not json", b""],  # workers could never decode it
+        [1, "j", "x", "0123456789abcdef", 10, 5, b'{"a": 1}', b""],
+        [1, "j", "x", "0123456789abcdef", 10, 5, B, b"{oops"],
+        [1, "j", "x", "0123456789abcdef", 10, 2_000_000, B, b""],  # over the 1,048,576 output limit
         # a good item followed by a bad one: all or nothing
-        [2, "j", "y", "0123456789abcdef", 10, 5, b"[]", b"", "j", "z", "0123456789abcdef", 10, 0, b"[]", b""],
+        [2, "j", "y", "0123456789abcdef", 10, 5, B, b"", "j", "z", "0123456789abcdef", 10, 0, B, b""],
     ]
     for args in bad_calls:
         with pytest.raises(Exception, match="ERR_ARG"):
@@ -117,7 +124,7 @@ def test_script_errors_name_the_field(cdr):
     cdr.ensure_model("m")
     from conductor.client import _raise_script_error
     try:
-        cdr.scripts.submit(keys=[mk.base, mk.cfg, mk.state], args=[1, "j", "x", "0" * 16, 0, 5, b"[]", b""])
+        cdr.scripts.submit(keys=[mk.base, mk.cfg, mk.state], args=[1, "j", "x", "0" * 16, 0, 5, B, b""])
     except Exception as e:  # noqa: BLE001
         with pytest.raises(BadInput) as ei:
             _raise_script_error(e)
