@@ -75,13 +75,13 @@ class Accounting(RuleBasedStateMachine):
     @initialize(mode=st.sampled_from(["memory", "disk"]), release=st.sampled_from([0, 2]),
                 aging=st.sampled_from([0, 30]), deliveries=st.sampled_from([2, 5]),
                 activate=st.sampled_from([1, 3]), lane_quiet=st.sampled_from([10, 60_000]),
-                job=st.sampled_from(JOBS), specs=SPECS(5, 40))
+                prewarm=st.sampled_from([2, 50]), job=st.sampled_from(JOBS), specs=SPECS(5, 40))
     def configure(self, mode: str, release: int, aging: int, deliveries: int, activate: int, lane_quiet: int,
-                  job: str, specs: list[tuple[int, int]]) -> None:
+                  prewarm: int, job: str, specs: list[tuple[int, int]]) -> None:
         self.c.set_config(MODEL, {
             "mode": mode, "budget_tokens": 512, "budget_items": 8, "release_batches": release,
             "activate_batches": activate, "drain_batches": 1, "quiet_ms": 15, "lane_quiet_ms": lane_quiet,
-            "hygiene_idle_ms": 25, "hygiene_items": 4, "prewarm_batches": 2, "aging_ms": aging,
+            "hygiene_idle_ms": 25, "hygiene_items": 4, "prewarm_batches": prewarm, "aging_ms": aging,
             "max_deliveries": deliveries, "lane_floor": 8, "lane_cap": 64})
         self.submit(job, specs, 0)
 
