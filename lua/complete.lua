@@ -44,6 +44,10 @@ for i = 0, n - 1 do
   if ARGV[o + 2] ~= 'ok' and ARGV[o + 2] ~= 'err' then
     return redis.error_reply('ERR_ARG status: must be ok or err at result ' .. i)
   end
+  -- 1,048,576 output tokens of a few bytes each fit; anything larger is a client bug.
+  if #ARGV[o + 3] > 33554432 then
+    return redis.error_reply('ERR_ARG result: larger than 33554432 bytes at result ' .. i)
+  end
 end
 
 local written, done_ok, done_err = 0, 0, 0
