@@ -611,7 +611,7 @@ def verify_confirmed(r: redis.Redis, model: str, *, items: bool = False, pause_s
     rows = [x if (x.key, x.field) in confirmed or not x.diff else Row(x.model, x.key, x.field, x.truth, x.truth, x.kind)
             for x in second.rows]
     problems = [p for p in second.problems if p in first.problems]
-    return Report(model, rows, problems)
+    return Report(model, rows, problems, second.notes, second.ledger)
 
 
 # ---------------------------------------------------------------------------- drift gauge
@@ -781,7 +781,7 @@ def cli_verify(r: redis.Redis, models: list[str], *, do_repair: bool = False, sh
                                                              truth=x.truth, diff=x.diff, kind=x.kind)
                                                         for x in report.rows if show_all or x.diff],
                                "checked": len(report.rows), "differ": len(report.drift),
-                               "problems": report.problems}
+                               "problems": report.problems, "notes": report.notes}
         if not as_json:
             print(render(report, show_all=show_all))
         if do_repair and not report.ok:
