@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import sys
 import time
 from collections import Counter, deque
@@ -68,8 +69,8 @@ class SuiteConfig:
     max_batch_size: int = 64
     max_batch_tokens: int = 65536
     max_input_len: int = 8192
-    high_water: int = 256
-    low_water: int = 192
+    high_water: int = 1024
+    low_water: int = 768
     max_wall_s: float = 600.0
     conductor_cfg: dict[str, Any] = field(default_factory=dict)  # cfg fields set before submitting
 
@@ -230,8 +231,13 @@ class PeerWorker:
 
 # ------------------------------------------------------------------------------------ driver
 def drive(workers: list[Any], engines: list[RecordingSim], total: int, finished: Callable[[], int],
-          release: Callable[[float], None] | None, max_wall_s: float) -> tuple[float, float]:
-    """Run turns in simulated-time order until ``total`` sequences finished: (makespan, wall)."""
+          release: Releaser | None, max_wall_s: float) -> tuple[float, float]:
+    """Run turns in simulated-time order until ``total`` sequences finished: (makespan, wall).
+
+    With arrivals (``release``) the simulated clock is paced to the wall clock while items are
+    still to arrive: the broker's own timers (quiet intake, lane quiet time, aging) run on
+    Redis's clock, so simulated time must not run ahead of it while items trickle in.
+    """
     n = len(workers)
     idle = [0.0] * n
     last_finish = [0.0] * n
@@ -241,6 +247,8 @@ def drive(workers: list[Any], engines: list[RecordingSim], total: int, finished:
         clocks = [engines[i].counters.sim_seconds + idle[i] for i in range(n)]
         w = min(range(n), key=clocks.__getitem__)
         if release is not None:
+            while release.pending and (ahead := clocks[w] - (time.monotonic() - t0)) > 0:
+                time.sleep(min(ahead, 0.01))
             release(clocks[w])
         before = engines[w].counters.finished
         if workers[w].turn():
@@ -276,6 +284,10 @@ class Releaser:
         self.submit = submit
         self.next = 0
         self.spent = 0.0
+
+    @property
+    def pending(self) -> bool:
+        return self.next < len(self.items)
 
     def __call__(self, now: float) -> None:
         if self.next >= len(self.items) or self.arrival[self.next] > now:
@@ -561,7 +573,8 @@ def report(args: argparse.Namespace, mach: str, spec: WorkloadSpec, cfg: SuiteCo
                  f"{f['seq_s'] / o['seq_s']:.2f}x"),
         ]]
     lines = [
-        f"## Suite: conductor vs peers vs oracle (issue 6, {'quick' if args.quick else 'full'} mode)",
+        f"## Suite: conductor vs peers vs oracle (issue 6, {'quick' if args.quick else 'full'} mode, "
+        f"{spec.arrival})",
         "",
         f"Command: `{command_line()}`  ",
         f"Machine: {mach}  ",
@@ -576,7 +589,12 @@ def report(args: argparse.Namespace, mach: str, spec: WorkloadSpec, cfg: SuiteCo
         "Engine: `SimEngine` with default SimParams (prefill 2 us per uncached token, decode step 6 ms + 20 us "
         "per sequence, graph build 50 ms per (padded length, shape, epoch), prefix cache of 1 shape). "
         "**Throughput figures are in SIMULATED GPU seconds** (the fleet's makespan: the latest simulated "
-        "time at which a worker finished its last sequence), not wall time; wall time is listed separately.",
+        "time at which a worker finished its last sequence), not wall time; wall time is listed separately."
+        + (" Trickle: items arrive at their simulated times and, until the last has arrived, the simulated "
+           "clock is paced to the wall clock (never ahead of it), so the conductor's wall-clock timers "
+           "(quiet_ms, lane_quiet_ms) line up with arrivals; the offline oracle ignores arrival; throughput "
+           "is bounded by the arrival rate."
+           if spec.arrival == "trickle" else ""),
         "",
         table(header, rows),
         "",
@@ -586,7 +604,9 @@ def report(args: argparse.Namespace, mach: str, spec: WorkloadSpec, cfg: SuiteCo
         "tokens; batches per shape = batches that carried items of a shape (median over shapes); claim round "
         "trip = Conductor.claim (with decoding) for the conductor, LPOP + Job.fetch_many for RQ, XREADGROUP "
         "for the stream; Redis memory per queued item = used_memory after submitting the backlog, minus "
-        "before, per item; Redis CPU = the server's used_cpu_user+sys over submit and run, per item. "
+        "before, per item; Redis CPU = the server's used_cpu_user+sys over submit and run, per item (the "
+        "peers write no results back and keep no lanes; the conductor's figure includes submit.lua, claim.lua "
+        "and complete.lua writing every result to the job's results stream). "
         "The oracle's prefix-cache hit is the ceiling on this workload: the sim caches one shape, so every "
         "worker misses once per shape it serves. The sim charges a graph build per (padded length, shape, "
         "epoch): the oracle cuts every batch at a new length and pays for it; lanes reuse their length.",
@@ -599,7 +619,8 @@ def report(args: argparse.Namespace, mach: str, spec: WorkloadSpec, cfg: SuiteCo
         *goals,
     ]
     if plots:
-        lines += ["", "Plots: " + ", ".join(f"[{Path(p).name}](plots/{Path(p).name})" for p in plots)]
+        here = Path(__file__).resolve().parent
+        lines += ["", "Plots: " + ", ".join(f"[{Path(p).name}]({Path(p).relative_to(here)})" for p in plots)]
     return "\n".join(lines)
 
 
@@ -619,8 +640,9 @@ def make_plots(recs: dict[str, Record], figs: dict[str, dict[str, float]], cfg: 
     for s in systems:
         fills = batch_fills(recs[s], cfg)
         ax.hist(fills, bins=40, range=(0, 1), histtype="step", label=s, linewidth=1.5)
-    ax.set_xlabel("batch fill")
-    ax.set_ylabel("batches")
+    ax.set_yscale("log")
+    ax.set_xlabel("batch fill (against what the worker asked for)")
+    ax.set_ylabel("batches (log scale)")
     ax.set_title("Batch fill")
     ax.legend()
     paths.append(_save(fig, out / "batch_fill.png"))
@@ -632,10 +654,13 @@ def make_plots(recs: dict[str, Record], figs: dict[str, dict[str, float]], cfg: 
     paths.append(_save(fig, out / "padding_waste.png"))
 
     fig, ax = plt.subplots(figsize=(7, 4))
+    counts = {s: list(Counter(sig for *_x, sigs in recs[s].batches for sig in sigs).values()) for s in systems}
+    top = max((max(v) for v in counts.values() if v), default=1)
+    bins = [10 ** (i / 10) for i in range(0, int(10 * math.log10(max(top, 1))) + 2)]
     for s in systems:
-        per_shape = Counter(sig for *_x, sigs in recs[s].batches for sig in sigs)
-        ax.hist(list(per_shape.values()), bins=30, histtype="step", label=s, linewidth=1.5)
-    ax.set_xlabel("batches carrying a shape")
+        ax.hist(counts[s], bins=bins, histtype="step", label=s, linewidth=1.5)
+    ax.set_xscale("log")
+    ax.set_xlabel("batches carrying a shape (log scale)")
     ax.set_ylabel("shapes")
     ax.set_title("Batches per shape")
     ax.legend()
@@ -724,14 +749,16 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--systems: unknown {sorted(unknown)} (known: {', '.join(SYSTEMS)})")
     recs, figs, mach = run_suite(spec, cfg, systems)
-    plots = [] if args.no_write else make_plots(recs, figs, cfg, Path(__file__).resolve().parent / "plots")
+    name = ("suite_quick" if args.quick else "suite") + ("" if spec.arrival == "backlog" else "_trickle")
+    plot_dir = Path(__file__).resolve().parent / ("plots" if name == "suite" else f"plots/{name}")
+    plots = [] if args.no_write else make_plots(recs, figs, cfg, plot_dir)
     text = report(args, mach, spec, cfg, recs, figs, plots)
     print()
     print(text)
     if args.json:
         Path(args.json).write_text(json.dumps(figs, indent=1))
     if not args.no_write:
-        write_section("suite_quick" if args.quick else "suite", text)
+        write_section(name, text)
         print("\nwrote bench/RESULTS.md")
     return 0 if all(recs[c].complete.startswith("ok") for c in CONDUCTORS if c in recs) else 1
 
