@@ -224,7 +224,10 @@ local function take_from_lane(inst, lane, flags)
     mt = math.max(mt, m)
   end
   if k == 0 then return nil end
-  redis.call('XDEL', lk, unpack(ids))
+  -- A batch is always the head of its lane: trimming below the id after the last one taken
+  -- removes exactly those entries, cheaper than XDEL of each id.
+  local ms, seq = string.match(ids[#ids], '^(%d+)%-(%d+)$')
+  redis.call('XTRIM', lk, 'MINID', '=', ms .. '-' .. (tonumber(seq) + 1))
   local left = redis.call('HINCRBY', mk, 'items', -k)
   local left_tok = redis.call('HINCRBY', mk, 'tokens', -sum)
   local meta = redis.call('HMGET', mk, 'rep', 'last_ms')
