@@ -64,3 +64,10 @@ def test_suite_cli_quick_writes_json(tmp_path):
     figs = json.loads(out.read_text())
     assert set(figs) == set(suite.SYSTEMS)
     assert "ok: every id exactly once" in p.stdout.decode()
+
+
+def test_lifecycle_bench_quick_runs_and_loses_nothing():
+    from bench.lifecycle_bench import run
+    text = run(quick=True)
+    assert text.count("Conductor results: ok: every id exactly once.") == 2
+    assert "| items left at the end (goal 0) | 0 | 0 |" in text
