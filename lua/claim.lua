@@ -103,8 +103,10 @@ local quiet = now - last_intake >= cfg.quiet_ms
 if st[1] ~= '1' then
   if disk or waiting >= cfg.release_batches * cfg.budget_tokens or (quiet and waiting > 0) then
     redis.call('HSET', state_key, 'gate', 1, 'gate_opened_ms', now)
-  else
+  elseif waiting > 0 then
     return {0, 'gate'}
+  else
+    return {0, 'idle'}
   end
 end
 

@@ -91,6 +91,7 @@ def test_ready_lane_search_is_round_robin(cdr):
 
 def test_release_gate_holds_until_threshold_then_stays_open(cdr):
     cdr.set_config("m", {"release_batches": 2, "budget_tokens": 1000, "quiet_ms": 60000, "activate_batches": 0})
+    assert cdr.claim(contract(tokens=1000), "w") == (None, "idle")  # nothing waits: idle, not the gate
     cdr.submit([item(i, 100) for i in range(10)], "j")  # 1000 < 2000 tokens
     b, why = cdr.claim(contract(tokens=1000), "w")
     assert (b, why) == (None, "gate")
