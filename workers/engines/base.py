@@ -42,6 +42,20 @@ def too_long(batch: Batch, item: BatchItem, max_input_len: int) -> Finished:
         "input_too_long", f"input_tokens {item.input_tokens} exceeds this engine's max_input_len {max_input_len}"))
 
 
+class ContractHolder:
+    """The identity and contract an engine derives from itself, exposed the way Engine asks."""
+
+    _contract: Contract
+
+    @property
+    def model(self) -> str:
+        return self._contract.model
+
+    @property
+    def contract(self) -> Contract:
+        return self._contract
+
+
 @runtime_checkable
 class Engine(Protocol):
     kind: str

@@ -39,7 +39,7 @@ import xxhash
 
 from conductor.formats import estimate_tokens
 from conductor.records import Batch, BatchItem, Contract
-from workers.engines.base import Finished, too_long
+from workers.engines.base import ContractHolder, Finished, too_long
 
 
 @dataclass
@@ -91,7 +91,7 @@ def output_len(item_id: str, max_tokens: int) -> int:
     return max(1, min(max_tokens, round(max_tokens * (0.25 + 0.75 * frac))))
 
 
-class SimEngine:
+class SimEngine(ContractHolder):
     kind = "sim"
 
     def __init__(self, model: str, *, max_batch_size: int = 64, max_batch_tokens: int = 8192,
@@ -111,14 +111,6 @@ class SimEngine:
         self._evicted: deque[_Seq] = deque()
         self._seq = 0
         self._step_no = 0
-
-    @property
-    def model(self) -> str:
-        return self._contract.model
-
-    @property
-    def contract(self) -> Contract:
-        return self._contract
 
     def _spend(self, seconds: float) -> None:
         self.counters.sim_seconds += seconds

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conductor.records import Batch, BatchItem, Contract, ResultError
-from workers.engines.base import EngineConfigError, EngineUnavailable, Finished, too_long
+from workers.engines.base import ContractHolder, EngineConfigError, EngineUnavailable, Finished, too_long
 from workers.engines.byte_tokenizer import ByteTokenizer
 
 TINY_CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -73,7 +73,7 @@ class _Cohort:
     out: list[list[int]] = field(default_factory=list)
 
 
-class TorchEngine:
+class TorchEngine(ContractHolder):
     kind = "torch"
 
     def __init__(self, model: str, *, model_path: str | None = None, max_batch_size: int = 16,
@@ -125,14 +125,6 @@ class TorchEngine:
         lm = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
         limit = getattr(lm.config, "max_position_embeddings", None) or 4096
         return lm, tok, limit
-
-    @property
-    def model(self) -> str:
-        return self._contract.model
-
-    @property
-    def contract(self) -> Contract:
-        return self._contract
 
     # ------------------------------------------------------------------ forward passes
     def _forward(self, ids: Any, mask: Any, pos: Any, cache: Any) -> tuple[Any, Any]:

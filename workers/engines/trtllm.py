@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from conductor.records import Batch, BatchItem, Contract, ResultError
-from workers.engines.base import EngineConfigError, EngineUnavailable, Finished, too_long
+from workers.engines.base import ContractHolder, EngineConfigError, EngineUnavailable, Finished, too_long
 
 INSTALL_HINT = ("engine trtllm needs TensorRT-LLM, which is not installed here: on a machine with an NVIDIA GPU "
                 "and CUDA, pip install 'tensorrt-llm==1.2.*' (or use --engine torch / --engine sim)")
@@ -38,7 +38,7 @@ def _import() -> tuple[Any, Any, Any]:
     return LLM, SamplingParams, KvCacheConfig
 
 
-class TrtllmEngine:
+class TrtllmEngine(ContractHolder):
     kind = "trtllm"
 
     def __init__(self, model: str, *, model_path: str | None = None, max_batch_size: int = 64,
@@ -59,14 +59,6 @@ class TrtllmEngine:
         self.poll_s = poll_s
         self._pending: list[tuple[Batch, BatchItem, Any]] = []
         self._shutdown = getattr(self.llm, "shutdown", None)
-
-    @property
-    def model(self) -> str:
-        return self._contract.model
-
-    @property
-    def contract(self) -> Contract:
-        return self._contract
 
     def admit(self, batch: Batch, items: list[BatchItem]) -> list[Finished]:
         limit = self._contract.max_input_len
