@@ -23,7 +23,7 @@ def submit_one(c, i, tok, job="j", **kw):
 def test_first_item_opens_lane_and_close_items_join(cdr):
     submit_one(cdr, 1, 100)
     submit_one(cdr, 2, 104)  # same 8-token bucket: no padding at all
-    submit_one(cdr, 3, 110)  # 8 tokens of padding: under the floor (16), never a new lane
+    submit_one(cdr, 3, 110)  # 8 tokens of padding: at the floor (8), never a new lane
     inst = inst_of(cdr)
     assert lanes(cdr, inst) == {0: 110}  # lanes only grow: rep rose to 110
 
