@@ -58,9 +58,9 @@ from workers.worker import Worker, WorkerOptions  # noqa: E402
 IDLE_QUANTUM = 0.002  # simulated seconds an idle worker waits before it looks again
 SYSTEMS = ("rq", "stream", "oracle", "conductor", "conductor-tuned")
 CONDUCTORS = ("conductor", "conductor-tuned")
-# Tighter lanes than the defaults (conductor/config.py: lane_floor 8, lane_thr_min 0.005): less padding,
+# Tighter lanes than the defaults (conductor/config.py: lane_floor 0, lane_thr_min 0.003): less padding,
 # at the price of more lanes per shape.
-TUNED_CFG: dict[str, Any] = {"lane_floor": 0, "lane_thr_min": 0.002}
+TUNED_CFG: dict[str, Any] = {"lane_floor": 0, "lane_thr_min": 0.001}
 
 
 @dataclass
@@ -612,8 +612,8 @@ def report(args: argparse.Namespace, mach: str, spec: WorkloadSpec, cfg: SuiteCo
         "epoch): the oracle cuts every batch at a new length and pays for it; lanes reuse their length.",
         "",
         "Conductor results: " + "; ".join(f"{c}: {recs[c].complete}" for c in cond) + ".",
-        f"conductor-tuned sets {', '.join(f'{k}={v}' for k, v in TUNED_CFG.items())} (defaults: lane_floor 8, "
-        "lane_thr_min 0.005).",
+        f"conductor-tuned sets {', '.join(f'{k}={v}' for k, v in TUNED_CFG.items())} (defaults: lane_floor 0, "
+        "lane_thr_min 0.003).",
         "",
         "Goals (issue 6, on this workload):",
         *goals,

@@ -16,9 +16,10 @@ FIELDS: dict[str, tuple[Any, str]] = {
     "budget_tokens": (8192, "reference batch token budget (the first worker's contract) for readiness"),
     "budget_items": (64, "reference batch size (the first worker's contract) for readiness"),
     "lane_max": (2048, "lanes a shape instance may own"),
-    "lane_thr_min": (0.005, "padding fraction that opens a new lane while the lane budget is empty"),
+    "lane_thr_min": (0.003, "padding fraction that opens a new lane while the lane budget is empty"),
     "lane_thr_max": (0.30, "padding fraction that opens a new lane when the lane budget is full"),
-    "lane_floor": (8, "padding (tokens) at or under which an item never opens a new lane"),
+    "lane_floor": (0, "padding (tokens) at or under which an item never opens a new lane; memory mode already "
+                     "merges lengths within one 8-token step, raise it for short-prompt workloads"),
     "lane_cap": (256, "padding (tokens) above which an item always opens a new lane, budget permitting"),
     "lane_quiet_ms": (3000, "an empty lane without assignments this long returns its id"),
     "activate_batches": (4, "a staged shape activates once it holds this many budgets of tokens"),

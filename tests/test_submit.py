@@ -21,6 +21,7 @@ def submit_one(c, i, tok, job="j", **kw):
 
 
 def test_first_item_opens_lane_and_close_items_join(cdr):
+    cdr.set_config("m", {"lane_floor": 8})
     submit_one(cdr, 1, 100)
     submit_one(cdr, 2, 104)  # same 8-token bucket: no padding at all
     submit_one(cdr, 3, 110)  # 8 tokens of padding: at the floor (8), never a new lane
@@ -36,10 +37,11 @@ def test_padding_over_cap_opens_lane(cdr):
 
 
 def test_padding_over_threshold_opens_lane_and_neighbour_that_pads_less_wins(cdr):
+    cdr.set_config("m", {"lane_thr_min": 0.05})
     submit_one(cdr, 1, 100)
     submit_one(cdr, 2, 200)  # 50 % padding: new lane
     assert sorted(lanes(cdr, inst_of(cdr)).values()) == [100, 200]
-    submit_one(cdr, 3, 190)  # pads 10 into the 200 lane, would grow the 100 lane by 90
+    submit_one(cdr, 3, 190)  # pads 8 (4 % < 5 %) into the 200 lane, would grow the 100 lane by 88
     ln = lanes(cdr, inst_of(cdr))
     assert sorted(ln.values()) == [100, 200]
     mk = K.ModelKeys("m")
