@@ -221,6 +221,20 @@ def cmd_reclaim(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_trim_results(args: argparse.Namespace) -> int:
+    """Retention: drop a finished job's results older than --older-than-s (readers had their time)."""
+    from conductor.retention import trim_job_results
+    c = _conductor(args)
+    if not c.job_models(args.job):
+        raise ConductorError(f"job {args.job!r} is unknown to this Redis")
+    try:
+        n = trim_job_results(c, args.job, int((time.time() - args.older_than_s) * 1000))
+    except Exception as e:  # noqa: BLE001 - the script's refusal (work left) is one line for the operator
+        raise ConductorError(f"trim-results: {e}") from None
+    print(f"trimmed {n} result records of job {args.job}")
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     """The main job in one command: submit, work with N workers per model, collect results."""
     from conductor.embedded import EmbeddedRedis
@@ -357,6 +371,11 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("model")
     rc.add_argument("--min-idle-ms", type=int, default=0)
     rc.set_defaults(fn=cmd_reclaim)
+
+    tr = sub.add_parser("trim-results", help="retention: drop a finished job's old result records")
+    tr.add_argument("job")
+    tr.add_argument("--older-than-s", type=float, default=86400.0)
+    tr.set_defaults(fn=cmd_trim_results)
 
     dl = sub.add_parser("dead-letter", help="list, retry or purge dead-lettered items")
     dl.add_argument("action", choices=["list", "retry", "purge"])

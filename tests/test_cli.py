@@ -77,3 +77,25 @@ def test_config_and_migrate(redis_url):
     assert "quiet_ms = 250" in out and "mode = disk" in out
     p = cli("config", "m", "nope=1", url=redis_url, check=False)
     assert p.returncode == 2 and b"unknown field" in p.stderr
+
+
+def test_trim_results_is_refused_while_work_is_left_then_trims(redis_url, tmp_path):
+    import time
+
+    from conductor.client import Conductor, connect
+    from conductor.records import Contract
+    from tests.helpers import drain, quick
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": f"i{k}", "model": "m", "prompt": "hi", "max_tokens": 4}) + "\n"
+                           for k in range(5)))
+    cli("submit", str(src), "--job", "t", url=redis_url)
+    p = cli("trim-results", "t", "--older-than-s", "0", url=redis_url, check=False)
+    assert p.returncode == 2 and b"without a result" in p.stderr  # nothing trimmed while items wait
+    c = Conductor(connect(redis_url))
+    quick(c)
+    drain(c, Contract(model="m", max_batch_size=8, max_batch_tokens=8192, max_input_len=4096))
+    time.sleep(0.01)
+    out = cli("trim-results", "t", "--older-than-s", "0", url=redis_url).stdout.decode()
+    assert "trimmed 5 result records" in out
+    assert cli("results", "t", url=redis_url).stdout == b""
+    assert json.loads(cli("status", "t", "--json", url=redis_url).stdout)["completed"] == 5
