@@ -30,10 +30,10 @@ local max_items, max_tokens = tonumber(ARGV[2]), tonumber(ARGV[3])
 if (not consumer) or #consumer < 1 or #consumer > 200 then
   return redis.error_reply('ERR_ARG consumer: must be 1..200 bytes')
 end
-if not max_items or max_items < 1 or max_items > 65536 or max_items ~= math.floor(max_items) then
+if not int_in(max_items, 1, 65536) then
   return redis.error_reply('ERR_ARG max_batch_size: must be an integer in 1..65536')
 end
-if not max_tokens or max_tokens < 1 or max_tokens > 1073741824 or max_tokens ~= math.floor(max_tokens) then
+if not int_in(max_tokens, 1, 1073741824) then
   return redis.error_reply('ERR_ARG max_batch_tokens: must be an integer in 1..1073741824')
 end
 
@@ -211,7 +211,7 @@ local function take_from_lane(inst, lane, flags)
   local lk = base .. ':lane:' .. inst .. ':' .. lane
   local mk = base .. ':lanemeta:' .. inst .. ':' .. lane
   local entries = redis.call('XRANGE', lk, '-', '+', 'COUNT', max_items)
-  local items, ids = {}, {}
+  local items, last_id = {}, nil
   local k, maxlen, sum, mt = 0, 0, 0, 0
   for _, e in ipairs(entries) do
     local f = e[2]
@@ -219,7 +219,7 @@ local function take_from_lane(inst, lane, flags)
     if not fits(k, maxlen, sum, tok) then break end
     local m = tonumber(f[8])
     items[#items + 1] = {f[2], f[4], tok, m, f[10], 1}
-    ids[#ids + 1] = e[1]
+    last_id = e[1]
     k = k + 1
     maxlen = math.max(maxlen, tok)
     sum = sum + tok
@@ -228,7 +228,7 @@ local function take_from_lane(inst, lane, flags)
   if k == 0 then return nil end
   -- A batch is always the head of its lane: trimming below the id after the last one taken
   -- removes exactly those entries, cheaper than XDEL of each id.
-  local ms, seq = string.match(ids[#ids], '^(%d+)%-(%d+)$')
+  local ms, seq = string.match(last_id, '^(%d+)%-(%d+)$')
   redis.call('XTRIM', lk, 'MINID', '=', ms .. '-' .. (tonumber(seq) + 1))
   local left = redis.call('HINCRBY', mk, 'items', -k)
   local left_tok = redis.call('HINCRBY', mk, 'tokens', -sum)

@@ -26,7 +26,7 @@ end
 if final ~= '0' and final ~= '1' then
   return redis.error_reply('ERR_ARG final: must be 0 or 1')
 end
-if not n or n < 0 or n > 65536 or n ~= math.floor(n) then
+if not int_in(n, 0, 65536) then
   return redis.error_reply('ERR_ARG n: result count must be an integer in 0..65536')
 end
 if #ARGV ~= 3 + 4 * n then

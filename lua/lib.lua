@@ -51,6 +51,11 @@ local function num(v)
   return tonumber(v) or 0
 end
 
+-- Argument check shared by every script: a whole number within lo..hi (nil and NaN fail).
+local function int_in(v, lo, hi)
+  return v ~= nil and v >= lo and v <= hi and v == math.floor(v)
+end
+
 -- The fill and ready indices of a shape instance are derived under one reference contract and
 -- mode; when those change (the first worker registers after items wait, an operator switches
 -- mode) the instance's indices are re-derived before it is served (claim.lua).

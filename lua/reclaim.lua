@@ -28,10 +28,10 @@ if (not consumer) or #consumer < 1 or #consumer > 200 then
   return redis.error_reply('ERR_ARG consumer: must be 1..200 bytes')
 end
 if force ~= '0' and force ~= '1' then return redis.error_reply('ERR_ARG force: must be 0 or 1') end
-if not min_idle or min_idle < 0 or min_idle > 1e15 or min_idle ~= math.floor(min_idle) then
+if not int_in(min_idle, 0, 1e15) then
   return redis.error_reply('ERR_ARG min_idle_ms: must be an integer in 0..1e15')
 end
-if not count or count < 1 or count > 1000 or count ~= math.floor(count) then
+if not int_in(count, 1, 1000) then
   return redis.error_reply('ERR_ARG count: must be an integer in 1..1000')
 end
 

@@ -18,7 +18,7 @@
 
 local base, cfg_key, state_key = KEYS[1], KEYS[2], KEYS[3]
 local n = tonumber(ARGV[1])
-if not n or n < 1 or n > 5000 or n ~= math.floor(n) then
+if not int_in(n, 1, 5000) then
   return redis.error_reply('ERR_ARG n: item count must be an integer in 1..5000')
 end
 if #ARGV ~= 1 + 7 * n then
@@ -43,10 +43,10 @@ for i = 0, n - 1 do
   if #sig ~= 16 or not string.match(sig, '^[0-9a-f]+$') then
     return redis.error_reply('ERR_ARG sig: must be 16 lowercase hex digits at item ' .. i)
   end
-  if not tok or tok < 1 or tok > MAX_TOKENS or tok ~= math.floor(tok) then
+  if not int_in(tok, 1, MAX_TOKENS) then
     return redis.error_reply('ERR_ARG input_tokens: must be an integer in 1..' .. MAX_TOKENS .. ' at item ' .. i)
   end
-  if not mt or mt < 1 or mt > MAX_OUTPUT or mt ~= math.floor(mt) then
+  if not int_in(mt, 1, MAX_OUTPUT) then
     return redis.error_reply('ERR_ARG max_tokens: must be an integer in 1..' .. MAX_OUTPUT .. ' at item ' .. i)
   end
   local body, prefix = ARGV[o + 5], ARGV[o + 6]
