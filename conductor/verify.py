@@ -6,17 +6,22 @@ data those counters summarise and returns one row per counter: recorded value, t
 
 What is checked, for one model (``M`` = ``cdr:{model}``):
 
-- every lane ``M:lane:S:E:L``: its length and token sum against ``M:lanemeta:S:E:L`` items and
-  tokens; the lane's rep bounds its longest item; ``M:inst:S:E:lanes`` scores the rep; the
-  ``fill`` score is the lane weight (memory: items x pad8(rep); disk: tokens) for a non-empty
-  lane and absent for an empty one; ``ready`` holds exactly the lanes with a full batch;
+- every lane, a list of item records ``M:lane:S:E:L`` with its parallel token list
+  ``M:lanetok:S:E:L``: the token list as long as the lane and each of its tokens equal to the
+  input_tokens of the record at the same position (claim.lua packs from the token list without
+  reading the records, so a wrong token there mis-packs a batch); the lane's length and the sum
+  of its token list against ``M:lanemeta:S:E:L`` items and tokens; the lane's rep bounds its
+  longest item; ``M:inst:S:E:lanes`` scores the rep; the ``fill`` score is the lane weight
+  (memory: items x pad8(rep); disk: tokens) for a non-empty lane and absent for an empty one;
+  ``ready`` holds exactly the lanes with a full batch;
 - every shape instance ``M:inst:S:E``: tokens and items against the sum of its lanes' truth;
   a staged or warming instance is in ``M:staged`` scored with its tokens, no other one is; an
   instance whose indices follow an older config (``idx``, lib.lua) awaits re-derivation by the
   next claim: its fill scores and readiness are noted, not checked;
 - the model ``M:state``: tokens and items against the sum of its instances' counters;
   inflight_batches and inflight_items against the group's pending entries (XPENDING) and the
-  ``n`` field of each; reclaimed_items against the items inside the reclaimed list's batches;
+  ``n`` field of each; reclaimed_items against the item records inside the reclaimed list's
+  entries, and each entry's token list as long as its records;
   submitted, completed and failed against the sum of its jobs' counters; batch entries that
   are not pending (leaked: nothing would ever retire them);
 - every job ``M:job:J``: submitted against the entries of ``M:job:J:items``; completed and
@@ -27,20 +32,23 @@ Each level is checked against the level below, so one wrong counter shows up nex
 its neighbours (an instance's tokens against its lanes, and the model's tokens against it).
 
 With ``items=True`` it also keeps a ledger of every item id: each queued ('q') item must be in
-exactly one place (a lane, a pending batch, or a reclaimed batch), no done item may wait in a
-lane, and nothing waits that no job submitted. That costs memory in proportion to the items.
+exactly one place (a lane, a pending batch's list ``M:bat:<k>``, or a reclaimed batch), no done
+item may wait in a lane, and nothing waits that no job submitted. That costs memory in proportion
+to the items. An item record that does not decode is a finding with or without the ledger.
 
 Reads are bounded: an instance with at most SNAPSHOT entries (with its lanes, metas and
 indices), the in-flight and reclaimed sets, each small job, and each level's totals are read in
 one MULTI, so those rows compare values of one moment even while scripts run (a MULTI of 10,000
-entries is a few ms of server time). Bigger ones are read in pages (SCAN, HSCAN, XRANGE,
-XPENDING, LRANGE with COUNT) and are not one snapshot: against a live system such a row, or a
+entries is a few ms of server time; with the ledger, the pending batches' item lists join the
+in-flight MULTI once their names are known). Bigger ones are read in pages (SCAN, HSCAN, XRANGE,
+XPENDING with COUNT, LRANGE of bounded ranges) and are not one snapshot: against a live system such a row, or a
 row whose key appeared between two reads (a new shape instance, a changed config), can differ
 only because a script ran in between. Run against a quiet system, or re-check:
-``verify_confirmed`` reports only rows that differ the same way in two passes. Measured here:
-100,000 waiting items in 20 shapes verify in 1.7 s (3.7 s with the ledger), the longest single
-server step 10 ms (an HSCAN page of the 100,000-item job); on a live run of two sim workers
-under steady intake, 3 of 29 single passes showed a transient row, none confirmed.
+``verify_confirmed`` reports only rows that differ the same way in two passes. Measured here
+with lane lists (schema 2): 100,000 waiting items of one job in 20 shapes verify in 0.4 s (1.0 s
+with the ledger), the longest single server step 1 ms (an HSCAN page of the job's items); with
+lane streams (schema 1), on a live run of two sim workers under steady intake, 3 of 29 single
+passes showed a transient row, none confirmed.
 
 ``repair`` rewrites counters from the truth: each shape instance (its lanes, metas, indices,
 counters and staged score) in one Lua call (lua/repair.lua), then the model's counters (as the
@@ -67,13 +75,33 @@ from conductor.config import DEFAULTS
 
 log = logging.getLogger("conductor.verify")
 
-PAGE = 1000  # entries per SCAN / HSCAN / XRANGE step
+PAGE = 1000  # entries per SCAN / HSCAN / XRANGE / lane LRANGE step
 SNAPSHOT = 10_000  # entries an instance (or the in-flight set) may hold to be read in one MULTI
 PENDING_PAGE = 500
 LIST_PAGE = 100
 EXAMPLES = 20  # item ids quoted per ledger finding
 
 _blob_decoder = msgspec.msgpack.Decoder()
+
+
+class _Rec(msgspec.Struct, array_like=True):
+    """The head of an item record ``[id, job, input_tokens, max_tokens, prompt, payload]``: all
+    that verify needs (msgspec skips the trailing elements)."""
+
+    id: str
+    job: str
+    input_tokens: int
+
+
+_rec_decoder = msgspec.json.Decoder(_Rec)
+
+
+def _rec(raw: Any) -> _Rec | None:
+    """One item record, or None when it does not decode (reported, never guessed at)."""
+    try:
+        return _rec_decoder.decode(raw)
+    except (msgspec.DecodeError, TypeError):
+        return None
 
 
 class _ResultStatus(msgspec.Struct):
@@ -121,7 +149,7 @@ class Row:
 class Report:
     model: str
     rows: list[Row] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)  # ledger findings (items=True)
+    problems: list[str] = field(default_factory=list)  # ledger findings (items=True), unreadable records
     notes: list[str] = field(default_factory=list)  # what was not checked, and why
     # items=True: queued items by place (waiting, inflight, reclaimed) and done items, so that
     # submitted == waiting + inflight + reclaimed + done can be checked item by item.
@@ -145,9 +173,17 @@ class Report:
 
 @dataclass
 class _Lane:
+    """One lane's truth: items from its record list, tokens and the longest from its token list
+    (what claim.lua packs from and lua/repair.lua recounts)."""
+
     items: int = 0
+    tok_len: int = 0
     tokens: int = 0
     max_tok: int = 0
+    # positions whose token differs from the record's input_tokens: (index, token, record's)
+    bad: list[tuple[int, int, int]] = field(default_factory=list)
+    n_bad: int = 0
+    unreadable: int = 0
 
 
 @dataclass
@@ -186,14 +222,14 @@ class _Keys:
     """The model's keys found by one SCAN, grouped by what they hold."""
 
     insts: set[str] = field(default_factory=set)
-    lanes: dict[str, set[str]] = field(default_factory=dict)  # inst -> lane ids (streams or metas)
+    lanes: dict[str, set[str]] = field(default_factory=dict)  # inst -> lane ids (lists or metas)
     jobs: set[str] = field(default_factory=set)
 
 
 def _classify(r: redis.Redis, mk: K.ModelKeys) -> _Keys:
     b = re.escape(mk.base)
     inst_re = re.compile(rf"^{b}:inst:([0-9a-f]{{16}}:\d+)(?::[a-z_]+)?$")
-    lane_re = re.compile(rf"^{b}:lane(?:meta)?:([0-9a-f]{{16}}:\d+):(\d+)$")
+    lane_re = re.compile(rf"^{b}:lane(?:meta|tok)?:([0-9a-f]{{16}}:\d+):(\d+)$")
     job_re = re.compile(rf"^{b}:job:([^:]+)(?::(?:items|results))?$")
     out = _Keys()
     for raw in r.scan_iter(match=f"{mk.base}:*", count=PAGE):
@@ -215,6 +251,32 @@ def _xrange(r: redis.Redis, key: str, upto: str | None = None) -> Iterator[tuple
         if len(page) < PAGE:
             return
         start = "(" + _s(page[-1][0])
+
+
+def _list(r: redis.Redis, key: str) -> Iterator[bytes]:
+    """A list in bounded LRANGE pages (not one snapshot: see the module docstring)."""
+    i = 0
+    while True:
+        page = r.lrange(key, i, i + PAGE - 1)
+        yield from page
+        if len(page) < PAGE:
+            return
+        i += PAGE
+
+
+def _lane_pages(r: redis.Redis, mk: K.ModelKeys, inst: str, lane: str) -> Iterator[tuple[list, list]]:
+    """A lane and its token list in bounded pages; each page of both is read in one MULTI, so a
+    page's records and tokens are compared at one moment."""
+    i = 0
+    while True:
+        pipe = r.pipeline(transaction=True)
+        pipe.lrange(mk.lane(inst, lane), i, i + PAGE - 1)
+        pipe.lrange(mk.lane_tok(inst, lane), i, i + PAGE - 1)
+        recs, toks = pipe.execute()
+        yield recs, toks
+        if len(recs) < PAGE and len(toks) < PAGE:
+            return
+        i += PAGE
 
 
 def _zset(r: redis.Redis, key: str) -> dict[str, float]:
@@ -286,15 +348,28 @@ class _InstRead:
     atomic: bool
 
 
-def _lane_truth(entries: Any, inst: str, lane: str, ledger: _Ledger | None) -> _Lane:
+def _lane_truth(pages: Any, inst: str, lane: str, ledger: _Ledger | None) -> _Lane:
+    """``pages``: (records, tokens) pairs of the lane and its token list, in order."""
     t = _Lane()
-    for _eid, f in entries:
-        tok = _i(f.get(b"tok"))
-        t.items += 1
-        t.tokens += tok
-        t.max_tok = max(t.max_tok, tok)
-        if ledger is not None:
-            ledger.add(f.get(b"job"), f.get(b"id"), f"lane {inst}:{lane}")
+    for recs, toks in pages:
+        base = t.items
+        for raw in toks:
+            tok = _i(raw)
+            t.tok_len += 1
+            t.tokens += tok
+            t.max_tok = max(t.max_tok, tok)
+        for j, raw in enumerate(recs):
+            t.items += 1
+            rec = _rec(raw)
+            if rec is None:
+                t.unreadable += 1
+                continue
+            if j < len(toks) and _i(toks[j]) != rec.input_tokens:
+                t.n_bad += 1
+                if len(t.bad) < EXAMPLES:
+                    t.bad.append((base + j, _i(toks[j]), rec.input_tokens))
+            if ledger is not None:
+                ledger.add(rec.job, rec.id, f"lane {inst}:{lane}")
     return t
 
 
@@ -310,8 +385,9 @@ def _read_instance(r: redis.Redis, mk: K.ModelKeys, inst: str, scanned: set[str]
         ids = sorted({_s(x) for got in pipe.execute() for x in got} | scanned, key=int)
         pipe = r.pipeline(transaction=False)
         for lane in ids:
-            pipe.xlen(mk.lane(inst, lane))
-        if sum(pipe.execute()) > SNAPSHOT:
+            pipe.llen(mk.lane(inst, lane))
+            pipe.llen(mk.lane_tok(inst, lane))
+        if sum(pipe.execute()) > 2 * SNAPSHOT:
             break
         pipe = r.pipeline(transaction=True)
         pipe.hgetall(ik)
@@ -320,16 +396,21 @@ def _read_instance(r: redis.Redis, mk: K.ModelKeys, inst: str, scanned: set[str]
         pipe.smembers(mk.inst_free(inst))
         pipe.zscore(mk.staged, inst)
         for lane in ids:
-            pipe.xrange(mk.lane(inst, lane))
+            # Bounded even if the lanes grew since LLEN: a lane cut at SNAPSHOT + 1 entries
+            # pushes the sum over the limit below, and the instance is read again.
+            pipe.lrange(mk.lane(inst, lane), 0, SNAPSHOT)
+            pipe.lrange(mk.lane_tok(inst, lane), 0, SNAPSHOT)
             pipe.hmget(mk.lanemeta(inst, lane), ["items", "tokens", "rep"])
         res = pipe.execute()
         lanes_z, fill, ready = ({_s(m): float(sc) for m, sc in z} for z in res[1:4])
         if not (set(lanes_z) | set(fill) | set(ready)) <= set(ids):
             continue  # a lane opened between the two reads: read again
+        if sum(len(res[6 + 3 * i]) + len(res[7 + 3 * i]) for i in range(len(ids))) > 2 * SNAPSHOT:
+            continue  # grew past the snapshot size meanwhile (and may be cut): read again
         lanes = {}
         for i, lane in enumerate(ids):
-            entries, meta = res[6 + 2 * i], res[7 + 2 * i]
-            lanes[lane] = (_lane_truth(entries, inst, lane, ledger), meta)
+            recs, toks, meta = res[6 + 3 * i], res[7 + 3 * i], res[8 + 3 * i]
+            lanes[lane] = (_lane_truth([(recs, toks)], inst, lane, ledger), meta)
         return _InstRead({_s(k): _s(v) for k, v in res[0].items()}, lanes_z, fill, ready,
                          {_s(x) for x in res[4]}, None if res[5] is None else float(res[5]), lanes, True)
     ih = {_s(k): _s(v) for k, v in r.hgetall(ik).items()}
@@ -339,7 +420,7 @@ def _read_instance(r: redis.Redis, mk: K.ModelKeys, inst: str, scanned: set[str]
     free = {_s(x) for x in r.sscan_iter(mk.inst_free(inst), count=PAGE)}
     lanes = {}
     for lane in sorted(set(lanes_z) | set(fill) | set(ready) | scanned, key=int):
-        t = _lane_truth(_xrange(r, mk.lane(inst, lane)), inst, lane, ledger)
+        t = _lane_truth(_lane_pages(r, mk, inst, lane), inst, lane, ledger)
         lanes[lane] = (t, r.hmget(mk.lanemeta(inst, lane), ["items", "tokens", "rep"]))
     staged_score = r.zscore(mk.staged, inst)
     return _InstRead(ih, lanes_z, fill, ready, free, None if staged_score is None else float(staged_score),
@@ -376,6 +457,19 @@ def verify(r: redis.Redis, model: str, *, items: bool = False) -> Report:
             rep_truth = max(m_rep, t.max_tok)
             inst_tokens += t.tokens
             inst_items += t.items
+            if has_meta or t.items or t.tok_len:
+                # The token list is the lane's index for claim.lua: as long as the lane, and each
+                # token the input_tokens of its record.
+                tkey = mk.lane_tok(inst, lane)
+                row(tkey, "length", t.tok_len, t.items, "lane.toklen")
+                for idx, tok, truth in t.bad:
+                    row(tkey, f"token {idx}", tok, truth, "lane.token")
+                if t.n_bad > len(t.bad):
+                    rep.notes.append(f"{tkey}: {t.n_bad} tokens differ from their records, "
+                                     f"the first {len(t.bad)} listed")
+                if t.unreadable:
+                    rep.problems.append(f"{model}: {mk.lane(inst, lane)} holds {t.unreadable} item record(s) "
+                                        "that do not decode as [id, job, input_tokens, ...]")
             if has_meta or t.items:
                 row(mkey, "items", m_items, t.items, "lane.items")
                 row(mkey, "tokens", m_tokens, t.tokens, "lane.tokens")
@@ -417,6 +511,11 @@ def verify(r: redis.Redis, model: str, *, items: bool = False) -> Report:
     row(mk.state, "inflight_items", fl["recorded_items"], fl["items"], "state.inflight_items")
     row(mk.batches, "entries not pending", fl["leaked"], 0, "batches.leaked")
     row(mk.state, "reclaimed_items", fl["recorded_reclaimed"], fl["reclaimed"], "state.reclaimed_items")
+    # Each reclaimed entry carries a token per item record, in order (claim serves from both).
+    row(mk.reclaimed, "tokens listed", fl["reclaimed_tokens"], fl["reclaimed"], "reclaimed.toklen")
+    if fl["unreadable"]:
+        rep.problems.append(f"{model}: {fl['unreadable']} in-flight or reclaimed item record(s) or reclaimed "
+                            "entries do not decode")
 
     # ---- jobs: counters against the items hash and the results records
     jobs = sorted(found.jobs)
@@ -448,58 +547,107 @@ def verify(r: redis.Redis, model: str, *, items: bool = False) -> Report:
     return rep
 
 
+def _ledger_records(recs: Any, place: str, ledger: _Ledger) -> int:
+    """Puts each item record of ``recs`` in the ledger at ``place``; returns how many do not decode."""
+    bad = 0
+    for raw in recs:
+        rec = _rec(raw)
+        if rec is None:
+            bad += 1
+        else:
+            ledger.add(rec.job, rec.id, place)
+    return bad
+
+
+def _reclaimed_entry(blob: bytes, ledger: _Ledger | None) -> tuple[int, int, int]:
+    """One reclaimed entry, msgpack [sig, epoch, lane, deliveries, [tokens], [item records]]:
+    (records, tokens, unreadable); the records go to the ledger."""
+    try:
+        e = _blob_decoder.decode(blob)
+        toks, recs = e[4], e[5]
+        if not isinstance(toks, list) or not isinstance(recs, list):
+            raise TypeError
+    except (msgspec.DecodeError, IndexError, KeyError, TypeError):
+        return 0, 0, 1
+    bad = _ledger_records(recs, "reclaimed", ledger) if ledger is not None else 0
+    return len(recs), len(toks), bad
+
+
 def _read_inflight(r: redis.Redis, mk: K.ModelKeys, ledger: _Ledger | None) -> dict[str, int]:
     """One MULTI when the pending list, the batches stream and the reclaimed list are small
-    (they hold what workers have in hand, not the backlog); bounded pages otherwise."""
-    pipe = r.pipeline(transaction=True)
-    pipe.hmget(mk.state, ["inflight_batches", "inflight_items", "reclaimed_items"])
-    pipe.xpending_range(mk.batches, K.GROUP, min="-", max="+", count=SNAPSHOT + 1)
-    pipe.xrange(mk.batches, count=SNAPSHOT + 1)
-    pipe.lrange(mk.reclaimed, 0, SNAPSHOT)
-    res = pipe.execute(raise_on_error=False)
-    st, pend, entries, blobs = res
-    if isinstance(pend, Exception):
-        if "NOGROUP" not in str(pend):
-            raise pend
-        pend = []
-    out = {"recorded_batches": _i(st[0]), "recorded_items": _i(st[1]), "recorded_reclaimed": _i(st[2])}
-    if len(pend) <= SNAPSHOT and len(entries) <= SNAPSHOT and len(blobs) <= SNAPSHOT:
+    (they hold what workers have in hand, not the backlog); with the ledger that MULTI also reads
+    the pending batches' item lists, whose names (field k) a first read learns. Bounded pages
+    otherwise."""
+    known: list[str] = []  # k of the batches whose item lists the next MULTI reads
+    out: dict[str, int] = {}
+    for _attempt in range(3):
+        pipe = r.pipeline(transaction=True)
+        pipe.hmget(mk.state, ["inflight_batches", "inflight_items", "reclaimed_items"])
+        pipe.xpending_range(mk.batches, K.GROUP, min="-", max="+", count=SNAPSHOT + 1)
+        pipe.xrange(mk.batches, count=SNAPSHOT + 1)
+        pipe.lrange(mk.reclaimed, 0, SNAPSHOT)
+        for k in known:
+            pipe.lrange(mk.batch_items(k), 0, SNAPSHOT)
+        res = pipe.execute(raise_on_error=False)
+        st, pend, entries, blobs = res[:4]
+        if isinstance(pend, Exception):
+            if "NOGROUP" not in str(pend):
+                raise pend
+            pend = []
+        for x in (st, entries, blobs, *res[4:]):
+            if isinstance(x, Exception):
+                raise x
+        out = {"recorded_batches": _i(st[0]), "recorded_items": _i(st[1]), "recorded_reclaimed": _i(st[2])}
+        if len(pend) > SNAPSHOT or len(entries) > SNAPSHOT or len(blobs) > SNAPSHOT:
+            break
         pending = {_s(p["message_id"]) for p in pend}
         items = 0
+        ks: list[tuple[str, str]] = []
         for eid, f in entries:
             bid = _s(eid)
             if bid not in pending:
                 continue
             items += _i(f.get(b"n"))
-            if ledger is not None and f.get(b"b"):
-                for it in _blob_decoder.decode(f[b"b"])[7]:
-                    ledger.add(it[1], it[0], f"batch {bid}")
-        reclaimed = 0
+            if f.get(b"k"):
+                ks.append((bid, _s(f[b"k"])))
+        bad = 0
+        if ledger is not None:
+            if items > SNAPSHOT:
+                break
+            lists = dict(zip(known, res[4:], strict=True))
+            if any(k not in lists for _bid, k in ks):
+                known = [k for _bid, k in ks]
+                continue  # a batch whose list this MULTI did not read: read again with it
+            for bid, k in ks:
+                bad += _ledger_records(lists[k], f"batch {bid}", ledger)
+        reclaimed = reclaimed_tok = 0
         for blob in blobs:
-            its = _blob_decoder.decode(blob)[7]
-            reclaimed += len(its)
-            if ledger is not None:
-                for it in its:
-                    ledger.add(it[1], it[0], "reclaimed")
-        out.update(batches=len(pending), items=items, reclaimed=reclaimed,
-                   leaked=sum(1 for eid, _f in entries if _s(eid) not in pending))
+            n_rec, n_tok, n_bad = _reclaimed_entry(blob, ledger)
+            reclaimed += n_rec
+            reclaimed_tok += n_tok
+            bad += n_bad
+        out.update(batches=len(pending), items=items, reclaimed=reclaimed, reclaimed_tokens=reclaimed_tok,
+                   unreadable=bad, leaked=sum(1 for eid, _f in entries if _s(eid) not in pending))
         return out
-    batches, items, pending = _pending(r, mk, ledger)
-    out.update(batches=batches, items=items, reclaimed=_reclaimed(r, mk, ledger),
+    batches, items, pending, bad = _pending(r, mk, ledger)
+    reclaimed, reclaimed_tok, bad_r = _reclaimed(r, mk, ledger)
+    out.update(batches=batches, items=items, reclaimed=reclaimed, reclaimed_tokens=reclaimed_tok,
+               unreadable=bad + bad_r,
                leaked=sum(1 for eid, _f in _xrange(r, mk.batches) if _s(eid) not in pending))
     return out
 
 
-def _pending(r: redis.Redis, mk: K.ModelKeys, ledger: _Ledger | None) -> tuple[int, int, set[str]]:
+def _pending(r: redis.Redis, mk: K.ModelKeys, ledger: _Ledger | None) -> tuple[int, int, set[str], int]:
+    """Pending batches in pages: (batches, items, their ids, unreadable item records)."""
     ids: set[str] = set()
-    items = 0
+    items = bad = 0
     start = "-"
     while True:
         try:
             page = r.xpending_range(mk.batches, K.GROUP, min=start, max="+", count=PENDING_PAGE)
         except redis.ResponseError as e:
             if "NOGROUP" in str(e):
-                return 0, 0, ids
+                return 0, 0, ids, 0
             raise
         if not page:
             break
@@ -513,28 +661,27 @@ def _pending(r: redis.Redis, mk: K.ModelKeys, ledger: _Ledger | None) -> tuple[i
                 continue  # a pending entry whose message was deleted counts no items
             f = entry[0][1]
             items += _i(f.get(b"n"))
-            if ledger is not None and f.get(b"b"):
-                for it in _blob_decoder.decode(f[b"b"])[7]:
-                    ledger.add(it[1], it[0], f"batch {bid}")
+            if ledger is not None and f.get(b"k"):
+                bad += _ledger_records(_list(r, mk.batch_items(_s(f[b"k"]))), f"batch {bid}", ledger)
         if len(page) < PENDING_PAGE:
             break
         start = "(" + _s(page[-1]["message_id"])
-    return len(ids), items, ids
+    return len(ids), items, ids, bad
 
 
-def _reclaimed(r: redis.Redis, mk: K.ModelKeys, ledger: _Ledger | None) -> int:
-    n = 0
+def _reclaimed(r: redis.Redis, mk: K.ModelKeys, ledger: _Ledger | None) -> tuple[int, int, int]:
+    """The reclaimed list in pages: (item records, tokens, unreadable)."""
+    n = n_tok = bad = 0
     i = 0
     while True:
         page = r.lrange(mk.reclaimed, i, i + LIST_PAGE - 1)
         for blob in page:
-            its = _blob_decoder.decode(blob)[7]
-            n += len(its)
-            if ledger is not None:
-                for it in its:
-                    ledger.add(it[1], it[0], "reclaimed")
+            n_rec, t, b = _reclaimed_entry(blob, ledger)
+            n += n_rec
+            n_tok += t
+            bad += b
         if len(page) < LIST_PAGE:
-            return n
+            return n, n_tok, bad
         i += LIST_PAGE
 
 
@@ -707,8 +854,8 @@ def _repair_model(r: redis.Redis, mk: K.ModelKeys) -> list[Change]:
             tok, n = r.hmget(mk.inst(inst), ["tokens", "items"])
             truth["tokens"] += _i(tok)
             truth["items"] += _i(n)
-        truth["inflight_batches"], truth["inflight_items"], _ids = _pending(r, mk, None)
-        truth["reclaimed_items"] = _reclaimed(r, mk, None)
+        truth["inflight_batches"], truth["inflight_items"], _ids, _bad = _pending(r, mk, None)
+        truth["reclaimed_items"] = _reclaimed(r, mk, None)[0]
         sums = {"submitted": 0, "completed": 0, "failed": 0}
         trimmed = False
         job_rows: list[tuple[str, str, str, int]] = []

@@ -1,23 +1,27 @@
--- repair.lua: rewrite one shape instance's counters from its lane streams (conductor inspect
--- --verify --repair; conductor/verify.py). An operator's tool, not a hot path: it reads every
--- entry of the instance's lanes inside one call.
+-- repair.lua: rewrite one shape instance's counters from its lanes' token lists (conductor
+-- inspect --verify --repair; conductor/verify.py). An operator's tool, not a hot path: it reads
+-- every token of the instance's lanes inside one call (never the item records: the token list
+-- M:lanetok:S:E:L is what claim.lua packs from; verify.py checks it against the records).
 --
 -- KEYS[1] base    cdr:{model}
 -- KEYS[2] cfg     cdr:{model}:cfg
 -- KEYS[3] state   cdr:{model}:state   (read only here: the model's counters are rewritten after
 --                                      every instance, as the sum of the instances, by verify.py)
 -- ARGV[1] inst    "S:E": signature (hex) and epoch
--- ARGV[2..]       lane ids a SCAN found for this instance (streams or metas that the instance's
---                 lanes ZSET may no longer list)
+-- ARGV[2..]       lane ids a SCAN found for this instance (lane lists, token lists or metas that
+--                 the instance's lanes ZSET may no longer list)
 -- Returns: a flat list of changes, 4 strings each: key, field, old value, new value ('' when
 --   absent). Errors, with nothing written: 'ERR_ARG inst: ...'; 'ERR_STATE inst: ...' when
---   lanes hold items but the instance hash is gone (a human must decide where they belong).
--- Invariant: afterwards each lane's meta items and tokens equal its stream, its rep bounds its
---   longest item and scores it in the lanes ZSET, fill scores exactly the non-empty lanes with
---   their weight, ready holds exactly the lanes with a full batch under the current config, no
---   lane in use is in the free set, the instance's tokens and items are the sum of its lanes,
---   a staged or warming instance (only those) is scored in the staged ZSET with its tokens, and
---   the instance's index version (lib.lua index_version) names the current config.
+--   lanes hold items but the instance hash is gone (a human must decide where they belong);
+--   'ERR_STATE lane: ...' when a lane list and its token list differ in length (which token
+--   belongs to which item is then unknown: a human must decide).
+-- Invariant: afterwards each lane's meta items equal its length and its meta tokens the sum of
+--   its token list, its rep bounds its longest token and scores it in the lanes ZSET, fill
+--   scores exactly the non-empty lanes with their weight, ready holds exactly the lanes with a
+--   full batch under the current config, no lane in use is in the free set, the instance's
+--   tokens and items are the sum of its lanes, a staged or warming instance (only those) is
+--   scored in the staged ZSET with its tokens, and the instance's index version (lib.lua
+--   index_version) names the current config. Item records and token lists are never moved.
 --@include lib.lua
 
 local base, cfg_key = KEYS[1], KEYS[2]
@@ -54,17 +58,18 @@ for i = 2, #ARGV do add(ARGV[i]) end
 -- Truth first, so an instance that cannot be repaired is refused before the first write.
 local truth, total_tok, total_items = {}, 0, 0
 for _, lane in ipairs(lanes) do
-  local n, tok, mx = 0, 0, 0
-  for _, e in ipairs(redis.call('XRANGE', base .. ':lane:' .. inst .. ':' .. lane, '-', '+')) do
-    local f = e[2]
-    for j = 1, #f, 2 do
-      if f[j] == 'tok' then
-        local t = tonumber(f[j + 1]) or 0
-        tok = tok + t
-        if t > mx then mx = t end
-      end
-    end
-    n = n + 1
+  local lk = base .. ':lane:' .. inst .. ':' .. lane
+  local n = redis.call('LLEN', lk)
+  local toks = redis.call('LRANGE', base .. ':lanetok:' .. inst .. ':' .. lane, 0, -1)
+  if #toks ~= n then
+    return redis.error_reply('ERR_STATE lane: ' .. lk .. ' holds ' .. n .. ' items but its token list ' ..
+      #toks .. ' tokens')
+  end
+  local tok, mx = 0, 0
+  for _, v in ipairs(toks) do
+    local t = tonumber(v) or 0
+    tok = tok + t
+    if t > mx then mx = t end
   end
   truth[lane] = {n = n, tok = tok, mx = mx}
   total_tok = total_tok + tok

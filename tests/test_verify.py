@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from conductor import keys as K
 from conductor.records import Contract
 from conductor.verify import repair, verify
@@ -54,6 +56,8 @@ def test_claims_completions_failures_and_reclaims_keep_zero_drift(cdr):
     st = {r.field: r.truth for r in rep.rows if r.key == mk.state}
     assert st["failed"] == len(b2.items) and st["completed"] == 1
     assert st["reclaimed_items"] == len(b1.items) - 1 + len(b3.items)
+    # each reclaimed entry lists a token per item record
+    assert {(r.key, r.field): r.recorded for r in rep.rows}[(mk.reclaimed, "tokens listed")] == st["reclaimed_items"]
     assert st["inflight_batches"] == 0
 
 
@@ -109,15 +113,54 @@ def test_ledger_finds_lost_and_duplicated_items(cdr):
     mk = K.ModelKeys("m")
     inst = next(x.decode() for x in cdr.r.zrange(mk.staged, 0, 0))
     lane = next(x.decode() for x in cdr.r.zrange(mk.inst_fill(inst), 0, 0))
-    eid, f = cdr.r.xrange(mk.lane(inst, lane), count=1)[0]
-    cdr.r.xadd(mk.lane(inst, lane), f)  # the same item twice in its lane
+    rec = cdr.r.lindex(mk.lane(inst, lane), 0)
+    tok = cdr.r.lindex(mk.lane_tok(inst, lane), 0)
+    iid = json.loads(rec)[0]
+    cdr.r.rpush(mk.lane(inst, lane), rec)  # the same item twice in its lane (token list kept parallel)
+    cdr.r.rpush(mk.lane_tok(inst, lane), tok)
     rep = verify(cdr.r, "m", items=True)
-    assert any("duplicated" in p and f[b"id"].decode() in p for p in rep.problems)
-    cdr.r.xdel(mk.lane(inst, lane), eid)
-    cdr.r.xdel(mk.lane(inst, lane), cdr.r.xrange(mk.lane(inst, lane), count=1)[0][0])
+    assert any("duplicated" in p and iid in p for p in rep.problems)
+    assert (mk.lane_tok(inst, lane), "length") not in {(r.key, r.field) for r in rep.drift}
+    assert cdr.r.lrem(mk.lane(inst, lane), 0, rec) == 2  # both copies gone
+    cdr.r.lpop(mk.lane_tok(inst, lane))
+    cdr.r.rpop(mk.lane_tok(inst, lane))
     rep = verify(cdr.r, "m", items=True)
-    assert any("lost" in p and f[b"id"].decode() in p for p in rep.problems)
+    assert any("lost" in p and iid in p for p in rep.problems)
     assert (mk.lanemeta(inst, lane), "items") in {(r.key, r.field) for r in rep.drift}
+
+
+def test_token_list_is_checked_against_the_records_and_repair_refuses_uneven_lanes(cdr):
+    quick(cdr)
+    _submit_mix(cdr, n=10)
+    mk = K.ModelKeys("m")
+    inst = next(x.decode() for x in cdr.r.zrange(mk.staged, 0, 0))
+    lane = next(x.decode() for x in cdr.r.zrange(mk.inst_fill(inst), 0, 0))
+    lk, tk = mk.lane(inst, lane), mk.lane_tok(inst, lane)
+    n = cdr.r.llen(lk)
+    assert n and cdr.r.llen(tk) == n
+    assert [int(t) for t in cdr.r.lrange(tk, 0, -1)] == [json.loads(x)[2] for x in cdr.r.lrange(lk, 0, -1)]
+    assert verify(cdr.r, "m").ok
+    last = int(cdr.r.lindex(tk, -1))
+    cdr.r.lset(tk, -1, last - 1)  # a token that no longer matches its record
+    drift = {(r.key, r.field): r.diff for r in verify(cdr.r, "m").drift}
+    assert drift[(tk, f"token {n - 1}")] == -1
+    assert drift[(mk.lanemeta(inst, lane), "tokens")] == 1  # the meta against the token list
+    cdr.r.lset(tk, -1, last)
+    assert verify(cdr.r, "m").ok
+
+    cdr.r.rpush(tk, 5)  # a token without an item
+    cdr.r.hincrby(mk.lanemeta(inst, lane), "items", 1)
+    drift = {(r.key, r.field): r.diff for r in verify(cdr.r, "m").drift}
+    assert drift[(tk, "length")] == 1
+    changes, failed = repair(cdr.r, "m")
+    assert any(mk.inst(inst) in f and "ERR_STATE lane" in f for f in failed), failed
+    assert all(c.key != mk.lanemeta(inst, lane) for c in changes)  # that instance: nothing written
+    assert int(cdr.r.hget(mk.lanemeta(inst, lane), "items")) == n + 1
+    cdr.r.rpop(tk)
+    changes, failed = repair(cdr.r, "m")
+    assert not failed and (mk.lanemeta(inst, lane), "items") in {(c.key, c.field) for c in changes}
+    rep = verify(cdr.r, "m", items=True)
+    assert rep.ok, (_drift(rep), rep.problems)
 
 
 def test_results_trimmed_by_retention_are_checked_by_their_sum(cdr):
