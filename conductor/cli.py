@@ -359,7 +359,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --verify: skip the per-item ledger (lost/duplicated items; memory grows with items)")
     i.set_defaults(fn=cmd_inspect)
 
-    m = sub.add_parser("migrate", help="bring the Redis key schema to this version")
+    m = sub.add_parser("migrate", help="bring the Redis key schema to this version (stop every worker and "
+                       "submitter first: a migration rewrites the queues they work on)")
     m.set_defaults(fn=cmd_migrate)
 
     cf = sub.add_parser("config", help="show or set a model's thresholds: conductor config M name=value")
