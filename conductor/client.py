@@ -7,7 +7,9 @@ readers can be separate processes on separate machines.
 
 from __future__ import annotations
 
+import json
 import re
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -33,8 +35,25 @@ from conductor.scripts import Scripts
 SUBMIT_CHUNK = 1000  # items per submit.lua call
 SUBMIT_WINDOW = 2  # submit.lua calls in flight on the connection
 
-_blob_decoder = msgspec.msgpack.Decoder()
-_body_decoder = msgspec.json.Decoder()
+_items_decoder = msgspec.json.Decoder(list[BatchItem])
+_item_decoder = msgspec.json.Decoder(BatchItem)
+
+
+def decode_items(records: list[bytes]) -> list[BatchItem]:
+    """Item records (JSON arrays, conductor/keys.py) to BatchItems: one decode call per batch."""
+    try:
+        return _items_decoder.decode(b"[" + b",".join(records) + b"]")
+    except msgspec.DecodeError:
+        pass
+    # submit.lua checked each body with cjson, which takes a few forms msgspec refuses (nan, inf,
+    # hex numbers): those records are read by the standard library, which takes the first two.
+    out = []
+    for rec in records:
+        try:
+            out.append(_item_decoder.decode(rec))
+        except msgspec.DecodeError:
+            out.append(msgspec.convert(json.loads(rec), BatchItem))
+    return out
 
 
 def connect(url: str, *, timeout: float = 10.0) -> redis.Redis:
@@ -227,36 +246,51 @@ class Conductor:
 
     # ------------------------------------------------------------------ claim
     def claim(self, contract: Contract, consumer: str) -> tuple[Batch | None, str]:
-        """One batch under ``contract`` for ``consumer``, or (None, reason)."""
+        """One batch under ``contract`` for ``consumer``, or (None, reason).
+
+        One round trip: claim.lua moves the batch's items into a list named by a fresh token and
+        the LRANGE pipelined behind it reads them, so item bytes never pass through Lua.
+        """
         mk = self.ensure_model(contract.model)
-        try:
-            reply = self.scripts.claim(
-                keys=[mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed],
-                args=[consumer, contract.max_batch_size, contract.max_batch_tokens, contract.max_input_len],
-            )
-        except redis.ResponseError as e:
-            if "NOGROUP" in str(e):
-                self.ensure_model(contract.model, force=True)
-                return None, "nogroup"
-            _raise_script_error(e)
+        script = self.scripts.claim
+        for _attempt in range(3):
+            token = secrets.token_hex(8)
+            pipe = self.r.pipeline(transaction=False)
+            pipe.evalsha(script.sha, 5, mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed, consumer,
+                         contract.max_batch_size, contract.max_batch_tokens, contract.max_input_len, token)
+            pipe.lrange(mk.batch_items(token), 0, -1)
+            reply, raw = pipe.execute(raise_on_error=False)
+            if isinstance(reply, redis.exceptions.NoScriptError):
+                self.r.script_load(script.script)  # a restart or SCRIPT FLUSH emptied the cache
+                continue
+            if isinstance(reply, redis.ResponseError):
+                if "NOGROUP" in str(reply):
+                    self.ensure_model(contract.model, force=True)
+                    return None, "nogroup"
+                if "is in use by a pending batch" in str(reply):
+                    continue
+                _raise_script_error(reply)
+            if isinstance(raw, Exception):
+                raise raw
+            break
+        else:
+            raise RuntimeError("claim.lua: no usable reply after 3 attempts")
         if reply[0] == 0:
             return None, _s(reply[1])
-        batch = self._decode_batch(contract.model, _s(reply[1]), reply[2])
-        batch.warming = _s(reply[3]) if len(reply) > 3 else ""
-        return batch, "batch"
-
-    def _decode_batch(self, model: str, batch_id: str, blob: bytes) -> Batch:
-        sig, ep, lane, plen, mt, ts, flags, raw_items = _blob_decoder.decode(blob)
-        items = []
-        for iid, job, tok, imt, body, deliveries in raw_items:
-            prompt, payload = _body_decoder.decode(body)
-            items.append(BatchItem(id=_s(iid), job=_s(job), input_tokens=int(tok), max_tokens=int(imt),
-                                   prompt=prompt, payload=payload, deliveries=int(deliveries)))
+        _, bid, sig, ep, lane, plen, ts, flags, dv, n, warming = reply
+        if len(raw) != n:
+            # Only a reclaim between the script and the read (a lost lease) empties the list;
+            # the items are then in the reclaimed queue, nothing is lost.
+            return None, "raced"
+        items = decode_items(raw)
+        if dv > 1:
+            for it in items:
+                it.deliveries = dv
         sig = _s(sig)
-        return Batch(model=model, batch_id=batch_id, shape=sig, epoch=int(ep), lane=int(lane),
-                     padded_len=int(plen), max_tokens=int(mt), claimed_at=int(ts), items=items,
-                     prefix=self.prefix(model, sig), cleanup=bool(flags & 1), reclaimed=bool(flags & 2),
-                     hygiene=bool(flags & 4))
+        return Batch(model=contract.model, batch_id=_s(bid), shape=sig, epoch=int(ep), lane=int(lane),
+                     padded_len=int(plen), max_tokens=max(it.max_tokens for it in items), claimed_at=int(ts),
+                     items=items, prefix=self.prefix(contract.model, sig), cleanup=bool(flags & 1),
+                     reclaimed=bool(flags & 2), hygiene=bool(flags & 4), warming=_s(warming)), "batch"
 
     def prewarm_info(self, model: str, inst: str) -> tuple[str, int, list[int]]:
         """(shape, epoch, padded lengths of its lanes) of a warming instance, for engine.prewarm."""

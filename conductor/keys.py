@@ -3,8 +3,8 @@
 All keys of one model share the hash tag ``{model}`` so that every Lua script touches a
 single slot: the same scripts run on one Redis, on Valkey and on Redis Cluster. The Lua
 scripts receive ``KEYS[1] = ModelKeys.base`` (``cdr:{model}``) and derive per-shape and
-per-lane names from it with the same suffixes as below; ``lua/lib_keys.lua`` mirrors this
-module and a test checks that the two agree.
+per-lane names from it with the same suffixes as below (tests/test_keys.py checks that every
+suffix the scripts build is one listed here).
 
 Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoch,
 ``L`` = lane id, ``J`` = job name)::
@@ -24,17 +24,33 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     M:inst:S:E:ready                zset     lane id -> lane id, lanes holding a full batch (round-robin)
     M:inst:S:E:fill                 zset     lane id -> padded tokens waiting, every non-empty lane
     M:inst:S:E:free                 set      retired lane ids, reused before new ones
-    M:lane:S:E:L                    stream   waiting items of one lane, in arrival order
+    M:lane:S:E:L                    list     waiting items of one lane, in arrival order, each an item
+                                             record (below)
+    M:lanetok:S:E:L                 list     input tokens of each item of the lane, same order and length:
+                                             claim.lua packs from these without reading the items
     M:lanemeta:S:E:L                hash     rep, items, tokens, last assignment time of one lane
-    M:batches                       stream   claimed batches; group "workers" holds in-flight ones
-    M:reclaimed                     list     batches taken back from dead consumers, served first
-    M:dead                          stream   dead-lettered items with their last error
+    M:batches                       stream   claimed batches; group "workers" holds in-flight ones.
+                                             Fields: sig ep lane n (items) plen (padded length)
+                                             w (consumer) ts (claimed at, ms) k (token) dv
+                                             (deliveries of its items) fl (flags)
+    M:bat:T                         list     item records of the in-flight batch whose entry has k = T;
+                                             written by claim.lua (SORT BY nosort STORE, so item bytes
+                                             never pass through Lua), read by the claimer in the same
+                                             pipeline, deleted by complete/fail/reclaim
+    M:reclaimed                     list     batches taken back, served first; each msgpack
+                                             [sig, epoch, lane, deliveries, [tokens], [item records]]
+    M:dead                          stream   dead-lettered items with their last error (field "it" holds
+                                             the item record)
     M:hb:W                          string   heartbeat of worker W (TTL)
     M:lease:maint                   string   which worker runs the periodic sweep (TTL)
     M:workers                       hash     worker -> registered contract (JSON)
     M:job:J                         hash     job counters for this model: submitted, completed, failed
     M:job:J:items                   hash     item id -> q (queued) | d (done): idempotency of both ends
     M:job:J:results                 stream   result records of the job for this model, JSON
+
+An item record is the JSON array text ``[id, job, input_tokens, max_tokens, prompt, payload]``
+(``records.BatchItem`` decodes it as an array-like struct), built by submit.lua from checked
+fields. Schema 2 (migrations/0002) moved lanes from streams of fields to these lists.
 """
 
 from __future__ import annotations
@@ -130,6 +146,12 @@ class ModelKeys:
 
     def lane(self, inst: str, lane: int | str) -> str:
         return f"{self.base}:lane:{inst}:{lane}"
+
+    def lane_tok(self, inst: str, lane: int | str) -> str:
+        return f"{self.base}:lanetok:{inst}:{lane}"
+
+    def batch_items(self, token: str) -> str:
+        return f"{self.base}:bat:{token}"
 
     def lanemeta(self, inst: str, lane: int | str) -> str:
         return f"{self.base}:lanemeta:{inst}:{lane}"

@@ -23,7 +23,11 @@ class Body(msgspec.Struct, array_like=True):
     payload: Any = None
 
 
-class BatchItem(msgspec.Struct):
+class BatchItem(msgspec.Struct, array_like=True):
+    """One item of a batch. Array-like: an item record in Redis is the JSON array
+    ``[id, job, input_tokens, max_tokens, prompt, payload]`` (conductor/keys.py), which decodes
+    straight into this struct; ``deliveries`` comes from the batch."""
+
     id: str
     job: str
     input_tokens: int

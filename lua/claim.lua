@@ -11,12 +11,18 @@
 -- KEYS[5] reclaimed  cdr:{model}:reclaimed
 -- ARGV[1] consumer, ARGV[2] max_batch_size, ARGV[3] max_batch_tokens, ARGV[4] max_input_len
 --   (recorded only: input-length limits are the runtime's job, the broker never strands an item)
--- Returns: {1, batch_id, blob, warming} where blob is msgpack [sig, epoch, lane, padded_len,
---   max_tokens, claimed_at_ms, flags, items] and each item is [id, job, input_tokens, max_tokens,
---   body, deliveries]; flags: 1 cleanup, 2 reclaimed, 4 force-drained lane; warming is the shape
---   instance "sig:epoch" being pre-warmed ('' if none): the pre-warm signal. Or {0, reason}
---   when nothing is dispatched (reason: gate, wait, idle). Errors: 'ERR_ARG <field>: ...' with
---   nothing written.
+-- ARGV[5] token      1..64 of [A-Za-z0-9._-], fresh per call: the batch's items go to the list
+--                    cdr:{model}:bat:<token>, which the caller reads in the same pipeline
+-- Returns: {1, batch_id, sig, epoch, lane, padded_len, claimed_at_ms, flags, deliveries, n,
+--   warming}; flags: 1 cleanup, 2 reclaimed, 4 force-drained lane; n items are in the token's
+--   list, in lane order, as item records (conductor/keys.py); warming is the shape instance
+--   "sig:epoch" being pre-warmed ('' if none): the pre-warm signal. Or {0, reason} when nothing
+--   is dispatched (reason: gate, wait, idle). Errors: 'ERR_ARG <field>: ...' with nothing
+--   written.
+-- Cost: item bytes never enter Lua on the normal path: sizes come from the lane's token list
+--   and the items move from lane to batch list inside Redis (SORT BY nosort LIMIT STORE keeps
+--   list order and reads only the range it stores), so the script's work grows with the number
+--   of items in the batch, not with their bytes or with the queue.
 -- Invariants: a batch holds items of ONE lane of ONE shape instance of ONE model; what does not
 --   fit stays at the head of its lane, in order; assembly order is reclaimed work, then lanes;
 --   dispatch stays on the active instance until it is empty (or an aged shape preempts it); at
@@ -27,6 +33,7 @@
 local base, cfg_key, state_key, batches_key, reclaimed_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local consumer = ARGV[1]
 local max_items, max_tokens = tonumber(ARGV[2]), tonumber(ARGV[3])
+local token = ARGV[5]
 if (not consumer) or #consumer < 1 or #consumer > 200 then
   return redis.error_reply('ERR_ARG consumer: must be 1..200 bytes')
 end
@@ -35,6 +42,13 @@ if not int_in(max_items, 1, 65536) then
 end
 if not int_in(max_tokens, 1, 1073741824) then
   return redis.error_reply('ERR_ARG max_batch_tokens: must be an integer in 1..1073741824')
+end
+if (not token) or #token < 1 or #token > 64 or not string.match(token, '^[%w%._-]+$') then
+  return redis.error_reply('ERR_ARG token: must be 1..64 characters from A-Z a-z 0-9 . _ -')
+end
+local batch_items_key = base .. ':bat:' .. token
+if redis.call('EXISTS', batch_items_key) == 1 then
+  return redis.error_reply('ERR_ARG token: ' .. token .. ' is in use by a pending batch')
 end
 
 local cfg = load_cfg(cfg_key)
@@ -51,48 +65,53 @@ local function fits(k, maxlen, sum, tok)
   return (k + 1) * pad8(math.max(maxlen, tok)) <= max_tokens
 end
 
-local function deliver(sig, ep, lane, maxlen, mt, flags, items)
-  local blob = cmsgpack.pack({sig, ep, lane, pad8(maxlen), mt, now, flags, items})
+-- The batch's items are already in batch_items_key; this records the batch and hands it to the
+-- consumer through the group.
+local function deliver(sig, ep, lane, maxlen, flags, dv, n)
   local bid = redis.call('XADD', batches_key, '*', 'sig', sig, 'ep', ep, 'lane', lane,
-    'n', #items, 'plen', pad8(maxlen), 'w', consumer, 'ts', now, 'b', blob)
+    'n', n, 'plen', pad8(maxlen), 'w', consumer, 'ts', now, 'k', token, 'dv', dv, 'fl', flags)
   -- The group's last-delivered id always equals the stream's last id after a script, so this
-  -- read delivers exactly the entry just added and puts it in the consumer's pending list.
+  -- read delivers exactly the entry just added (a few small fields) and puts it in the
+  -- consumer's pending list.
   redis.call('XREADGROUP', 'GROUP', 'workers', consumer, 'COUNT', 1, 'STREAMS', batches_key, '>')
   redis.call('HINCRBY', state_key, 'inflight_batches', 1)
-  redis.call('HINCRBY', state_key, 'inflight_items', #items)
+  redis.call('HINCRBY', state_key, 'inflight_items', n)
   redis.call('HINCRBY', state_key, 'batches', 1)
   if flags % 2 == 1 then
     redis.call('HINCRBY', state_key, 'cleanup_batches', 1)
-    redis.call('HINCRBY', state_key, 'cleanup_items', #items)
+    redis.call('HINCRBY', state_key, 'cleanup_items', n)
   end
-  return {1, bid, blob, redis.call('HGET', state_key, 'warming') or ''}
+  return {1, bid, sig, ep, lane, pad8(maxlen), now, flags, dv, n, redis.call('HGET', state_key, 'warming') or ''}
 end
 
 -- 1. Reclaimed work first (seed 001's assembly order). Reclaimed batches are already pure.
+--    An entry is msgpack [sig, epoch, lane, deliveries, tokens, records] (lib_requeue.lua).
 local head = redis.call('LINDEX', reclaimed_key, 0)
 if head then
   local b = cmsgpack.unpack(head)
-  local items, take, rest = b[8], {}, {}
-  local k, maxlen, sum, mt = 0, 0, 0, 0
-  for _, it in ipairs(items) do
-    if #rest == 0 and fits(k, maxlen, sum, it[3]) then
-      take[#take + 1] = it
-      k = k + 1
-      maxlen = math.max(maxlen, it[3])
-      sum = sum + it[3]
-      mt = math.max(mt, it[4])
-    else
-      rest[#rest + 1] = it
+  local toks, recs = b[5], b[6]
+  local k, maxlen, sum = 0, 0, 0
+  while k < #toks and fits(k, maxlen, sum, toks[k + 1]) do
+    k = k + 1
+    maxlen = math.max(maxlen, toks[k])
+    sum = sum + toks[k]
+  end
+  local take, rest_t, rest_r = {}, {}, {}
+  for i = 1, #recs do
+    if i <= k then take[i] = recs[i] else
+      rest_t[#rest_t + 1] = toks[i]
+      rest_r[#rest_r + 1] = recs[i]
     end
   end
-  if #rest == 0 then
+  if #rest_r == 0 then
     redis.call('LPOP', reclaimed_key)
   else
-    b[8] = rest
+    b[5], b[6] = rest_t, rest_r
     redis.call('LSET', reclaimed_key, 0, cmsgpack.pack(b))
   end
+  redis.call('RPUSH', batch_items_key, unpack(take))
   redis.call('HINCRBY', state_key, 'reclaimed_items', -k)
-  return deliver(b[1], b[2], b[3], maxlen, mt, 2, take)
+  return deliver(b[1], b[2], b[3], maxlen, 2, b[4], k)
 end
 
 -- 2. Release gate: memory mode dispatches nothing until enough is waiting to make good first
@@ -185,7 +204,8 @@ local function retire_lane(inst, lane)
   redis.call('ZREM', ik .. ':fill', lane)
   redis.call('ZREM', ik .. ':ready', lane)
   redis.call('ZREM', ik .. ':touch', lane)
-  redis.call('DEL', base .. ':lane:' .. inst .. ':' .. lane, base .. ':lanemeta:' .. inst .. ':' .. lane)
+  redis.call('DEL', base .. ':lane:' .. inst .. ':' .. lane, base .. ':lanetok:' .. inst .. ':' .. lane,
+    base .. ':lanemeta:' .. inst .. ':' .. lane)
   redis.call('SADD', ik .. ':free', lane)
   redis.call('HINCRBY', state_key, 'lanes_retired', 1)
 end
@@ -194,7 +214,8 @@ local function finish(inst)
   local ik = inst_key(inst)
   local lanes = redis.call('ZRANGE', ik .. ':lanes', 0, -1)
   for _, lane in ipairs(lanes) do
-    redis.call('DEL', base .. ':lane:' .. inst .. ':' .. lane, base .. ':lanemeta:' .. inst .. ':' .. lane)
+    redis.call('DEL', base .. ':lane:' .. inst .. ':' .. lane, base .. ':lanetok:' .. inst .. ':' .. lane,
+      base .. ':lanemeta:' .. inst .. ':' .. lane)
   end
   local batches = num(redis.call('HGET', ik, 'batches'))
   redis.call('DEL', ik, ik .. ':lanes', ik .. ':fill', ik .. ':ready', ik .. ':free', ik .. ':touch')
@@ -209,31 +230,39 @@ end
 local function take_from_lane(inst, lane, flags)
   local ik = inst_key(inst)
   local lk = base .. ':lane:' .. inst .. ':' .. lane
+  local tk = base .. ':lanetok:' .. inst .. ':' .. lane
   local mk = base .. ':lanemeta:' .. inst .. ':' .. lane
-  local entries = redis.call('XRANGE', lk, '-', '+', 'COUNT', max_items)
-  local items, last_id = {}, nil
-  local k, maxlen, sum, mt = 0, 0, 0, 0
-  for _, e in ipairs(entries) do
-    local f = e[2]
-    local tok = tonumber(f[6])
-    if not fits(k, maxlen, sum, tok) then break end
-    local m = tonumber(f[8])
-    items[#items + 1] = {f[2], f[4], tok, m, f[10], 1}
-    last_id = e[1]
-    k = k + 1
-    maxlen = math.max(maxlen, tok)
-    sum = sum + tok
-    mt = math.max(mt, m)
+  local meta = redis.call('HMGET', mk, 'rep', 'last_ms', 'items')
+  local rep, lane_items = num(meta[1]), num(meta[3])
+  -- Every item is at most the lane's rep (lanes only grow), so at least `sure` items fit; read
+  -- the token list in chunks just past that, so the reads grow with the batch, not the lane.
+  local sure = math.floor(max_tokens / math.max(1, disk and rep or pad8(rep)))
+  local want = math.min(max_items, math.max(1, lane_items))
+  local k, maxlen, sum, from, full = 0, 0, 0, 0, false
+  while not full and k < want do
+    local upto = math.min(want, math.max(sure + 8, from + 64)) - 1
+    local toks = redis.call('LRANGE', tk, from, upto)
+    if #toks == 0 then break end
+    for i = 1, #toks do
+      local tok = tonumber(toks[i])
+      if not fits(k, maxlen, sum, tok) then
+        full = true
+        break
+      end
+      k = k + 1
+      maxlen = math.max(maxlen, tok)
+      sum = sum + tok
+    end
+    from = upto + 1
   end
   if k == 0 then return nil end
-  -- A batch is always the head of its lane: trimming below the id after the last one taken
-  -- removes exactly those entries, cheaper than XDEL of each id.
-  local ms, seq = string.match(last_id, '^(%d+)%-(%d+)$')
-  redis.call('XTRIM', lk, 'MINID', '=', ms .. '-' .. (tonumber(seq) + 1))
+  -- A batch is always the head of its lane. SORT BY nosort keeps list order and reads only the
+  -- range it stores: the item bytes go from lane to batch list inside Redis.
+  redis.call('SORT', lk, 'BY', 'nosort', 'LIMIT', 0, k, 'STORE', batch_items_key)
+  redis.call('LTRIM', lk, k, -1)
+  redis.call('LTRIM', tk, k, -1)
   local left = redis.call('HINCRBY', mk, 'items', -k)
   local left_tok = redis.call('HINCRBY', mk, 'tokens', -sum)
-  local meta = redis.call('HMGET', mk, 'rep', 'last_ms')
-  local rep = num(meta[1])
   if left <= 0 then
     redis.call('ZREM', ik .. ':fill', lane)
     redis.call('ZREM', ik .. ':ready', lane)
@@ -252,7 +281,7 @@ local function take_from_lane(inst, lane, flags)
   redis.call('HINCRBY', state_key, 'tokens', -sum)
   redis.call('HINCRBY', state_key, 'items', -k)
   local sig, ep = string.match(inst, '^(%x+):(%d+)$')
-  return deliver(sig, tonumber(ep), tonumber(lane), maxlen, mt, flags, items)
+  return deliver(sig, tonumber(ep), tonumber(lane), maxlen, flags, 1, k)
 end
 
 -- Cleanup mode (seed 001): nothing normal is ready, work remains and intake has gone quiet:

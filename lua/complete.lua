@@ -10,6 +10,7 @@
 -- ARGV[2] final      1 when this call carries the batch's last results (ack and delete it)
 -- ARGV[3] n          number of results that follow
 -- ARGV[4..]          4 fields per result: job, item id, status ('ok' | 'err'), result JSON
+-- Retiring a batch acks and deletes its entry and deletes its items list (cdr:{model}:bat:<k>).
 -- Returns: {written, acked}: results written now (a result already written before is skipped)
 --   and 1 when this call retired the batch (0 when it was retired before, by this consumer or
 --   by a reclaim). Errors: 'ERR_ARG <field>: ...' with nothing written.
@@ -81,7 +82,10 @@ if final == '1' then
     local items = 0
     if entry then
       local f = entry[2]
-      for j = 1, #f, 2 do if f[j] == 'n' then items = tonumber(f[j + 1]) end end
+      for j = 1, #f, 2 do
+        if f[j] == 'n' then items = tonumber(f[j + 1])
+        elseif f[j] == 'k' then redis.call('DEL', base .. ':bat:' .. f[j + 1]) end
+      end
     end
     redis.call('HINCRBY', state_key, 'inflight_items', -items)
   end

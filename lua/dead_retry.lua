@@ -22,7 +22,6 @@ for i = 1, #ARGV do
   end
 end
 
-local now = now_ms()
 local retried, skipped = 0, 0
 for i = 1, #ARGV do
   local entry = redis.call('XRANGE', dead_key, ARGV[i], ARGV[i])[1]
@@ -37,9 +36,11 @@ for i = 1, #ARGV do
     redis.call('HINCRBY', jk, 'failed', -1)
     redis.call('HINCRBY', state_key, 'failed', -1)
     redis.call('HINCRBY', state_key, 'dead_retried', 1)
-    local tok, mt = tonumber(f.tok), tonumber(f.mt)
-    redis.call('RPUSH', reclaimed_key, cmsgpack.pack({f.sig, tonumber(f.ep), tonumber(f.lane), pad8(tok), mt, now,
-      2, {{f.id, f.job, tok, mt, f.d, 1}}}))
+    local tok = tonumber(f.tok)
+    -- Entries written under key schema 1 hold the body ('d') instead of the item record ('it').
+    local rec = f.it or ('[' .. cjson.encode(f.id) .. ',' .. cjson.encode(f.job) .. ',' .. tok .. ',' ..
+      tonumber(f.mt) .. ',' .. string.sub(f.d, 2))
+    redis.call('RPUSH', reclaimed_key, cmsgpack.pack({f.sig, tonumber(f.ep), tonumber(f.lane), 1, {tok}, {rec}}))
     redis.call('HINCRBY', state_key, 'reclaimed_items', 1)
     redis.call('XDEL', dead_key, ARGV[i])
     retried = retried + 1

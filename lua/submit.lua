@@ -11,7 +11,10 @@
 --   item with this id (an interrupted submit re-run neither loses nor duplicates).
 --   Errors, with nothing written: 'ERR_ARG <field>: ...' for a malformed argument,
 --   'FULL ...' when the model's waiting-token ceiling (cfg max_waiting_tokens) would be passed.
+-- Writes each item as a record (conductor/keys.py) to its lane list, and its input tokens to the
+--   lane's token list at the same position.
 -- Invariants: every argument is checked before the first write (all or nothing per call);
+--   a lane list and its token list always have the same length, in the same order;
 --   lanes only grow and are never merged; a draining or finished shape instance never takes
 --   a new item: the signature's next epoch (staged) does.
 --@include lib.lua
@@ -54,8 +57,10 @@ for i = 0, n - 1 do
     return redis.error_reply('ERR_ARG body: larger than ' .. MAX_BODY .. ' bytes at item ' .. i)
   end
   -- Workers decode the body: a malformed one would fail every delivery until dead-lettered.
+  -- The body's text becomes the tail of the item record (keys.py), so it must be exactly a
+  -- JSON array of one or two elements that starts at its first byte.
   local ok, dec = pcall(cjson.decode, body)
-  if not ok or type(dec) ~= 'table' or type(dec[1]) ~= 'string' then
+  if not ok or type(dec) ~= 'table' or type(dec[1]) ~= 'string' or #dec > 2 or string.byte(body, 1) ~= 91 then
     return redis.error_reply('ERR_ARG body: must be a JSON array [prompt, payload] at item ' .. i)
   end
   if prefix ~= '' then
@@ -164,14 +169,17 @@ for i = 0, n - 1 do
     local ctx = shape_ctx(sig)
     if prefix ~= '' then redis.call('HSETNX', base .. ':shape:' .. sig, 'prefix', prefix) end
     local lane, rep = choose_lane(ctx, tok)
-    redis.call('XADD', base .. ':lane:' .. ctx.inst .. ':' .. lane, '*',
-      'id', id, 'job', job, 'tok', tok, 'mt', mt, 'd', body)
     local t = ctx.touched[lane]
     if not t then
-      t = {items = 0, tokens = 0}
+      t = {items = 0, tokens = 0, recs = {}, toks = {}}
       ctx.touched[lane] = t
       ctx.order[#ctx.order + 1] = lane
     end
+    -- The item record: JSON [id, job, input_tokens, max_tokens, prompt, payload], built from
+    -- checked fields; the body (checked above) supplies its last two elements as they are.
+    t.recs[#t.recs + 1] = '[' .. cjson.encode(id) .. ',' .. cjson.encode(job) .. ',' .. tok .. ',' ..
+      tonumber(mt) .. ',' .. string.sub(body, 2)
+    t.toks[#t.toks + 1] = tok
     t.items = t.items + 1
     t.tokens = t.tokens + tok
     t.rep = rep
@@ -185,12 +193,14 @@ for i = 0, n - 1 do
   end
 end
 
--- Counters move once per call, not once per item.
+-- Lanes grow and counters move once per call and lane, not once per item.
 for sig, ctx in pairs(ctxs) do
   local ik = ctx.ik
   for _, lane in ipairs(ctx.order) do
     local t = ctx.touched[lane]
     local mk = base .. ':lanemeta:' .. ctx.inst .. ':' .. lane
+    redis.call('RPUSH', base .. ':lane:' .. ctx.inst .. ':' .. lane, unpack(t.recs))
+    redis.call('RPUSH', base .. ':lanetok:' .. ctx.inst .. ':' .. lane, unpack(t.toks))
     local items = redis.call('HINCRBY', mk, 'items', t.items)
     local tokens = redis.call('HINCRBY', mk, 'tokens', t.tokens)
     local rep = math.max(t.rep, num(redis.call('HGET', mk, 'rep')))

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from conductor import keys as K
@@ -138,7 +140,13 @@ def test_prefix_is_stored_once_per_shape(cdr):
     from conductor.signature import shape_signature
     sig = shape_signature(["big system prompt", "shots"])
     assert cdr.prefix("m", sig) == ["big system prompt", "shots"]
-    # lane entries carry only the prompt and payload
+    # item records carry only the prompt and payload, the prefix lives once in the shape record
     inst = inst_of(cdr, ("big system prompt", "shots"))
-    entry = cdr.r.xrange(K.ModelKeys("m").lane(inst, 0), count=1)[0][1]
-    assert b"big system prompt" not in entry[b"d"]
+    mk = K.ModelKeys("m")
+    recs = cdr.r.lrange(mk.lane(inst, 0), 0, -1)
+    assert recs and all(b"big system prompt" not in rec for rec in recs)
+    # a record is the JSON array [id, job, input_tokens, max_tokens, prompt, payload], and the
+    # lane's token list holds the same tokens in the same order
+    first = json.loads(recs[0])
+    assert first[:4] == [first[0], "j", 40, first[3]] and len(first) == 6
+    assert [int(t) for t in cdr.r.lrange(mk.lane_tok(inst, 0), 0, -1)] == [json.loads(r)[2] for r in recs]
