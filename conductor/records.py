@@ -23,10 +23,11 @@ class Body(msgspec.Struct, array_like=True):
     payload: Any = None
 
 
-class BatchItem(msgspec.Struct, array_like=True):
+class BatchItem(msgspec.Struct, array_like=True, gc=False):
     """One item of a batch. Array-like: an item record in Redis is the JSON array
     ``[id, job, input_tokens, max_tokens, prompt, payload]`` (conductor/keys.py), which decodes
-    straight into this struct; ``deliveries`` comes from the batch."""
+    straight into this struct; ``deliveries`` comes from the batch. Not tracked by the garbage
+    collector (a decoded item cannot be part of a cycle): a worker makes thousands a second."""
 
     id: str
     job: str

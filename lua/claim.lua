@@ -67,21 +67,26 @@ end
 
 -- The batch's items are already in batch_items_key; this records the batch and hands it to the
 -- consumer through the group.
-local function deliver(sig, ep, lane, maxlen, flags, dv, n)
+-- waiting_tok and waiting_items: how much the model's waiting counters go down (the items left
+-- a lane), 0 for reclaimed work.
+local function deliver(sig, ep, lane, maxlen, flags, dv, n, waiting_tok, waiting_items)
   local bid = redis.call('XADD', batches_key, '*', 'sig', sig, 'ep', ep, 'lane', lane,
     'n', n, 'plen', pad8(maxlen), 'w', consumer, 'ts', now, 'k', token, 'dv', dv, 'fl', flags)
   -- The group's last-delivered id always equals the stream's last id after a script, so this
   -- read delivers exactly the entry just added (a few small fields) and puts it in the
   -- consumer's pending list.
   redis.call('XREADGROUP', 'GROUP', 'workers', consumer, 'COUNT', 1, 'STREAMS', batches_key, '>')
-  redis.call('HINCRBY', state_key, 'inflight_batches', 1)
-  redis.call('HINCRBY', state_key, 'inflight_items', n)
-  redis.call('HINCRBY', state_key, 'batches', 1)
+  -- One read and one write of the model's counters instead of an HINCRBY each: every call
+  -- costs a few microseconds, and the script is atomic, so read-modify-write is safe.
+  local c = redis.call('HMGET', state_key, 'inflight_batches', 'inflight_items', 'batches', 'tokens', 'items',
+    'warming')
+  redis.call('HSET', state_key, 'inflight_batches', num(c[1]) + 1, 'inflight_items', num(c[2]) + n,
+    'batches', num(c[3]) + 1, 'tokens', num(c[4]) - waiting_tok, 'items', num(c[5]) - waiting_items)
   if flags % 2 == 1 then
     redis.call('HINCRBY', state_key, 'cleanup_batches', 1)
     redis.call('HINCRBY', state_key, 'cleanup_items', n)
   end
-  return {1, bid, sig, ep, lane, pad8(maxlen), now, flags, dv, n, redis.call('HGET', state_key, 'warming') or ''}
+  return {1, bid, sig, ep, lane, pad8(maxlen), now, flags, dv, n, c[6] or ''}
 end
 
 -- 1. Reclaimed work first (seed 001's assembly order). Reclaimed batches are already pure.
@@ -111,7 +116,7 @@ if head then
   end
   redis.call('RPUSH', batch_items_key, unpack(take))
   redis.call('HINCRBY', state_key, 'reclaimed_items', -k)
-  return deliver(b[1], b[2], b[3], maxlen, 2, b[4], k)
+  return deliver(b[1], b[2], b[3], maxlen, 2, b[4], k, 0, 0)
 end
 
 -- 2. Release gate: memory mode dispatches nothing until enough is waiting to make good first
@@ -232,26 +237,34 @@ local function take_from_lane(inst, lane, flags)
   local lk = base .. ':lane:' .. inst .. ':' .. lane
   local tk = base .. ':lanetok:' .. inst .. ':' .. lane
   local mk = base .. ':lanemeta:' .. inst .. ':' .. lane
-  local meta = redis.call('HMGET', mk, 'rep', 'last_ms', 'items')
+  local meta = redis.call('HMGET', mk, 'rep', 'last_ms', 'items', 'tokens')
   local rep, lane_items = num(meta[1]), num(meta[3])
   -- Every item is at most the lane's rep (lanes only grow), so at least `sure` items fit; read
   -- the token list in chunks just past that, so the reads grow with the batch, not the lane.
   local sure = math.floor(max_tokens / math.max(1, disk and rep or pad8(rep)))
   local want = math.min(max_items, math.max(1, lane_items))
-  local k, maxlen, sum, from, full = 0, 0, 0, 0, false
+  local k, maxlen, pmax, sum, from, full = 0, 0, 0, 0, 0, false
   while not full and k < want do
     local upto = math.min(want, math.max(sure + 8, from + 64)) - 1
     local toks = redis.call('LRANGE', tk, from, upto)
     if #toks == 0 then break end
+    -- fits() written out: this loop runs once per item of every batch.
     for i = 1, #toks do
       local tok = tonumber(toks[i])
-      if not fits(k, maxlen, sum, tok) then
-        full = true
-        break
+      if k > 0 then
+        if k >= max_items then full = true break end
+        if disk then
+          if sum + tok > max_tokens then full = true break end
+        elseif tok > maxlen then
+          if (k + 1) * (tok + (-tok) % 8) > max_tokens then full = true break end
+        elseif (k + 1) * pmax > max_tokens then full = true break end
       end
       k = k + 1
-      maxlen = math.max(maxlen, tok)
       sum = sum + tok
+      if tok > maxlen then
+        maxlen = tok
+        pmax = tok + (-tok) % 8
+      end
     end
     from = upto + 1
   end
@@ -261,27 +274,25 @@ local function take_from_lane(inst, lane, flags)
   redis.call('SORT', lk, 'BY', 'nosort', 'LIMIT', 0, k, 'STORE', batch_items_key)
   redis.call('LTRIM', lk, k, -1)
   redis.call('LTRIM', tk, k, -1)
-  local left = redis.call('HINCRBY', mk, 'items', -k)
-  local left_tok = redis.call('HINCRBY', mk, 'tokens', -sum)
+  -- Counters are read once and written once per hash (see deliver).
+  local left, left_tok = lane_items - k, num(meta[4]) - sum
   if left <= 0 then
     redis.call('ZREM', ik .. ':fill', lane)
     redis.call('ZREM', ik .. ':ready', lane)
+    redis.call('HSET', mk, 'items', left, 'tokens', left_tok)
     redis.call('HDEL', mk, 'since_ms')
     if now - num(meta[2]) >= cfg.lane_quiet_ms then retire_lane(inst, lane) end
   else
+    redis.call('HSET', mk, 'items', left, 'tokens', left_tok, 'since_ms', now)
     redis.call('ZADD', ik .. ':fill', lane_weight(cfg, left, left_tok, rep), lane)
     if not lane_is_ready(cfg, left, left_tok, rep) then redis.call('ZREM', ik .. ':ready', lane) end
-    redis.call('HSET', mk, 'since_ms', now)
   end
-  local inst_tokens = redis.call('HINCRBY', ik, 'tokens', -sum)
-  redis.call('HINCRBY', ik, 'items', -k)
-  if redis.call('HGET', ik, 'state') ~= 'staged' then maybe_warm(inst_tokens) end
-  redis.call('HINCRBY', ik, 'batches', 1)
-  redis.call('HSET', ik, 'rr', lane)
-  redis.call('HINCRBY', state_key, 'tokens', -sum)
-  redis.call('HINCRBY', state_key, 'items', -k)
+  local iv = redis.call('HMGET', ik, 'tokens', 'items', 'batches', 'state')
+  local inst_tokens = num(iv[1]) - sum
+  redis.call('HSET', ik, 'tokens', inst_tokens, 'items', num(iv[2]) - k, 'batches', num(iv[3]) + 1, 'rr', lane)
+  if iv[4] ~= 'staged' then maybe_warm(inst_tokens) end
   local sig, ep = string.match(inst, '^(%x+):(%d+)$')
-  return deliver(sig, tonumber(ep), tonumber(lane), maxlen, flags, 1, k)
+  return deliver(sig, tonumber(ep), tonumber(lane), maxlen, flags, 1, k, sum, k)
 end
 
 -- Cleanup mode (seed 001): nothing normal is ready, work remains and intake has gone quiet:
