@@ -83,7 +83,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     c = _conductor(args)
     job = args.job or default_job(args.file)
     show = sys.stderr.isatty() and not args.quiet
-    step = 4000
+    step = 20_000  # items per Conductor.submit: each call groups its items by shape (client.py)
     accepted = dupes = 0
     for start in range(0, len(items), step):
         rep = c.submit(items[start:start + step], job)

@@ -150,3 +150,20 @@ def test_prefix_is_stored_once_per_shape(cdr):
     first = json.loads(recs[0])
     assert first[:4] == [first[0], "j", 40, first[3]] and len(first) == 6
     assert [int(t) for t in cdr.r.lrange(mk.lane_tok(inst, 0), 0, -1)] == [json.loads(r)[2] for r in recs]
+
+
+def test_bulk_submit_groups_shapes_and_keeps_arrival_order_within_each(cdr):
+    from conductor.client import _grouped_by_shape
+    shapes = [("a",), ("b",), ("c",)]
+    its = [item(i, 40, prefix=shapes[i % 3]) for i in range(3000)]  # interleaved, three calls' worth
+    grouped = _grouped_by_shape(its)
+    assert sorted(it.id for it in grouped) == sorted(it.id for it in its)
+    # shapes in order of first appearance, each shape's items in arrival order
+    assert [it.sig for it in grouped[::1000]] == [its[0].sig, its[1].sig, its[2].sig]
+    assert [int(it.id) for it in grouped[:1000]] == list(range(0, 3000, 3))
+    rep = cdr.submit(its, "j")
+    assert rep.accepted == 3000
+    for k, prefix in enumerate(shapes):
+        inst = inst_of(cdr, prefix)
+        recs = cdr.r.lrange(K.ModelKeys("m").lane(inst, 0), 0, -1)
+        assert [int(json.loads(r)[0]) for r in recs] == list(range(k, 3000, 3))
