@@ -307,7 +307,8 @@ class Conductor:
         """
         conn = self._hot_conn
         if conn is None:
-            conn = self._hot_conn = self.r.connection_pool.make_connection()
+            # Checked out for good: the pool still owns it, so closing the client closes it.
+            conn = self._hot_conn = self.r.connection_pool.get_connection()
         try:
             # A connection the server closed (a restart) reads as readable: open a fresh one, as
             # the pool does, so a restart costs no claim. Connecting retries with backoff.

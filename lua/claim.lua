@@ -65,33 +65,37 @@ local function fits(k, maxlen, sum, tok)
   return (k + 1) * pad8(math.max(maxlen, tok)) <= max_tokens
 end
 
+-- The model's state, read once: every redis.call costs several microseconds here, and this
+-- script runs once per batch. Only this script writes the counters below while it runs
+-- (scripts are atomic), so deliver() writes them back from these values; 'warming' is kept
+-- in warming_now as activate() and maybe_warm() change it.
+local st = redis.call('HMGET', state_key, 'gate', 'active', 'tokens', 'last_intake_ms', 'cleanup',
+  'reclaimed_items', 'inflight_batches', 'inflight_items', 'batches', 'items', 'warming', 'sweep_ms')
+local warming_now = st[11] or ''
+
 -- The batch's items are already in batch_items_key; this records the batch and hands it to the
 -- consumer through the group.
 -- waiting_tok and waiting_items: how much the model's waiting counters go down (the items left
--- a lane), 0 for reclaimed work.
-local function deliver(sig, ep, lane, maxlen, flags, dv, n, waiting_tok, waiting_items)
+-- a lane), 0 for reclaimed work; reclaimed: items taken from the reclaimed queue.
+local function deliver(sig, ep, lane, maxlen, flags, dv, n, waiting_tok, waiting_items, reclaimed)
   local bid = redis.call('XADD', batches_key, '*', 'sig', sig, 'ep', ep, 'lane', lane,
     'n', n, 'plen', pad8(maxlen), 'w', consumer, 'ts', now, 'k', token, 'dv', dv, 'fl', flags)
-  -- The group's last-delivered id always equals the stream's last id after a script, so this
-  -- read delivers exactly the entry just added (a few small fields) and puts it in the
-  -- consumer's pending list.
-  redis.call('XREADGROUP', 'GROUP', 'workers', consumer, 'COUNT', 1, 'STREAMS', batches_key, '>')
-  -- One read and one write of the model's counters instead of an HINCRBY each: every call
-  -- costs a few microseconds, and the script is atomic, so read-modify-write is safe.
-  local c = redis.call('HMGET', state_key, 'inflight_batches', 'inflight_items', 'batches', 'tokens', 'items',
-    'warming')
-  redis.call('HSET', state_key, 'inflight_batches', num(c[1]) + 1, 'inflight_items', num(c[2]) + n,
-    'batches', num(c[3]) + 1, 'tokens', num(c[4]) - waiting_tok, 'items', num(c[5]) - waiting_items)
+  -- XCLAIM FORCE puts the entry straight into the consumer's pending list (delivery count 1,
+  -- the consumer created if new) without reading it back; nothing reads the group with '>'.
+  redis.call('XCLAIM', batches_key, 'workers', consumer, 0, bid, 'FORCE', 'JUSTID')
+  redis.call('HSET', state_key, 'inflight_batches', num(st[7]) + 1, 'inflight_items', num(st[8]) + n,
+    'batches', num(st[9]) + 1, 'tokens', num(st[3]) - waiting_tok, 'items', num(st[10]) - waiting_items,
+    'reclaimed_items', num(st[6]) - reclaimed)
   if flags % 2 == 1 then
     redis.call('HINCRBY', state_key, 'cleanup_batches', 1)
     redis.call('HINCRBY', state_key, 'cleanup_items', n)
   end
-  return {1, bid, sig, ep, lane, pad8(maxlen), now, flags, dv, n, c[6] or ''}
+  return {1, bid, sig, ep, lane, pad8(maxlen), now, flags, dv, n, warming_now}
 end
 
 -- 1. Reclaimed work first (seed 001's assembly order). Reclaimed batches are already pure.
 --    An entry is msgpack [sig, epoch, lane, deliveries, tokens, records] (lib_requeue.lua).
-local head = redis.call('LINDEX', reclaimed_key, 0)
+local head = num(st[6]) > 0 and redis.call('LINDEX', reclaimed_key, 0)
 if head then
   local b = cmsgpack.unpack(head)
   local toks, recs = b[5], b[6]
@@ -115,13 +119,11 @@ if head then
     redis.call('LSET', reclaimed_key, 0, cmsgpack.pack(b))
   end
   redis.call('RPUSH', batch_items_key, unpack(take))
-  redis.call('HINCRBY', state_key, 'reclaimed_items', -k)
-  return deliver(b[1], b[2], b[3], maxlen, 2, b[4], k, 0, 0)
+  return deliver(b[1], b[2], b[3], maxlen, 2, b[4], k, 0, 0, k)
 end
 
 -- 2. Release gate: memory mode dispatches nothing until enough is waiting to make good first
 --    batches; once open it stays open. Quiet intake opens it too, so a small job still runs.
-local st = redis.call('HMGET', state_key, 'gate', 'active', 'tokens', 'last_intake_ms', 'cleanup')
 local waiting, last_intake = num(st[3]), num(st[4])
 local quiet = now - last_intake >= cfg.quiet_ms
 if st[1] ~= '1' then
@@ -143,7 +145,10 @@ local function activate(inst, reason)
   redis.call('HSET', ik, 'state', 'active', 'activated_ms', now, 'activated_by', reason)
   redis.call('HSET', state_key, 'active', inst)
   redis.call('HINCRBY', state_key, 'activations', 1)
-  if redis.call('HGET', state_key, 'warming') == inst then redis.call('HDEL', state_key, 'warming') end
+  if warming_now == inst then
+    redis.call('HDEL', state_key, 'warming')
+    warming_now = ''
+  end
   return inst
 end
 
@@ -165,8 +170,8 @@ local function pick_next(cleanup)
     redis.call('HSET', inst_key(old), 'state', 'draining', 'draining_ms', now)
     return old
   end
-  local warm = redis.call('HGET', state_key, 'warming')
-  if warm and redis.call('HGET', inst_key(warm), 'state') == 'warming' then
+  local warm = warming_now
+  if warm ~= '' and redis.call('HGET', inst_key(warm), 'state') == 'warming' then
     return activate(warm, 'warmed')
   end
   local top = redis.call('ZREVRANGE', base .. ':staged', 0, 0, 'WITHSCORES')
@@ -182,12 +187,13 @@ end
 -- so graphs and caches are ready before the switch.
 local function maybe_warm(inst_tokens)
   if inst_tokens >= cfg.prewarm_batches * cfg.budget_tokens then return end
-  local cur = redis.call('HGET', state_key, 'warming')
-  if cur and cur ~= '' and redis.call('HGET', inst_key(cur), 'state') == 'warming' then return end
+  local cur = warming_now
+  if cur ~= '' and redis.call('HGET', inst_key(cur), 'state') == 'warming' then return end
   local top = redis.call('ZREVRANGE', base .. ':staged', 0, 0, 'WITHSCORES')
   if not top[1] or tonumber(top[2]) < cfg.activate_batches * cfg.budget_tokens then return end
   redis.call('HSET', inst_key(top[1]), 'state', 'warming', 'warming_ms', now)
   redis.call('HSET', state_key, 'warming', top[1])
+  warming_now = top[1]
   redis.call('HINCRBY', state_key, 'warmings', 1)
   redis.call('PUBLISH', base .. ':events', 'warming ' .. top[1])
 end
@@ -232,7 +238,8 @@ local function finish(inst)
     'ms', now)
 end
 
-local function take_from_lane(inst, lane, flags)
+-- info: the instance's HMGET (INFO_FIELDS) read by the caller in this call.
+local function take_from_lane(inst, lane, flags, info)
   local ik = inst_key(inst)
   local lk = base .. ':lane:' .. inst .. ':' .. lane
   local tk = base .. ':lanetok:' .. inst .. ':' .. lane
@@ -287,12 +294,11 @@ local function take_from_lane(inst, lane, flags)
     redis.call('ZADD', ik .. ':fill', lane_weight(cfg, left, left_tok, rep), lane)
     if not lane_is_ready(cfg, left, left_tok, rep) then redis.call('ZREM', ik .. ':ready', lane) end
   end
-  local iv = redis.call('HMGET', ik, 'tokens', 'items', 'batches', 'state')
-  local inst_tokens = num(iv[1]) - sum
-  redis.call('HSET', ik, 'tokens', inst_tokens, 'items', num(iv[2]) - k, 'batches', num(iv[3]) + 1, 'rr', lane)
-  if iv[4] ~= 'staged' then maybe_warm(inst_tokens) end
+  local inst_tokens = num(info[3]) - sum
+  redis.call('HSET', ik, 'tokens', inst_tokens, 'items', num(info[6]) - k, 'batches', num(info[7]) + 1, 'rr', lane)
+  if info[1] ~= 'staged' then maybe_warm(inst_tokens) end
   local sig, ep = string.match(inst, '^(%x+):(%d+)$')
-  return deliver(sig, tonumber(ep), tonumber(lane), maxlen, flags, 1, k, sum, k)
+  return deliver(sig, tonumber(ep), tonumber(lane), maxlen, flags, 1, k, sum, k, 0)
 end
 
 -- Cleanup mode (seed 001): nothing normal is ready, work remains and intake has gone quiet:
@@ -305,9 +311,27 @@ local function enter_cleanup()
   redis.call('HINCRBY', state_key, 'cleanup_entries', 1)
 end
 
-local active = st[2]
+-- The fields of a shape instance every claim reads, once (take_from_lane uses them too).
+local function inst_info(inst)
+  return redis.call('HMGET', inst_key(inst), 'state', 'rr', 'tokens', 'last_intake_ms', 'idx', 'items', 'batches')
+end
+
+-- Aging and lane hygiene look for work that has waited seconds to minutes, so they are checked
+-- at most every sweep period (a quarter of the shorter bound, at most 250 ms) rather than on
+-- every claim; a sweep that finds something leaves the next claim to sweep again.
+local sweep = now >= num(st[12])
+local function swept()
+  local period = math.min(250, cfg.hygiene_idle_ms / 4)
+  if cfg.aging_ms > 0 then period = math.min(period, cfg.aging_ms / 4) end
+  redis.call('HSET', state_key, 'sweep_ms', now + math.floor(period))
+end
+
+local active, info = st[2], nil
 if active == false or active == '' then active = nil end
-if active and not redis.call('HGET', inst_key(active), 'state') then active = nil end
+if active then
+  info = inst_info(active)
+  if not info[1] then active = nil end
+end
 for _ = 1, 4 do
   if not active then
     active = pick_next(cleanup)
@@ -326,27 +350,34 @@ for _ = 1, 4 do
         return {0, 'idle'}
       end
     end
+    info = inst_info(active)
   end
   local ik = inst_key(active)
-  local info = redis.call('HMGET', ik, 'state', 'rr', 'tokens', 'last_intake_ms', 'idx')
   local ist = info[1]
   if info[5] ~= index_version(cfg) then reindex(base, state_key, cfg, active) end
-  if ist == 'active' and aged() then
-    preempt(active)
-    active = pick_next(cleanup)
-    ik = inst_key(active)
-    info = redis.call('HMGET', ik, 'state', 'rr', 'tokens', 'last_intake_ms', 'idx')
-    ist = info[1]
-    if info[5] ~= index_version(cfg) then reindex(base, state_key, cfg, active) end
+  local stale = nil
+  if sweep then
+    if ist == 'active' and aged() then
+      preempt(active)
+      active = pick_next(cleanup)
+      ik = inst_key(active)
+      info = inst_info(active)
+      ist = info[1]
+      if info[5] ~= index_version(cfg) then reindex(base, state_key, cfg, active) end
+    end
+    -- Lane hygiene (seed 003): a small lane nobody assigned to for a while, while the shape
+    -- stays busy elsewhere, is force-drained so its items do not wait for ever.
+    stale = redis.call('ZRANGEBYSCORE', ik .. ':touch', '-inf', now - cfg.hygiene_idle_ms, 'LIMIT', 0, 1)[1]
+    if not stale then
+      swept()
+      sweep = false
+    end
   end
-  -- Lane hygiene (seed 003): a small lane nobody assigned to for a while, while the shape
-  -- stays busy elsewhere, is force-drained so its items do not wait for ever.
-  local stale = redis.call('ZRANGEBYSCORE', ik .. ':touch', '-inf', now - cfg.hygiene_idle_ms, 'LIMIT', 0, 1)[1]
   if stale then
     local left = num(redis.call('HGET', base .. ':lanemeta:' .. active .. ':' .. stale, 'items'))
     if left > 0 and left < cfg.hygiene_items then
       redis.call('HINCRBY', state_key, 'hygiene_drains', 1)
-      local r = take_from_lane(active, stale, (cleanup and 1 or 0) + 4)
+      local r = take_from_lane(active, stale, (cleanup and 1 or 0) + 4, info)
       if r then return r end
     elseif left == 0 then
       redis.call('ZREM', ik .. ':touch', stale)
@@ -362,7 +393,7 @@ for _ = 1, 4 do
   local lane = redis.call('ZRANGEBYSCORE', ik .. ':ready', '(' .. num(info[2]), '+inf', 'LIMIT', 0, 1)[1]
   if not lane then lane = redis.call('ZRANGE', ik .. ':ready', 0, 0)[1] end
   if lane then
-    local r = take_from_lane(active, lane, cleanup and 1 or 0)
+    local r = take_from_lane(active, lane, cleanup and 1 or 0, info)
     if r then return r end
   end
   if ist == 'active' then
@@ -378,7 +409,7 @@ for _ = 1, 4 do
   -- Draining: partial batches, fullest lane first, until the instance is empty.
   local part = redis.call('ZREVRANGE', ik .. ':fill', 0, 0)[1]
   if part then
-    local r = take_from_lane(active, part, cleanup and 1 or 0)
+    local r = take_from_lane(active, part, cleanup and 1 or 0, info)
     if r then return r end
   end
   finish(active)
