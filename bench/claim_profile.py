@@ -4,12 +4,12 @@
 
 Runs an instrumented COPY of lua/claim.lua (the file is never changed) against a private
 redis-server: TIME marks between the phases of one claim (argument checks, config, the
-reclaimed queue, the gate, the shape instance and hygiene checks, the lane pick, reading the
-lane's token list and packing, SORT ... STORE of the items into the batch list, the two
-LTRIMs, lane and instance counters, XADD of the batch entry, the delivering XREADGROUP, the
-model's counters). Each TIME mark costs 2-3 us itself, so the phases add up to more than the
-script's time as it ships; the uninstrumented script is timed in the same run (SLOWLOG) for
-reference.
+model's state, the reclaimed queue, the gate, the shape instance, the aging and hygiene sweep
+(most claims skip it), the lane pick, reading the lane's token list and packing, SORT ... STORE
+of the items into the batch list, the two LTRIMs, lane and instance counters, XADD of the batch
+entry, the delivering XCLAIM, the model's counters). Each TIME mark costs 2-3 us itself, so the
+phases add up to more than the script's time as it ships; the uninstrumented script is timed in
+the same run (SLOWLOG) for reference.
 
 Schema 1 (lanes as streams of fields, the batch as a msgpack blob built in Lua) was profiled
 the same way before this layout replaced it: bench/RESULTS.md keeps those figures.
@@ -41,10 +41,13 @@ MARK = ("local TT = {}\nlocal function mark(n) local t = redis.call('TIME'); TT[
 # (anchor, replacement) pairs; each anchor must occur exactly once in claim.lua.
 INSTRUMENT = [
     ("local cfg = load_cfg(cfg_key)\n", "mark('argument checks')\nlocal cfg = load_cfg(cfg_key)\nmark('load_cfg')\n"),
-    ("local head = redis.call('LINDEX', reclaimed_key, 0)\n",
-     "local head = redis.call('LINDEX', reclaimed_key, 0)\nmark('reclaimed queue')\n"),
+    ("local warming_now = st[11] or ''\n", "local warming_now = st[11] or ''\nmark('model state read')\n"),
+    ("local head = num(st[6]) > 0 and redis.call('LINDEX', reclaimed_key, 0)\n",
+     "local head = num(st[6]) > 0 and redis.call('LINDEX', reclaimed_key, 0)\nmark('reclaimed queue')\n"),
     ("local cleanup = st[5] == '1'\n", "mark('gate')\nlocal cleanup = st[5] == '1'\n"),
-    ("  -- Full batch: round-robin", "  mark('instance, aging, hygiene')\n  -- Full batch: round-robin"),
+    ("  local ik = inst_key(active)\n  local ist = info[1]\n",
+     "  mark('instance read')\n  local ik = inst_key(active)\n  local ist = info[1]\n"),
+    ("  -- Full batch: round-robin", "  mark('aging and hygiene sweep')\n  -- Full batch: round-robin"),
     ("  local meta = redis.call('HMGET', mk, 'rep', 'last_ms', 'items', 'tokens')\n",
      "  mark('lane pick')\n  local meta = redis.call('HMGET', mk, 'rep', 'last_ms', 'items', 'tokens')\n"),
     ("  if k == 0 then return nil end\n", "  mark('token list read, packing')\n  if k == 0 then return nil end\n"),
@@ -53,12 +56,12 @@ INSTRUMENT = [
      "  mark('LTRIM lane and tokens')\n  -- Counters are read once and written once per hash (see deliver).\n"),
     ("  local sig, ep = string.match(inst",
      "  mark('lane and instance counters')\n  local sig, ep = string.match(inst"),
-    ("  redis.call('XREADGROUP', 'GROUP', 'workers', consumer, 'COUNT', 1, 'STREAMS', batches_key, '>')\n",
+    ("  redis.call('XCLAIM', batches_key, 'workers', consumer, 0, bid, 'FORCE', 'JUSTID')\n",
      "  mark('XADD batch entry')\n"
-     "  redis.call('XREADGROUP', 'GROUP', 'workers', consumer, 'COUNT', 1, 'STREAMS', batches_key, '>')\n"
-     "  mark('XREADGROUP deliver')\n"),
-    ("  return {1, bid, sig, ep, lane, pad8(maxlen), now, flags, dv, n, c[6] or ''}",
-     "  mark('model counters')\n  return {1, bid, sig, ep, lane, pad8(maxlen), now, flags, dv, n, c[6] or '', TT}"),
+     "  redis.call('XCLAIM', batches_key, 'workers', consumer, 0, bid, 'FORCE', 'JUSTID')\n"
+     "  mark('XCLAIM deliver')\n"),
+    ("  return {1, bid, sig, ep, lane, pad8(maxlen), now, flags, dv, n, warming_now}",
+     "  mark('model counters')\n  return {1, bid, sig, ep, lane, pad8(maxlen), now, flags, dv, n, warming_now, TT}"),
 ]
 
 
