@@ -33,7 +33,9 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     M:batches                       stream   claimed batches; group "workers" holds in-flight ones.
                                              Fields: sig ep lane n (items) plen (padded length)
                                              w (consumer) ts (claimed at, ms) k (token) dv
-                                             (deliveries of its items) fl (flags)
+                                             (deliveries of its items) fl (flags). claim.lua puts each
+                                             new entry in its consumer's pending list with XCLAIM FORCE;
+                                             nothing reads the group with '>'
     M:bat:T                         list     item records of the in-flight batch whose entry has k = T;
                                              written by claim.lua (SORT BY nosort STORE, so item bytes
                                              never pass through Lua), read by the claimer in the same
