@@ -40,7 +40,8 @@ MARK = ("local TT = {}\nlocal function mark(n) local t = redis.call('TIME'); TT[
 
 # (anchor, replacement) pairs; each anchor must occur exactly once in claim.lua.
 INSTRUMENT = [
-    ("local cfg = load_cfg(cfg_key)\n", "mark('argument checks')\nlocal cfg = load_cfg(cfg_key)\nmark('load_cfg')\n"),
+    ("local cfg = load_cfg(cfg_key, CLAIM_CFG)\n",
+     "mark('argument checks')\nlocal cfg = load_cfg(cfg_key, CLAIM_CFG)\nmark('load_cfg')\n"),
     ("local warming_now = st[11] or ''\n", "local warming_now = st[11] or ''\nmark('model state read')\n"),
     ("local head = num(st[6]) > 0 and redis.call('LINDEX', reclaimed_key, 0)\n",
      "local head = num(st[6]) > 0 and redis.call('LINDEX', reclaimed_key, 0)\nmark('reclaimed queue')\n"),

@@ -51,7 +51,10 @@ if redis.call('EXISTS', batch_items_key) == 1 then
   return redis.error_reply('ERR_ARG token: ' .. token .. ' is in use by a pending batch')
 end
 
-local cfg = load_cfg(cfg_key)
+-- Every cfg field this script (and the lib.lua helpers it calls) reads; tests/test_keys.py checks.
+local CLAIM_CFG = {'mode', 'budget_tokens', 'budget_items', 'activate_batches', 'aging_ms', 'drain_batches',
+  'hygiene_idle_ms', 'hygiene_items', 'lane_quiet_ms', 'prewarm_batches', 'quiet_ms', 'release_batches'}
+local cfg = load_cfg(cfg_key, CLAIM_CFG)
 local now = now_ms()
 local disk = cfg.mode == 'disk'
 
@@ -251,6 +254,16 @@ local function take_from_lane(inst, lane, flags, info)
   local sure = math.floor(max_tokens / math.max(1, disk and rep or pad8(rep)))
   local want = math.min(max_items, math.max(1, lane_items))
   local k, maxlen, pmax, sum, from, full = 0, 0, 0, 0, 0, false
+  if sure >= want then
+    -- Every item the batch can take fits: only the sum and the longest are needed.
+    local toks = redis.call('LRANGE', tk, 0, want - 1)
+    for i = 1, #toks do
+      local tok = tonumber(toks[i])
+      sum = sum + tok
+      if tok > maxlen then maxlen = tok end
+    end
+    k, full = #toks, true
+  end
   while not full and k < want do
     local upto = math.min(want, math.max(sure + 8, from + 64)) - 1
     local toks = redis.call('LRANGE', tk, from, upto)

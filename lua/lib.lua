@@ -12,10 +12,13 @@ local CFG_DEFAULTS = {mode = 'memory', budget_tokens = 8192, budget_items = 64, 
   max_waiting_tokens = 0, max_deliveries = 5, aging_ms = 300000, prewarm_batches = 2, hygiene_items = 4,
   hygiene_idle_ms = 5000}
 
-local function load_cfg(cfg_key)
-  local raw = redis.call('HMGET', cfg_key, unpack(CFG_NAMES))
+-- names: the fields a script uses (every field when nil); each field read costs, and claim.lua
+-- runs once per batch.
+local function load_cfg(cfg_key, names)
+  names = names or CFG_NAMES
+  local raw = redis.call('HMGET', cfg_key, unpack(names))
   local cfg = {}
-  for i, name in ipairs(CFG_NAMES) do
+  for i, name in ipairs(names) do
     local v = raw[i]
     if v then
       if name ~= 'mode' then v = tonumber(v) or CFG_DEFAULTS[name] end
