@@ -103,6 +103,9 @@ def test_bad_arguments_write_nothing(cdr):
         [1, "j", "x", "0123456789abcdef", 10, 10**12, B, b""],
         [1, "j", "x", "0123456789abcdef", 10, 5, b"not json", b""],  # workers could never decode it
         [1, "j", "x", "0123456789abcdef", 10, 5, b'{"a": 1}', b""],
+        # the body's text becomes the item record's tail: exactly [prompt] or [prompt, payload]
+        [1, "j", "x", "0123456789abcdef", 10, 5, b'["p", 1, 2]', b""],
+        [1, "j", "x", "0123456789abcdef", 10, 5, b' ["p", null]', b""],
         [1, "j", "x", "0123456789abcdef", 10, 5, B, b"{oops"],
         [1, "j", "x", "0123456789abcdef", 10, 2_000_000, B, b""],  # over the 1,048,576 output limit
         # a good item followed by a bad one: all or nothing
@@ -167,3 +170,20 @@ def test_bulk_submit_groups_shapes_and_keeps_arrival_order_within_each(cdr):
         inst = inst_of(cdr, prefix)
         recs = cdr.r.lrange(K.ModelKeys("m").lane(inst, 0), 0, -1)
         assert [int(json.loads(r)[0]) for r in recs] == list(range(k, 3000, 3))
+
+
+def test_a_record_only_the_lenient_decoder_reads_still_reaches_the_worker(cdr):
+    # submit.lua checks bodies with cjson, which also takes NaN; msgspec refuses it, so the claim
+    # decodes that batch record by record and the item arrives with its payload
+    import math
+
+    from conductor.records import Contract
+    mk = K.ModelKeys("m")
+    cdr.ensure_model("m")
+    cdr.set_config("m", {"release_batches": 0, "activate_batches": 0, "quiet_ms": 0})
+    cdr.scripts.submit(keys=[mk.base, mk.cfg, mk.state], args=[
+        2, "j", "a", "0123456789abcdef", 10, 5, b'["p", NaN]', b"", "j", "b", "0123456789abcdef", 10, 5, B, b""])
+    b, why = cdr.claim(Contract(model="m", max_batch_size=8, max_batch_tokens=800, max_input_len=100), "w")
+    assert b is not None, why
+    assert [it.id for it in b.items] == ["a", "b"]
+    assert math.isnan(b.items[0].payload) and b.items[1].prompt == "p"
