@@ -48,15 +48,34 @@ def decode_items(records: list[bytes]) -> list[BatchItem]:
         return _items_decoder.decode(b"[" + b",".join(records) + b"]")
     except msgspec.DecodeError:
         pass
-    # submit.lua checked each body with cjson, which takes a few forms msgspec refuses (nan, inf,
-    # hex numbers): those records are read by the standard library, which takes the first two.
+    # submit.lua checked each body with cjson, which takes a few forms msgspec refuses (NaN,
+    # Infinity, hex numbers, leading zeros): the standard library reads the first two; a record
+    # neither reads becomes an unreadable item, which the worker answers with an error.
     out = []
     for rec in records:
         try:
             out.append(_item_decoder.decode(rec))
         except msgspec.DecodeError:
-            out.append(msgspec.convert(json.loads(rec), BatchItem))
+            try:
+                out.append(msgspec.convert(json.loads(rec), BatchItem))
+            except (ValueError, msgspec.ValidationError) as e:
+                out.append(_unreadable_item(rec, e))
     return out
+
+
+def _unreadable_item(rec: bytes, err: Exception) -> BatchItem:
+    """id, job, input_tokens and max_tokens lead every record in strict JSON (submit.lua writes
+    them), so an item whose body is unreadable can still be answered."""
+    text = rec.decode("utf-8", errors="replace")
+    dec = json.JSONDecoder()
+    head, pos = [], 1
+    for _ in range(4):
+        value, pos = dec.raw_decode(text, pos)
+        head.append(value)
+        pos = text.index(",", pos) + 1
+    iid, job, tok, mt = head
+    return BatchItem(id=iid, job=job, input_tokens=tok, max_tokens=mt, prompt="",
+                     unreadable=f"the item's body is not JSON this worker can read: {err}")
 
 
 def connect(url: str, *, timeout: float = 10.0) -> redis.Redis:

@@ -36,6 +36,9 @@ class BatchItem(msgspec.Struct, array_like=True, gc=False):
     prompt: str
     payload: Any = None
     deliveries: int = 1
+    # Why the record's prompt and payload could not be read ('' when they could): the worker
+    # answers such an item with a bad_record error instead of running it.
+    unreadable: str = ""
 
 
 class Batch(msgspec.Struct):

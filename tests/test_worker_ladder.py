@@ -135,3 +135,22 @@ def test_continuing_decodes_are_outside_the_token_budget(cdr):
         sizes += [len(w.inflight[b].batch.items) for b in set(w.inflight) - before]
     assert sizes == [5, 5, 5, 5]  # 5 x 200 (padded 200) <= 1024, however many are alive
     assert w.engine.active() == 20
+
+
+def test_an_item_whose_body_no_decoder_reads_is_answered_with_an_error_and_the_rest_run(cdr):
+    # cjson (submit.lua's check) takes hex numbers; neither msgspec nor the standard library does
+    quick(cdr)
+    cdr._register_job("j", "m")  # what Conductor.submit does before its script calls
+    mk = K.ModelKeys("m")
+    body = b'["p", null]'
+    cdr.scripts.submit(keys=[mk.base, mk.cfg, mk.state], args=[
+        3, "j", "ok1", "0123456789abcdef", 10, 4, body, b"", "j", "bad", "0123456789abcdef", 10, 4,
+        b'["p", 0x10]', b"", "j", "ok2", "0123456789abcdef", 10, 4, body, b""])
+    w = worker(cdr)
+    run_until_done(w)
+    res = {r.id: r for r in cdr.read_results("j")}
+    assert sorted(res) == ["bad", "ok1", "ok2"]
+    assert res["bad"].error is not None and res["bad"].error.code == "bad_record"
+    assert res["bad"].input_tokens == 10 and res["bad"].output == ""
+    assert res["ok1"].error is None and res["ok2"].error is None and res["ok1"].output
+    assert cdr.status("j")["failed"] == 1

@@ -32,7 +32,7 @@ import redis
 
 from conductor import keys as K
 from conductor.client import Conductor
-from conductor.records import Batch, Contract, Result
+from conductor.records import Batch, Contract, Result, ResultError
 from workers.engines.base import Engine, Finished
 from workers.latch import AdmissionLatch
 from workers.sdnotify import Notifier
@@ -228,8 +228,12 @@ class Worker:
         self.metrics.claimed(batch)
         with self._lock:
             self.inflight[batch.batch_id] = _InFlight(batch, len(batch.items))
+        items, unreadable = batch.items, [it for it in batch.items if it.unreadable]
+        if unreadable:
+            items = [it for it in batch.items if not it.unreadable]
+            self._collect([Finished(batch, it, "", 0, ResultError("bad_record", it.unreadable)) for it in unreadable])
         try:
-            refused = self.engine.admit(batch, batch.items)
+            refused = self.engine.admit(batch, items) if items else []
         except Exception as e:  # noqa: BLE001 - any engine failure: the batch goes back, the worker lives
             self._give_back_failed(batch, e)
             return True
