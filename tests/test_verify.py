@@ -107,12 +107,17 @@ def test_corrupted_counters_are_caught_and_repaired(cdr):
     assert cdr.status("j")["done"]
 
 
-def test_ledger_finds_lost_and_duplicated_items(cdr):
+def _a_waiting_lane(cdr) -> tuple[K.ModelKeys, str, str]:
+    """Ten items submitted; the model's keys, a staged instance and one of its lanes."""
     quick(cdr)
     _submit_mix(cdr, n=10)
     mk = K.ModelKeys("m")
     inst = next(x.decode() for x in cdr.r.zrange(mk.staged, 0, 0))
-    lane = next(x.decode() for x in cdr.r.zrange(mk.inst_fill(inst), 0, 0))
+    return mk, inst, next(x.decode() for x in cdr.r.zrange(mk.inst_fill(inst), 0, 0))
+
+
+def test_ledger_finds_lost_and_duplicated_items(cdr):
+    mk, inst, lane = _a_waiting_lane(cdr)
     rec = cdr.r.lindex(mk.lane(inst, lane), 0)
     tok = cdr.r.lindex(mk.lane_tok(inst, lane), 0)
     iid = json.loads(rec)[0]
@@ -130,11 +135,7 @@ def test_ledger_finds_lost_and_duplicated_items(cdr):
 
 
 def test_token_list_is_checked_against_the_records_and_repair_refuses_uneven_lanes(cdr):
-    quick(cdr)
-    _submit_mix(cdr, n=10)
-    mk = K.ModelKeys("m")
-    inst = next(x.decode() for x in cdr.r.zrange(mk.staged, 0, 0))
-    lane = next(x.decode() for x in cdr.r.zrange(mk.inst_fill(inst), 0, 0))
+    mk, inst, lane = _a_waiting_lane(cdr)
     lk, tk = mk.lane(inst, lane), mk.lane_tok(inst, lane)
     n = cdr.r.llen(lk)
     assert n and cdr.r.llen(tk) == n
