@@ -2,7 +2,8 @@
 -- allow-oom: at maxmemory a full Redis must still drain (this script frees or moves memory); only
 -- submit.lua is refused, with QueueFull.
 -- claim.lua: assemble one batch for one consumer under its contract and deliver it through
--- the consumer group (seeds 001, 002, 003).
+-- the consumer group: its entry goes straight into the consumer's pending list (XCLAIM FORCE)
+-- (seeds 001, 002, 003).
 --
 -- KEYS[1] base       cdr:{model}
 -- KEYS[2] cfg        cdr:{model}:cfg
@@ -25,8 +26,9 @@
 --   of items in the batch, not with their bytes or with the queue.
 -- Invariants: a batch holds items of ONE lane of ONE shape instance of ONE model; what does not
 --   fit stays at the head of its lane, in order; assembly order is reclaimed work, then lanes;
---   dispatch stays on the active instance until it is empty (or an aged shape preempts it); at
---   most one instance is warming; the work done grows with the batch (a bounded number of lanes
+--   dispatch stays on the active instance until it is empty (or an aged shape preempts it:
+--   aging and lane hygiene are swept at most every 250 ms, see swept()); at most one instance
+--   is warming; the work done grows with the batch (a bounded number of lanes
 --   is looked at), never with the queue.
 --@include lib.lua
 

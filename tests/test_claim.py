@@ -145,6 +145,20 @@ def test_draining_instance_takes_no_new_items(cdr):
 def test_claim_arguments_are_checked(cdr):
     mk = K.ModelKeys("m")
     cdr.ensure_model("m")
+    keys = [mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed]
     for args in (["w", 0, 100, 10], ["w", 10, -1, 10], ["", 10, 10, 10], ["w", "x", 10, 10]):
         with pytest.raises(Exception, match="ERR_ARG"):
-            cdr.scripts.claim(keys=[mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed], args=args)
+            cdr.scripts.claim(keys=keys, args=args)
+    # the token names the list the batch's items go to: present, short, no key-breaking characters
+    for bad in ([], [""], ["a b"], ["x" * 65], ["{m}"], ["a:b"]):
+        with pytest.raises(Exception, match="ERR_ARG token"):
+            cdr.scripts.claim(keys=keys, args=["w", 10, 100, 10, *bad])
+    # and never the token of a batch still pending: its items would be overwritten
+    quick(cdr)
+    cdr.submit([item(i, 10) for i in range(8)], "j")
+    b, _ = cdr.claim(contract(size=4, tokens=800), "w")
+    token = cdr.r.xrange(mk.batches, b.batch_id, b.batch_id)[0][1][b"k"].decode()
+    before = (cdr.r.lrange(mk.batch_items(token), 0, -1), cdr.r.hgetall(mk.state), cdr.r.xlen(mk.batches))
+    with pytest.raises(Exception, match="ERR_ARG token: .* in use"):
+        cdr.scripts.claim(keys=keys, args=["w", 4, 800, 10, token])
+    assert (cdr.r.lrange(mk.batch_items(token), 0, -1), cdr.r.hgetall(mk.state), cdr.r.xlen(mk.batches)) == before
