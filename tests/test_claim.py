@@ -162,3 +162,25 @@ def test_claim_arguments_are_checked(cdr):
     with pytest.raises(Exception, match="ERR_ARG token: .* in use"):
         cdr.scripts.claim(keys=keys, args=["w", 4, 800, 10, token])
     assert (cdr.r.lrange(mk.batch_items(token), 0, -1), cdr.r.hgetall(mk.state), cdr.r.xlen(mk.batches)) == before
+
+
+def test_a_batch_list_emptied_before_the_read_is_not_handed_out_and_nothing_is_lost(cdr):
+    # A reclaim between claim.lua and the LRANGE behind it (same round trip, another client) would
+    # empty the batch's list: reproduced here by a reclaim run just before the read, through the
+    # real connection, so the reply the client gets is the real one for that order of events.
+    quick(cdr)
+    cdr.submit([item(i, 10) for i in range(8)], "j")
+    real = cdr._send_two
+
+    def reclaim_in_between(first, second):
+        reply, _ = real(first, ("PING",))
+        cdr.reclaim_consumer("m", "w", force=True)
+        return reply, cdr.r.lrange(second[1], 0, -1)
+
+    cdr._send_two = reclaim_in_between
+    b, why = cdr.claim(contract(size=4, tokens=800), "w")
+    assert (b, why) == (None, "raced")
+    cdr._send_two = real
+    assert int(cdr.r.hget(K.ModelKeys("m").state, "reclaimed_items")) == 4
+    got = [it.id for bb in drain(cdr, contract(size=4, tokens=800), "w2") for it in bb.items]
+    assert sorted(got, key=int) == [str(i) for i in range(8)]
