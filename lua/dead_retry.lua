@@ -37,9 +37,18 @@ for i = 1, #ARGV do
     redis.call('HINCRBY', state_key, 'failed', -1)
     redis.call('HINCRBY', state_key, 'dead_retried', 1)
     local tok = tonumber(f.tok)
-    -- Entries written under key schema 1 hold the body ('d') instead of the item record ('it').
-    local rec = f.it or ('[' .. cjson.encode(f.id) .. ',' .. cjson.encode(f.job) .. ',' .. tok .. ',' ..
-      tonumber(f.mt) .. ',' .. string.sub(f.d, 2))
+    local rec = f.it
+    if not rec then
+      -- Entries written under key schema 1 hold the body ('d') instead of the item record ('it').
+      -- Schema 1 also took bodies with leading space or a third element: those are re-encoded
+      -- from their first two elements to make a record tail (as migrations/0002 does).
+      local body = f.d
+      local dec = cjson.decode(body)
+      if string.byte(body, 1) ~= 91 or #dec > 2 then
+        body = cjson.encode({dec[1], dec[2] == nil and cjson.null or dec[2]})
+      end
+      rec = item_record(f.id, f.job, tok, f.mt, body)
+    end
     redis.call('RPUSH', reclaimed_key, cmsgpack.pack({f.sig, tonumber(f.ep), tonumber(f.lane), 1, {tok}, {rec}}))
     redis.call('HINCRBY', state_key, 'reclaimed_items', 1)
     redis.call('XDEL', dead_key, ARGV[i])

@@ -83,3 +83,18 @@ local function reindex(base, state_key, cfg, inst)
   redis.call('HSET', ik, 'idx', index_version(cfg))
   redis.call('HINCRBY', state_key, 'reindexes', 1)
 end
+
+-- A JSON string literal, as cjson.encode writes it; plain names (the usual ids and jobs) skip
+-- the encoder, whose call costs about a microsecond per item.
+local function json_str(v)
+  if not string.find(v, '[%c"\\/\128-\255]') then return '"' .. v .. '"' end
+  return cjson.encode(v)
+end
+
+-- The item record (conductor/keys.py): JSON [id, job, input_tokens, max_tokens, prompt, payload].
+-- body must be a JSON array [prompt] or [prompt, payload] starting at its first byte (submit.lua
+-- checks it): it supplies the record's tail as it is, so the payload keeps its bytes.
+local function item_record(id, job, tok, mt, body)
+  return '[' .. json_str(id) .. ',' .. json_str(job) .. ',' .. tok .. ',' .. tonumber(mt) .. ',' ..
+    string.sub(body, 2)
+end

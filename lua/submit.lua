@@ -165,13 +165,6 @@ local function choose_lane(ctx, tok)
   return ids[best], reps[best]
 end
 
--- A JSON string literal, as cjson.encode writes it; plain names (the usual ids and jobs) skip
--- the encoder, whose call costs about a microsecond per item.
-local function json_str(v)
-  if not string.find(v, '[%c"\\/\128-\255]') then return '"' .. v .. '"' end
-  return cjson.encode(v)
-end
-
 local out = {}
 local job_new, job_tok = {}, {}
 local new_items, new_tokens = 0, 0
@@ -191,10 +184,7 @@ for i = 0, n - 1 do
       ctx.touched[lane] = t
       ctx.order[#ctx.order + 1] = lane
     end
-    -- The item record: JSON [id, job, input_tokens, max_tokens, prompt, payload], built from
-    -- checked fields; the body (checked above) supplies its last two elements as they are.
-    t.recs[#t.recs + 1] = '[' .. json_str(id) .. ',' .. json_str(job) .. ',' .. tok .. ',' ..
-      tonumber(mt) .. ',' .. string.sub(body, 2)
+    t.recs[#t.recs + 1] = item_record(id, job, tok, mt, body)
     t.toks[#t.toks + 1] = tok
     t.items = t.items + 1
     t.tokens = t.tokens + tok

@@ -13,7 +13,7 @@ from conductor import keys as K
 from conductor.deadletter import DeadLetter
 from conductor.records import Contract
 from tests.conftest import ROOT, cli, item
-from tests.helpers import quick, results_for
+from tests.helpers import drain, quick, results_for
 
 MK = K.ModelKeys("m")
 C = Contract(model="m", max_batch_size=64, max_batch_tokens=8192, max_input_len=4096)
@@ -131,3 +131,26 @@ def test_purge_by_job_keeps_results_and_other_jobs(cdr, redis_url):
     assert {d.job for d in DeadLetter(cdr).items()} == {"b"}
     assert cdr.status("a")["failed"] == 3 and cdr.status("a")["done"]
     assert len(cdr.read_results("a")) == 3
+
+
+def test_retry_of_a_schema_1_dead_entry_rebuilds_its_item_record(cdr):
+    # Dead entries written under key schema 1 hold the body ('d'), which schema 1 took with a
+    # leading space or a third element too; a retry must still hand the worker a readable record.
+    quick(cdr, max_deliveries=1)
+    cdr.submit([item(i, 10) for i in range(3)], "j")
+    cdr.claim(C, "dead")
+    cdr.reclaim_dead("m")
+    bodies = {"0": '["p0", {"row": 0}]', "1": ' ["p1", null]', "2": '["p2", 7, "extra"]'}
+    for eid, f in cdr.r.xrange(MK.dead):
+        old = {k.decode(): v for k, v in f.items() if k != b"it"}
+        old["d"] = bodies[old["id"].decode()]
+        cdr.r.xadd(MK.dead, old)
+        cdr.r.xdel(MK.dead, eid)
+    assert DeadLetter(cdr).retry(job="j")["retried"] == 3
+    got = {it.id: it for b in drain(cdr, C, "w2") for it in b.items}
+    assert sorted(got) == ["0", "1", "2"]
+    assert all(not it.unreadable for it in got.values())
+    assert (got["0"].prompt, got["0"].payload) == ("p0", {"row": 0})
+    assert (got["1"].prompt, got["1"].payload) == ("p1", None)
+    assert (got["2"].prompt, got["2"].payload) == ("p2", 7)
+    assert all(it.input_tokens == 10 and it.job == "j" for it in got.values())
