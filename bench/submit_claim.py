@@ -285,7 +285,8 @@ def _why_lines(why: dict) -> list[str]:
         "",
         "### Where the server time goes (copies of the scripts, measured in the same run)",
         "",
-        f"submit.lua, {sp['chunk']:,} items per call, {sp['shapes']} shapes, median of the repetitions "
+        f"submit.lua, {sp['chunk']:,} items per call, {sp['shapes']} shapes sent grouped by shape as "
+        "Conductor.submit sends them, median of the repetitions "
         "(`bench/submit_profile.py`):",
         "",
         submit_profile.as_markdown(sp),

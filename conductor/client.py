@@ -507,8 +507,10 @@ def _grouped_by_shape(its: list[PreparedItem]) -> list[PreparedItem]:
 
 
 def _submit_args(job: str, chunk: Sequence[PreparedItem]) -> list[Any]:
-    """submit.lua's ARGV; a shape's prefix travels once per call."""
-    args: list[Any] = [len(chunk)]
+    """submit.lua's ARGV: the count, the job, then per item its signature, its record as workers
+    will read it (keys.py) and its shape's prefix, which travels once per call."""
+    args: list[Any] = [len(chunk), job]
+    head = b"," + json_encoder.encode(job) + b",%d,%d,"
     seen: set[str] = set()
     for it in chunk:
         if it.sig in seen:
@@ -516,7 +518,9 @@ def _submit_args(job: str, chunk: Sequence[PreparedItem]) -> list[Any]:
         else:
             seen.add(it.sig)
             prefix = json_encoder.encode(list(it.prefix))
-        args += [job, it.id, it.sig, it.input_tokens, it.max_tokens, it.body, prefix]
+        # body is the JSON [prompt, payload]: its tail after '[' ends the record
+        rec = b"[" + json_encoder.encode(it.id) + head % (it.input_tokens, it.max_tokens) + it.body[1:]
+        args += [it.sig, rec, prefix]
     return args
 
 

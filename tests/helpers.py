@@ -40,3 +40,27 @@ def quick(c: Conductor, model: str = "m", **cfg) -> None:
     base = {"quiet_ms": 50, "release_batches": 0, "activate_batches": 0}
     base.update(cfg)
     c.set_config(model, base)
+
+
+def jv(v: object) -> bytes:
+    """A value as JSON text; bytes are taken as already-written JSON text (to send broken JSON)."""
+    import json
+    return v if isinstance(v, bytes) else json.dumps(v).encode()
+
+
+def record(id: object, job: object, tok: object, mt: object, body: bytes = b'["p", null]') -> bytes:
+    """An item record as a producer writes it for submit.lua: [id, job, input_tokens, max_tokens]
+    followed by the tail of the JSON body [prompt, payload]."""
+    return b"[" + b",".join([jv(id), jv(job), jv(tok), jv(mt)]) + b"," + body[1:]
+
+
+def submit_argv(job: str, *rows: tuple) -> list:
+    """submit.lua's ARGV from rows (id, sig, tok, mt[, body[, prefix]]); the record's job is the
+    call's."""
+    args: list = [len(rows), job]
+    for row in rows:
+        id, sig, tok, mt, *rest = row
+        body = rest[0] if rest else b'["p", null]'
+        prefix = rest[1] if len(rest) > 1 else b""
+        args += [sig, record(id, job, tok, mt, body), prefix]
+    return args

@@ -15,7 +15,7 @@ from conductor.errors import BadInput
 from conductor.formats import PreparedItem, parse_line
 from conductor.records import Contract
 from tests.conftest import item
-from tests.helpers import quick
+from tests.helpers import quick, submit_argv
 
 MK = K.ModelKeys("m")
 SETTINGS = settings(max_examples=50, deadline=None, database=None, derandomize=True,
@@ -70,10 +70,16 @@ def call_expecting(cdr, script, keys, args, field: str) -> None:
     assert model_dump(cdr.r) == before
 
 
+# Values go into submit.lua's ARGV as the client sends them: job as its own argument, id,
+# input_tokens and max_tokens as JSON inside the item record (bytes as latin-1 text).
 SUBMIT_FIELDS = {"job": bad_name(), "id": oversized(512),
                  "sig": st.text(max_size=20).filter(lambda s: not re.fullmatch("[0-9a-f]{16}", s)),
                  "input_tokens": not_an_int_in(1, 16_777_216), "max_tokens": not_an_int_in(1, 16_777_216)}
 SUBMIT_ORDER = ["job", "id", "sig", "input_tokens", "max_tokens"]
+
+
+def _text(v):
+    return v.decode("latin-1") if isinstance(v, bytes) else v
 
 
 @SETTINGS
@@ -81,20 +87,25 @@ SUBMIT_ORDER = ["job", "id", "sig", "input_tokens", "max_tokens"]
 def test_submit_lua_refuses_each_malformed_field_and_writes_nothing(busy, data):
     cdr, _ = busy
     n = data.draw(st.integers(1, 3))
-    rows = [["j", f"new{k}", GOOD_SIG, 10, 5, b'["p", null]', b'["s"]'] for k in range(n)]
-    which = data.draw(st.integers(0, n - 1))
+    rows = [[f"new{k}", GOOD_SIG, 10, 5, b'["p", null]', b'["s"]'] for k in range(n)]
+    job = "j"
     field = data.draw(st.sampled_from(SUBMIT_ORDER))
-    rows[which][SUBMIT_ORDER.index(field)] = data.draw(SUBMIT_FIELDS[field])
-    call_expecting(cdr, cdr.scripts.submit, [MK.base, MK.cfg, MK.state], [n, *sum(rows, [])], field)
+    bad = _text(data.draw(SUBMIT_FIELDS[field]))
+    if field == "job":
+        job = bad
+    else:
+        rows[data.draw(st.integers(0, n - 1))][SUBMIT_ORDER.index(field) - 1] = bad
+    call_expecting(cdr, cdr.scripts.submit, [MK.base, MK.cfg, MK.state], submit_argv(job, *rows), field)
 
 
 @SETTINGS
-@given(n=not_an_int_in(1, 5000), extra=st.integers(0, 3))
+@given(n=not_an_int_in(1, 5000), extra=st.sampled_from([0, 1, 2, 4]))  # 3 would be a second item
 def test_submit_lua_refuses_a_bad_count(busy, n, extra):
     cdr, _ = busy
-    call_expecting(cdr, cdr.scripts.submit, [MK.base, MK.cfg, MK.state], [n] + ["x"] * extra, "n")
-    call_expecting(cdr, cdr.scripts.submit, [MK.base, MK.cfg, MK.state],
-                   [2, "j", "a", GOOD_SIG, 1, 1, b"[]", b"[]"] + ["x"] * extra, "argv")
+    call_expecting(cdr, cdr.scripts.submit, [MK.base, MK.cfg, MK.state], [n, "j"] + ["x"] * extra, "n")
+    args = submit_argv("j", ("a", GOOD_SIG, 1, 1)) + ["x"] * extra
+    args[0] = 2  # one item's arguments (and a few more) under a count of two
+    call_expecting(cdr, cdr.scripts.submit, [MK.base, MK.cfg, MK.state], args, "argv")
 
 
 CLAIM_FIELDS = {"consumer": oversized(200), "max_batch_size": not_an_int_in(1, 65536),
@@ -169,9 +180,11 @@ def test_ten_megabyte_fields_are_refused_by_name(busy):
     cdr, b = busy
     keys5 = [MK.base, MK.cfg, MK.state, MK.batches, MK.reclaimed]
     call_expecting(cdr, cdr.scripts.submit, [MK.base, MK.cfg, MK.state],
-                   [1, "j", TEN_MB, GOOD_SIG, 10, 5, b"[]", b"[]"], "id")
+                   submit_argv("j", (TEN_MB[:9 * 1024 * 1024], GOOD_SIG, 10, 5)), "record")
     call_expecting(cdr, cdr.scripts.submit, [MK.base, MK.cfg, MK.state],
-                   [1, TEN_MB, "a", GOOD_SIG, 10, 5, b"[]", b"[]"], "job")
+                   submit_argv("j", (TEN_MB[:8 * 1024 * 1024 - 100], GOOD_SIG, 10, 5)), "id")
+    call_expecting(cdr, cdr.scripts.submit, [MK.base, MK.cfg, MK.state],
+                   submit_argv(TEN_MB, ("a", GOOD_SIG, 10, 5)), "job")
     call_expecting(cdr, cdr.scripts.claim, keys5, [TEN_MB, 8, 1024, 4096], "consumer")
     call_expecting(cdr, cdr.scripts.complete, [MK.base, MK.state, MK.batches],
                    [b.batch_id, 1, 1, "j", TEN_MB, "ok", "{}"], "id")

@@ -1,10 +1,12 @@
 import json
 
 import pytest
+import redis
 
 from conductor import keys as K
 from conductor.errors import BadInput, QueueFull
 from tests.conftest import item
+from tests.helpers import record, submit_argv
 
 
 def lanes(c, inst):
@@ -92,27 +94,33 @@ def test_bad_arguments_write_nothing(cdr):
     cdr.submit([item(1, 10)], "j")
     before = _dump(cdr)
     mk = K.ModelKeys("m")
-    bad_calls = [
-        [1, "j", "x", "0123456789abcdef", 0, 5, B, b""],  # zero tokens
-        [1, "j", "x", "0123456789abcdef", -4, 5, B, b""],
-        [1, "j", "x", "0123456789abcdef", "ten", 5, B, b""],
-        [1, "j", "x", "nothex", 10, 5, B, b""],
-        [1, "bad job", "x", "0123456789abcdef", 10, 5, B, b""],
-        [1, "j", "", "0123456789abcdef", 10, 5, B, b""],
-        [2, "j", "x", "0123456789abcdef", 10, 5, B, b""],  # count does not match
-        [1, "j", "x", "0123456789abcdef", 10, 10**12, B, b""],
-        [1, "j", "x", "0123456789abcdef", 10, 5, b"not json", b""],  # workers could never decode it
-        [1, "j", "x", "0123456789abcdef", 10, 5, b'{"a": 1}', b""],
-        # the body's text becomes the item record's tail: exactly [prompt] or [prompt, payload]
-        [1, "j", "x", "0123456789abcdef", 10, 5, b'["p", 1, 2]', b""],
-        [1, "j", "x", "0123456789abcdef", 10, 5, b' ["p", null]', b""],
-        [1, "j", "x", "0123456789abcdef", 10, 5, B, b"{oops"],
-        [1, "j", "x", "0123456789abcdef", 10, 2_000_000, B, b""],  # over the 1,048,576 output limit
+    S = "0123456789abcdef"
+    bad_calls = [  # (ARGV, the field the error names)
+        (submit_argv("j", ("x", S, 0, 5)), "input_tokens"),  # zero tokens
+        (submit_argv("j", ("x", S, -4, 5)), "input_tokens"),
+        (submit_argv("j", ("x", S, "ten", 5)), "input_tokens"),
+        (submit_argv("j", ("x", S, 10.5, 5)), "input_tokens"),
+        (submit_argv("j", ("x", "nothex", 10, 5)), "sig"),
+        (submit_argv("bad job", ("x", S, 10, 5)), "job"),
+        (submit_argv("j", ("", S, 10, 5)), "id"),
+        (submit_argv("j", (7, S, 10, 5)), "id"),
+        (submit_argv("j", ("x", S, 10, 5))[:-1], "argv"),  # count does not match
+        (submit_argv("j", ("x", S, 10, 10**12)), "max_tokens"),
+        (submit_argv("j", ("x", S, 10, 2_000_000)), "max_tokens"),  # over the 1,048,576 output limit
+        (submit_argv("j", ("x", S, 10, 5, b'[3, null]')), "prompt"),
+        (submit_argv("j", ("x", S, 10, 5, B, b"{oops")), "prefix"),
+        # workers read the record as it is stored: exactly [id, job, tokens, max, prompt(, payload)]
+        ([1, "j", S, b"not json", b""], "record"),
+        ([1, "j", S, b'{"a": 1}', b""], "record"),
+        ([1, "j", S, b' ' + record("x", "j", 10, 5), b""], "record"),
+        ([1, "j", S, record("x", "j", 10, 5, b'["p", 1, 2]'), b""], "record"),
+        ([1, "j", S, b'["x", "j", 10, 5]', b""], "record"),
+        ([1, "j", S, record("x", "other", 10, 5), b""], "job"),  # the record names another job
         # a good item followed by a bad one: all or nothing
-        [2, "j", "y", "0123456789abcdef", 10, 5, B, b"", "j", "z", "0123456789abcdef", 10, 0, B, b""],
+        (submit_argv("j", ("y", S, 10, 5), ("z", S, 10, 0)), "max_tokens"),
     ]
-    for args in bad_calls:
-        with pytest.raises(Exception, match="ERR_ARG"):
+    for args, field in bad_calls:
+        with pytest.raises(Exception, match=f"^ERR_ARG {field}"):
             cdr.scripts.submit(keys=[mk.base, mk.cfg, mk.state], args=args)
     assert _dump(cdr) == before
 
@@ -130,12 +138,11 @@ def test_script_errors_name_the_field(cdr):
     mk = K.ModelKeys("m")
     cdr.ensure_model("m")
     from conductor.client import _raise_script_error
-    try:
-        cdr.scripts.submit(keys=[mk.base, mk.cfg, mk.state], args=[1, "j", "x", "0" * 16, 0, 5, B, b""])
-    except Exception as e:  # noqa: BLE001
-        with pytest.raises(BadInput) as ei:
-            _raise_script_error(e)
-        assert ei.value.field == "input_tokens"
+    with pytest.raises(redis.ResponseError) as e:
+        cdr.scripts.submit(keys=[mk.base, mk.cfg, mk.state], args=submit_argv("j", ("x", "0" * 16, 0, 5)))
+    with pytest.raises(BadInput) as ei:
+        _raise_script_error(e.value)
+    assert ei.value.field == "input_tokens"
 
 
 def test_prefix_is_stored_once_per_shape(cdr):
@@ -181,8 +188,8 @@ def test_a_record_only_the_lenient_decoder_reads_still_reaches_the_worker(cdr):
     mk = K.ModelKeys("m")
     cdr.ensure_model("m")
     cdr.set_config("m", {"release_batches": 0, "activate_batches": 0, "quiet_ms": 0})
-    cdr.scripts.submit(keys=[mk.base, mk.cfg, mk.state], args=[
-        2, "j", "a", "0123456789abcdef", 10, 5, b'["p", NaN]', b"", "j", "b", "0123456789abcdef", 10, 5, B, b""])
+    cdr.scripts.submit(keys=[mk.base, mk.cfg, mk.state], args=submit_argv(
+        "j", ("a", "0123456789abcdef", 10, 5, b'["p", NaN]'), ("b", "0123456789abcdef", 10, 5)))
     b, why = cdr.claim(Contract(model="m", max_batch_size=8, max_batch_tokens=800, max_input_len=100), "w")
     assert b is not None, why
     assert [it.id for it in b.items] == ["a", "b"]

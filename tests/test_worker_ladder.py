@@ -8,7 +8,7 @@ import json
 from conductor import keys as K
 from conductor.client import Conductor, connect
 from tests.conftest import item
-from tests.helpers import quick
+from tests.helpers import quick, submit_argv
 from tests.worker_kit import run_until_done, sim, submit, worker
 
 
@@ -143,9 +143,9 @@ def test_an_item_whose_body_no_decoder_reads_is_answered_with_an_error_and_the_r
     cdr._register_job("j", "m")  # what Conductor.submit does before its script calls
     mk = K.ModelKeys("m")
     body = b'["p", null]'
-    cdr.scripts.submit(keys=[mk.base, mk.cfg, mk.state], args=[
-        3, "j", "ok1", "0123456789abcdef", 10, 4, body, b"", "j", "bad", "0123456789abcdef", 10, 4,
-        b'["p", 0x10]', b"", "j", "ok2", "0123456789abcdef", 10, 4, body, b""])
+    sig = "0123456789abcdef"
+    cdr.scripts.submit(keys=[mk.base, mk.cfg, mk.state], args=submit_argv(
+        "j", ("ok1", sig, 10, 4, body), ("bad", sig, 10, 4, b'["p", 0x10]'), ("ok2", sig, 10, 4, body)))
     w = worker(cdr)
     run_until_done(w)
     res = {r.id: r for r in cdr.read_results("j")}
