@@ -64,18 +64,37 @@ def decode_items(records: list[bytes]) -> list[BatchItem]:
 
 
 def _unreadable_item(rec: bytes, err: Exception) -> BatchItem:
-    """id, job, input_tokens and max_tokens lead every record in strict JSON (submit.lua writes
-    them), so an item whose body is unreadable can still be answered."""
+    """An item no decoder reads, still answerable: submit.lua checked with cjson that id and job
+    are strings and input_tokens and max_tokens whole numbers, but a producer may write those
+    numbers in forms only cjson takes (leading zeros, hex), which are read here the same way."""
     text = rec.decode("utf-8", errors="replace")
-    dec = json.JSONDecoder()
-    head, pos = [], 1
-    for _ in range(4):
-        value, pos = dec.raw_decode(text, pos)
+    dec = json.JSONDecoder(strict=False)
+    head: list[Any] = []
+    pos = 1
+    for k in range(4):
+        pos = len(text) - len(text[pos:].lstrip())
+        if k < 2:
+            value, pos = dec.raw_decode(text, pos)
+        else:
+            end = text.index(",", pos)
+            value, pos = _lenient_int(text[pos:end]), end
         head.append(value)
         pos = text.index(",", pos) + 1
     iid, job, tok, mt = head
     return BatchItem(id=iid, job=job, input_tokens=tok, max_tokens=mt, prompt="",
-                     unreadable=f"the item's body is not JSON this worker can read: {err}")
+                     unreadable=f"the item's record is not JSON this worker can read: {err}")
+
+
+def _lenient_int(text: str) -> int:
+    """A whole number as cjson reads it (strtod: decimal with leading zeros, fraction, exponent,
+    hex); 0 when even that fails, so the item is still answered."""
+    t = text.strip()
+    for conv in (int, lambda x: int(x, 16), float):
+        try:
+            return int(conv(t))
+        except (ValueError, OverflowError):
+            continue
+    return 0
 
 
 def connect(url: str, *, timeout: float = 10.0) -> redis.Redis:

@@ -8,7 +8,9 @@
 -- ARGV[3..]       3 fields per item: sig (16 hex), record, prefix (JSON list of components, or ''
 --                 when an earlier item of this call already carried it). The record is the item
 --                 as workers read it (conductor/keys.py): the JSON array
---                 [id, job, input_tokens, max_tokens, prompt, payload], first byte '['.
+--                 [id, job, input_tokens, max_tokens, prompt, payload], first byte '[', in
+--                 standard JSON: a form only cjson takes (NaN, hex, leading zeros) passes this
+--                 check, and the worker answers that item with a bad_record error.
 -- Returns: one integer per item: the lane id it joined, or -1 when this job already has an
 --   item with this id (an interrupted submit re-run neither loses nor duplicates).
 --   Errors, with nothing written: 'ERR_ARG <field>: ...' for a malformed argument,

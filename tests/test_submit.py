@@ -194,3 +194,21 @@ def test_a_record_only_the_lenient_decoder_reads_still_reaches_the_worker(cdr):
     assert b is not None, why
     assert [it.id for it in b.items] == ["a", "b"]
     assert math.isnan(b.items[0].payload) and b.items[1].prompt == "p"
+
+
+def test_a_record_whose_head_only_cjson_reads_is_handed_out_answerable(cdr):
+    # A producer wrote the numbers in forms cjson (submit.lua's check) takes and JSON does not:
+    # the item still reaches the worker with its id, job and tokens, marked unreadable, and the
+    # rest of its batch decodes as usual.
+    from conductor.records import Contract
+    mk = K.ModelKeys("m")
+    cdr.ensure_model("m")
+    cdr.set_config("m", {"release_batches": 0, "activate_batches": 0, "quiet_ms": 0})
+    sig = "0123456789abcdef"
+    cdr.scripts.submit(keys=[mk.base, mk.cfg, mk.state], args=[
+        2, "j", sig, b'["h", "j", 010, 0x5, "p", 0x10]', b"", sig, record("ok", "j", 10, 5), b""])
+    b, why = cdr.claim(Contract(model="m", max_batch_size=8, max_batch_tokens=800, max_input_len=100), "w")
+    assert b is not None, why
+    odd, ok = b.items
+    assert (odd.id, odd.job, odd.input_tokens, odd.max_tokens) == ("h", "j", 10, 5)
+    assert odd.unreadable and not ok.unreadable and ok.prompt == "p"
