@@ -38,8 +38,11 @@ def find_server() -> str:
 
 class EmbeddedRedis:
     def __init__(self, *, port: int | None = None, appendonly: bool = False, appendfsync: str = "always",
-                 extra: list[str] | None = None, dir: str | None = None) -> None:
+                 extra: list[str] | None = None, dir: str | None = None, cluster: bool = False) -> None:
         self.port = port or free_port()
+        # cluster: a one-node Redis Cluster owning every slot, so that Redis itself refuses a
+        # command or script touching keys of two slots (tests/test_cluster_slots.py).
+        self.cluster = cluster
         self.appendonly = appendonly
         self.appendfsync = appendfsync
         self.extra = extra or []
@@ -57,6 +60,8 @@ class EmbeddedRedis:
                 "--appendonly", "yes" if self.appendonly else "no"]
         if self.appendonly:
             args += ["--appendfsync", self.appendfsync]
+        if self.cluster:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", str(self.dir / "nodes.conf")]
         return args + self.extra
 
     def start(self, timeout: float = 10.0) -> EmbeddedRedis:
@@ -73,11 +78,22 @@ class EmbeddedRedis:
                 if c.ping():
                     # AOF loading answers LOADING until done; wait for a usable server.
                     c.dbsize()
+                    if self.cluster:
+                        self._own_all_slots(c, deadline)
                     c.close()
                     return self
             except (redis.ConnectionError, redis.BusyLoadingError, OSError):
                 time.sleep(0.05)
         raise RedisUnavailable(f"embedded redis-server did not answer on port {self.port} in {timeout}s")
+
+    def _own_all_slots(self, c: redis.Redis, deadline: float) -> None:
+        if b"cluster_slots_assigned:16384" not in c.execute_command("CLUSTER", "INFO"):  # not after a restart
+            c.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+        while time.monotonic() < deadline:
+            if b"cluster_state:ok" in c.execute_command("CLUSTER", "INFO"):
+                return
+            time.sleep(0.05)
+        raise RedisUnavailable(f"embedded one-node cluster on port {self.port} never reached state ok")
 
     def kill(self) -> None:
         """SIGKILL: no shutdown save, exactly what a crash does."""

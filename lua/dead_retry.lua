@@ -1,3 +1,6 @@
+#!lua
+-- The shebang (no flags) makes Redis 7 refuse this script at maxmemory before it runs and, on a
+-- cluster node, refuse any key outside the slot of the model's hash tag.
 -- dead_retry.lua: give dead-lettered items another chance, atomically.
 --
 -- KEYS[1] base       cdr:{model}

@@ -1,3 +1,6 @@
+#!lua
+-- The shebang (no flags) makes Redis 7 refuse this script at maxmemory before it runs and, on a
+-- cluster node, refuse any key outside the slot of the model's hash tag.
 -- submit.lua: append items to their shape's rolling lanes (seed 002), atomically.
 --
 -- KEYS[1] base    cdr:{model}            (per-shape, per-lane and per-job keys derive from it)

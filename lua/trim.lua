@@ -1,3 +1,6 @@
+#!lua flags=allow-oom
+-- allow-oom: trimming is how a full Redis gets memory back. The shebang also makes a cluster node
+-- refuse any key outside the slot of the model's hash tag.
 -- trim.lua: give back the memory of a model's batches stream, never below a pending batch.
 --
 -- KEYS[1] batches   cdr:{model}:batches   (group "workers")

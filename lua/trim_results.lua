@@ -1,3 +1,6 @@
+#!lua flags=allow-oom
+-- allow-oom: trimming is how a full Redis gets memory back. The shebang also makes a cluster node
+-- refuse any key outside the slot of the model's hash tag.
 -- trim_results.lua: drop a finished job's results older than a cut-off (retention).
 --
 -- KEYS[1] job      cdr:{model}:job:J          (submitted, completed, failed)

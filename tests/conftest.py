@@ -18,9 +18,15 @@ from conductor.formats import PreparedItem, parse_line
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# CONDUCTOR_TEST_CLUSTER=1 runs the suite on a one-node Redis Cluster that owns every slot, where
+# Redis refuses any command or script touching two slots (tests/test_cluster_slots.py runs a
+# part of it that way in every run).
+CLUSTER = os.environ.get("CONDUCTOR_TEST_CLUSTER") == "1"
+
+
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[EmbeddedRedis]:
-    srv = EmbeddedRedis().start()
+    srv = EmbeddedRedis(cluster=CLUSTER).start()
     assert srv.port != 6379
     yield srv
     srv.close()
@@ -44,7 +50,7 @@ def cdr(redis_url: str) -> Conductor:
 def fresh_server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
     """A private server a test may kill and restart (AOF with fsync always)."""
     (tmp_path / "redis").mkdir()  # redis-server refuses to start in a --dir that does not exist
-    srv = EmbeddedRedis(appendonly=True, appendfsync="always", dir=str(tmp_path / "redis")).start()
+    srv = EmbeddedRedis(appendonly=True, appendfsync="always", dir=str(tmp_path / "redis"), cluster=CLUSTER).start()
     yield srv
     srv.close()
 
