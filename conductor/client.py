@@ -107,7 +107,9 @@ def connect(url: str, *, timeout: float = 10.0) -> redis.Redis:
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
             retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=8),
-            retry_on_error=[redis.ConnectionError, redis.TimeoutError],
+            # CLUSTERDOWN: a cluster node refused the command before running it (a restart or a
+            # failover in progress), so sending it again is safe.
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError],
             health_check_interval=30,
         )
         client.ping()
@@ -304,6 +306,9 @@ class Conductor:
             if isinstance(reply, redis.exceptions.NoScriptError):
                 self.r.script_load(script.script)  # a restart or SCRIPT FLUSH emptied the cache
                 continue
+            if isinstance(reply, redis.exceptions.ClusterDownError):
+                time.sleep(0.05 * (_attempt + 1))  # refused before it ran; the LRANGE read nothing
+                continue
             if isinstance(reply, redis.ResponseError):
                 if "NOGROUP" in str(reply):
                     self.ensure_model(contract.model, force=True)
@@ -315,6 +320,8 @@ class Conductor:
                 raise raw
             break
         else:
+            if isinstance(reply, redis.exceptions.ClusterDownError):
+                raise reply  # still down: the worker rides it out (workers/transient.py)
             raise RuntimeError("claim.lua: no usable reply after 3 attempts")
         if reply[0] == 0:
             return None, _s(reply[1])
@@ -556,8 +563,8 @@ def _read_submit_reply(conn: Any, chunk: Sequence[PreparedItem], report: SubmitR
     try:
         reply = conn.read_response()
     except redis.ResponseError as e:
-        if isinstance(e, redis.exceptions.NoScriptError):
-            again.append(chunk)
+        if isinstance(e, (redis.exceptions.NoScriptError, redis.exceptions.ClusterDownError)):
+            again.append(chunk)  # refused before it ran: sent again through the retrying client
             return None
         return e
     _count_submit_reply(reply, report)

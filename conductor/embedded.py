@@ -43,6 +43,8 @@ class EmbeddedRedis:
         # cluster: a one-node Redis Cluster owning every slot, so that Redis itself refuses a
         # command or script touching keys of two slots (tests/test_cluster_slots.py).
         self.cluster = cluster
+        # The cluster bus port defaults to port + 10000, past 65535 for a high free port.
+        self.bus_port = free_port() if cluster else 0
         self.appendonly = appendonly
         self.appendfsync = appendfsync
         self.extra = extra or []
@@ -61,7 +63,8 @@ class EmbeddedRedis:
         if self.appendonly:
             args += ["--appendfsync", self.appendfsync]
         if self.cluster:
-            args += ["--cluster-enabled", "yes", "--cluster-config-file", str(self.dir / "nodes.conf")]
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", str(self.dir / "nodes.conf"),
+                     "--cluster-port", str(self.bus_port)]
         return args + self.extra
 
     def start(self, timeout: float = 10.0) -> EmbeddedRedis:

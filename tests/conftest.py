@@ -27,6 +27,8 @@ CLUSTER = os.environ.get("CONDUCTOR_TEST_CLUSTER") == "1"
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[EmbeddedRedis]:
     srv = EmbeddedRedis(cluster=CLUSTER).start()
+    if CLUSTER:
+        assert connect(srv.url).info("cluster")["cluster_enabled"] == 1
     assert srv.port != 6379
     yield srv
     srv.close()

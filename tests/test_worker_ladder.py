@@ -154,3 +154,26 @@ def test_an_item_whose_body_no_decoder_reads_is_answered_with_an_error_and_the_r
     assert res["bad"].input_tokens == 10 and res["bad"].output == ""
     assert res["ok1"].error is None and res["ok2"].error is None and res["ok1"].output
     assert cdr.status("j")["failed"] == 1
+
+
+def test_a_redis_turned_read_only_is_ridden_out_and_nothing_is_lost_or_doubled(fresh_server):
+    # A failover that left this node a replica answers every write READONLY, which redis-py
+    # reports as ReadOnlyError with the code stripped from the message: the worker keeps its
+    # finished results and writes them once the node is a master again.
+    from conductor.embedded import free_port
+    c = Conductor(connect(fresh_server.url))
+    submit(c, 12, tokens=10, max_tokens=4)
+    w = worker(c)
+    w.turn()
+    assert w.batches_claimed == 1
+    c.r.replicaof("127.0.0.1", free_port())  # a master that never answers: the data stays
+    try:
+        for _ in range(10):
+            w.turn()
+        assert w.engine.active() == 0 and len(w.retry) == 1  # the batch finished; its write waits
+        assert c.r.xlen(K.ModelKeys("m").job_results("j")) == 0
+    finally:
+        c.r.replicaof("NO", "ONE")
+    run_until_done(w)
+    rows = [json.loads(r) for r in c.results("j")]
+    assert sorted(r["id"] for r in rows) == [f"i{k:04d}" for k in range(12)]

@@ -16,12 +16,19 @@ from conductor.errors import QueueFull, RedisUnavailable
 _TRANSIENT_REPLIES = ("NOREPLICAS", "READONLY", "LOADING", "BUSY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN",
                       "OOM")
 
+# redis-py turns these replies into their own classes and strips the code from the message,
+# so the text check below never sees them.
+_TRANSIENT_CLASSES = (redis.ConnectionError, redis.TimeoutError, RedisUnavailable, QueueFull, OSError,
+                      redis.exceptions.ReadOnlyError, redis.exceptions.TryAgainError,
+                      redis.exceptions.ClusterDownError, redis.exceptions.MasterDownError,
+                      redis.exceptions.OutOfMemoryError)
+
 RIDE_OUT: tuple[type[BaseException], ...] = (redis.RedisError, RedisUnavailable, QueueFull, OSError)
 
 
 def is_transient(e: BaseException) -> bool:
     """True for failures that pass by themselves; False for bugs and bad arguments."""
-    if isinstance(e, (redis.ConnectionError, redis.TimeoutError, RedisUnavailable, QueueFull, OSError)):
+    if isinstance(e, _TRANSIENT_CLASSES):
         return True
     if isinstance(e, redis.ResponseError):
         return str(e).startswith(_TRANSIENT_REPLIES)
