@@ -166,6 +166,8 @@ class Conductor:
         self._models_ready: set[str] = set()
         self._prefix_cache: dict[tuple[str, str], list[str]] = {}
         self._hot_conn: redis.connection.AbstractConnection | None = None
+        # (model, consumer) -> tokens of claims whose reply was lost (see claim)
+        self._lost_claims: dict[tuple[str, str], list[str]] = {}
 
     @classmethod
     def from_url(cls, url: str, **kw: Any) -> Conductor:
@@ -293,16 +295,31 @@ class Conductor:
         """One batch under ``contract`` for ``consumer``, or (None, reason).
 
         One round trip: claim.lua moves the batch's items into a list named by a fresh token and
-        the LRANGE pipelined behind it reads them, so item bytes never pass through Lua.
+        the LRANGE pipelined behind it reads them, so item bytes never pass through Lua. After a
+        claim that raised on a dropped connection, the next call first returns that claim's batch
+        if the script had run (reason "recovered").
         """
         mk = self.ensure_model(contract.model)
+        if self._lost_claims.get((contract.model, consumer)):
+            found = self._recover_lost_claim(contract.model, consumer)
+            if found is not None:
+                return found, "recovered"
         script = self.scripts.claim
         for _attempt in range(3):
             token = secrets.token_hex(8)
-            reply, raw = self._send_two(
-                ("EVALSHA", script.sha, 5, mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed, consumer,
-                 contract.max_batch_size, contract.max_batch_tokens, contract.max_input_len, token),
-                ("LRANGE", mk.batch_items(token), 0, -1))
+            try:
+                reply, raw = self._send_two(
+                    ("EVALSHA", script.sha, 5, mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed, consumer,
+                     contract.max_batch_size, contract.max_batch_tokens, contract.max_input_len, token),
+                    ("LRANGE", mk.batch_items(token), 0, -1))
+            except (redis.ConnectionError, redis.TimeoutError, OSError):
+                # The script may have run and only its reply been lost: its batch would then sit
+                # in this consumer's pending list, unknown to it, until the stale sweep (minutes).
+                # The token names it: the next claim looks it up first.
+                lost = self._lost_claims.setdefault((contract.model, consumer), [])
+                lost.append(token)
+                del lost[:-16]
+                raise
             if isinstance(reply, redis.exceptions.NoScriptError):
                 self.r.script_load(script.script)  # a restart or SCRIPT FLUSH emptied the cache
                 continue
@@ -330,15 +347,47 @@ class Conductor:
             # Only a reclaim between the script and the read (a lost lease) empties the list;
             # the items are then in the reclaimed queue, nothing is lost.
             return None, "raced"
+        return self._batch(contract.model, bid, sig, ep, lane, plen, ts, flags, dv, raw, warming), "batch"
+
+    def _batch(self, model: str, bid: Any, sig: Any, ep: Any, lane: Any, plen: Any, ts: Any, flags: int,
+               dv: int, raw: list[bytes], warming: Any) -> Batch:
         items = decode_items(raw)
         if dv > 1:
             for it in items:
                 it.deliveries = dv
         sig = _s(sig)
-        return Batch(model=contract.model, batch_id=_s(bid), shape=sig, epoch=int(ep), lane=int(lane),
+        return Batch(model=model, batch_id=_s(bid), shape=sig, epoch=int(ep), lane=int(lane),
                      padded_len=int(plen), max_tokens=max(map(_max_tokens, items)), claimed_at=int(ts),
-                     items=items, prefix=self.prefix(contract.model, sig), cleanup=bool(flags & 1),
-                     reclaimed=bool(flags & 2), hygiene=bool(flags & 4), warming=_s(warming)), "batch"
+                     items=items, prefix=self.prefix(model, sig), cleanup=bool(flags & 1),
+                     reclaimed=bool(flags & 2), hygiene=bool(flags & 4), warming=_s(warming))
+
+    def _recover_lost_claim(self, model: str, consumer: str) -> Batch | None:
+        """The batch of a claim whose reply was lost, if the script ran: found by its token among
+        the consumer's pending entries (a worker holds a few). A token not found there was never
+        run, was lost with a Redis restart, or was reclaimed already: it is forgotten."""
+        lost = self._lost_claims[(model, consumer)]
+        mk = K.ModelKeys(model)
+        pending = self.r.xpending_range(mk.batches, "workers", min="-", max="+", count=10_000,
+                                        consumername=consumer)
+        pipe = self.r.pipeline(transaction=False)
+        for p in pending:
+            pipe.xrange(mk.batches, p["message_id"], p["message_id"])
+        found: tuple[Any, dict] | None = None
+        for entry in pipe.execute():
+            if entry and _s(entry[0][1].get(b"k", b"")) in lost:
+                found = entry[0]
+                break
+        if found is None:
+            lost.clear()
+            return None
+        bid, f = found
+        token = _s(f[b"k"])
+        lost.remove(token)
+        raw = self.r.lrange(mk.batch_items(token), 0, -1)
+        if len(raw) != int(f[b"n"]):
+            return None  # reclaimed meanwhile: its items are in the reclaimed queue
+        return self._batch(model, bid, f[b"sig"], f[b"ep"], f[b"lane"], f[b"plen"], f[b"ts"], int(f[b"fl"]),
+                           int(f[b"dv"]), raw, "")
 
     def _send_two(self, first: tuple, second: tuple) -> tuple[Any, Any]:
         """Two commands in one round trip, replies (or their errors) returned undecoded.
@@ -347,8 +396,8 @@ class Conductor:
         pipeline and the pool: the claim is the hot call of every worker, and that bookkeeping
         cost about 80 us per call here, a third of the script's server time (bench/RESULTS.md). A
         dropped connection raises, as a pipeline's would; claims are not retried blindly (the
-        script may have run): the worker rides the error out and the lease machinery recovers
-        an orphaned batch.
+        script may have run): the worker rides the error out and its next claim looks the lost
+        batch up by its token (``_recover_lost_claim``).
         """
         conn = self._hot_conn
         if conn is None:

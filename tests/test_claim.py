@@ -1,6 +1,7 @@
 import pytest
 
 from conductor import keys as K
+from conductor.client import Conductor, connect
 from conductor.records import Contract
 from tests.conftest import item
 from tests.helpers import drain, quick, results_for
@@ -184,3 +185,42 @@ def test_a_batch_list_emptied_before_the_read_is_not_handed_out_and_nothing_is_l
     assert int(cdr.r.hget(K.ModelKeys("m").state, "reclaimed_items")) == 4
     got = [it.id for bb in drain(cdr, contract(size=4, tokens=800), "w2") for it in bb.items]
     assert sorted(got, key=int) == [str(i) for i in range(8)]
+
+
+def test_a_claim_whose_reply_was_lost_is_recovered_by_its_token(redis_server, redis_url):
+    # claim.lua ran and moved a batch into this consumer's pending list, then the connection
+    # dropped before the reply arrived: the next claim hands that same batch out first, instead of
+    # leaving it to the stale sweep minutes later. Every item is delivered once.
+    import redis as redis_mod
+
+    from tests.netfault import ReplyDroppingProxy
+    proxy = ReplyDroppingProxy(redis_server.port)
+    try:
+        c = Conductor(connect(proxy.url))
+        quick(c)
+        c.submit([item(i, 10) for i in range(40)], "j")
+        contract = Contract(model="m", max_batch_size=8, max_batch_tokens=8192, max_input_len=4096)
+        first, _ = c.claim(contract, "w")  # the model is set up; the next call sends only the claim
+        proxy.drop_next_reply.set()
+        with pytest.raises(redis_mod.ConnectionError):
+            c.claim(contract, "w")
+        assert proxy.dropped == 1
+        mk = K.ModelKeys("m")
+        assert c.r.xpending(mk.batches, "workers")["pending"] == 2  # the lost one is pending on w
+        lost, why = c.claim(contract, "w")
+        assert why == "recovered" and lost is not None and len(lost.items) == 8
+        assert {b["message_id"].decode() for b in c.r.xpending_range(mk.batches, "workers", "-", "+", 10)} == {
+            first.batch_id, lost.batch_id}
+        seen = [it.id for it in first.items + lost.items]
+        for b in (first, lost):
+            c.complete(b, results_for(b))
+        seen += [it.id for b in drain(c, contract) for it in b.items]
+        assert sorted(seen, key=int) == [str(i) for i in range(40)]
+        assert c.r.xpending(mk.batches, "workers")["pending"] == 0
+        # a claim lost before the script ran leaves nothing to find: forgotten, the next claim is new
+        c.submit([item(i, 10) for i in range(40, 48)], "j")
+        c._lost_claims[("m", "w")] = ["0" * 16]
+        b, why = c.claim(contract, "w")
+        assert why == "batch" and not c._lost_claims[("m", "w")]
+    finally:
+        proxy.close()

@@ -1,0 +1,62 @@
+"""A TCP proxy in front of a real redis-server that can lose one reply: the network fault where
+a command ran on the server and its answer never reached the client."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+
+class ReplyDroppingProxy:
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self._listen = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listen.getsockname()[1]
+        self.drop_next_reply = threading.Event()
+        self.dropped = 0
+        self._open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listen.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            self._open += [client, upstream]
+            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, replies: bool) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                if replies and self.drop_next_reply.is_set():
+                    # The server ran the command and answered; the client never hears it.
+                    self.drop_next_reply.clear()
+                    self.dropped += 1
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+
+    def close(self) -> None:
+        self._listen.close()
+        for s in self._open:
+            try:
+                s.close()
+            except OSError:
+                pass
