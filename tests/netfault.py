@@ -12,10 +12,14 @@ class ReplyDroppingProxy:
         self.target_port = target_port
         self._listen = socket.create_server(("127.0.0.1", 0))
         self.port = self._listen.getsockname()[1]
-        self.drop_next_reply = threading.Event()
+        self._pattern: bytes | None = None
         self.dropped = 0
         self._open: list[socket.socket] = []
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def drop_reply_to(self, pattern: bytes) -> None:
+        """Lose the reply to the next request that contains ``pattern`` (once)."""
+        self._pattern = pattern
 
     @property
     def url(self) -> str:
@@ -29,20 +33,23 @@ class ReplyDroppingProxy:
                 return
             upstream = socket.create_connection(("127.0.0.1", self.target_port))
             self._open += [client, upstream]
-            threading.Thread(target=self._pump, args=(client, upstream, False), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, True), daemon=True).start()
+            doomed = threading.Event()  # this connection's next reply is lost
+            threading.Thread(target=self._pump, args=(client, upstream, doomed, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, doomed, True), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, replies: bool) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, doomed: threading.Event, replies: bool) -> None:
         try:
             while True:
                 data = src.recv(65536)
                 if not data:
                     break
-                if replies and self.drop_next_reply.is_set():
+                if replies and doomed.is_set():
                     # The server ran the command and answered; the client never hears it.
-                    self.drop_next_reply.clear()
                     self.dropped += 1
                     break
+                if not replies and self._pattern is not None and self._pattern in data:
+                    self._pattern = None
+                    doomed.set()
                 dst.sendall(data)
         except OSError:
             pass

@@ -201,7 +201,7 @@ def test_a_claim_whose_reply_was_lost_is_recovered_by_its_token(redis_server, re
         c.submit([item(i, 10) for i in range(40)], "j")
         contract = Contract(model="m", max_batch_size=8, max_batch_tokens=8192, max_input_len=4096)
         first, _ = c.claim(contract, "w")  # the model is set up; the next call sends only the claim
-        proxy.drop_next_reply.set()
+        proxy.drop_reply_to(c.scripts.claim.sha.encode())
         with pytest.raises(redis_mod.ConnectionError):
             c.claim(contract, "w")
         assert proxy.dropped == 1

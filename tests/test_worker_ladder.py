@@ -177,3 +177,35 @@ def test_a_redis_turned_read_only_is_ridden_out_and_nothing_is_lost_or_doubled(f
     run_until_done(w)
     rows = [json.loads(r) for r in c.results("j")]
     assert sorted(r["id"] for r in rows) == [f"i{k:04d}" for k in range(12)]
+
+
+def test_a_worker_whose_claim_reply_is_lost_runs_that_batch_on_its_next_turn(redis_server, redis_url):
+    # The claim ran on the server, the reply never came: the worker rides the error out and its
+    # next claim returns the lost batch (found by its token), so it runs now, not after the
+    # stale sweep; every item once.
+    from tests.netfault import ReplyDroppingProxy
+    proxy = ReplyDroppingProxy(redis_server.port)
+    try:
+        c = Conductor(connect(proxy.url))
+        submit(c, 12, tokens=10, max_tokens=4)
+        w = worker(c)
+        w.turn()
+        assert w.batches_claimed == 1
+        proxy.drop_reply_to(c.scripts.claim.sha.encode())
+        while not proxy.dropped:
+            w.turn()
+        claimed = w.batches_claimed
+        mk = K.ModelKeys("m")
+        pending = {e["message_id"].decode() for e in c.r.xpending_range(mk.batches, "workers", "-", "+", 100)}
+        orphan = pending - set(w.inflight)
+        assert len(orphan) == 1  # on the server, pending on w1, unknown to the worker
+        w.turn()
+        written = {json.loads(r)["batch"] for r in c.results("j")}
+        assert w.batches_claimed == claimed + 1 and orphan <= set(w.inflight) | written
+        run_until_done(w)
+        rows = [json.loads(r) for r in c.results("j")]
+        assert sorted(r["id"] for r in rows) == [f"i{k:04d}" for k in range(12)]
+        assert orphan <= {r["batch"] for r in rows}
+        assert c.r.xpending(mk.batches, "workers")["pending"] == 0
+    finally:
+        proxy.close()
