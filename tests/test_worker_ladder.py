@@ -1,9 +1,12 @@
 """The backpressure ladder (seed 000), one rung per test: the retry buffer is served first,
 pulls are bounded by free slots, a pending ceiling, an oversized item answered at once with an
 empty output, and a progress-only step when no new work comes. Real Worker, real SimEngine,
-real redis-server; a server that refuses writes (min-replicas-to-write) plays the outage."""
+real redis-server; a server that refuses writes (min-replicas-to-write, or turned replica) plays
+the outage."""
 
 import json
+
+import pytest
 
 from conductor import keys as K
 from conductor.client import Conductor, connect
@@ -12,14 +15,33 @@ from tests.helpers import quick, submit_argv
 from tests.worker_kit import run_until_done, sim, submit, worker
 
 
-def test_retry_buffer_is_served_before_any_new_pull(fresh_server):
+def _refuse_writes(r, how: str) -> None:
+    if how == "noreplicas":
+        r.config_set("min-replicas-to-write", 1)  # Redis up, every write refused: NOREPLICAS
+    else:
+        # A failover left this node a replica of a master that never answers (the data stays):
+        # every write is refused READONLY, which redis-py reports as ReadOnlyError with the code
+        # stripped from the message.
+        from conductor.embedded import free_port
+        r.replicaof("127.0.0.1", free_port())
+
+
+def _accept_writes(r, how: str) -> None:
+    if how == "noreplicas":
+        r.config_set("min-replicas-to-write", 0)
+    else:
+        r.replicaof("NO", "ONE")
+
+
+@pytest.mark.parametrize("how", ["noreplicas", "readonly"])
+def test_retry_buffer_is_served_before_any_new_pull(fresh_server, how):
     c = Conductor(connect(fresh_server.url))
     submit(c, 12, tokens=10, max_tokens=4)
     w = worker(c)
     w.turn()
     assert w.batches_claimed == 1
     first = next(iter(w.inflight.values())).batch
-    c.r.config_set("min-replicas-to-write", 1)  # Redis up, every write refused: NOREPLICAS
+    _refuse_writes(c.r, how)
     try:
         for _ in range(10):
             w.turn()
@@ -28,7 +50,7 @@ def test_retry_buffer_is_served_before_any_new_pull(fresh_server):
         assert first.batch_id in w.leased_ids()  # its lease is still extended by the heartbeat
         assert c.r.xlen(K.ModelKeys("m").job_results("j")) == 0
     finally:
-        c.r.config_set("min-replicas-to-write", 0)
+        _accept_writes(c.r, how)
     c.r.config_set("slowlog-log-slower-than", 0)  # the slow log now records every command, in order
     c.r.slowlog_reset()
     w.turn()
@@ -154,29 +176,6 @@ def test_an_item_whose_body_no_decoder_reads_is_answered_with_an_error_and_the_r
     assert res["bad"].input_tokens == 10 and res["bad"].output == ""
     assert res["ok1"].error is None and res["ok2"].error is None and res["ok1"].output
     assert cdr.status("j")["failed"] == 1
-
-
-def test_a_redis_turned_read_only_is_ridden_out_and_nothing_is_lost_or_doubled(fresh_server):
-    # A failover that left this node a replica answers every write READONLY, which redis-py
-    # reports as ReadOnlyError with the code stripped from the message: the worker keeps its
-    # finished results and writes them once the node is a master again.
-    from conductor.embedded import free_port
-    c = Conductor(connect(fresh_server.url))
-    submit(c, 12, tokens=10, max_tokens=4)
-    w = worker(c)
-    w.turn()
-    assert w.batches_claimed == 1
-    c.r.replicaof("127.0.0.1", free_port())  # a master that never answers: the data stays
-    try:
-        for _ in range(10):
-            w.turn()
-        assert w.engine.active() == 0 and len(w.retry) == 1  # the batch finished; its write waits
-        assert c.r.xlen(K.ModelKeys("m").job_results("j")) == 0
-    finally:
-        c.r.replicaof("NO", "ONE")
-    run_until_done(w)
-    rows = [json.loads(r) for r in c.results("j")]
-    assert sorted(r["id"] for r in rows) == [f"i{k:04d}" for k in range(12)]
 
 
 def test_a_worker_whose_claim_reply_is_lost_runs_that_batch_on_its_next_turn(redis_server, redis_url):
