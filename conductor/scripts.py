@@ -13,7 +13,7 @@ from importlib import resources
 import redis
 
 _INCLUDE = re.compile(r"^--@include\s+(\S+)\s*$", re.M)
-NAMES = ("submit", "claim", "complete", "reclaim", "fail", "maintain", "repair", "reindex")
+NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex")
 
 
 @functools.cache
@@ -28,17 +28,12 @@ class Scripts:
 
     def __init__(self, client: redis.Redis) -> None:
         for name in NAMES:
-            try:
-                src = source(name)
-            except FileNotFoundError:
-                continue
-            setattr(self, name, client.register_script(src))
+            setattr(self, name, client.register_script(source(name)))
 
     submit: redis.commands.core.Script
     claim: redis.commands.core.Script
     complete: redis.commands.core.Script
     reclaim: redis.commands.core.Script
     fail: redis.commands.core.Script
-    maintain: redis.commands.core.Script
     reindex: redis.commands.core.Script
     repair: redis.commands.core.Script
