@@ -212,3 +212,41 @@ def test_a_record_whose_head_only_cjson_reads_is_handed_out_answerable(cdr):
     odd, ok = b.items
     assert (odd.id, odd.job, odd.input_tokens, odd.max_tokens) == ("h", "j", 10, 5)
     assert odd.unreadable and not ok.unreadable and ok.prompt == "p"
+
+
+def test_a_producer_following_the_readme_protocol_with_raw_commands(cdr):
+    # README "Submitting from another language", step by step, with no conductor code on the
+    # producer side: the items are claimed, completed and counted like any others.
+    import hashlib
+    import time
+
+    from conductor.scripts import source
+    from conductor.signature import shape_signature
+    from tests.helpers import drain
+    r = cdr.r
+    text = source("submit")
+    sha = r.script_load(text)
+    assert sha == hashlib.sha1(text.encode()).hexdigest()
+    for name, value in {"quiet_ms": 50, "release_batches": 0, "activate_batches": 0}.items():
+        r.hsetnx("cdr:{ext}:cfg", name, value)
+    r.sadd("cdr:models", "ext")
+    r.execute_command("XGROUP", "CREATE", "cdr:{ext}:batches", "workers", "$", "MKSTREAM")
+    r.zadd("cdr:jobs", {"xj": int(time.time() * 1000)}, nx=True)
+    r.sadd("cdr:job:xj:models", "ext")
+    sig = shape_signature(["system prompt"])
+    args = []
+    for i in range(30):
+        rec = json.dumps([f"x{i}", "xj", 20 + i, 8, f"prompt {i}", {"k": i}], separators=(",", ":"))
+        args += [sig, rec, json.dumps(["system prompt"]) if i == 0 else ""]
+    keys = ["cdr:{ext}", "cdr:{ext}:cfg", "cdr:{ext}:state"]
+    lanes = r.evalsha(sha, 3, *keys, 30, "xj", *args)
+    assert len(lanes) == 30 and -1 not in lanes
+    assert r.evalsha(sha, 3, *keys, 30, "xj", *args) == [-1] * 30  # re-sent: nothing doubled
+    from conductor.records import Contract
+    batches = drain(cdr, Contract(model="ext", max_batch_size=64, max_batch_tokens=8192, max_input_len=4096))
+    items = [it for b in batches for it in b.items]
+    assert sorted(it.id for it in items) == sorted(f"x{i}" for i in range(30))
+    assert {tuple(b.prefix) for b in batches} == {("system prompt",)}
+    assert items[0].payload == {"k": int(items[0].id[1:])}
+    st = cdr.status("xj")
+    assert (st["submitted"], st["completed"], st["pending"]) == (30, 30, 0)
