@@ -12,6 +12,7 @@ import operator
 import re
 import secrets
 import time
+import urllib.parse
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -98,10 +99,21 @@ def _lenient_int(text: str) -> int:
 
 
 def connect(url: str, *, timeout: float = 10.0) -> redis.Redis:
-    """A client with bounded-backoff reconnects; raises RedisUnavailable with one clear line."""
+    """A client with bounded-backoff reconnects; raises RedisUnavailable with one clear line.
+
+    ``?cluster=1`` on the URL (any node of a Redis Cluster) gives a cluster client: every key of
+    a model lives in one slot, so each script runs on the node that owns it.
+    """
     shown = redact_url(url)
+    url, cluster = _cluster_flag(url)
     try:
         _refuse_bad_credentials_at_once(url, timeout)
+        if cluster:
+            client = redis.RedisCluster.from_url(
+                url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=8))
+            client.ping()
+            return client  # type: ignore[return-value]
         client = redis.Redis.from_url(
             url,
             socket_timeout=timeout,
@@ -120,6 +132,17 @@ def connect(url: str, *, timeout: float = 10.0) -> redis.Redis:
     except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
         raise RedisUnavailable(f"cannot reach Redis at {shown}: {e}") from None
     return client
+
+
+def _cluster_flag(url: str) -> tuple[str, bool]:
+    """The URL without its ``cluster`` query argument, and whether it asked for a cluster."""
+    parts = urllib.parse.urlsplit(url)
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    flags = [v for k, v in query if k == "cluster"]
+    if not flags:
+        return url, False
+    rest = urllib.parse.urlencode([(k, v) for k, v in query if k != "cluster"])
+    return urllib.parse.urlunsplit(parts._replace(query=rest)), flags[-1].lower() in ("1", "true", "yes")
 
 
 def redact_url(url: str) -> str:
@@ -165,7 +188,8 @@ class Conductor:
         check_schema(client, auto=migrate)
         self._models_ready: set[str] = set()
         self._prefix_cache: dict[tuple[str, str], list[str]] = {}
-        self._hot_conn: redis.connection.AbstractConnection | None = None
+        # the claim's own connection, per server (one, or one per cluster node that holds a model)
+        self._hot_conns: dict[int, redis.connection.AbstractConnection] = {}
         # (model, consumer) -> tokens of claims whose reply was lost (see claim)
         self._lost_claims: dict[tuple[str, str], list[str]] = {}
 
@@ -253,7 +277,7 @@ class Conductor:
         """
         script = self.scripts.submit
         keys = [mk.base, mk.cfg, mk.state]
-        pool = self.r.connection_pool
+        pool = self._pool_for(mk.base)
         inflight: deque[Sequence[PreparedItem]] = deque()
         again: list[Sequence[PreparedItem]] = []
         error: Exception | None = None
@@ -389,6 +413,13 @@ class Conductor:
         return self._batch(model, bid, f[b"sig"], f[b"ep"], f[b"lane"], f[b"plen"], f[b"ts"], int(f[b"fl"]),
                            int(f[b"dv"]), raw, "")
 
+    def _pool_for(self, key: str) -> redis.ConnectionPool:
+        """The connection pool of the server holding ``key``: the client's own, or on a Redis
+        Cluster the pool of the node that owns the key's slot (a model's keys share one slot)."""
+        if isinstance(self.r, redis.RedisCluster):
+            return self.r.get_node_from_key(key).redis_connection.connection_pool
+        return self.r.connection_pool
+
     def _send_two(self, first: tuple, second: tuple) -> tuple[Any, Any]:
         """Two commands in one round trip, replies (or their errors) returned undecoded.
 
@@ -399,10 +430,11 @@ class Conductor:
         script may have run): the worker rides the error out and its next claim looks the lost
         batch up by its token (``_recover_lost_claim``).
         """
-        conn = self._hot_conn
+        pool = self._pool_for(first[3])  # the script's first key
+        conn = self._hot_conns.get(id(pool))
         if conn is None:
             # Checked out for good: the pool still owns it, so closing the client closes it.
-            conn = self._hot_conn = self.r.connection_pool.get_connection()
+            conn = self._hot_conns[id(pool)] = pool.get_connection()
         try:
             # A connection the server closed (a restart) reads as readable: open a fresh one, as
             # the pool does, so a restart costs no claim. Connecting retries with backoff.
@@ -535,17 +567,28 @@ class Conductor:
             models = self.job_models(job)
             for m in models:
                 cursors.setdefault(K.ModelKeys(m).job_results(job), "0-0")
+            # Asked before the read: complete.lua writes a result and counts it in one step, so
+            # when the job was done before a read that finds nothing, nothing is left to read.
+            # Asked after, a batch completed between the two would be missed.
+            done = follow and bool(models) and self.status(job)["done"]
             got = 0
             if cursors:
-                reply = self.r.xread(cursors, count=count, block=block_ms if follow else None)
-                for stream, entries in _stream_reply(reply):
+                if isinstance(self.r, redis.RedisCluster) and len(cursors) > 1:
+                    # A job's models live in different slots: one read per stream, none blocking.
+                    reply = [row for key, cur in list(cursors.items())
+                             for row in _stream_reply(self.r.xread({key: cur}, count=count))]
+                    if not reply and follow:
+                        time.sleep(min(block_ms, 200) / 1000)
+                else:
+                    reply = _stream_reply(self.r.xread(cursors, count=count, block=block_ms if follow else None))
+                for stream, entries in reply:
                     for eid, fields in entries:
                         cursors[stream] = _s(eid)
                         got += 1
                         yield fields[b"r"]
             if got:
                 continue
-            if not follow or (models and self.status(job)["done"]) or (should_stop and should_stop()):
+            if not follow or done or (should_stop and should_stop()):
                 return
             if not cursors:
                 time.sleep(block_ms / 1000)

@@ -243,6 +243,12 @@ def _classify(r: redis.Redis, mk: K.ModelKeys) -> _Keys:
     return out
 
 
+def _pairs(v: Any) -> Any:
+    """A hash or stream entry's fields: a dict, or the flat [k, v, k, v, ...] a reply callback
+    did not convert (redis-py's cluster pipeline inside MULTI)."""
+    return v.items() if isinstance(v, dict) else zip(v[::2], v[1::2], strict=True)
+
+
 def _xrange(r: redis.Redis, key: str, upto: str | None = None) -> Iterator[tuple[bytes, dict]]:
     start = "-"
     while True:
@@ -704,7 +710,9 @@ def _job_truth(r: redis.Redis, mk: K.ModelKeys, job: str, ledger: _Ledger | None
         pipe.hgetall(mk.job_items(job))
         pipe.xrange(mk.job_results(job))
         rec, item_states, records = pipe.execute()
-        item_states = item_states.items()
+        item_states = _pairs(item_states)
+        # redis-py's cluster pipeline in a transaction leaves XRANGE's fields a flat list
+        records = [(eid, dict(_pairs(f))) for eid, f in records]
     else:
         item_states = r.hscan_iter(mk.job_items(job), count=PAGE)
         records = _xrange(r, mk.job_results(job), upto=_s(last[0][0]) if last else None) if last else []

@@ -1,3 +1,5 @@
+import json
+
 from conductor import keys as K
 from conductor.records import Contract
 from tests.conftest import item
@@ -50,3 +52,28 @@ def test_counters_return_to_zero(cdr):
     assert st["tokens"] == "0" and st["items"] == "0"
     assert st["inflight_items"] == "0" and st["inflight_batches"] == "0"
     assert st["completed"] == "100"
+
+
+def test_following_results_never_stops_before_the_last_batch_written(cdr):
+    # The last batch completes between the follower's read and its "is the job done?" check:
+    # the follower must still hand out that batch's results (it asks before it reads).
+    quick(cdr)
+    cdr.submit([item(i, 10) for i in range(12)], "j")
+    c = Contract(model="m", max_batch_size=4, max_batch_tokens=8192, max_input_len=4096)
+    batches = []
+    while (b := cdr.claim(c, "w")[0]) is not None:
+        batches.append(b)
+    assert len(batches) == 3
+    for b in batches[:2]:
+        cdr.complete(b, results_for(b))
+    real_status = cdr.status
+    calls = {"n": 0}
+
+    def status_with_a_late_completion(job):
+        calls["n"] += 1
+        if calls["n"] == 2:  # the follower has read the first two batches' results by now
+            cdr.complete(batches[2], results_for(batches[2]))
+        return real_status(job)
+    cdr.status = status_with_a_late_completion
+    got = [json.loads(r)["id"] for r in cdr.results("j", follow=True, block_ms=50)]
+    assert sorted(got, key=int) == [str(i) for i in range(12)]
