@@ -70,3 +70,23 @@ def cli(*args: str, url: str, check: bool = True, timeout: float = 120, **kw) ->
     if check and p.returncode != 0:
         raise AssertionError(f"conductor {' '.join(args)} exited {p.returncode}: {p.stderr.decode()[-2000:]}")
     return p
+
+
+def follow_with_workers(url: str, job: str, out: Path, workers: list[tuple[str, str]], *, batch_size: int,
+                        batch_tokens: int, timeout: float = 240) -> list[dict]:
+    """Start one `conductor worker` (sim engine) process per (model, name), follow the job's
+    results to ``out`` until done, stop the workers (each must exit 0); the result rows."""
+    env = dict(os.environ, CONDUCTOR_REDIS_URL=url)
+    procs = [subprocess.Popen([sys.executable, "-m", "conductor", "--log-level", "warning", "worker",
+                               "--engine", "sim", "--model", model, "--name", name, "--max-batch-size",
+                               str(batch_size), "--max-batch-tokens", str(batch_tokens), "--max-input-len", "4096"],
+                              env=env, cwd=str(ROOT))
+             for model, name in workers]
+    try:
+        cli("results", job, "--follow", "-o", str(out), url=url, timeout=timeout)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            assert p.wait(30) == 0
+    return [json.loads(line) for line in out.read_text().splitlines()]

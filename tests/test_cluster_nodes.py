@@ -7,9 +7,6 @@ Not covered: resharding (MOVED/ASK mid-run), replicas and failover."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
@@ -17,7 +14,7 @@ import pytest
 from conductor.client import Conductor, connect
 from conductor.embedded import EmbeddedCluster
 from conductor.verify import verify
-from tests.conftest import ROOT, cli
+from tests.conftest import cli, follow_with_workers
 
 MODELS = ("alpha", "bravo", "echo")  # slots in the first, second and third third
 
@@ -44,20 +41,8 @@ def test_one_job_three_models_three_nodes_through_the_cli(cluster, tmp_path):
     for m in MODELS:
         cli("config", m, "quiet_ms=200", url=url)
     assert cli("submit", str(src), "--job", "cj", url=url).stdout.decode().strip() == "cj"
-    env = dict(os.environ, CONDUCTOR_REDIS_URL=url)
-    workers = [subprocess.Popen([sys.executable, "-m", "conductor", "--log-level", "warning", "worker",
-                                 "--engine", "sim", "--model", m, "--name", f"w-{m}", "--max-batch-size", "32",
-                                 "--max-batch-tokens", "4096", "--max-input-len", "4096"], env=env, cwd=str(ROOT))
-               for m in MODELS]
-    try:
-        out = tmp_path / "out.jsonl"
-        cli("results", "cj", "--follow", "-o", str(out), url=url, timeout=180)
-    finally:
-        for w in workers:
-            w.terminate()
-        for w in workers:
-            assert w.wait(30) == 0
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = follow_with_workers(url, "cj", tmp_path / "out.jsonl", [(m, f"w-{m}") for m in MODELS],
+                               batch_size=32, batch_tokens=4096, timeout=180)
     ids = Counter(r["id"] for r in rows)
     assert set(ids) == {f"c{i}" for i in range(1200)} and set(ids.values()) == {1}
     assert {r["worker"] for r in rows} == {f"w-{m}" for m in MODELS}

@@ -7,7 +7,7 @@ import sys
 import time
 from collections import Counter
 
-from tests.conftest import ROOT, cli
+from tests.conftest import ROOT, cli, follow_with_workers
 
 
 def write_items(path, n=10_000, shapes=20, seed=3):
@@ -27,21 +27,8 @@ def test_ten_thousand_items_twenty_shapes_two_workers(redis_url, tmp_path):
     cli("config", "e2e", "quiet_ms=300", url=redis_url)
     p = cli("submit", str(src), "--job", "big", url=redis_url)
     assert p.stdout.decode().strip() == "big"
-    import os
-    env = dict(os.environ, CONDUCTOR_REDIS_URL=redis_url)
-    workers = [subprocess.Popen([sys.executable, "-m", "conductor", "--log-level", "warning", "worker",
-                                 "--engine", "sim", "--model", "e2e", "--name", f"w{i}", "--max-batch-size", "64",
-                                 "--max-batch-tokens", "8192", "--max-input-len", "4096"], env=env, cwd=str(ROOT))
-               for i in range(2)]
-    try:
-        out = tmp_path / "out.jsonl"
-        cli("results", "big", "--follow", "-o", str(out), url=redis_url, timeout=240)
-    finally:
-        for w in workers:
-            w.terminate()
-        for w in workers:
-            assert w.wait(30) == 0
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = follow_with_workers(redis_url, "big", tmp_path / "out.jsonl", [("e2e", "w0"), ("e2e", "w1")],
+                               batch_size=64, batch_tokens=8192)
     ids = Counter(r["id"] for r in rows)
     assert len(ids) == 10_000 and set(ids.values()) == {1}
     assert {f"it{i}" for i in range(10_000)} == set(ids)
