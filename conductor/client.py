@@ -347,8 +347,12 @@ class Conductor:
             if isinstance(reply, redis.exceptions.NoScriptError):
                 self.r.script_load(script.script)  # a restart or SCRIPT FLUSH emptied the cache
                 continue
-            if isinstance(reply, redis.exceptions.ClusterDownError):
-                time.sleep(0.05 * (_attempt + 1))  # refused before it ran; the LRANGE read nothing
+            if isinstance(reply, _REFUSED_BEFORE_RUNNING[1:]):
+                # Refused before it ran (the LRANGE read nothing): a cluster restarting, or the
+                # model's slot moved to another node (resharding), whose pool the next try uses.
+                if isinstance(self.r, redis.RedisCluster) and isinstance(reply, redis.exceptions.MovedError):
+                    self.r.nodes_manager.initialize()
+                time.sleep(0.05 * (_attempt + 1))
                 continue
             if isinstance(reply, redis.ResponseError):
                 if "NOGROUP" in str(reply):
@@ -361,8 +365,8 @@ class Conductor:
                 raise raw
             break
         else:
-            if isinstance(reply, redis.exceptions.ClusterDownError):
-                raise reply  # still down: the worker rides it out (workers/transient.py)
+            if isinstance(reply, _REFUSED_BEFORE_RUNNING[1:]):
+                raise reply  # still refused: the worker rides it out (workers/transient.py)
             raise RuntimeError("claim.lua: no usable reply after 3 attempts")
         if reply[0] == 0:
             return None, _s(reply[1])
@@ -650,13 +654,18 @@ def _count_submit_reply(reply: list[int], report: SubmitReport) -> None:
             report.accepted += 1
 
 
+# Replies that say the command did not run, so sending it again is safe.
+_REFUSED_BEFORE_RUNNING = (redis.exceptions.NoScriptError, redis.exceptions.ClusterDownError,
+                           redis.exceptions.MovedError, redis.exceptions.AskError, redis.exceptions.TryAgainError)
+
+
 def _read_submit_reply(conn: Any, chunk: Sequence[PreparedItem], report: SubmitReport,
                        again: list[Sequence[PreparedItem]]) -> Exception | None:
     try:
         reply = conn.read_response()
     except redis.ResponseError as e:
-        if isinstance(e, (redis.exceptions.NoScriptError, redis.exceptions.ClusterDownError)):
-            again.append(chunk)  # refused before it ran: sent again through the retrying client
+        if isinstance(e, _REFUSED_BEFORE_RUNNING):
+            again.append(chunk)  # refused before it ran: sent again through the routing client
             return None
         return e
     _count_submit_reply(reply, report)

@@ -173,6 +173,24 @@ class EmbeddedCluster:
             time.sleep(0.05)
         raise RedisUnavailable("embedded cluster never reached state ok")
 
+    def move_slot(self, slot: int, to: int) -> None:
+        """Reshard one slot to node ``to`` the way redis-cli does: IMPORTING and MIGRATING marks,
+        MIGRATE of its keys in pages, then SETSLOT NODE on every node."""
+        cs = [redis.Redis(port=n.port) for n in self.nodes]
+        ids = [c.execute_command("CLUSTER", "MYID").decode() for c in cs]
+        port = next(int(row[2][1]) for row in cs[0].execute_command("CLUSTER", "SLOTS") if row[0] <= slot <= row[1])
+        owner = [n.port for n in self.nodes].index(port)
+        if owner == to:
+            return
+        cs[to].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[owner])
+        cs[owner].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[to])
+        while keys := cs[owner].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+            cs[owner].execute_command("MIGRATE", "127.0.0.1", self.nodes[to].port, "", 0, 5000, "KEYS", *keys)
+        for c in cs:
+            c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[to])
+        for c in cs:
+            c.close()
+
     def close(self) -> None:
         for n in self.nodes:
             n.close()

@@ -9,7 +9,8 @@ from workers.transient import is_transient
 TRANSIENT = ["READONLY You can't write against a read only replica.", "CLUSTERDOWN The cluster is down",
              "TRYAGAIN Multiple keys request during rehashing of slot", "MASTERDOWN Link with MASTER is down",
              "NOREPLICAS Not enough good replicas to write.", "BUSY Redis is busy running a script.",
-             "OOM command not allowed when used memory > 'maxmemory'.", "LOADING Redis is loading the dataset"]
+             "OOM command not allowed when used memory > 'maxmemory'.", "LOADING Redis is loading the dataset",
+             "MOVED 3999 127.0.0.1:6381", "ASK 3999 127.0.0.1:6381"]
 NOT_TRANSIENT = ["ERR_ARG id: must be 1..512 bytes at item 0", "ERR unknown command", "NOPERM no permissions",
                  "WRONGTYPE Operation against a key holding the wrong kind of value",
                  "CROSSSLOT Keys in request don't hash to the same slot"]

@@ -21,6 +21,7 @@ _TRANSIENT_REPLIES = ("NOREPLICAS", "READONLY", "LOADING", "BUSY", "MASTERDOWN",
 _TRANSIENT_CLASSES = (redis.ConnectionError, redis.TimeoutError, RedisUnavailable, QueueFull, OSError,
                       redis.exceptions.ReadOnlyError, redis.exceptions.TryAgainError,
                       redis.exceptions.ClusterDownError, redis.exceptions.MasterDownError,
+                      redis.exceptions.MovedError, redis.exceptions.AskError,
                       redis.exceptions.OutOfMemoryError)
 
 RIDE_OUT: tuple[type[BaseException], ...] = (redis.RedisError, RedisUnavailable, QueueFull, OSError)
