@@ -347,7 +347,7 @@ class Conductor:
             if isinstance(reply, redis.exceptions.NoScriptError):
                 self.r.script_load(script.script)  # a restart or SCRIPT FLUSH emptied the cache
                 continue
-            if isinstance(reply, _REFUSED_BEFORE_RUNNING[1:]):
+            if isinstance(reply, _CLUSTER_REFUSALS):
                 # Refused before it ran (the LRANGE read nothing): a cluster restarting, or the
                 # model's slot moved to another node (resharding), whose pool the next try uses.
                 if isinstance(self.r, redis.RedisCluster) and isinstance(reply, redis.exceptions.MovedError):
@@ -365,7 +365,7 @@ class Conductor:
                 raise raw
             break
         else:
-            if isinstance(reply, _REFUSED_BEFORE_RUNNING[1:]):
+            if isinstance(reply, _CLUSTER_REFUSALS):
                 raise reply  # still refused: the worker rides it out (workers/transient.py)
             raise RuntimeError("claim.lua: no usable reply after 3 attempts")
         if reply[0] == 0:
@@ -546,8 +546,9 @@ class Conductor:
     def job_models(self, job: str) -> list[str]:
         return sorted(_s(m) for m in self.r.smembers(K.job_models_key(job)))
 
-    def status(self, job: str) -> dict[str, Any]:
-        models = self.job_models(job)
+    def status(self, job: str, models: list[str] | None = None) -> dict[str, Any]:
+        """Counters of ``job`` over its models (``models``: the job's models when already read)."""
+        models = self.job_models(job) if models is None else models
         total = {"job": job, "submitted": 0, "completed": 0, "failed": 0, "pending": 0, "models": {}}
         for model in models:
             raw = self.r.hgetall(K.ModelKeys(model).job(job))
@@ -574,7 +575,7 @@ class Conductor:
             # Asked before the read: complete.lua writes a result and counts it in one step, so
             # when the job was done before a read that finds nothing, nothing is left to read.
             # Asked after, a batch completed between the two would be missed.
-            done = follow and bool(models) and self.status(job)["done"]
+            done = follow and bool(models) and self.status(job, models)["done"]
             got = 0
             if cursors:
                 if isinstance(self.r, redis.RedisCluster) and len(cursors) > 1:
@@ -654,9 +655,11 @@ def _count_submit_reply(reply: list[int], report: SubmitReport) -> None:
             report.accepted += 1
 
 
-# Replies that say the command did not run, so sending it again is safe.
-_REFUSED_BEFORE_RUNNING = (redis.exceptions.NoScriptError, redis.exceptions.ClusterDownError,
-                           redis.exceptions.MovedError, redis.exceptions.AskError, redis.exceptions.TryAgainError)
+# Replies that say the command did not run, so sending it again is safe: a cluster node
+# restarting or failing over, or the key's slot served elsewhere (resharding); and NOSCRIPT.
+_CLUSTER_REFUSALS = (redis.exceptions.ClusterDownError, redis.exceptions.MovedError, redis.exceptions.AskError,
+                     redis.exceptions.TryAgainError)
+_REFUSED_BEFORE_RUNNING = (redis.exceptions.NoScriptError, *_CLUSTER_REFUSALS)
 
 
 def _read_submit_reply(conn: Any, chunk: Sequence[PreparedItem], report: SubmitReport,

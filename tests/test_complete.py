@@ -69,11 +69,11 @@ def test_following_results_never_stops_before_the_last_batch_written(cdr):
     real_status = cdr.status
     calls = {"n": 0}
 
-    def status_with_a_late_completion(job):
+    def status_with_a_late_completion(job, models=None):
         calls["n"] += 1
         if calls["n"] == 2:  # the follower has read the first two batches' results by now
             cdr.complete(batches[2], results_for(batches[2]))
-        return real_status(job)
+        return real_status(job, models)
     cdr.status = status_with_a_late_completion
     got = [json.loads(r)["id"] for r in cdr.results("j", follow=True, block_ms=50)]
     assert sorted(got, key=int) == [str(i) for i in range(12)]
