@@ -46,11 +46,11 @@ local MAX_TOKENS = 16777216
 local MAX_OUTPUT = 1048576
 local MAX_RECORD = 8388608 + 8192  -- a body of 8 MiB, and an id and job escaped at worst
 local call_tokens = 0
--- Per item: id, input tokens, record (from the decode that checks the record).
+-- Per item, from the decode that checks its record: its id and input tokens.
 local ids, toks = {}, {}
 -- A call's items nearly always share a few shapes: each distinct one is pattern-checked once.
 local sigs_ok = {}
-local cjson_decode, byte, null = cjson.decode, string.byte, cjson.null
+local cjson_decode, byte = cjson.decode, string.byte
 for i = 0, n - 1 do
   local o = 3 + 3 * i
   local sig, rec, prefix = ARGV[o], ARGV[o + 1], ARGV[o + 2]
