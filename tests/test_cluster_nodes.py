@@ -4,7 +4,9 @@ models on three nodes, a worker process per model, results read back across the 
 model's slot resharded to another node while batches are in flight.
 
 Not covered: ASK while a slot is half migrated (the claim sleeps and retries it, untested),
-replicas and failover."""
+replicas and failover. The move here happens between calls: a script running while its slot's
+keys migrate is not atomic (Redis aborts it at the first key that moved), so the README says to
+stop a model's producers and workers while its slot moves."""
 
 from __future__ import annotations
 
