@@ -184,6 +184,18 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pause(args: argparse.Namespace) -> int:
+    c = _conductor(args)
+    if args.resume:
+        c.resume(args.model)
+        print(f"{args.model}: resumed")
+    else:
+        c.pause(args.model)
+        print(f"{args.model}: paused (every write refused until 'conductor resume {args.model}'; "
+              "workers and producers wait)")
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     from conductor.config import parse_value
     c = _conductor(args)
@@ -367,6 +379,12 @@ def build_parser() -> argparse.ArgumentParser:
     cf.add_argument("model")
     cf.add_argument("values", nargs="*")
     cf.set_defaults(fn=cmd_config)
+
+    for name, resume in (("pause", False), ("resume", True)):
+        pa = sub.add_parser(name, help="refuse every write to a model's keys (to move its cluster slot or migrate "
+                            "it without stopping processes)" if not resume else "undo conductor pause")
+        pa.add_argument("model")
+        pa.set_defaults(fn=cmd_pause, resume=resume)
 
     rc = sub.add_parser("reclaim", help="one reclaim sweep of a model's dead consumers")
     rc.add_argument("model")

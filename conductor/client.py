@@ -26,7 +26,7 @@ from redis.retry import Retry
 
 from conductor import keys as K
 from conductor.config import DEFAULTS
-from conductor.errors import BadInput, QueueFull, RedisUnavailable
+from conductor.errors import BadInput, Paused, QueueFull, RedisUnavailable
 from conductor.formats import PreparedItem
 from conductor.records import Batch, BatchItem, Contract, Result, json_encoder
 from conductor.schema import check as check_schema
@@ -216,6 +216,15 @@ class Conductor:
                 raise
         self._models_ready.add(model)
         return mk
+
+    def pause(self, model: str) -> None:
+        """Every script that writes this model's keys refuses until resume (workers ride it out,
+        producers get Paused): its keys may then move between cluster nodes, or be migrated,
+        with nothing half-written. Batches in flight stay in flight."""
+        self.r.hset(self.ensure_model(model).state, "paused", 1)
+
+    def resume(self, model: str) -> None:
+        self.r.hdel(self.ensure_model(model).state, "paused")
 
     def set_config(self, model: str, values: dict[str, Any]) -> None:
         mk = self.ensure_model(model)
@@ -692,4 +701,6 @@ def _raise_script_error(e: Exception) -> None:
     if msg.startswith("ERR_ARG"):
         field, _, rest = msg[len("ERR_ARG "):].partition(": ")
         raise BadInput(field, rest) from None
+    if msg.startswith("PAUSED"):
+        raise Paused(msg) from None
     raise e

@@ -25,6 +25,11 @@ class QueueFull(ConductorError):
     """
 
 
+class Paused(ConductorError):
+    """The model is paused (``conductor pause``): nothing of the refused call was written; the
+    same call succeeds after ``conductor resume``."""
+
+
 class SchemaMismatch(ConductorError):
     """Redis holds a key layout this code does not know: run ``conductor migrate``."""
 

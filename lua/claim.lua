@@ -18,7 +18,7 @@
 --   warming}; flags: 1 cleanup, 2 reclaimed, 4 force-drained lane; n items are in the token's
 --   list, in lane order, as item records (conductor/keys.py); warming is the shape instance
 --   "sig:epoch" being pre-warmed ('' if none): the pre-warm signal. Or {0, reason} when nothing
---   is dispatched (reason: gate, wait, idle). Errors: 'ERR_ARG <field>: ...' with nothing
+--   is dispatched (reason: gate, wait, idle, paused). Errors: 'ERR_ARG <field>: ...' with nothing
 --   written.
 -- Cost: item bytes never enter Lua on the normal path: sizes come from the lane's token list
 --   and the items move from lane to batch list inside Redis (SORT BY nosort LIMIT STORE keeps
@@ -75,8 +75,10 @@ end
 -- (scripts are atomic), so deliver() writes them back from these values; 'warming' is kept
 -- in warming_now as activate() and maybe_warm() change it.
 local st = redis.call('HMGET', state_key, 'gate', 'active', 'tokens', 'last_intake_ms', 'cleanup',
-  'reclaimed_items', 'inflight_batches', 'inflight_items', 'batches', 'items', 'warming', 'sweep_ms')
+  'reclaimed_items', 'inflight_batches', 'inflight_items', 'batches', 'items', 'warming', 'sweep_ms', 'paused')
 local warming_now = st[11] or ''
+-- Paused (see lib.lua paused()): nothing has been written yet, and nothing is.
+if st[13] == '1' then return {0, 'paused'} end
 
 -- The batch's items are already in batch_items_key; this records the batch and hands it to the
 -- consumer through the group.

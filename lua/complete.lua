@@ -17,6 +17,7 @@
 -- Invariants: an item's result is written at most once (its state in the job's items hash
 --   moves q -> d exactly once), so a batch completed twice, or completed by a slow worker after
 --   a reclaim handed it to another, never duplicates a result; counters move with the writes.
+-- While the model is paused (conductor pause) it refuses with 'PAUSED ...', nothing written.
 --@include lib.lua
 
 local base, state_key, batches_key = KEYS[1], KEYS[2], KEYS[3]
@@ -51,6 +52,8 @@ for i = 0, n - 1 do
   end
 end
 
+local refused = paused(state_key)
+if refused then return refused end
 local written, done_ok, done_err = 0, 0, 0
 for i = 0, n - 1 do
   local o = 4 + 4 * i

@@ -15,6 +15,7 @@
 --   one, and it joins the reclaimed queue (served first) alone with its deliveries reset to 1;
 --   so a job holds at most one result per item, and the item is delivered again at most
 --   max_deliveries times before it comes back here.
+-- While the model is paused (conductor pause) it refuses with 'PAUSED ...', nothing written.
 --@include lib.lua
 
 local base, state_key, dead_key, reclaimed_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
@@ -25,6 +26,8 @@ for i = 1, #ARGV do
   end
 end
 
+local refused = paused(state_key)
+if refused then return refused end
 local retried, skipped = 0, 0
 for i = 1, #ARGV do
   local entry = redis.call('XRANGE', dead_key, ARGV[i], ARGV[i])[1]

@@ -15,6 +15,7 @@
 --   this consumer (already completed, failed or reclaimed).
 -- Invariants: the same as reclaim.lua: nothing with a result is redone, an item is delivered at
 --   most max_deliveries times, then dead-lettered with a failed result so its job completes.
+-- While the model is paused (conductor pause) it refuses with 'PAUSED ...', nothing written.
 --@include lib.lua
 
 local base, cfg_key, state_key, batches_key, reclaimed_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
@@ -26,6 +27,8 @@ if (not consumer) or #consumer < 1 or #consumer > 200 then
   return redis.error_reply('ERR_ARG consumer: must be 1..200 bytes')
 end
 if #reason > 4096 then reason = string.sub(reason, 1, 4096) end
+local refused = paused(state_key)
+if refused then return refused end
 local cfg = load_cfg(cfg_key)
 local now = now_ms()
 -- After the locals it reads (base, state_key, batches_key, reclaimed_key, cfg, now).

@@ -98,3 +98,13 @@ local function item_record(id, job, tok, mt, body)
   return '[' .. json_str(id) .. ',' .. json_str(job) .. ',' .. tok .. ',' .. tonumber(mt) .. ',' ..
     string.sub(body, 2)
 end
+
+-- Paused (conductor pause MODEL): a script that writes checks this before its first write and
+-- refuses, so a model's keys can move between cluster nodes, or be migrated, while nothing is
+-- half-written. Returns the error reply to return, or nil.
+local function paused(state_key)
+  if redis.call('HGET', state_key, 'paused') == '1' then
+    return redis.error_reply('PAUSED the model is paused, nothing written (conductor resume MODEL)')
+  end
+  return nil
+end

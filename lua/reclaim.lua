@@ -19,6 +19,7 @@
 -- Invariants: a consumer whose heartbeat key lives keeps its leased batches (the heartbeat
 --   thread extends leases with XCLAIM JUSTID); results already written are never redone;
 --   the consumer is deleted only once its pending list is empty (DELCONSUMER would discard it).
+-- While the model is paused (conductor pause) it refuses with 'PAUSED ...', nothing written.
 --@include lib.lua
 
 local base, cfg_key, state_key, batches_key, reclaimed_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
@@ -35,6 +36,8 @@ if not int_in(count, 1, 1000) then
   return redis.error_reply('ERR_ARG count: must be an integer in 1..1000')
 end
 
+local refused = paused(state_key)
+if refused then return refused end
 local cfg = load_cfg(cfg_key)
 local now = now_ms()
 -- After the locals it reads (base, state_key, batches_key, reclaimed_key, cfg, now).

@@ -11,6 +11,7 @@
 -- Returns: 1 when the instance was re-derived, 0 when it was already current or is gone.
 -- Invariant: afterwards every non-empty lane's fill score and ready membership follow the
 --   current cfg (budget_tokens, budget_items, mode), the same rule submit.lua and claim.lua apply.
+-- While the model is paused (conductor pause) it refuses with 'PAUSED ...', nothing written.
 --@include lib.lua
 
 local base, cfg_key, state_key = KEYS[1], KEYS[2], KEYS[3]
@@ -18,6 +19,8 @@ local inst = ARGV[1]
 if not inst or not string.match(inst, '^%x+:%d+$') then
   return redis.error_reply('ERR_ARG inst: must be a shape instance like 0123456789abcdef:1')
 end
+local refused = paused(state_key)
+if refused then return refused end
 local cfg = load_cfg(cfg_key)
 local h = redis.call('HMGET', base .. ':inst:' .. inst, 'state', 'idx')
 if not h[1] or h[2] == index_version(cfg) then return 0 end

@@ -25,6 +25,7 @@
 --   tokens and items are the sum of its lanes, a staged or warming instance (only those) is
 --   scored in the staged ZSET with its tokens, and the instance's index version (lib.lua
 --   index_version) names the current config. Item records and token lists are never moved.
+-- While the model is paused (conductor pause) it refuses with 'PAUSED ...', nothing written.
 --@include lib.lua
 
 local base, cfg_key = KEYS[1], KEYS[2]
@@ -35,6 +36,8 @@ end
 for i = 2, #ARGV do
   if not string.match(ARGV[i], '^%d+$') then return redis.error_reply('ERR_ARG lane: must be a lane id') end
 end
+local refused = paused(KEYS[3])
+if refused then return refused end
 local cfg = load_cfg(cfg_key)
 local now = now_ms()
 local ik = base .. ':inst:' .. inst

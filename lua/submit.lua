@@ -26,6 +26,7 @@
 --   a lane list and its token list always have the same length, in the same order;
 --   lanes only grow and are never merged; a draining or finished shape instance never takes
 --   a new item: the signature's next epoch (staged) does.
+-- While the model is paused (conductor pause) it refuses with 'PAUSED ...', nothing written.
 --@include lib.lua
 
 local base, cfg_key, state_key = KEYS[1], KEYS[2], KEYS[3]
@@ -96,6 +97,8 @@ for i = 0, n - 1 do
   call_tokens = call_tokens + tok
 end
 
+local refused = paused(state_key)
+if refused then return refused end
 local cfg = load_cfg(cfg_key)
 if cfg.max_waiting_tokens > 0 then
   local waiting = num(redis.call('HGET', state_key, 'tokens'))

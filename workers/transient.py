@@ -11,20 +11,20 @@ from __future__ import annotations
 
 import redis
 
-from conductor.errors import QueueFull, RedisUnavailable
+from conductor.errors import Paused, QueueFull, RedisUnavailable
 
 _TRANSIENT_REPLIES = ("NOREPLICAS", "READONLY", "LOADING", "BUSY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN",
-                      "OOM")
+                      "OOM", "PAUSED")
 
 # redis-py turns these replies into their own classes and strips the code from the message,
 # so the text check below never sees them.
-_TRANSIENT_CLASSES = (redis.ConnectionError, redis.TimeoutError, RedisUnavailable, QueueFull, OSError,
+_TRANSIENT_CLASSES = (redis.ConnectionError, redis.TimeoutError, RedisUnavailable, QueueFull, Paused, OSError,
                       redis.exceptions.ReadOnlyError, redis.exceptions.TryAgainError,
                       redis.exceptions.ClusterDownError, redis.exceptions.MasterDownError,
                       redis.exceptions.MovedError, redis.exceptions.AskError,
                       redis.exceptions.OutOfMemoryError)
 
-RIDE_OUT: tuple[type[BaseException], ...] = (redis.RedisError, RedisUnavailable, QueueFull, OSError)
+RIDE_OUT: tuple[type[BaseException], ...] = (redis.RedisError, RedisUnavailable, QueueFull, Paused, OSError)
 
 
 def is_transient(e: BaseException) -> bool:
