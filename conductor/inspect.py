@@ -62,7 +62,8 @@ def model_overview(c, model: str, lanes: bool = False) -> dict[str, Any]:  # noq
 
 def render(ov: dict[str, Any]) -> str:
     st = ov["state"]
-    out = [f"model {ov['model']}: waiting {st.get('items', 0)} items / {st.get('tokens', 0)} tokens, "
+    paused = " (PAUSED: conductor resume)" if st.get("paused") == "1" else ""
+    out = [f"model {ov['model']}{paused}: waiting {st.get('items', 0)} items / {st.get('tokens', 0)} tokens, "
            f"in flight {st.get('inflight_items', 0)} items in {st.get('inflight_batches', 0)} batches, "
            f"gate {'open' if st.get('gate') == '1' else 'closed'}, "
            f"cleanup {'on' if st.get('cleanup') == '1' else 'off'}, active {st.get('active') or '-'}, "

@@ -27,6 +27,7 @@ def test_a_paused_model_refuses_every_write_and_resume_finishes_the_job(cdr, red
     inflight, _ = cdr.claim(C, "w")
     doomed, _ = cdr.claim(C, "gone")  # a dead consumer's batch, to dead-letter after resume
     assert b"paused" in cli("pause", "m", url=redis_url).stdout
+    assert b"PAUSED" in cli("inspect", "m", url=redis_url).stdout
     before = dump(cdr.r)
     with pytest.raises(Paused):
         cdr.submit([item(i, 10) for i in range(20, 30)], "j")
