@@ -241,7 +241,11 @@ class Conductor:
         active = self.r.hget(mk.state, "active")
         if active:
             insts.add(_s(active))
-        return sum(int(self.scripts.reindex(keys=[mk.base, mk.cfg, mk.state], args=[i])) for i in insts if i)
+        try:
+            return sum(int(self.scripts.reindex(keys=[mk.base, mk.cfg, mk.state], args=[i])) for i in insts if i)
+        except redis.ResponseError as e:
+            _raise_script_error(e)
+            raise
 
     def config(self, model: str) -> dict[str, str]:
         mk = K.ModelKeys(model)

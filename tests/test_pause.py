@@ -68,3 +68,19 @@ def test_a_worker_rides_a_pause_out_and_writes_its_results_after_resume(cdr):
     run_until_done(w)
     rows = [json.loads(r) for r in cdr.results("j")]
     assert sorted(r["id"] for r in rows) == [f"i{k:04d}" for k in range(12)]
+
+
+def test_a_worker_with_idle_exit_waits_out_a_pause_instead_of_exiting(cdr):
+    import threading
+    import time
+    submit(cdr, 8, tokens=10, max_tokens=4)
+    cdr.pause("m")
+    w = worker(cdr, idle_exit_s=0.3)
+    t = threading.Thread(target=w.run)
+    t.start()
+    time.sleep(1.0)
+    assert t.is_alive()  # paused for three times its idle limit, still there
+    cdr.resume("m")
+    t.join(20)
+    assert not t.is_alive()  # finished the job, then idle: it exits
+    assert cdr.status("j")["done"]

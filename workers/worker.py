@@ -32,6 +32,7 @@ import redis
 
 from conductor import keys as K
 from conductor.client import Conductor
+from conductor.errors import Paused
 from conductor.records import Batch, Contract, Result, ResultError
 from workers.engines.base import Engine, Finished
 from workers.latch import AdmissionLatch
@@ -82,6 +83,7 @@ class Worker:
         # Separate from ``stopping``: leases must keep being extended while the worker drains.
         self._hb_stop = threading.Event()
         self.batches_claimed = 0
+        self.last_claim = ""  # the reason the last claim gave (batch, wait, idle, paused, ...)
         self.finished = 0
         self.output_tokens = 0
         self._lock = threading.Lock()
@@ -106,7 +108,10 @@ class Worker:
         set_tokens, set_items = pipe.execute()[1:3]
         if set_tokens or set_items:
             # Lanes that waited for this first worker were judged under the default budget.
-            self.c.reindex(c.model)
+            try:
+                self.c.reindex(c.model)
+            except Paused:
+                event("reindex_deferred", worker=self.name, model=c.model)  # claim.lua re-derives lazily
         event("registered", worker=self.name, model=c.model, engine=self.engine.kind,
               max_batch_size=c.max_batch_size, max_batch_tokens=c.max_batch_tokens,
               max_input_len=c.max_input_len, high_water=self.latch.high, low_water=self.latch.low)
@@ -221,7 +226,7 @@ class Worker:
         contract = Contract(model=self.contract.model, max_batch_size=size,
                             max_batch_tokens=self.contract.max_batch_tokens,
                             max_input_len=self.contract.max_input_len)
-        batch, _reason = self.c.claim(contract, self.name)
+        batch, self.last_claim = self.c.claim(contract, self.name)
         if batch is None:
             return False
         self.batches_claimed += 1
@@ -319,6 +324,8 @@ class Worker:
                 if self.opts.max_batches is not None and self.batches_claimed >= self.opts.max_batches \
                         and not self.inflight and not self.retry:
                     break
+                if self.last_claim == "paused":
+                    idle_since = time.monotonic()  # a paused model is not a finished one
                 if self.opts.idle_exit_s is not None and time.monotonic() - idle_since > self.opts.idle_exit_s:
                     break
                 time.sleep(sleep)
