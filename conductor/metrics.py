@@ -49,6 +49,7 @@ class ModelStateCollector(Collector):
         "inflight_items": "conductor_inflight_items",
         "reclaimed_items": "conductor_reclaimed_items",
         "cleanup": "conductor_cleanup_active",
+        "paused": "conductor_model_paused",
     }
     STATE_COUNTERS = {
         "activations": "conductor_shape_activations",

@@ -44,3 +44,12 @@ def test_waiting_cleanup_pressure_and_starving_lanes_are_scraped(cdr):
     m = scrape(cdr, starving_s=0.05)
     assert m["conductor_waiting_items"] == 0 and m["conductor_cleanup_active"] == 0
     assert m["conductor_cleanup_items_total"] == 12 and m["conductor_cleanup_seconds_total"] > 0
+
+
+def test_a_paused_model_is_scraped_as_paused(cdr):
+    cdr.ensure_model("m")
+    assert scrape(cdr)["conductor_model_paused"] == 0
+    cdr.pause("m")
+    assert scrape(cdr)["conductor_model_paused"] == 1
+    cdr.resume("m")
+    assert scrape(cdr)["conductor_model_paused"] == 0
