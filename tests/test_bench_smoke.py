@@ -71,3 +71,10 @@ def test_lifecycle_bench_quick_runs_and_loses_nothing():
     text = run(quick=True)
     assert text.count("Conductor results: ok: every id exactly once.") == 2
     assert "| items left at the end (goal 0) | 0 | 0 |" in text
+
+
+def test_cluster_claim_bench_runs(capsys):
+    from bench import cluster_claim
+    assert cluster_claim.main(["--claims", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "| 3-node cluster |" in out and out.count("| single node") == 2
