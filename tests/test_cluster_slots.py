@@ -24,7 +24,7 @@ from tests.conftest import ROOT, item
 CORE = ["tests/test_e2e.py", "tests/test_submit.py", "tests/test_claim.py", "tests/test_complete.py",
         "tests/test_reclaim.py", "tests/test_deadletter.py", "tests/test_verify.py", "tests/test_verify_cli.py",
         "tests/test_verify_live.py", "tests/test_migrations.py", "tests/test_lifecycle.py",
-        "tests/test_worker_drain.py", "tests/test_cli.py",
+        "tests/test_worker_drain.py", "tests/test_cli.py", "tests/test_pause.py",
         "tests/test_faults.py::test_client_rides_out_a_redis_crash_and_restart"]
 
 
