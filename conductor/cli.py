@@ -26,7 +26,9 @@ def _url(args: argparse.Namespace) -> str:
 
 def _conductor(args: argparse.Namespace):  # noqa: ANN202
     from conductor.client import Conductor
-    return Conductor.from_url(_url(args))
+    wait = args.wait_replicas if getattr(args, "wait_replicas", None) is not None else \
+        int(os.environ.get("CONDUCTOR_WAIT_REPLICAS", "0") or 0)
+    return Conductor.from_url(_url(args), wait_replicas=wait)
 
 
 def _progress(done: int, total: int, enabled: bool) -> None:
@@ -322,6 +324,9 @@ def _engine_flags(p: argparse.ArgumentParser, model_required: bool = True) -> No
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="conductor", description=__doc__)
     p.add_argument("--redis", help=f"Redis URL (env CONDUCTOR_REDIS_URL; default {DEFAULT_URL}; rediss:// for TLS)")
+    p.add_argument("--wait-replicas", type=int, default=None, metavar="N",
+                   help="submit and complete wait until N replicas hold their writes (env CONDUCTOR_WAIT_REPLICAS; "
+                        "default 0)")
     p.add_argument("--log-level", default="info")
     sub = p.add_subparsers(dest="cmd", required=True)
 

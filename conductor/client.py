@@ -26,7 +26,7 @@ from redis.retry import Retry
 
 from conductor import keys as K
 from conductor.config import DEFAULTS
-from conductor.errors import BadInput, Paused, QueueFull, RedisUnavailable
+from conductor.errors import BadInput, NotReplicated, Paused, QueueFull, RedisUnavailable
 from conductor.formats import PreparedItem
 from conductor.records import Batch, BatchItem, Contract, Result, json_encoder
 from conductor.schema import check as check_schema
@@ -182,8 +182,14 @@ class SubmitReport:
 class Conductor:
     """One client of one Redis; cheap to create, safe to use from one thread at a time."""
 
-    def __init__(self, client: redis.Redis, *, migrate: bool = True) -> None:
+    def __init__(self, client: redis.Redis, *, migrate: bool = True, wait_replicas: int = 0,
+                 wait_timeout_ms: int = 1000) -> None:
+        """``wait_replicas``: submit and complete return only once that many replicas hold
+        their writes (WAIT), else raise NotReplicated: with asynchronous replication a failover
+        may otherwise lose writes the old primary acknowledged."""
         self.r = client
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
         self.scripts = Scripts(client)
         check_schema(client, auto=migrate)
         self._models_ready: set[str] = set()
@@ -312,6 +318,9 @@ class Conductor:
                     error = _read_submit_reply(conn, inflight.popleft(), report, again) or error
             while inflight:
                 error = _read_submit_reply(conn, inflight.popleft(), report, again) or error
+            if self.wait_replicas and report.accepted:
+                conn.send_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
+                self._replicated(conn.read_response())
             clean = True
         except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
             raise RedisUnavailable(f"lost Redis during submit: {e}") from None
@@ -321,7 +330,7 @@ class Conductor:
             pool.release(conn)
         for chunk in again:
             try:
-                _count_submit_reply(script(keys=keys, args=_submit_args(job, chunk)), report)
+                _count_submit_reply(self._confirmed(script, keys, _submit_args(job, chunk)), report)
             except redis.ResponseError as e:
                 error = error or e
         if error is not None:
@@ -499,10 +508,27 @@ class Conductor:
         for res in results:
             args += [res.job, res.id, "err" if res.error else "ok", json_encoder.encode(res)]
         try:
-            written, acked = self.scripts.complete(keys=[mk.base, mk.state, mk.batches], args=args)
+            written, acked = self._confirmed(self.scripts.complete, [mk.base, mk.state, mk.batches], args)
         except redis.ResponseError as e:
             _raise_script_error(e)
         return int(written), int(acked)
+
+    def _confirmed(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """The script's reply; with wait_replicas, once its writes reached that many replicas
+        (WAIT runs on the connection that wrote them: a pipeline keeps the two together)."""
+        if not self.wait_replicas:
+            return script(keys=keys, args=args)
+        pipe = self.r.pipeline(transaction=False)
+        script(keys=keys, args=args, client=pipe)
+        pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
+        reply, acked = pipe.execute()
+        self._replicated(acked)
+        return reply
+
+    def _replicated(self, acked: Any) -> None:
+        if int(acked) < self.wait_replicas:
+            raise NotReplicated(f"{acked} of {self.wait_replicas} replicas confirmed the write within "
+                                f"{self.wait_timeout_ms} ms; it is on the primary, and sending it again is safe")
 
     # ------------------------------------------------------------------ failure paths
     def fail(self, batch: Batch, consumer: str, reason: str) -> tuple[int, int]:

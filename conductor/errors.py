@@ -30,6 +30,11 @@ class Paused(ConductorError):
     same call succeeds after ``conductor resume``."""
 
 
+class NotReplicated(ConductorError):
+    """The write went to the primary, but fewer replicas than asked for confirmed it in time
+    (WAIT). Sending the same call again is safe: submit and complete are idempotent."""
+
+
 class SchemaMismatch(ConductorError):
     """Redis holds a key layout this code does not know: run ``conductor migrate``."""
 

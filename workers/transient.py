@@ -11,20 +11,22 @@ from __future__ import annotations
 
 import redis
 
-from conductor.errors import Paused, QueueFull, RedisUnavailable
+from conductor.errors import NotReplicated, Paused, QueueFull, RedisUnavailable
 
 _TRANSIENT_REPLIES = ("NOREPLICAS", "READONLY", "LOADING", "BUSY", "MASTERDOWN", "TRYAGAIN", "CLUSTERDOWN",
                       "OOM", "PAUSED")
 
 # redis-py turns these replies into their own classes and strips the code from the message,
 # so the text check below never sees them.
-_TRANSIENT_CLASSES = (redis.ConnectionError, redis.TimeoutError, RedisUnavailable, QueueFull, Paused, OSError,
+_TRANSIENT_CLASSES = (redis.ConnectionError, redis.TimeoutError, RedisUnavailable, QueueFull, Paused, NotReplicated,
+                      OSError,
                       redis.exceptions.ReadOnlyError, redis.exceptions.TryAgainError,
                       redis.exceptions.ClusterDownError, redis.exceptions.MasterDownError,
                       redis.exceptions.MovedError, redis.exceptions.AskError,
                       redis.exceptions.OutOfMemoryError)
 
-RIDE_OUT: tuple[type[BaseException], ...] = (redis.RedisError, RedisUnavailable, QueueFull, Paused, OSError)
+RIDE_OUT: tuple[type[BaseException], ...] = (redis.RedisError, RedisUnavailable, QueueFull, Paused, NotReplicated,
+                                             OSError)
 
 
 def is_transient(e: BaseException) -> bool:

@@ -1,0 +1,80 @@
+"""With wait_replicas, submit and complete return only once a replica holds their writes (WAIT),
+else raise NotReplicated; sending the same call again is safe, and a worker keeps its results
+until a replica confirms them. A real primary and a real replica (REPLICAOF)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conductor.client import Conductor, connect
+from conductor.embedded import EmbeddedRedis
+from conductor.errors import NotReplicated
+from tests.conftest import item
+from tests.helpers import quick
+from tests.worker_kit import run_until_done, sim, worker
+
+
+def _link_up(replica: EmbeddedRedis, timeout: float = 20.0) -> None:
+    r = connect(replica.url)
+    deadline = time.monotonic() + timeout
+    while r.info("replication").get("master_link_status") != "up":
+        assert time.monotonic() < deadline, "the replica never synced"
+        time.sleep(0.05)
+
+
+@pytest.fixture()
+def pair():
+    primary = EmbeddedRedis().start()
+    replica = EmbeddedRedis(extra=["--replicaof", "127.0.0.1", str(primary.port)]).start()
+    _link_up(replica)
+    yield primary, replica
+    replica.close()
+    primary.close()
+
+
+def test_a_confirmed_submit_and_complete_are_on_the_replica_when_they_return(pair):
+    primary, replica = pair
+    c = Conductor(connect(primary.url), wait_replicas=1, wait_timeout_ms=5000)
+    quick(c)
+    c.submit([item(i, 10) for i in range(40)], "j")
+    on_replica = connect(replica.url)
+    assert on_replica.hget("cdr:{m}:job:j", "submitted") == b"40"  # no polling: WAIT saw to it
+    w = worker(c, engine=sim())
+    run_until_done(w)
+    assert on_replica.hget("cdr:{m}:job:j", "completed") == b"40"
+    assert on_replica.xlen("cdr:{m}:job:j:results") == 40
+
+
+def test_without_a_replica_the_write_is_reported_and_sending_it_again_is_safe(pair):
+    primary, replica = pair
+    c = Conductor(connect(primary.url), wait_replicas=1, wait_timeout_ms=200)
+    quick(c)
+    c.submit([item(i, 10) for i in range(20)], "j")
+    replica.stop()
+    with pytest.raises(NotReplicated, match="0 of 1 replicas"):
+        c.submit([item(i, 10) for i in range(20, 30)], "j")
+    assert c.status("j")["submitted"] == 30  # on the primary, unconfirmed
+    replica.start()
+    _link_up(replica)
+    rep = c.submit([item(i, 10) for i in range(20, 30)], "j")  # the producer's re-run
+    assert (rep.accepted, rep.duplicates) == (0, 10)
+    assert connect(replica.url).hget("cdr:{m}:job:j", "submitted") == b"30"
+
+
+def test_a_worker_keeps_its_results_until_a_replica_confirms_them(pair):
+    primary, replica = pair
+    c = Conductor(connect(primary.url), wait_replicas=1, wait_timeout_ms=100)
+    quick(c)
+    c.submit([item(f"i{k:04d}", 10, max_tokens=4) for k in range(12)], "j")
+    replica.stop()
+    w = worker(c, engine=sim())
+    for _ in range(6):
+        w.turn()
+    assert w.retry  # written on the primary, unconfirmed: kept, and tried again
+    replica.start()
+    _link_up(replica)
+    run_until_done(w)
+    assert c.status("j")["completed"] == 12
+    assert sorted(r.id for r in c.read_results("j")) == [f"i{k:04d}" for k in range(12)]
