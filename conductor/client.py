@@ -318,7 +318,10 @@ class Conductor:
                     error = _read_submit_reply(conn, inflight.popleft(), report, again) or error
             while inflight:
                 error = _read_submit_reply(conn, inflight.popleft(), report, again) or error
-            if self.wait_replicas and report.accepted:
+            if self.wait_replicas:
+                # Also when every item was a duplicate: a re-run after NotReplicated must not
+                # return before the replicas have caught up (the pool hands a single producer
+                # the connection that made the first writes, and WAIT covers its offset).
                 conn.send_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
                 self._replicated(conn.read_response())
             clean = True
