@@ -70,9 +70,13 @@ def test_a_worker_keeps_its_results_until_a_replica_confirms_them(pair):
     c.submit([item(f"i{k:04d}", 10, max_tokens=4) for k in range(12)], "j")
     replica.stop()
     w = worker(c, engine=sim())
-    for _ in range(6):
+    for _ in range(50):
         w.turn()
+        if w.retry:
+            break
     assert w.retry  # written on the primary, unconfirmed: kept, and tried again
+    w.turn()
+    assert w.retry  # still unconfirmed on the next try
     replica.start()
     _link_up(replica)
     run_until_done(w)
