@@ -195,7 +195,9 @@ class Conductor:
         self._models_ready: set[str] = set()
         self._prefix_cache: dict[tuple[str, str], list[str]] = {}
         # the claim's own connection, per server (one, or one per cluster node that holds a model)
-        self._hot_conns: dict[int, redis.connection.AbstractConnection] = {}
+        # keyed by the pool itself, not id(): a pool dropped after a slot-map refresh stays
+        # referenced here, so its id is never reused for another node's pool
+        self._hot_conns: dict[redis.ConnectionPool, redis.connection.AbstractConnection] = {}
         # (model, consumer) -> tokens of claims whose reply was lost (see claim)
         self._lost_claims: dict[tuple[str, str], list[str]] = {}
 
@@ -460,10 +462,10 @@ class Conductor:
         batch up by its token (``_recover_lost_claim``).
         """
         pool = self._pool_for(first[3])  # the script's first key
-        conn = self._hot_conns.get(id(pool))
+        conn = self._hot_conns.get(pool)
         if conn is None:
             # Checked out for good: the pool still owns it, so closing the client closes it.
-            conn = self._hot_conns[id(pool)] = pool.get_connection()
+            conn = self._hot_conns[pool] = pool.get_connection()
         try:
             # A connection the server closed (a restart) reads as readable: open a fresh one, as
             # the pool does, so a restart costs no claim. Connecting retries with backoff.
