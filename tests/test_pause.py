@@ -7,6 +7,7 @@ import pytest
 import redis
 
 from conductor import keys as K
+from conductor.deadletter import DeadLetter
 from conductor.errors import Paused
 from conductor.records import Contract
 from tests.conftest import cli, item
@@ -25,7 +26,10 @@ def test_a_paused_model_refuses_every_write_and_resume_finishes_the_job(cdr, red
     quick(cdr, max_deliveries=1)
     cdr.submit([item(i, 10) for i in range(20)], "j")
     inflight, _ = cdr.claim(C, "w")
-    doomed, _ = cdr.claim(C, "gone")  # a dead consumer's batch, to dead-letter after resume
+    doomed, _ = cdr.claim(C, "gone")  # a dead consumer's batch: dead-lettered (max_deliveries 1)
+    cdr.reclaim_consumer("m", "gone", force=True)
+    dead_ids = [eid for eid, _ in cdr.r.xrange(MK.dead)]
+    assert dead_ids
     assert b"paused" in cli("pause", "m", url=redis_url).stdout
     assert b"PAUSED" in cli("inspect", "m", url=redis_url).stdout
     before = dump(cdr.r)
@@ -38,16 +42,15 @@ def test_a_paused_model_refuses_every_write_and_resume_finishes_the_job(cdr, red
     for script, keys, args in [(cdr.scripts.fail, keys5, [inflight.batch_id, "w", "boom"]),
                                (cdr.scripts.reclaim, keys5, ["gone", 1, 0, 10]),
                                (cdr.scripts.reindex, [MK.base, MK.cfg, MK.state], [f"{inflight.shape}:1"]),
-                               (cdr.scripts.repair, [MK.base, MK.cfg, MK.state], [f"{inflight.shape}:1"])]:
+                               (cdr.scripts.repair, [MK.base, MK.cfg, MK.state], [f"{inflight.shape}:1"]),
+                               (DeadLetter(cdr)._retry, [MK.base, MK.state, MK.dead, MK.reclaimed], dead_ids)]:
         with pytest.raises(redis.ResponseError, match="^PAUSED"):
             script(keys=keys, args=args)
     assert dump(cdr.r) == before  # nothing written by any of them
     assert b"resumed" in cli("resume", "m", url=redis_url).stdout
     cdr.complete(inflight, results_for(inflight))
-    cdr.reclaim_consumer("m", "gone", force=True)
     cdr.submit([item(i, 10) for i in range(20, 30)], "j")
     drain(cdr, C)
-    from conductor.deadletter import DeadLetter
     assert DeadLetter(cdr).retry(model="m")["retried"] == len(doomed.items)
     drain(cdr, C)
     ids = sorted(int(r.id) for r in cdr.read_results("j"))
