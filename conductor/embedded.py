@@ -38,11 +38,14 @@ def find_server() -> str:
 
 class EmbeddedRedis:
     def __init__(self, *, port: int | None = None, appendonly: bool = False, appendfsync: str = "always",
-                 extra: list[str] | None = None, dir: str | None = None, cluster: bool = False) -> None:
+                 extra: list[str] | None = None, dir: str | None = None, cluster: bool = False,
+                 own_all_slots: bool = True) -> None:
         self.port = port or free_port()
-        # cluster: a one-node Redis Cluster owning every slot, so that Redis itself refuses a
-        # command or script touching keys of two slots (tests/test_cluster_slots.py).
+        # cluster: a Redis Cluster node; with own_all_slots a one-node cluster owning every slot,
+        # so that Redis itself refuses a command or script touching keys of two slots
+        # (tests/test_cluster_slots.py); without, a member EmbeddedCluster assigns slots to.
         self.cluster = cluster
+        self.own_all_slots = own_all_slots
         # The cluster bus port defaults to port + 10000, past 65535 for a high free port.
         self.bus_port = free_port() if cluster else 0
         self.appendonly = appendonly
@@ -81,7 +84,7 @@ class EmbeddedRedis:
                 if c.ping():
                     # AOF loading answers LOADING until done; wait for a usable server.
                     c.dbsize()
-                    if self.cluster:
+                    if self.cluster and self.own_all_slots:
                         self._own_all_slots(c, deadline)
                     c.close()
                     return self
@@ -133,7 +136,7 @@ class EmbeddedCluster:
     joined with CLUSTER MEET: for tests of a model's keys living on one node among several."""
 
     def __init__(self, nodes: int = 3) -> None:
-        self.nodes = [EmbeddedRedis(cluster=True) for _ in range(nodes)]
+        self.nodes = [EmbeddedRedis(cluster=True, own_all_slots=False) for _ in range(nodes)]
 
     @property
     def url(self) -> str:
@@ -142,54 +145,47 @@ class EmbeddedCluster:
 
     def start(self, timeout: float = 20.0) -> EmbeddedCluster:
         for n in self.nodes:
-            n.proc = subprocess.Popen(n.args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      start_new_session=True)
-        clients = []
+            n.start(timeout)
+        clients = [redis.Redis(port=n.port) for n in self.nodes]
         deadline = time.monotonic() + timeout
-        for n in self.nodes:
-            while True:
-                try:
-                    c = redis.Redis(port=n.port, socket_connect_timeout=0.2)
-                    c.ping()
-                    clients.append(c)
-                    break
-                except (redis.ConnectionError, OSError):
-                    if time.monotonic() > deadline or (n.proc and n.proc.poll() is not None):
-                        raise RedisUnavailable(f"cluster node on port {n.port} did not start") from None
-                    time.sleep(0.05)
-        step = 16384 // len(self.nodes)
-        for i, c in enumerate(clients):
-            last = 16383 if i == len(clients) - 1 else (i + 1) * step - 1
-            c.execute_command("CLUSTER", "ADDSLOTSRANGE", i * step, last)
-        for c in clients[1:]:
-            c.execute_command("CLUSTER", "MEET", "127.0.0.1", self.nodes[0].port, self.nodes[0].bus_port)
-        while time.monotonic() < deadline:
-            infos = [c.execute_command("CLUSTER", "INFO") for c in clients]
-            if all(b"cluster_state:ok" in i and f"cluster_known_nodes:{len(clients)}".encode() in i
-                   for i in infos):
-                for c in clients:
-                    c.close()
-                return self
-            time.sleep(0.05)
+        try:
+            step = 16384 // len(self.nodes)
+            for i, c in enumerate(clients):
+                last = 16383 if i == len(clients) - 1 else (i + 1) * step - 1
+                c.execute_command("CLUSTER", "ADDSLOTSRANGE", i * step, last)
+            for c in clients[1:]:
+                c.execute_command("CLUSTER", "MEET", "127.0.0.1", self.nodes[0].port, self.nodes[0].bus_port)
+            while time.monotonic() < deadline:
+                infos = [c.execute_command("CLUSTER", "INFO") for c in clients]
+                if all(b"cluster_state:ok" in i and f"cluster_known_nodes:{len(clients)}".encode() in i
+                       for i in infos):
+                    return self
+                time.sleep(0.05)
+        finally:
+            for c in clients:
+                c.close()
         raise RedisUnavailable("embedded cluster never reached state ok")
 
     def move_slot(self, slot: int, to: int) -> None:
         """Reshard one slot to node ``to`` the way redis-cli does: IMPORTING and MIGRATING marks,
         MIGRATE of its keys in pages, then SETSLOT NODE on every node."""
         cs = [redis.Redis(port=n.port) for n in self.nodes]
-        ids = [c.execute_command("CLUSTER", "MYID").decode() for c in cs]
-        port = next(int(row[2][1]) for row in cs[0].execute_command("CLUSTER", "SLOTS") if row[0] <= slot <= row[1])
-        owner = [n.port for n in self.nodes].index(port)
-        if owner == to:
-            return
-        cs[to].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[owner])
-        cs[owner].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[to])
-        while keys := cs[owner].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
-            cs[owner].execute_command("MIGRATE", "127.0.0.1", self.nodes[to].port, "", 0, 5000, "KEYS", *keys)
-        for c in cs:
-            c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[to])
-        for c in cs:
-            c.close()
+        try:
+            ids = [c.execute_command("CLUSTER", "MYID").decode() for c in cs]
+            port = next(int(row[2][1]) for row in cs[0].execute_command("CLUSTER", "SLOTS")
+                        if row[0] <= slot <= row[1])
+            owner = [n.port for n in self.nodes].index(port)
+            if owner == to:
+                return
+            cs[to].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[owner])
+            cs[owner].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[to])
+            while keys := cs[owner].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+                cs[owner].execute_command("MIGRATE", "127.0.0.1", self.nodes[to].port, "", 0, 5000, "KEYS", *keys)
+            for c in cs:
+                c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[to])
+        finally:
+            for c in cs:
+                c.close()
 
     def close(self) -> None:
         for n in self.nodes:
