@@ -22,7 +22,8 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     M:inst:S:E                      hash     one shape instance (an epoch of a signature): state, counters
     M:inst:S:E:lanes                zset     lane id -> representative length (rolling lanes)
     M:inst:S:E:ready                zset     lane id -> lane id, lanes holding a full batch (round-robin)
-    M:inst:S:E:fill                 zset     lane id -> padded tokens waiting, every non-empty lane
+    M:inst:S:E:fill                 zset     lane id -> representative length, every non-empty lane: the
+                                             order in which a claim fills a batch from neighbouring lanes
     M:inst:S:E:free                 set      retired lane ids, reused before new ones
     M:inst:S:E:touch                zset     lane id -> last assignment time (ms), for lane hygiene
     M:lane:S:E:L                    list     waiting items of one lane, in arrival order, each an item

@@ -245,77 +245,118 @@ local function finish(inst)
     'ms', now)
 end
 
--- info: the instance's HMGET (INFO_FIELDS) read by the caller in this call.
-local function take_from_lane(inst, lane, flags, info)
-  local ik = inst_key(inst)
-  local lk = base .. ':lane:' .. inst .. ':' .. lane
-  local tk = base .. ':lanetok:' .. inst .. ':' .. lane
+-- Plan one lane's part of a batch: read its token list (never more than the batch can still
+-- take) and add items while they fit. acc carries the batch so far: k, maxlen, pmax, sum, full.
+local function plan_lane(inst, lane, acc)
   local mk = base .. ':lanemeta:' .. inst .. ':' .. lane
   local meta = redis.call('HMGET', mk, 'rep', 'last_ms', 'items', 'tokens')
-  local rep, lane_items = num(meta[1]), num(meta[3])
-  -- Every item is at most the lane's rep (lanes only grow), so at least `sure` items fit; read
-  -- the token list in chunks just past that, so the reads grow with the batch, not the lane.
-  local sure = math.floor(max_tokens / math.max(1, disk and rep or pad8(rep)))
-  local want = math.min(max_items, math.max(1, lane_items))
-  local k, maxlen, pmax, sum, from, full = 0, 0, 0, 0, 0, false
-  if sure >= want then
-    -- Every item the batch can take fits: only the sum and the longest are needed.
-    local toks = redis.call('LRANGE', tk, 0, want - 1)
-    for i = 1, #toks do
-      local tok = tonumber(toks[i])
-      sum = sum + tok
-      if tok > maxlen then maxlen = tok end
+  local lane_items = num(meta[3])
+  local want = math.min(max_items - acc.k, lane_items)
+  if want <= 0 then return nil end
+  local toks = redis.call('LRANGE', base .. ':lanetok:' .. inst .. ':' .. lane, 0, want - 1)
+  local k0, sum0 = acc.k, acc.sum
+  local k, maxlen, pmax, sum = acc.k, acc.maxlen, acc.pmax, acc.sum
+  -- fits() written out: this loop runs once per item of every batch.
+  for i = 1, #toks do
+    local tok = tonumber(toks[i])
+    if k > 0 then
+      if k >= max_items then acc.full = true break end
+      if disk then
+        if sum + tok > max_tokens then acc.full = true break end
+      elseif tok > maxlen then
+        if (k + 1) * (tok + (-tok) % 8) > max_tokens then acc.full = true break end
+      elseif (k + 1) * pmax > max_tokens then acc.full = true break end
     end
-    k, full = #toks, true
+    k = k + 1
+    sum = sum + tok
+    if tok > maxlen then
+      maxlen = tok
+      pmax = tok + (-tok) % 8
+    end
   end
-  while not full and k < want do
-    local upto = math.min(want, math.max(sure + 8, from + 64)) - 1
-    local toks = redis.call('LRANGE', tk, from, upto)
-    if #toks == 0 then break end
-    -- fits() written out: this loop runs once per item of every batch.
-    for i = 1, #toks do
-      local tok = tonumber(toks[i])
-      if k > 0 then
-        if k >= max_items then full = true break end
-        if disk then
-          if sum + tok > max_tokens then full = true break end
-        elseif tok > maxlen then
-          if (k + 1) * (tok + (-tok) % 8) > max_tokens then full = true break end
-        elseif (k + 1) * pmax > max_tokens then full = true break end
-      end
-      k = k + 1
-      sum = sum + tok
-      if tok > maxlen then
-        maxlen = tok
-        pmax = tok + (-tok) % 8
+  if k >= max_items then acc.full = true end
+  acc.k, acc.maxlen, acc.pmax, acc.sum = k, maxlen, pmax, sum
+  if k == k0 then return nil end
+  return {lane = lane, k = k - k0, sum = sum - sum0, meta = meta, mk = mk}
+end
+
+-- Plan a batch of one instance: from lane `first` when given (a ready lane, or a lane hygiene
+-- drains), then, while the batch is not full, from the neighbouring non-empty lanes above it in
+-- length order (the fill index scores each by its rep); without `first`, from the shortest lane
+-- up. Padded to the longest item taken, like a cut of the instance's items sorted by length.
+-- Reads only: the bound is the batch (each lane visited gives at least one item or closes it).
+local function plan_batch(inst, first)
+  local ik = inst_key(inst)
+  local acc = {k = 0, maxlen = 0, pmax = 0, sum = 0, full = false}
+  local parts = {}
+  local from = 0
+  if first then
+    local seg = plan_lane(inst, first, acc)
+    if seg then parts[1] = seg end
+    if acc.full then return parts, acc end
+    from = redis.call('ZRANK', ik .. ':fill', first)
+    if not from then return parts, acc end
+    from = from + 1
+  end
+  while not acc.full do
+    local lanes = redis.call('ZRANGE', ik .. ':fill', from, from + 15)
+    if #lanes == 0 then break end
+    for _, lane in ipairs(lanes) do
+      if lane ~= first then
+        local seg = plan_lane(inst, lane, acc)
+        if seg then parts[#parts + 1] = seg end
+        if acc.full then break end
       end
     end
-    from = upto + 1
+    from = from + #lanes
   end
-  if k == 0 then return nil end
-  -- A batch is always the head of its lane. SORT BY nosort keeps list order and reads only the
-  -- range it stores: the item bytes go from lane to batch list inside Redis.
-  redis.call('SORT', lk, 'BY', 'nosort', 'LIMIT', 0, k, 'STORE', batch_items_key)
-  redis.call('LTRIM', lk, k, -1)
-  redis.call('LTRIM', tk, k, -1)
-  -- Counters are read once and written once per hash (see deliver).
-  local left, left_tok = lane_items - k, num(meta[4]) - sum
-  if left <= 0 then
-    redis.call('ZREM', ik .. ':fill', lane)
-    redis.call('ZREM', ik .. ':ready', lane)
-    redis.call('HSET', mk, 'items', left, 'tokens', left_tok)
-    redis.call('HDEL', mk, 'since_ms')
-    if now - num(meta[2]) >= cfg.lane_quiet_ms then retire_lane(inst, lane) end
-  else
-    redis.call('HSET', mk, 'items', left, 'tokens', left_tok, 'since_ms', now)
-    redis.call('ZADD', ik .. ':fill', lane_weight(cfg, left, left_tok, rep), lane)
-    if not lane_is_ready(cfg, left, left_tok, rep) then redis.call('ZREM', ik .. ':ready', lane) end
+  return parts, acc
+end
+
+-- Move a planned batch from its lanes to the batch list and deliver it. info: the instance's
+-- HMGET (inst_info) read by the caller in this call.
+local function take_batch(inst, parts, acc, flags, info)
+  local ik = inst_key(inst)
+  for i, seg in ipairs(parts) do
+    local lane = seg.lane
+    local lk = base .. ':lane:' .. inst .. ':' .. lane
+    if i == 1 then
+      -- SORT BY nosort keeps list order and reads only the range it stores: the common batch,
+      -- one lane's head, moves lane -> batch list without its bytes entering Lua.
+      redis.call('SORT', lk, 'BY', 'nosort', 'LIMIT', 0, seg.k, 'STORE', batch_items_key)
+    else
+      redis.call('RPUSH', batch_items_key, unpack(redis.call('LRANGE', lk, 0, seg.k - 1)))
+    end
+    redis.call('LTRIM', lk, seg.k, -1)
+    redis.call('LTRIM', base .. ':lanetok:' .. inst .. ':' .. lane, seg.k, -1)
+    local meta, mk = seg.meta, seg.mk
+    local rep = num(meta[1])
+    local left, left_tok = num(meta[3]) - seg.k, num(meta[4]) - seg.sum
+    if left <= 0 then
+      redis.call('ZREM', ik .. ':fill', lane)
+      redis.call('ZREM', ik .. ':ready', lane)
+      redis.call('HSET', mk, 'items', left, 'tokens', left_tok)
+      redis.call('HDEL', mk, 'since_ms')
+      if now - num(meta[2]) >= cfg.lane_quiet_ms then retire_lane(inst, lane) end
+    else
+      redis.call('HSET', mk, 'items', left, 'tokens', left_tok, 'since_ms', now)
+      if not lane_is_ready(cfg, left, left_tok, rep) then redis.call('ZREM', ik .. ':ready', lane) end
+    end
   end
-  local inst_tokens = num(info[3]) - sum
-  redis.call('HSET', ik, 'tokens', inst_tokens, 'items', num(info[6]) - k, 'batches', num(info[7]) + 1, 'rr', lane)
+  local first = parts[1].lane
+  local inst_tokens = num(info[3]) - acc.sum
+  redis.call('HSET', ik, 'tokens', inst_tokens, 'items', num(info[6]) - acc.k, 'batches', num(info[7]) + 1, 'rr', first)
+  if #parts > 1 then redis.call('HINCRBY', state_key, 'neighbour_fills', 1) end
   if info[1] ~= 'staged' then maybe_warm(inst_tokens) end
   local sig, ep = string.match(inst, '^(%x+):(%d+)$')
-  return deliver(sig, tonumber(ep), tonumber(lane), maxlen, flags, 1, k, sum, k, 0)
+  return deliver(sig, tonumber(ep), tonumber(first), acc.maxlen, flags, 1, acc.k, acc.sum, acc.k, 0)
+end
+
+-- Plan and take in one step, whatever the batch's fill (ready lanes, lane hygiene, draining).
+local function take_from(inst, first, flags, info)
+  local parts, acc = plan_batch(inst, first)
+  if #parts == 0 then return nil end
+  return take_batch(inst, parts, acc, flags, info)
 end
 
 -- Cleanup mode (seed 001): nothing normal is ready, work remains and intake has gone quiet:
@@ -328,7 +369,7 @@ local function enter_cleanup()
   redis.call('HINCRBY', state_key, 'cleanup_entries', 1)
 end
 
--- The fields of a shape instance every claim reads, once (take_from_lane uses them too).
+-- The fields of a shape instance every claim reads, once (take_batch uses them too).
 local function inst_info(inst)
   return redis.call('HMGET', inst_key(inst), 'state', 'rr', 'tokens', 'last_intake_ms', 'idx', 'items', 'batches')
 end
@@ -394,7 +435,7 @@ for _ = 1, 4 do
     local left = num(redis.call('HGET', base .. ':lanemeta:' .. active .. ':' .. stale, 'items'))
     if left > 0 and left < cfg.hygiene_items then
       redis.call('HINCRBY', state_key, 'hygiene_drains', 1)
-      local r = take_from_lane(active, stale, (cleanup and 1 or 0) + 4, info)
+      local r = take_from(active, stale, (cleanup and 1 or 0) + 4, info)
       if r then return r end
     elseif left == 0 then
       redis.call('ZREM', ik .. ':touch', stale)
@@ -410,9 +451,12 @@ for _ = 1, 4 do
   local lane = redis.call('ZRANGEBYSCORE', ik .. ':ready', '(' .. num(info[2]), '+inf', 'LIMIT', 0, 1)[1]
   if not lane then lane = redis.call('ZRANGE', ik .. ':ready', 0, 0)[1] end
   if lane then
-    local r = take_from_lane(active, lane, cleanup and 1 or 0, info)
+    local r = take_from(active, lane, cleanup and 1 or 0, info)
     if r then return r end
   end
+  -- No lane holds a full batch alone: fill one from neighbouring lanes, shortest first.
+  local parts, acc = plan_batch(active, nil)
+  if acc.full then return take_batch(active, parts, acc, cleanup and 1 or 0, info) end
   if ist == 'active' then
     local low = num(info[3]) < cfg.drain_batches * cfg.budget_tokens
     local inst_quiet = now - num(info[4]) >= cfg.quiet_ms
@@ -423,12 +467,8 @@ for _ = 1, 4 do
       return {0, 'wait'}
     end
   end
-  -- Draining: partial batches, fullest lane first, until the instance is empty.
-  local part = redis.call('ZREVRANGE', ik .. ':fill', 0, 0)[1]
-  if part then
-    local r = take_from_lane(active, part, cleanup and 1 or 0, info)
-    if r then return r end
-  end
+  -- Draining: what is left is less than a full batch: it goes as one, shortest lanes first.
+  if #parts > 0 then return take_batch(active, parts, acc, cleanup and 1 or 0, info) end
   finish(active)
   active = nil
 end

@@ -257,15 +257,17 @@ def test_drain_threshold_is_exact(cdr):
     # budget 800: drain under 2 budgets = 1600 tokens when no lane holds a full batch
     setup(cdr, activate_batches=0, drain_batches=2)
     cdr.set_config("m", {"lane_floor": 0, "lane_thr_min": 0.01, "lane_thr_max": 0.01})
-    # eight lanes of two items each (at most 2 x 312 padded < 800): no lane ready, 3280 tokens
+    # eight lanes of two items each (at most 2 x 312 padded < 800): no lane ready, 3280 tokens;
+    # a worker taking 64 items cannot fill a batch from the neighbours either
     cdr.submit([item(f"a{i}", 100 + 30 * (i % 8)) for i in range(16)], "j")
     tokens = int(cdr.r.hget(MK.state, "tokens"))
     assert tokens >= 1600
-    assert cdr.claim(contract(tokens=100000), "w") == (None, "wait")
+    assert cdr.claim(contract(size=64, tokens=100000), "w") == (None, "wait")
     assert state(cdr, inst("sys")) == "active"
     cdr.set_config("m", {"drain_batches": tokens // 800 + 1})  # now pending < threshold
-    b, _ = cdr.claim(contract(tokens=100000), "w")
+    b, _ = cdr.claim(contract(size=64, tokens=100000), "w")
     assert b is not None and state(cdr, inst("sys")) == "draining"
+    assert len(b.items) == 16  # what is left goes as one batch
 
 
 def test_only_one_shape_warms_at_a_time(cdr):

@@ -34,14 +34,14 @@ def test_first_item_opens_lane_and_close_items_join(cdr):
 
 
 def test_padding_over_cap_opens_lane(cdr):
-    cdr.set_config("m", {"lane_cap": 64, "lane_thr_max": 0.99, "lane_thr_min": 0.99})
+    cdr.set_config("m", {"lane_cap": 64, "lane_thr_max": 0.99, "lane_thr_min": 0.99, "lane_depth": 0})
     submit_one(cdr, 1, 1000)
     submit_one(cdr, 2, 1100)  # 100 tokens (9 %) under a 99 % threshold, but over the 64-token cap
     assert sorted(lanes(cdr, inst_of(cdr)).values()) == [1000, 1100]
 
 
 def test_padding_over_threshold_opens_lane_and_neighbour_that_pads_less_wins(cdr):
-    cdr.set_config("m", {"lane_thr_min": 0.05})
+    cdr.set_config("m", {"lane_thr_min": 0.05, "lane_depth": 0})
     submit_one(cdr, 1, 100)
     submit_one(cdr, 2, 200)  # 50 % padding: new lane
     assert sorted(lanes(cdr, inst_of(cdr)).values()) == [100, 200]
@@ -56,7 +56,7 @@ def test_padding_over_threshold_opens_lane_and_neighbour_that_pads_less_wins(cdr
 def test_threshold_rises_as_lane_budget_fills(cdr):
     # Two lanes of four used (50 %): threshold = 0.02 + (0.5 - 0.02) * 0.25 = 14 %.
     cdr.set_config("m", {"lane_max": 4, "lane_thr_min": 0.02, "lane_thr_max": 0.5, "lane_floor": 0,
-                         "lane_cap": 100000})
+                         "lane_cap": 100000, "lane_depth": 0})
     submit_one(cdr, 1, 1000)
     submit_one(cdr, 2, 1100)  # 9.4 % > 5 % with one lane of four used: opens
     assert len(lanes(cdr, inst_of(cdr))) == 2
@@ -66,7 +66,7 @@ def test_threshold_rises_as_lane_budget_fills(cdr):
 
 
 def test_full_lane_budget_joins_nearest(cdr):
-    cdr.set_config("m", {"lane_max": 2})
+    cdr.set_config("m", {"lane_max": 2, "lane_depth": 0})
     submit_one(cdr, 1, 100)
     submit_one(cdr, 2, 1000)
     submit_one(cdr, 3, 3000)  # would open a lane, budget is full: joins the 1000 lane, which grows
