@@ -88,7 +88,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     step = 20_000  # items per Conductor.submit: each call groups its items by shape (client.py)
     accepted = dupes = 0
     for start in range(0, len(items), step):
-        rep = c.submit(items[start:start + step], job)
+        rep = c.submit(items[start:start + step], job, seal=start + step >= len(items))
         accepted += rep.accepted
         dupes += rep.duplicates
         _progress(min(start + step, len(items)), len(items), show)
@@ -283,7 +283,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 if args.model_path:
                     cmd += ["--model-path", args.model_path]
                 procs.append(subprocess.Popen(cmd))
-        rep = c.submit(items, job)
+        rep = c.submit(items, job, seal=True)
         print(f"job {job}: {rep.accepted} items submitted ({rep.duplicates} already there), "
               f"{len(models)} model(s), {args.workers} worker(s) each", file=sys.stderr)
         n = 0

@@ -13,7 +13,7 @@ from importlib import resources
 import redis
 
 _INCLUDE = re.compile(r"^--@include\s+(\S+)\s*$", re.M)
-NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex")
+NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex", "seal")
 
 
 @functools.cache
@@ -36,4 +36,5 @@ class Scripts:
     reclaim: redis.commands.core.Script
     fail: redis.commands.core.Script
     reindex: redis.commands.core.Script
+    seal: redis.commands.core.Script
     repair: redis.commands.core.Script

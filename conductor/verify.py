@@ -384,7 +384,9 @@ def _read_instance(r: redis.Redis, mk: K.ModelKeys, inst: str, scanned: set[str]
     """One MULTI per instance when it holds at most SNAPSHOT entries (each row then compares values
     of one moment, even on a live system); bounded pages otherwise."""
     ik = mk.inst(inst)
-    for _attempt in range(3):
+    # A lane opened between the two reads sends it round again; under steady intake that can take
+    # a few rounds, and falling back to pages would report a moment's drift.
+    for _attempt in range(20):
         pipe = r.pipeline(transaction=False)
         for z in (mk.inst_lanes(inst), mk.inst_fill(inst), mk.inst_ready(inst)):
             pipe.zrange(z, 0, -1)

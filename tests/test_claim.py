@@ -130,10 +130,10 @@ def test_cleanup_mode_drains_the_tail_after_intake_goes_quiet(cdr):
 def test_draining_instance_takes_no_new_items(cdr):
     quick(cdr, budget_tokens=400, budget_items=4)
     cdr.set_config("m", {"quiet_ms": 60000, "drain_batches": 100})
-    cdr.submit([item(i, 100) for i in range(6)], "j")
+    cdr.submit([item(i, 96) for i in range(6)], "j")
     b1, _ = cdr.claim(contract(size=4, tokens=400), "w")  # full lane first
     b2, _ = cdr.claim(contract(size=4, tokens=400), "w")  # then the instance drains
-    assert b1.epoch == 1 and b2.epoch == 1
+    assert b1.epoch == 1 and b2.epoch == 1 and (len(b1.items), len(b2.items)) == (4, 2)
     cdr.submit([item("late", 100)], "j")
     from conductor.signature import shape_signature
     sig = shape_signature(["sys"])

@@ -35,12 +35,21 @@ def setup(c, **extra):
 
 def test_staged_until_activation_threshold_then_active(cdr):
     setup(cdr)
-    cdr.submit([item(f"a{i}", 100, prefix=("A",)) for i in range(15)], "j")  # 1500 < 2 x 800
+    cdr.submit([item(f"a{i}", 100, prefix=("A",)) for i in range(7)], "j")  # 700: not one full batch
     assert cdr.claim(contract(), "w") == (None, "wait")
     assert state(cdr, inst("A")) == "staged"
-    cdr.submit([item(f"a{i}", 100, prefix=("A",)) for i in range(15, 17)], "j")  # 1700 >= 1600
+    cdr.submit([item(f"a{i}", 100, prefix=("A",)) for i in range(7, 17)], "j")  # 1700 >= 2 x 800
     b, _ = cdr.claim(contract(), "w")
     assert b is not None and state(cdr, inst("A")) == "active"
+    assert cdr.r.hget(MK.inst(inst("A")), "activated_by") == b"threshold"
+
+
+def test_a_worker_with_nothing_else_activates_a_staged_shape_holding_a_full_batch(cdr):
+    setup(cdr, activate_batches=4)
+    cdr.submit([item(f"a{i}", 96, prefix=("A",)) for i in range(9)], "j")  # 864: one batch, < 4 x 800
+    b, _ = cdr.claim(contract(), "w")  # rather than idle until intake goes quiet
+    assert b is not None and len(b.items) == 8 and state(cdr, inst("A")) == "active"
+    assert cdr.r.hget(MK.inst(inst("A")), "activated_by") == b"depth"
 
 
 def test_active_shape_merges_new_items_into_existing_lanes(cdr):
