@@ -250,3 +250,31 @@ def test_a_producer_following_the_readme_protocol_with_raw_commands(cdr):
     assert items[0].payload == {"k": int(items[0].id[1:])}
     st = cdr.status("xj")
     assert (st["submitted"], st["completed"], st["pending"]) == (30, 30, 0)
+
+
+def test_depth_rule_gives_a_shallow_shape_few_lanes_and_a_deep_one_more(cdr):
+    import math
+    # Reference budget 2,000 tokens / 8 items, one lane per full batch; the lengths are spread
+    # wide enough that, without the rule, every item opens its own lane.
+    cdr.set_config("m", {"budget_tokens": 2000, "budget_items": 8, "lane_depth": 1, "lane_thr_min": 0.01,
+                         "lane_thr_max": 0.01})
+    shallow = [100, 500, 900, 1300]  # 2,800 tokens: 1.4 budgets
+    cdr.submit([item(f"s{i}", t, prefix=("shallow",)) for i, t in enumerate(shallow)], "j")
+    assert len(lanes(cdr, inst_of(cdr, ("shallow",)))) == 2
+    deep = [100 + (i * 61) % 1400 for i in range(24)]
+    cdr.submit([item(f"d{i}", t, prefix=("deep",)) for i, t in enumerate(deep)], "j")
+    assert len(lanes(cdr, inst_of(cdr, ("deep",)))) == math.ceil(max(sum(deep) / 2000, 24 / 8)) == 9
+    cdr.set_config("m", {"lane_depth": 0})  # the rule lifted: padding alone decides
+    cdr.submit([item(f"u{i}", t, prefix=("free",)) for i, t in enumerate(shallow)], "j")
+    assert len(lanes(cdr, inst_of(cdr, ("free",)))) == 4
+
+
+def test_depth_rule_counts_the_calls_own_items_before_placing_the_first(cdr):
+    # One call of 40 items of one shape: the first item already sees 5 budgets (items), so the
+    # lanes open as the lengths ask, up to 5; item by item the shape would have stayed at one.
+    cdr.set_config("m", {"budget_tokens": 1_000_000, "budget_items": 8, "lane_depth": 1,
+                         "lane_thr_min": 0.01, "lane_thr_max": 0.01})
+    cdr.submit([item(f"a{i}", 100 + 200 * (i % 5)) for i in range(40)], "j")
+    assert len(lanes(cdr, inst_of(cdr))) == 5
+    cdr.submit([item(f"b{i}", 100 + 200 * (i % 5), prefix=("other",)) for i in range(3)], "j")
+    assert len(lanes(cdr, inst_of(cdr, ("other",)))) == 1
