@@ -189,7 +189,11 @@ local function finish(inst)
     redis.call('DEL', base .. ':lane:' .. inst .. ':' .. lane, base .. ':lanetok:' .. inst .. ':' .. lane,
       base .. ':lanemeta:' .. inst .. ':' .. lane)
   end
-  local batches = num(redis.call('HGET', ik, 'batches'))
+  local h = redis.call('HMGET', ik, 'batches', 'taken')
+  local batches = num(h[1])
+  -- The batches its items could fill under the reference budget: the thrash alarm judges a
+  -- shape against them, not against a fixed count alone.
+  local could = math.max(1, math.ceil(num(h[2]) / cfg.budget_tokens))
   redis.call('DEL', ik, ik .. ':lanes', ik .. ':fill', ik .. ':ready', ik .. ':free', ik .. ':touch')
   redis.call('ZREM', active_key, inst)
   redis.call('HDEL', affinity_key, consumer)
@@ -197,7 +201,7 @@ local function finish(inst)
   -- Batches-per-shape history for the thrash alarm and its histogram (read by the workers'
   -- maintenance pass, then trimmed).
   redis.call('XADD', base .. ':finished', 'MAXLEN', '~', 10000, '*', 'inst', inst, 'batches', batches,
-    'ms', now)
+    'could', could, 'ms', now)
 end
 
 -- Workers serving each active instance other than this one; a dead worker's entry (its
@@ -408,7 +412,8 @@ local function take_batch(inst, parts, acc, flags, info)
   end
   local first = parts[1].lane
   local inst_tokens = num(info[3]) - acc.sum
-  redis.call('HSET', ik, 'tokens', inst_tokens, 'items', num(info[6]) - acc.k, 'batches', num(info[7]) + 1, 'rr', first)
+  redis.call('HSET', ik, 'tokens', inst_tokens, 'items', num(info[6]) - acc.k, 'batches', num(info[7]) + 1, 'rr', first,
+    'taken', num(info[8]) + acc.sum)
   if #parts > 1 then redis.call('HINCRBY', state_key, 'neighbour_fills', 1) end
   if info[1] ~= 'staged' then maybe_warm(inst_tokens) end
   local sig, ep = string.match(inst, '^(%x+):(%d+)$')
@@ -434,7 +439,8 @@ end
 
 -- The fields of a shape instance every claim reads, once (take_batch uses them too).
 local function inst_info(inst)
-  return redis.call('HMGET', inst_key(inst), 'state', 'rr', 'tokens', 'last_intake_ms', 'idx', 'items', 'batches')
+  return redis.call('HMGET', inst_key(inst), 'state', 'rr', 'tokens', 'last_intake_ms', 'idx', 'items', 'batches',
+    'taken')
 end
 
 -- Aging and lane hygiene look for work that has waited seconds to minutes, so they are checked
