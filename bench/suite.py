@@ -409,7 +409,8 @@ def run_conductor(r: redis.Redis, url: str, wl: Workload, cfg: SuiteConfig, job:
         _instrument(c, rec, i)
         workers.append(w)
     backlog = wl.spec.arrival == "backlog"
-    rel = Releaser(wl, lambda its: producer.submit(its, job))
+    # A backlog is one file: its producer seals it (seal.lua), as `conductor submit` does.
+    rel = Releaser(wl, lambda its: producer.submit(its, job, seal=backlog or its[-1] is wl.items[-1]))
     if backlog:
         rel(0.0)
         rec.submit_s = rel.spent

@@ -20,7 +20,7 @@ FIELDS: dict[str, tuple[Any, str]] = {
     "lane_thr_max": (0.30, "padding fraction that opens a new lane when the lane budget is full"),
     "lane_floor": (0, "padding (tokens) at or under which an item never opens a new lane; memory mode already "
                      "merges lengths within one 8-token step, raise it for short-prompt workloads"),
-    "lane_depth": (4, "lanes a shape instance may own per full batch (reference budget) it holds waiting: a "
+    "lane_depth": (8, "lanes a shape instance may own per full batch (reference budget) it holds waiting: a "
                       "shallow shape gets few wide lanes, a deep one many narrow ones; 0 lifts the limit"),
     "lane_cap": (256, "padding (tokens) above which an item always opens a new lane, budget permitting"),
     "lane_quiet_ms": (3000, "an empty lane without assignments this long returns its id"),

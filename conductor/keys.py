@@ -17,6 +17,7 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     M:state                         hash     model counters: waiting tokens/items, gate, warming shape
     M:active                        zset     active or draining shape instance "S:E" -> activation time (ms)
     M:affinity                      hash     worker -> the active instance it serves (it stays until empty)
+    M:warming                       hash     worker -> the staged instance it warms, its next (pre-warm signal)
     M:staged                        zset     shape instance "S:E" -> waiting tokens, not yet active
     M:staged_age                    zset     staged instance -> creation time (ms), for aging
     M:finished                      stream   finished instances and their batch counts (thrash alarm)
@@ -116,6 +117,10 @@ class ModelKeys:
     @property
     def affinity(self) -> str:
         return f"{self.base}:affinity"
+
+    @property
+    def warming(self) -> str:
+        return f"{self.base}:warming"
 
     @property
     def staged_age(self) -> str:

@@ -72,12 +72,15 @@ end
 
 -- The model's state, read once: every redis.call costs several microseconds here, and this
 -- script runs once per batch. Only this script writes the counters below while it runs
--- (scripts are atomic), so deliver() writes them back from these values; 'warming' is kept
--- in warming_now as activate() and maybe_warm() change it.
+-- (scripts are atomic), so deliver() writes them back from these values.
 local st = redis.call('HMGET', state_key, 'gate', 'tokens', 'last_intake_ms', 'cleanup',
   'reclaimed_items', 'inflight_batches', 'inflight_items', 'batches', 'items', 'warming', 'sweep_ms', 'paused',
   'active', 'sealed_ms')
-local warming_now = st[10] or ''
+-- Each worker warms its own next instance (M:warming), so in a fleet the shape a worker
+-- prepared is the one it switches to, not one another worker took first.
+local warming_key = base .. ':warming'
+local warming_now = redis.call('HGET', warming_key, consumer) or ''
+local cleanup = st[4] == '1'
 -- Paused (see lib.lua paused()): nothing has been written yet, and nothing is.
 if st[12] == '1' then return {0, 'paused'} end
 
@@ -169,7 +172,7 @@ local function activate(inst, reason)
   attach(inst)
   redis.call('HINCRBY', state_key, 'activations', 1)
   if warming_now == inst then
-    redis.call('HDEL', state_key, 'warming')
+    redis.call('HDEL', warming_key, consumer)
     warming_now = ''
   end
   return inst
@@ -221,11 +224,29 @@ local function attachments()
   return n
 end
 
+-- The staged instance with the most tokens that no other worker is warming (each worker warms
+-- one at a time, so at most a fleet's worth are skipped): (inst, tokens) or nil.
+local function top_staged()
+  local top = redis.call('ZREVRANGE', base .. ':staged', 0, 64, 'WITHSCORES')
+  for i = 1, #top, 2 do
+    local h = redis.call('HMGET', inst_key(top[i]), 'state', 'warming_for')
+    -- a dead worker's reservation (its heartbeat key gone) lapses
+    if h[1] ~= 'warming' or h[2] == consumer or not h[2]
+        or redis.call('EXISTS', base .. ':hb:' .. h[2]) == 0 then
+      return top[i], tonumber(top[i + 1])
+    end
+  end
+  -- Every staged instance is another worker's next: take the largest rather than let it wait
+  -- on a worker that may not come back for it soon (its prewarm is lost, nothing else).
+  if top[1] then return top[1], tonumber(top[2]) end
+  return nil, 0
+end
+
 -- The next shape for this worker: an aged one first (no shape waits for ever behind popular
 -- ones); else the larger of the next staged instance (the warming one, which prepared for the
 -- switch, or the one with the most tokens) once it holds activate_batches budgets, and an
 -- active instance's tokens per worker serving it (sharing it); else, rather than idle, a
--- staged instance or a share holding one full batch; in cleanup, anything.
+-- staged instance or a share holding one full batch; in cleanup any staged one; else any share.
 local function pick_next(cleanup)
   local old = aged()
   if old then
@@ -249,8 +270,7 @@ local function pick_next(cleanup)
     cand = warming_now
     ctok = num(redis.call('ZSCORE', base .. ':staged', cand))
   else
-    local top = redis.call('ZREVRANGE', base .. ':staged', 0, 0, 'WITHSCORES')
-    if top[1] then cand, ctok = top[1], tonumber(top[2]) end
+    cand, ctok = top_staged()
   end
   local why = cand == warming_now and 'warmed' or 'threshold'
   local budget = cfg.budget_tokens
@@ -258,10 +278,10 @@ local function pick_next(cleanup)
   if best and share >= cfg.activate_batches * budget then return attach(best) end
   if cand and ctok >= budget and ctok >= share then return activate(cand, 'depth') end
   if best and share >= budget then return attach(best) end
-  if cleanup then
-    if cand then return activate(cand, 'cleanup') end
-    if best then return attach(best) end
-  end
+  if cleanup and cand then return activate(cand, 'cleanup') end
+  -- Rather than idle while another worker's instance holds items (that worker may be gated or
+  -- stuck), help it: nothing waits on one worker alone.
+  if best then return attach(best) end
   return nil
 end
 
@@ -272,12 +292,14 @@ local function maybe_warm(inst_tokens)
   if inst_tokens >= cfg.prewarm_batches * cfg.budget_tokens then return end
   local cur = warming_now
   if cur ~= '' and redis.call('HGET', inst_key(cur), 'state') == 'warming' then return end
-  local top = redis.call('ZREVRANGE', base .. ':staged', 0, 0, 'WITHSCORES')
-  -- One full batch is enough: a worker with nothing else activates such a shape (pick_next).
-  if not top[1] or tonumber(top[2]) < cfg.budget_tokens then return end
-  redis.call('HSET', inst_key(top[1]), 'state', 'warming', 'warming_ms', now)
-  redis.call('HSET', state_key, 'warming', top[1])
-  warming_now = top[1]
+  local top, tokens = top_staged()
+  -- One full batch is enough: a worker with nothing else activates such a shape (pick_next);
+  -- in cleanup any shape is next, however small.
+  if not top or (tokens < cfg.budget_tokens and not cleanup) then return end
+  redis.call('HSET', inst_key(top), 'state', 'warming', 'warming_ms', now, 'warming_for', consumer)
+  redis.call('HSET', warming_key, consumer, top)
+  redis.call('HSET', state_key, 'warming', top)  -- the latest, for inspect
+  warming_now = top
   redis.call('HINCRBY', state_key, 'warmings', 1)
 end
 
@@ -429,7 +451,6 @@ end
 
 -- Cleanup mode (seed 001): nothing normal is ready, work remains and intake has gone quiet:
 -- activation threshold 0 and batches down to one item, until empty or new work arrives.
-local cleanup = st[4] == '1'
 local function enter_cleanup()
   if cleanup then return end
   cleanup = true

@@ -122,6 +122,7 @@ class Worker:
             pipe = self.c.r.pipeline(transaction=False)
             pipe.hdel(self.keys.workers, self.name)
             pipe.hdel(self.keys.affinity, self.name)  # its instance is free for others to take whole
+            pipe.hdel(self.keys.warming, self.name)
             pipe.delete(self.keys.heartbeat(self.name))
             pipe.execute()
             pending = self.c.r.xpending_range(self.keys.batches, K.GROUP, "-", "+", 1, consumername=self.name)
