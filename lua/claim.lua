@@ -18,8 +18,9 @@
 --   warming}; flags: 1 cleanup, 2 reclaimed, 4 force-drained lane; n items are in the token's
 --   list, in lane order, as item records (conductor/keys.py); warming is the shape instance
 --   "sig:epoch" being pre-warmed ('' if none): the pre-warm signal. Or {0, reason} when nothing
---   is dispatched (reason: gate, wait, idle, paused). Errors: 'ERR_ARG <field>: ...' with nothing
---   written.
+--   is dispatched (reason: gate, wait, idle, paused). Errors, with nothing written: 'ERR_ARG
+--   <field>: ...'; 'NOPERM ...' when the caller's ACL refuses a command it may call (checked
+--   first, lib.lua acl_refused); 'NOGROUP ...' when the batches stream lacks the group.
 -- Cost: item bytes never enter Lua on the normal path: sizes come from the lane's token list
 --   and the items move from lane to batch list inside Redis (SORT BY nosort LIMIT STORE keeps
 --   list order and reads only the range it stores), so the script's work grows with the number
@@ -57,6 +58,33 @@ end
 local CLAIM_CFG = {'mode', 'budget_tokens', 'budget_items', 'activate_batches', 'aging_ms', 'drain_batches',
   'hygiene_idle_ms', 'hygiene_items', 'lane_quiet_ms', 'prewarm_batches', 'quiet_ms', 'release_batches'}
 local cfg = load_cfg(cfg_key, CLAIM_CFG)
+-- Refused before the first write, nothing written: a command the caller's ACL denies ('NOPERM',
+-- lib.lua acl_refused: every command this script may call, on each key or key pattern), and a
+-- batches stream without the group (NOGROUP; XCLAIM would refuse it after the items moved).
+do
+  local I, L = base .. ':inst:0000000000000000:0', ':0000000000000000:0:0'
+  local refused = acl_refused({{state_key, 'HMGET', 'HSET', 'HINCRBY', 'HDEL', 'HGET'},
+    {batch_items_key, 'RPUSH'}, {batches_key, 'XADD', 'XCLAIM'}, {reclaimed_key, 'LINDEX', 'LPOP', 'LSET'},
+    {base .. ':staged', 'ZREM', 'ZADD', 'ZREVRANGE'}, {base .. ':staged_age', 'ZREM', 'ZADD', 'ZRANGE'},
+    {base .. ':finished', 'XADD'}, {I, 'HSET', 'HGET', 'HMGET'}, {I .. ':lanes', 'ZREM', 'ZRANGE'},
+    {I .. ':fill', 'ZREM', 'ZADD', 'ZREVRANGE'}, {I .. ':ready', 'ZREM', 'ZADD', 'ZRANGEBYSCORE', 'ZRANGE'},
+    {I .. ':touch', 'ZREM', 'ZADD', 'ZRANGEBYSCORE'}, {I .. ':free', 'SADD'}, {base .. ':lane' .. L, 'LTRIM'},
+    {base .. ':lanetok' .. L, 'LRANGE', 'LTRIM'}, {base .. ':lanemeta' .. L, 'HMGET', 'HSET', 'HDEL', 'HGET', 'EXISTS'}},
+    {{'TIME'}, {'XINFO', 'GROUPS', batches_key}, {'SORT', base .. ':lane' .. L, 'STORE', batch_items_key},
+     {'DEL', I, I .. ':lanes', I .. ':fill', I .. ':ready', I .. ':free', I .. ':touch'},
+     {'DEL', base .. ':lane' .. L, base .. ':lanetok' .. L, base .. ':lanemeta' .. L}})
+  if refused then return refused end
+  local groups = redis.pcall('XINFO', 'GROUPS', batches_key)
+  local found = false
+  if type(groups) == 'table' and not groups.err then
+    for _, g in ipairs(groups) do
+      if g[2] == 'workers' then found = true end
+    end
+  end
+  if not found then
+    return redis.error_reply('NOGROUP ' .. batches_key .. ' has no consumer group workers: nothing written')
+  end
+end
 local now = now_ms()
 local disk = cfg.mode == 'disk'
 
@@ -202,7 +230,6 @@ local function maybe_warm(inst_tokens)
   redis.call('HSET', state_key, 'warming', top[1])
   warming_now = top[1]
   redis.call('HINCRBY', state_key, 'warmings', 1)
-  redis.call('PUBLISH', base .. ':events', 'warming ' .. top[1])
 end
 
 -- Aging preemption: the active instance steps back to staged (lanes and items intact) so an
