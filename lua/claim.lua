@@ -63,16 +63,22 @@ local cfg = load_cfg(cfg_key, CLAIM_CFG)
 -- batches stream without the group (NOGROUP; XCLAIM would refuse it after the items moved).
 do
   local I, L = base .. ':inst:0000000000000000:0', ':0000000000000000:0:0'
-  local refused = acl_refused({{state_key, 'HMGET', 'HSET', 'HINCRBY', 'HDEL', 'HGET'},
-    {batch_items_key, 'RPUSH'}, {batches_key, 'XADD', 'XCLAIM'}, {reclaimed_key, 'LINDEX', 'LPOP', 'LSET'},
-    {base .. ':staged', 'ZREM', 'ZADD', 'ZREVRANGE'}, {base .. ':staged_age', 'ZREM', 'ZADD', 'ZRANGE'},
-    {base .. ':finished', 'XADD'}, {I, 'HSET', 'HGET', 'HMGET'}, {I .. ':lanes', 'ZREM', 'ZRANGE'},
-    {I .. ':fill', 'ZREM', 'ZADD', 'ZREVRANGE'}, {I .. ':ready', 'ZREM', 'ZADD', 'ZRANGEBYSCORE', 'ZRANGE'},
-    {I .. ':touch', 'ZREM', 'ZADD', 'ZRANGEBYSCORE'}, {I .. ':free', 'SADD'}, {base .. ':lane' .. L, 'LTRIM'},
-    {base .. ':lanetok' .. L, 'LRANGE', 'LTRIM'}, {base .. ':lanemeta' .. L, 'HMGET', 'HSET', 'HDEL', 'HGET', 'EXISTS'}},
-    {{'TIME'}, {'XINFO', 'GROUPS', batches_key}, {'SORT', base .. ':lane' .. L, 'STORE', batch_items_key},
-     {'DEL', I, I .. ':lanes', I .. ':fill', I .. ':ready', I .. ':free', I .. ':touch'},
-     {'DEL', base .. ':lane' .. L, base .. ':lanetok' .. L, base .. ':lanemeta' .. L}})
+  local lk, tk, mk = base .. ':lane' .. L, base .. ':lanetok' .. L, base .. ':lanemeta' .. L
+  local sk, sa, st, bk, rk = base .. ':staged', base .. ':staged_age', state_key, batch_items_key, reclaimed_key
+  local il, fi, re, to, fr = I .. ':lanes', I .. ':fill', I .. ':ready', I .. ':touch', I .. ':free'
+  local refused = acl_refused(function(ok)
+    return ok('HMGET', st) and ok('HSET', st) and ok('HINCRBY', st) and ok('HDEL', st) and ok('HGET', st)
+      and ok('RPUSH', bk) and ok('XADD', batches_key) and ok('XCLAIM', batches_key) and ok('LINDEX', rk)
+      and ok('LPOP', rk) and ok('LSET', rk) and ok('ZREM', sk) and ok('ZADD', sk) and ok('ZREVRANGE', sk)
+      and ok('ZREM', sa) and ok('ZADD', sa) and ok('ZRANGE', sa) and ok('XADD', base .. ':finished')
+      and ok('HSET', I) and ok('HGET', I) and ok('HMGET', I) and ok('ZREM', il) and ok('ZRANGE', il)
+      and ok('ZREM', fi) and ok('ZADD', fi) and ok('ZREVRANGE', fi) and ok('ZREM', re) and ok('ZADD', re)
+      and ok('ZRANGEBYSCORE', re) and ok('ZRANGE', re) and ok('ZREM', to) and ok('ZADD', to)
+      and ok('ZRANGEBYSCORE', to) and ok('SADD', fr) and ok('LTRIM', lk) and ok('LRANGE', tk) and ok('LTRIM', tk)
+      and ok('HMGET', mk) and ok('HSET', mk) and ok('HDEL', mk) and ok('HGET', mk) and ok('EXISTS', mk)
+      and ok('TIME') and ok('XINFO', 'GROUPS', batches_key) and ok('SORT', lk, 'STORE', bk)
+      and ok('DEL', I, il, fi, re, fr, to) and ok('DEL', lk, tk, mk)
+  end)
   if refused then return refused end
   local groups = redis.pcall('XINFO', 'GROUPS', batches_key)
   local found = false

@@ -60,20 +60,26 @@ for i = 0, n - 1 do
 end
 
 -- Every command this call may run, on the keys it may run it on, before the first write.
-local per_key = {{state_key, 'HGET', 'HINCRBY'}, {batches_key, 'XRANGE', 'XPENDING', 'XACK', 'XDEL'},
-  {base .. ':bat:0', 'LRANGE', 'DEL'}}
-local jobs_seen = {}
-for i = 0, n - 1 do
-  local job = ARGV[4 + 4 * i]
-  if not jobs_seen[job] then
-    jobs_seen[job] = true
-    local jk = base .. ':job:' .. job
-    per_key[#per_key + 1] = {jk .. ':items', 'HGET', 'HSET'}
-    per_key[#per_key + 1] = {jk .. ':results', 'XADD'}
-    per_key[#per_key + 1] = {jk, 'HINCRBY'}
+local refused = acl_refused(function(ok)
+  if not (ok('HGET', state_key) and ok('HINCRBY', state_key) and ok('XRANGE', batches_key)
+      and ok('XPENDING', batches_key) and ok('XACK', batches_key) and ok('XDEL', batches_key)
+      and ok('XINFO', 'STREAM', batches_key) and ok('LRANGE', base .. ':bat:0') and ok('DEL', base .. ':bat:0')) then
+    return false
   end
-end
-local refused = acl_refused(per_key, {{'XINFO', 'STREAM', batches_key}})
+  local seen = {}
+  for i = 0, n - 1 do
+    local job = ARGV[4 + 4 * i]
+    if not seen[job] then
+      seen[job] = true
+      local jk = base .. ':job:' .. job
+      if not (ok('HGET', jk .. ':items') and ok('HSET', jk .. ':items') and ok('XADD', jk .. ':results')
+          and ok('HINCRBY', jk)) then
+        return false
+      end
+    end
+  end
+  return true
+end)
 if refused then return refused end
 refused = paused(state_key)
 if refused then return refused end

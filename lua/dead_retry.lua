@@ -30,9 +30,11 @@ for i = 1, #ARGV do
 end
 
 local jp = base .. ':job:0'
-local refused = acl_refused({{state_key, 'HGET', 'HINCRBY'}, {dead_key, 'XRANGE', 'XDEL'},
-  {jp .. ':items', 'HGET', 'HSET'}, {jp .. ':results', 'XRANGE', 'XDEL'}, {jp, 'HINCRBY'},
-  {reclaimed_key, 'RPUSH'}})
+local refused = acl_refused(function(ok)
+  return ok('HGET', state_key) and ok('HINCRBY', state_key) and ok('XRANGE', dead_key) and ok('XDEL', dead_key)
+    and ok('HGET', jp .. ':items') and ok('HSET', jp .. ':items') and ok('XRANGE', jp .. ':results')
+    and ok('XDEL', jp .. ':results') and ok('HINCRBY', jp) and ok('RPUSH', reclaimed_key)
+end)
 if refused then return refused end
 refused = paused(state_key)
 if refused then return refused end

@@ -33,8 +33,10 @@ if #reason > 4096 then reason = string.sub(reason, 1, 4096) end
 -- After the locals lib_requeue.lua reads (base, state_key, batches_key, reclaimed_key, cfg, now).
 local cfg, now
 --@include lib_requeue.lua
-local refused = acl_refused(requeue_acl({{state_key, 'HGET'}, {cfg_key, 'HMGET'}, {batches_key, 'XPENDING'}}),
-  {{'TIME'}})
+local refused = acl_refused(function(ok)
+  return requeue_acl(ok) and ok('HGET', state_key) and ok('HMGET', cfg_key) and ok('XPENDING', batches_key)
+    and ok('TIME')
+end)
 if refused then return refused end
 refused = paused(state_key)
 if refused then return refused end

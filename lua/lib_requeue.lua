@@ -13,16 +13,14 @@
 -- Two steps, so that a script reads and decodes every batch it gives back before its first
 -- write: requeue_plan (reads only) and requeue_apply (writes only).
 
--- The commands requeue_plan and requeue_apply may call, for lib.lua acl_refused; job keys by one
--- name of their pattern.
-local function requeue_acl(per_key)
+-- The commands requeue_plan and requeue_apply may call, as checks for lib.lua acl_refused; job
+-- keys by one name of their pattern.
+local function requeue_acl(ok)
   local jk = base .. ':job:0'
-  for _, c in ipairs({{state_key, 'HINCRBY'}, {batches_key, 'XRANGE', 'XACK', 'XDEL'},
-      {base .. ':bat:0', 'LRANGE', 'DEL'}, {jk .. ':items', 'HGET', 'HSET'}, {jk .. ':results', 'XADD'},
-      {jk, 'HINCRBY'}, {base .. ':dead', 'XADD'}, {reclaimed_key, 'RPUSH'}}) do
-    per_key[#per_key + 1] = c
-  end
-  return per_key
+  return ok('HINCRBY', state_key) and ok('XRANGE', batches_key) and ok('XACK', batches_key)
+    and ok('XDEL', batches_key) and ok('LRANGE', base .. ':bat:0') and ok('DEL', base .. ':bat:0')
+    and ok('HGET', jk .. ':items') and ok('HSET', jk .. ':items') and ok('XADD', jk .. ':results')
+    and ok('HINCRBY', jk) and ok('XADD', base .. ':dead') and ok('RPUSH', reclaimed_key)
 end
 
 -- One pending batch read and decided, nothing written: a plan for requeue_apply, or nil and the

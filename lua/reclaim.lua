@@ -42,9 +42,11 @@ end
 -- After the locals lib_requeue.lua reads (base, state_key, batches_key, reclaimed_key, cfg, now).
 local cfg, now
 --@include lib_requeue.lua
-local refused = acl_refused(requeue_acl({{state_key, 'HGET'}, {cfg_key, 'HMGET'}, {batches_key, 'XPENDING'},
-  {base .. ':hb:' .. consumer, 'EXISTS'}, {base .. ':workers', 'HDEL'}}),
-  {{'TIME'}, {'XGROUP', 'DELCONSUMER', batches_key, 'workers', consumer}})
+local refused = acl_refused(function(ok)
+  return requeue_acl(ok) and ok('HGET', state_key) and ok('HMGET', cfg_key) and ok('XPENDING', batches_key)
+    and ok('EXISTS', base .. ':hb:' .. consumer) and ok('HDEL', base .. ':workers') and ok('TIME')
+    and ok('XGROUP', 'DELCONSUMER', batches_key, 'workers', consumer)
+end)
 if refused then return refused end
 refused = paused(state_key)
 if refused then return refused end

@@ -22,9 +22,11 @@ if not inst or not string.match(inst, '^%x+:%d+$') then
   return redis.error_reply('ERR_ARG inst: must be a shape instance like 0123456789abcdef:1')
 end
 local ik = base .. ':inst:' .. inst
-local refused = acl_refused({{state_key, 'HGET', 'HINCRBY'}, {cfg_key, 'HMGET'}, {ik, 'HMGET', 'HSET'},
-  {ik .. ':lanes', 'ZRANGE'}, {ik .. ':fill', 'ZADD'}, {ik .. ':ready', 'ZADD'},
-  {base .. ':lanemeta:' .. inst .. ':0', 'HMGET'}}, {{'DEL', ik .. ':ready', ik .. ':fill'}})
+local refused = acl_refused(function(ok)
+  return ok('HGET', state_key) and ok('HINCRBY', state_key) and ok('HMGET', cfg_key) and ok('HMGET', ik)
+    and ok('HSET', ik) and ok('ZRANGE', ik .. ':lanes') and ok('ZADD', ik .. ':fill') and ok('ZADD', ik .. ':ready')
+    and ok('HMGET', base .. ':lanemeta:' .. inst .. ':0') and ok('DEL', ik .. ':ready', ik .. ':fill')
+end)
 if refused then return refused end
 refused = paused(state_key)
 if refused then return refused end

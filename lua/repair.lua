@@ -39,11 +39,15 @@ for i = 2, #ARGV do
 end
 local ik = base .. ':inst:' .. inst
 local lp = ':' .. inst .. ':0'
-local refused = acl_refused({{KEYS[3], 'HGET'}, {cfg_key, 'HMGET'}, {ik, 'EXISTS', 'HGET', 'HSET', 'HMGET'},
-  {ik .. ':lanes', 'ZRANGE', 'ZSCORE', 'ZADD', 'ZREM'}, {ik .. ':fill', 'ZRANGE', 'ZSCORE', 'ZADD', 'ZREM'},
-  {ik .. ':ready', 'ZRANGE', 'ZSCORE', 'ZADD', 'ZREM'}, {ik .. ':free', 'SREM', 'SADD'},
-  {base .. ':staged', 'ZSCORE', 'ZADD', 'ZREM'}, {base .. ':lane' .. lp, 'LLEN'},
-  {base .. ':lanetok' .. lp, 'LRANGE'}, {base .. ':lanemeta' .. lp, 'HMGET', 'HSET', 'HSETNX'}}, {{'TIME'}})
+local refused = acl_refused(function(ok)
+  for _, z in ipairs({ik .. ':lanes', ik .. ':fill', ik .. ':ready', base .. ':staged'}) do
+    if not (ok('ZRANGE', z) and ok('ZSCORE', z) and ok('ZADD', z) and ok('ZREM', z)) then return false end
+  end
+  local mk = base .. ':lanemeta' .. lp
+  return ok('HGET', KEYS[3]) and ok('HMGET', cfg_key) and ok('EXISTS', ik) and ok('HGET', ik) and ok('HSET', ik)
+    and ok('HMGET', ik) and ok('SREM', ik .. ':free') and ok('SADD', ik .. ':free') and ok('LLEN', base .. ':lane' .. lp)
+    and ok('LRANGE', base .. ':lanetok' .. lp) and ok('HMGET', mk) and ok('HSET', mk) and ok('HSETNX', mk) and ok('TIME')
+end)
 if refused then return refused end
 refused = paused(KEYS[3])
 if refused then return refused end

@@ -113,15 +113,18 @@ end
 -- acl_refused): a refusal halfway would leave the writes before it.
 do
   local I, L, jk = base .. ':inst:0000000000000000:0', ':0000000000000000:0:0', base .. ':job:' .. job
-  local refused = acl_refused({{state_key, 'HGET', 'HINCRBY', 'HSET'}, {jk .. ':items', 'HMGET', 'HSET'},
-    {jk, 'HINCRBY'}, {base .. ':shape:0000000000000000', 'HGET', 'HSET', 'HSETNX'}, {I, 'HGET', 'HSET', 'HINCRBY'},
-    {base .. ':staged_age', 'ZADD'}, {base .. ':staged', 'ZADD'}, {I .. ':lanes', 'ZRANGE', 'ZADD'},
-    {I .. ':free', 'SPOP'}, {I .. ':touch', 'ZADD'}, {I .. ':fill', 'ZADD'}, {I .. ':ready', 'ZADD'},
-    {base .. ':lane' .. L, 'RPUSH'}, {base .. ':lanetok' .. L, 'RPUSH'}, {base .. ':lanemeta' .. L, 'HMGET', 'HSET'}},
-    {{'TIME'}})
+  local sh, st = base .. ':shape:0000000000000000', state_key
+  local refused = acl_refused(function(ok)
+    return ok('HGET', st) and ok('HINCRBY', st) and ok('HSET', st) and ok('HMGET', jk .. ':items')
+      and ok('HSET', jk .. ':items') and ok('HINCRBY', jk) and ok('HGET', sh) and ok('HSET', sh) and ok('HSETNX', sh)
+      and ok('HGET', I) and ok('HSET', I) and ok('HINCRBY', I) and ok('ZADD', base .. ':staged_age')
+      and ok('ZADD', base .. ':staged') and ok('ZRANGE', I .. ':lanes') and ok('ZADD', I .. ':lanes')
+      and ok('SPOP', I .. ':free') and ok('ZADD', I .. ':touch') and ok('ZADD', I .. ':fill')
+      and ok('ZADD', I .. ':ready') and ok('RPUSH', base .. ':lane' .. L) and ok('RPUSH', base .. ':lanetok' .. L)
+      and ok('HMGET', base .. ':lanemeta' .. L) and ok('HSET', base .. ':lanemeta' .. L) and ok('TIME')
+  end)
   if refused then return refused end
 end
-
 local now = now_ms()
 local ctxs = {}
 

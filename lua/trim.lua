@@ -22,7 +22,10 @@ if not keep or keep < 0 or keep > 10000000 or keep ~= math.floor(keep) then
   return redis.error_reply('ERR_ARG finished_keep: must be an integer in 0..10000000')
 end
 
-local refused = acl_refused({{batches_key, 'EXISTS', 'XPENDING', 'XTRIM'}, {finished_key, 'XTRIM'}})
+local refused = acl_refused(function(ok)
+  return ok('EXISTS', batches_key) and ok('XPENDING', batches_key) and ok('XTRIM', batches_key)
+    and ok('XTRIM', finished_key)
+end)
 if refused then return refused end
 
 local trimmed, oldest = 0, ''

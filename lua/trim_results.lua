@@ -19,7 +19,7 @@ local before = tonumber(ARGV[1])
 if not before or before < 0 or before ~= math.floor(before) or before > 253402300799999 then
   return redis.error_reply('ERR_ARG before_ms: must be an integer time in ms since the epoch')
 end
-local refused = acl_refused({{job_key, 'HMGET'}, {results_key, 'XTRIM'}})
+local refused = acl_refused(function(ok) return ok('HMGET', job_key) and ok('XTRIM', results_key) end)
 if refused then return refused end
 local c = redis.call('HMGET', job_key, 'submitted', 'completed', 'failed')
 local left = (tonumber(c[1]) or 0) - (tonumber(c[2]) or 0) - (tonumber(c[3]) or 0)
