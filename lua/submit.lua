@@ -8,8 +8,9 @@
 -- KEYS[3] state   cdr:{model}:state
 -- ARGV[1] n       number of items that follow (1..5000)
 -- ARGV[2] job     the job every item of the call belongs to
--- ARGV[3..]       3 fields per item: sig (16 hex), record, prefix (JSON list of components, or ''
---                 when an earlier item of this call already carried it). The record is the item
+-- ARGV[3..]       3 fields per item: sig (16 hex), record, prefix (JSON list of at most 256
+--                 strings, or '' when another item of this call carries it or the signature's
+--                 prefix is stored already; a new signature's must come in the call). The record is the item
 --                 as workers read it (conductor/keys.py): the JSON array
 --                 [id, job, input_tokens, max_tokens, prompt, payload], first byte '[', in
 --                 standard JSON: a form only cjson takes (NaN, hex, leading zeros) passes this
@@ -52,6 +53,8 @@ local call_tokens = 0
 local ids, toks = {}, {}
 -- A call's items nearly always share a few shapes: each distinct one is pattern-checked once.
 local sigs_ok = {}
+-- Per signature, the first prefix the call carries (stored once below) or nil.
+local prefixes = {}
 local cjson_decode, byte = cjson.decode, string.byte
 for i = 0, n - 1 do
   local o = 3 + 3 * i
@@ -89,13 +92,32 @@ for i = 0, n - 1 do
     return redis.error_reply('ERR_ARG prompt: must be a string at item ' .. i)
   end
   if prefix ~= '' then
+    -- As conductor/formats.py: a list of at most 256 strings (workers pass it to the engine as is).
     ok, d = pcall(cjson_decode, prefix)
-    if not ok or type(d) ~= 'table' then
-      return redis.error_reply('ERR_ARG prefix: must be a JSON list of strings at item ' .. i)
+    local good = ok and type(d) == 'table' and string.find(prefix, '^%s*%[') ~= nil
+    if good then
+      local k = 0
+      for _, v in pairs(d) do
+        k = k + 1
+        if type(v) ~= 'string' then good = false break end
+      end
+      good = good and k == #d and k <= 256
     end
+    if not good then
+      return redis.error_reply('ERR_ARG prefix: must be a JSON list of at most 256 strings at item ' .. i)
+    end
+    if not prefixes[sig] then prefixes[sig] = prefix end
   end
   ids[i + 1], toks[i + 1] = id, tok
   call_tokens = call_tokens + tok
+end
+-- A signature without a stored prefix (a new one) needs the call to carry it: workers read the
+-- shape's prefix from there.
+for sig in pairs(sigs_ok) do
+  if not prefixes[sig] and redis.call('HEXISTS', base .. ':shape:' .. sig, 'prefix') == 0 then
+    return redis.error_reply('ERR_ARG prefix: signature ' .. sig .. ' has no prefix yet: the call must carry ' ..
+      'its prefix (a JSON list of strings) on one of its items')
+  end
 end
 
 local refused = paused(state_key)
@@ -217,7 +239,7 @@ for i = 0, n - 1 do
     fresh[#fresh + 1] = 'q'
     local sig, prefix = ARGV[o], ARGV[o + 2]
     local ctx = shape_ctx(sig)
-    if prefix ~= '' then redis.call('HSETNX', base .. ':shape:' .. sig, 'prefix', prefix) end
+    if prefixes[sig] then redis.call('HSETNX', base .. ':shape:' .. sig, 'prefix', prefixes[sig]); prefixes[sig] = false end
     local lane, rep = choose_lane(ctx, tok)
     local t = ctx.touched[lane]
     if not t then

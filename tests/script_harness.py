@@ -215,6 +215,15 @@ def submit_leaves_cleanup_reuses_lane(c: Conductor) -> Call:
     return submit_call(c, [item("b", 3000)])
 
 
+def submit_known_shape_without_prefix(c: Conductor) -> Call:
+    """A signature whose prefix is stored already may come without it."""
+    quick(c)
+    c.submit([item("a", 10)], "j")
+    call = submit_call(c, [item("b", 10), item("c", 20)])
+    call.args[4] = b""
+    return call
+
+
 # ------------------------------------------------------------------ complete
 
 def complete_final(c: Conductor) -> Call:
@@ -341,7 +350,7 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "claim": [claim_warming, claim_warmed_shape_activates, claim_reclaimed_part, claim_reclaimed_whole,
               claim_finish_and_next, claim_aging_preempts, claim_hygiene_drains, claim_hygiene_retires_empty,
               claim_hygiene_big_lane, claim_reindexes, claim_enters_cleanup, claim_leaves_cleanup],
-    "submit": [submit_new_shapes, submit_leaves_cleanup_reuses_lane],
+    "submit": [submit_new_shapes, submit_leaves_cleanup_reuses_lane, submit_known_shape_without_prefix],
     "complete": [complete_final, complete_retired],
     "reclaim": [reclaim_dead_consumer],
     "fail": [fail_requeues, fail_dead_letters],
