@@ -53,8 +53,11 @@ passes showed a transient row, none confirmed.
 ``repair`` rewrites counters from the truth: each shape instance (its lanes, metas, indices,
 counters and staged score) in one Lua call (lua/repair.lua), then the model's counters (as the
 sum of the repaired instances and of the jobs) and the job counters in a WATCH/MULTI transaction
-that gives up when a script writes the model's state in between (retried a few times). Items
-are never moved: a ledger finding (a lost or duplicated item) is for a human.
+that gives up when a script writes the model's state in between (retried a few times). Before
+the counters, ``repair_items`` puts items of orphaned places back (lua/repair_items.lua): a batch
+list no pending batch names, a lane of a gone instance (to the reclaimed list, or cleared when
+they have a result), and items with a result in a live lane. Items counted queued that are in no
+place, duplicated items and items no job knows stay ledger findings, for a human.
 """
 
 from __future__ import annotations
@@ -154,6 +157,8 @@ class Report:
     # items=True: queued items by place (waiting, inflight, reclaimed) and done items, so that
     # submitted == waiting + inflight + reclaimed + done can be checked item by item.
     ledger: dict[str, int] = field(default_factory=dict)
+    # items=True: lanes ("S:E:L") holding items that already have a result (repair clears them)
+    done_lanes: set[str] = field(default_factory=set)
 
     @property
     def drift(self) -> list[Row]:
@@ -224,6 +229,8 @@ class _Keys:
     insts: set[str] = field(default_factory=set)
     lanes: dict[str, set[str]] = field(default_factory=dict)  # inst -> lane ids (lists or metas)
     jobs: set[str] = field(default_factory=set)
+    bats: set[str] = field(default_factory=set)  # tokens of batch item lists M:bat:<token>
+    shapes: set[str] = field(default_factory=set)  # signatures with a shape hash M:shape:S
 
 
 def _classify(r: redis.Redis, mk: K.ModelKeys) -> _Keys:
@@ -231,6 +238,8 @@ def _classify(r: redis.Redis, mk: K.ModelKeys) -> _Keys:
     inst_re = re.compile(rf"^{b}:inst:([0-9a-f]{{16}}:\d+)(?::[a-z_]+)?$")
     lane_re = re.compile(rf"^{b}:lane(?:meta|tok)?:([0-9a-f]{{16}}:\d+):(\d+)$")
     job_re = re.compile(rf"^{b}:job:([^:]+)(?::(?:items|results))?$")
+    bat_re = re.compile(rf"^{b}:bat:(.+)$")
+    shape_re = re.compile(rf"^{b}:shape:([0-9a-f]{{16}})$")
     out = _Keys()
     for raw in r.scan_iter(match=f"{mk.base}:*", count=PAGE):
         key = _s(raw)
@@ -240,6 +249,10 @@ def _classify(r: redis.Redis, mk: K.ModelKeys) -> _Keys:
             out.lanes.setdefault(m.group(1), set()).add(m.group(2))
         elif m := job_re.match(key):
             out.jobs.add(m.group(1))
+        elif m := bat_re.match(key):
+            out.bats.add(m.group(1))
+        elif m := shape_re.match(key):
+            out.shapes.add(m.group(1))
     return out
 
 
@@ -300,17 +313,23 @@ class _Ledger:
         self.places.setdefault((_s(job), _s(iid)), []).append(place)
 
     def counts(self) -> dict[str, int]:
-        out = {"submitted": len(self.state), "done": 0, "waiting": 0, "inflight": 0, "reclaimed": 0}
+        out = {"submitted": len(self.state), "done": 0, "waiting": 0, "inflight": 0, "reclaimed": 0, "orphaned": 0}
+        kinds = {"lane": "waiting", "batch": "inflight", "orphan": "orphaned"}
         for key, st in self.state.items():
             if st != "q":
                 out["done"] += 1
                 continue
             for p in self.places.get(key, []):
-                out["waiting" if p.startswith("lane ") else "inflight" if p.startswith("batch ") else "reclaimed"] += 1
+                out[kinds.get(p.split(" ", 1)[0], "reclaimed")] += 1
         return out
 
+    def done_lanes(self) -> set[str]:
+        """Lanes ("S:E:L") holding items that have a result (lua/repair_items.lua 'done' clears them)."""
+        return {p.split(" ", 1)[1] for key, st in self.state.items() if st != "q"
+                for p in self.places.get(key, []) if p.startswith("lane ")}
+
     def problems(self, model: str) -> list[str]:
-        lost, dup, phantom, done_waiting = [], [], [], []
+        lost, dup, phantom, done_waiting, orphaned = [], [], [], [], []
         for key, st in self.state.items():
             places = self.places.get(key, [])
             if st == "q":
@@ -318,7 +337,9 @@ class _Ledger:
                     lost.append(key)
                 elif len(places) > 1:
                     dup.append((key, places))
-            elif any(p.startswith("lane ") for p in places):
+                elif places[0].startswith("orphan "):
+                    orphaned.append((key, places[0].split(" ", 1)[1]))
+            elif any(p.startswith(("lane ", "orphan ")) for p in places):
                 done_waiting.append((key, places))
         for key, places in self.places.items():
             if key not in self.state:
@@ -331,10 +352,14 @@ class _Ledger:
         if lost:
             out.append(f"{model}: {len(lost)} queued item(s) are in no lane, pending batch or reclaimed batch "
                        f"(lost): {show(lost)}")
+        if orphaned:
+            out.append(f"{model}: {len(orphaned)} queued item(s) wait in a batch list that no pending batch names "
+                       f"(orphaned; --repair puts them back): {show(orphaned)}")
         if dup:
             out.append(f"{model}: {len(dup)} queued item(s) are in more than one place (duplicated): {show(dup)}")
         if done_waiting:
-            out.append(f"{model}: {len(done_waiting)} item(s) with a result still wait in a lane: {show(done_waiting)}")
+            out.append(f"{model}: {len(done_waiting)} item(s) with a result still wait in a lane or an orphaned "
+                       f"batch list (--repair clears them): {show(done_waiting)}")
         if phantom:
             out.append(f"{model}: {len(phantom)} item(s) wait that no job submitted: {show(phantom)}")
         return out
@@ -523,6 +548,15 @@ def verify(r: redis.Redis, model: str, *, items: bool = False) -> Report:
         rep.problems.append(f"{model}: {fl['unreadable']} in-flight or reclaimed item record(s) or reclaimed "
                             "entries do not decode")
 
+    # ---- batch item lists that no pending batch names: a claim or reclaim that stopped halfway
+    # (before every script checked its commands first) left its items there, counted nowhere
+    orphans = _orphans(r, mk, found.bats)
+    row(f"{mk.base}:bat:*", "lists no pending batch names", len(orphans), 0, "bat.orphaned")
+    if ledger is not None:
+        for token in orphans:
+            if _ledger_records(_list(r, mk.batch_items(token)), f"orphan {token}", ledger):
+                rep.problems.append(f"{model}: {mk.batch_items(token)} holds item records that do not decode")
+
     # ---- jobs: counters against the items hash and the results records
     jobs = sorted(found.jobs)
     for job in jobs:
@@ -550,7 +584,29 @@ def verify(r: redis.Redis, model: str, *, items: bool = False) -> Report:
     if ledger is not None:
         rep.problems.extend(ledger.problems(model))
         rep.ledger = ledger.counts()
+        rep.done_lanes = ledger.done_lanes()
     return rep
+
+
+def _orphans(r: redis.Redis, mk: K.ModelKeys, tokens: set[str]) -> dict[str, tuple[str, dict] | None]:
+    """Batch item lists (of the tokens a SCAN found) that no pending batch names, each with the
+    batches entry that names its token when one is left (not pending: leaked), else None. The
+    pending list is read after the SCAN, and a list a completion deleted meanwhile is skipped."""
+    if not tokens:
+        return {}
+    _b, _n, pending, _bad = _pending(r, mk, None)
+    by_token: dict[str, tuple[str, dict]] = {}
+    for eid, f in _xrange(r, mk.batches):
+        if f.get(b"k"):
+            by_token[_s(f[b"k"])] = (_s(eid), f)
+    out: dict[str, tuple[str, dict] | None] = {}
+    for token in sorted(tokens):
+        named = by_token.get(token)
+        if named is not None and named[0] in pending:
+            continue
+        if r.exists(mk.batch_items(token)):
+            out[token] = named
+    return out
 
 
 def _ledger_records(recs: Any, place: str, ledger: _Ledger) -> int:
@@ -816,8 +872,7 @@ def repair(r: redis.Redis, model: str, *, attempts: int = 5) -> tuple[list[Chang
 
     mk = K.ModelKeys(model)
     scripts = Scripts(r)
-    changes: list[Change] = []
-    failed: list[str] = []
+    changes, failed = repair_items(r, model)
     found = _classify(r, mk)
     staged = _zset(r, mk.staged)
     for inst in sorted(found.insts | set(found.lanes) | set(staged)):
@@ -838,6 +893,70 @@ def repair(r: redis.Redis, model: str, *, attempts: int = 5) -> tuple[list[Chang
     else:
         failed.append(f"{mk.state}: the model's state kept changing during {attempts} attempts; "
                       "model and job counters not repaired (retry on a quieter system)")
+    return changes, failed
+
+
+def repair_items(r: redis.Redis, model: str) -> tuple[list[Change], list[str]]:
+    """Items put back where they belong (lua/repair_items.lua, one orphaned place per call):
+
+    - a batch list ``M:bat:<token>`` that no pending batch names: its items without a result go to
+      the reclaimed list as one batch of their shape (the shape from a leaked batches entry that
+      names the token, else the model's only signature; with several and no entry the shape is
+      unknown and the list is left for a human), items with a result are dropped, and the leaked
+      entry is deleted;
+    - a lane whose shape instance is gone (finished): the same;
+    - a lane of a live instance: its items that already have a result leave it.
+
+    Items counted queued that are in no place at all cannot be rebuilt: they stay ledger findings.
+    Returns (changes, what could not be done); the counters are repaired after this.
+    """
+    from conductor.scripts import source
+
+    mk = K.ModelKeys(model)
+    script = r.register_script(source("repair_items"))
+    keys = [mk.base, mk.state, mk.batches, mk.reclaimed]
+    changes: list[Change] = []
+    failed: list[str] = []
+
+    def run(where: str, args: list[Any]) -> None:
+        try:
+            moved, cleared, left = (int(x) for x in script(keys=keys, args=args))
+        except redis.ResponseError as e:
+            failed.append(f"{where}: {e}")
+            return
+        if moved or cleared:
+            changes.append(Change(where, "items", str(moved + cleared + left),
+                                  f"{left} ({moved} moved to {mk.reclaimed}, {cleared} with a result cleared)"))
+
+    found = _classify(r, mk)
+    orphans = _orphans(r, mk, found.bats)
+    for token, named in orphans.items():
+        if named is not None:
+            eid, f = named
+            args = [token, _s(f.get(b"sig", b"")), _i(f.get(b"ep")), _i(f.get(b"lane")), _i(f.get(b"dv")) + 1, eid]
+        elif len(found.shapes) == 1:
+            sig = next(iter(found.shapes))
+            args = [token, sig, _i(r.hget(mk.shape(sig), "epoch")), 0, 1, ""]
+        else:
+            failed.append(f"{mk.batch_items(token)}: no batches entry names it and the model has "
+                          f"{len(found.shapes)} shapes: which shape its items belong to is unknown")
+            continue
+        run(mk.batch_items(token), ["batch", *args])
+    # leaked batches entries (not pending) without a list: deleted by the same call
+    _b, _n, pending, _bad = _pending(r, mk, None)
+    for eid, f in _xrange(r, mk.batches):
+        token = _s(f.get(b"k", b""))
+        if _s(eid) not in pending and token and token not in orphans and re.fullmatch(r"[\w.-]{1,64}", token):
+            run(f"{mk.batches} {_s(eid)}", ["batch", token, _s(f.get(b"sig", b"0" * 16)), _i(f.get(b"ep")),
+                                           _i(f.get(b"lane")), 1, _s(eid)])
+    for inst, lanes in sorted(found.lanes.items()):
+        if not r.exists(mk.inst(inst)):
+            for lane in sorted(lanes, key=int):
+                run(mk.lane(inst, lane), ["lane", f"{inst}:{lane}"])
+    for where in sorted(verify(r, model, items=True).done_lanes):
+        inst, lane = where.rsplit(":", 1)
+        if r.exists(mk.inst(inst)):
+            run(mk.lane(inst, lane), ["done", where])
     return changes, failed
 
 
@@ -951,7 +1070,7 @@ def cli_verify(r: redis.Redis, models: list[str], *, do_repair: bool = False, sh
                 for f in failed:
                     print(f"  not repaired: {f}")
                 print(f"after repair: {len(after.drift)} counter(s) differ"
-                      + (f", {len(after.problems)} ledger finding(s) (items are not moved by a repair)"
+                      + (f", {len(after.problems)} ledger finding(s) a repair cannot settle"
                          if after.problems else ""))
                 for x in after.drift:
                     print(f"  {x.key}  {x.field}: recorded {x.recorded}, truth {x.truth}")

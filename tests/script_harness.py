@@ -346,6 +346,41 @@ def trim_results(c: Conductor) -> Call:
     return Call("trim_results", [MK.job("j"), MK.job_results("j")], [int(time.time() * 1000) + 1000])
 
 
+def _items_call(*args: Any) -> Call:
+    return Call("repair_items", [MK.base, MK.state, MK.batches, MK.reclaimed], list(args))
+
+
+def repair_items_leaked_batch(c: Conductor) -> Call:
+    """A batch acked but never deleted (leaked), one of its items done; another batch pending."""
+    quick(c)
+    c.submit([item(i, 10) for i in range(8)], "j")
+    b, _ = c.claim(contract(4), "w")
+    c.claim(contract(4), "w2")
+    c.complete(b, results_for(b)[:1], final=False)
+    c.r.xack(MK.batches, K.GROUP, b.batch_id)
+    token = c.r.xrange(MK.batches, b.batch_id, b.batch_id)[0][1][b"k"].decode()
+    return _items_call("batch", token, b.shape, b.epoch, b.lane, 2, b.batch_id)
+
+
+def repair_items_gone_lane(c: Conductor) -> Call:
+    """A lane of a gone instance, with an item done and a record no job knows."""
+    quick(c)
+    c.submit([item(i, 10) for i in range(4)], "j")
+    inst = inst_of(c)
+    c.r.delete(MK.inst(inst))
+    c.r.hset(MK.job_items("j"), "0", "d")
+    c.r.rpush(MK.lane(inst, 0), b'["ghost","nojob",10,5,"p",null]')
+    c.r.rpush(MK.lane_tok(inst, 0), 10)
+    return _items_call("lane", f"{inst}:0")
+
+
+def repair_items_done_in_lane(c: Conductor) -> Call:
+    quick(c)
+    c.submit([item(i, 10) for i in range(4)], "j")
+    c.r.hset(MK.job_items("j"), "1", "d")
+    return _items_call("done", f"{inst_of(c)}:0")
+
+
 SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "claim": [claim_warming, claim_warmed_shape_activates, claim_reclaimed_part, claim_reclaimed_whole,
               claim_finish_and_next, claim_aging_preempts, claim_hygiene_drains, claim_hygiene_retires_empty,
@@ -357,6 +392,7 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "dead_retry": [dead_retry],
     "reindex": [reindex],
     "repair": [repair, repair_unstaged, repair_gone_instance],
+    "repair_items": [repair_items_leaked_batch, repair_items_gone_lane, repair_items_done_in_lane],
     "trim": [trim_pending, trim_idle],
     "trim_results": [trim_results],
 }
