@@ -210,18 +210,19 @@ class Conductor:
         mk = K.ModelKeys(model)
         if model in self._models_ready and not force:
             return mk
-        pipe = self.r.pipeline(transaction=False)
-        for name, value in DEFAULTS.items():
-            # The reference budget is the first worker's contract (seed 001), set when it registers.
-            if name not in ("budget_tokens", "budget_items"):
-                pipe.hsetnx(mk.cfg, name, value)
-        pipe.sadd(K.MODELS_KEY, model)
-        pipe.execute()
+        # The reference budget is the first worker's contract (seed 001), set when it registers.
+        args = [x for name, value in DEFAULTS.items() if name not in ("budget_tokens", "budget_items")
+                for x in (name, value)]
+        # One allow-oom script (lua/ensure_model.lua), not HSETNX and XGROUP CREATE: over maxmemory
+        # Redis refuses those (even when they would change nothing), and a fresh worker must still
+        # register to drain a full Redis. The models set is in another slot: read first, so that a
+        # known model writes nothing there.
         try:
-            self.r.xgroup_create(mk.batches, K.GROUP, id="$", mkstream=True)
+            self.scripts.ensure_model(keys=[mk.cfg, mk.batches], args=args)
         except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+            _raise_script_error(e)
+        if not self.r.sismember(K.MODELS_KEY, model):
+            self.r.sadd(K.MODELS_KEY, model)
         self._models_ready.add(model)
         return mk
 

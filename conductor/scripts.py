@@ -13,7 +13,8 @@ from importlib import resources
 import redis
 
 _INCLUDE = re.compile(r"^--@include\s+(\S+)\s*$", re.M)
-NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex")
+NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex", "ensure_model", "register",
+         "heartbeat")
 
 
 @functools.cache
@@ -37,3 +38,6 @@ class Scripts:
     fail: redis.commands.core.Script
     reindex: redis.commands.core.Script
     repair: redis.commands.core.Script
+    ensure_model: redis.commands.core.Script
+    register: redis.commands.core.Script
+    heartbeat: redis.commands.core.Script

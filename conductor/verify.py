@@ -65,6 +65,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -256,6 +257,40 @@ def _classify(r: redis.Redis, mk: K.ModelKeys) -> _Keys:
     return out
 
 
+_oom = threading.local()  # set when a snapshot fell back to plain reads (Redis over maxmemory)
+
+
+class _Snapshot:
+    """Reads queued like a transaction pipeline's and run in one MULTI (a snapshot of one moment).
+    Over maxmemory Redis refuses every command queued in MULTI, reads included: the same reads
+    then run pipelined without it (not one moment; verify says so in a note), so that a full
+    Redis can still be verified while workers drain it."""
+
+    def __init__(self, r: redis.Redis) -> None:
+        self.r = r
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        def queue(*args: Any, **kw: Any) -> _Snapshot:
+            self.calls.append((name, args, kw))
+            return self
+        return queue
+
+    def _run(self, transaction: bool, raise_on_error: bool) -> list:
+        pipe = self.r.pipeline(transaction=transaction)
+        for name, args, kw in self.calls:
+            getattr(pipe, name)(*args, **kw)
+        return pipe.execute(raise_on_error=raise_on_error)
+
+    def execute(self, raise_on_error: bool = True) -> list:
+        if not getattr(_oom, "on", False):
+            try:
+                return self._run(True, raise_on_error)
+            except (redis.exceptions.OutOfMemoryError, redis.exceptions.ExecAbortError):
+                _oom.on = True
+        return self._run(False, raise_on_error)
+
+
 def _pairs(v: Any) -> Any:
     """A hash or stream entry's fields: a dict, or the flat [k, v, k, v, ...] a reply callback
     did not convert (redis-py's cluster pipeline inside MULTI)."""
@@ -288,7 +323,7 @@ def _lane_pages(r: redis.Redis, mk: K.ModelKeys, inst: str, lane: str) -> Iterat
     page's records and tokens are compared at one moment."""
     i = 0
     while True:
-        pipe = r.pipeline(transaction=True)
+        pipe = _Snapshot(r)
         pipe.lrange(mk.lane(inst, lane), i, i + PAGE - 1)
         pipe.lrange(mk.lane_tok(inst, lane), i, i + PAGE - 1)
         recs, toks = pipe.execute()
@@ -420,7 +455,7 @@ def _read_instance(r: redis.Redis, mk: K.ModelKeys, inst: str, scanned: set[str]
             pipe.llen(mk.lane_tok(inst, lane))
         if sum(pipe.execute()) > 2 * SNAPSHOT:
             break
-        pipe = r.pipeline(transaction=True)
+        pipe = _Snapshot(r)
         pipe.hgetall(ik)
         for z in (mk.inst_lanes(inst), mk.inst_fill(inst), mk.inst_ready(inst)):
             pipe.zrange(z, 0, -1, withscores=True)
@@ -464,6 +499,7 @@ def verify(r: redis.Redis, model: str, *, items: bool = False) -> Report:
     rep = Report(model)
     rows = rep.rows
     ledger = _Ledger() if items else None
+    _oom.on = False
     cfg = _cfg(r, mk)
     found = _classify(r, mk)
 
@@ -528,7 +564,7 @@ def verify(r: redis.Redis, model: str, *, items: bool = False) -> Report:
 
     # ---- the model's waiting counters against the sum of its instances' counters, in one MULTI
     # (each instance's counters were checked against its lanes above).
-    pipe = r.pipeline(transaction=True)
+    pipe = _Snapshot(r)
     pipe.hmget(mk.state, ["tokens", "items"])
     for inst in insts:
         pipe.hmget(mk.inst(inst), ["tokens", "items"])
@@ -574,13 +610,17 @@ def verify(r: redis.Redis, model: str, *, items: bool = False) -> Report:
             rep.problems.append(f"{model}: job {job} has {truth['dup_results']} duplicated result record(s)")
     # ---- the model's job totals against the sum of its jobs' counters, in one MULTI
     fields = ["submitted", "completed", "failed"]
-    pipe = r.pipeline(transaction=True)
+    pipe = _Snapshot(r)
     pipe.hmget(mk.state, fields)
     for job in jobs:
         pipe.hmget(mk.job(job), fields)
     got = pipe.execute()
     for i, fld in enumerate(fields):
         row(mk.state, fld, _i(got[0][i]), sum(_i(x[i]) for x in got[1:]), f"state.{fld}")
+    if getattr(_oom, "on", False):
+        rep.notes.append("Redis is over maxmemory and refuses MULTI: every read was a plain pipelined read, not "
+                         "a snapshot (against a live system, re-check a differing row)")
+        _oom.on = False
     if ledger is not None:
         rep.problems.extend(ledger.problems(model))
         rep.ledger = ledger.counts()
@@ -643,7 +683,7 @@ def _read_inflight(r: redis.Redis, mk: K.ModelKeys, ledger: _Ledger | None) -> d
     known: list[str] = []  # k of the batches whose item lists the next MULTI reads
     out: dict[str, int] = {}
     for _attempt in range(3):
-        pipe = r.pipeline(transaction=True)
+        pipe = _Snapshot(r)
         pipe.hmget(mk.state, ["inflight_batches", "inflight_items", "reclaimed_items"])
         pipe.xpending_range(mk.batches, K.GROUP, min="-", max="+", count=SNAPSHOT + 1)
         pipe.xrange(mk.batches, count=SNAPSHOT + 1)
@@ -752,7 +792,7 @@ def _job_truth(r: redis.Redis, mk: K.ModelKeys, job: str, ledger: _Ledger | None
     MULTI; a bigger one counts results up to the last id of a snapshot of its counters, so only
     its items hash (the 'd' count) is read while it may move."""
     fields = ["submitted", "completed", "failed"]
-    pipe = r.pipeline(transaction=True)
+    pipe = _Snapshot(r)
     pipe.hmget(mk.job(job), fields)
     pipe.hlen(mk.job_items(job))
     pipe.xlen(mk.job_results(job))
@@ -761,7 +801,7 @@ def _job_truth(r: redis.Redis, mk: K.ModelKeys, job: str, ledger: _Ledger | None
     item_states: Any
     records: Any
     if n_items <= SNAPSHOT and n_results <= SNAPSHOT:
-        pipe = r.pipeline(transaction=True)
+        pipe = _Snapshot(r)
         pipe.hmget(mk.job(job), fields)
         pipe.hgetall(mk.job_items(job))
         pipe.xrange(mk.job_results(job))

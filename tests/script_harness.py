@@ -381,6 +381,29 @@ def repair_items_done_in_lane(c: Conductor) -> Call:
     return _items_call("done", f"{inst_of(c)}:0")
 
 
+def ensure_model_new(c: Conductor) -> Call:
+    c.r.hset(MK.cfg, "quiet_ms", 5)  # an operator's value stays
+    return Call("ensure_model", [MK.cfg, MK.batches], ["quiet_ms", 1000, "lane_max", 2048])
+
+
+def ensure_model_known(c: Conductor) -> Call:
+    c.ensure_model("m")
+    return Call("ensure_model", [MK.cfg, MK.batches], ["quiet_ms", 1000])
+
+
+def register(c: Conductor) -> Call:
+    c.ensure_model("m")
+    return Call("register", [MK.workers, MK.cfg, MK.heartbeat("w")], ["w", '{"pid": 1}', 8192, 64, 1, 10000])
+
+
+def heartbeat(c: Conductor) -> Call:
+    quick(c)
+    c.submit([item(i, 10) for i in range(4)], "j")
+    b1, _ = c.claim(contract(2), "w")
+    b2, _ = c.claim(contract(2), "other")
+    return Call("heartbeat", [MK.heartbeat("w"), MK.batches], ["w", 1, 10000, b1.batch_id, b2.batch_id, "1-0"])
+
+
 SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "claim": [claim_warming, claim_warmed_shape_activates, claim_reclaimed_part, claim_reclaimed_whole,
               claim_finish_and_next, claim_aging_preempts, claim_hygiene_drains, claim_hygiene_retires_empty,
@@ -395,6 +418,9 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "repair_items": [repair_items_leaked_batch, repair_items_gone_lane, repair_items_done_in_lane],
     "trim": [trim_pending, trim_idle],
     "trim_results": [trim_results],
+    "ensure_model": [ensure_model_new, ensure_model_known],
+    "register": [register],
+    "heartbeat": [heartbeat],
 }
 
 
