@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conductor.errors import BadInput, ConductorError
+from conductor.errors import BadInput, ConductorError, DuplicateId
 from conductor.formats import PreparedItem, parse_line
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
@@ -42,11 +42,13 @@ def _progress(done: int, total: int, enabled: bool) -> None:
     sys.stderr.flush()
 
 
-def read_items(path: str, *, skip_invalid: bool, rejects: str | None) -> list[PreparedItem]:
-    """Validate every line first: by default a file with a bad line submits nothing."""
+def read_items(path: str, *, skip_invalid: bool, rejects: str | None,
+               lines: dict[str, int] | None = None) -> list[PreparedItem]:
+    """Validate every line first: by default a file with a bad line submits nothing. ``lines``, when
+    given, gets each item's line number by id."""
     items: list[PreparedItem] = []
     errors: list[tuple[int, bytes, BadInput]] = []
-    seen: dict[tuple[str, str], int] = {}
+    seen: dict[str, tuple[int, str]] = {}  # id -> (first line, model): one id, one item of the job
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             line = raw.rstrip(b"\r\n")
@@ -54,10 +56,14 @@ def read_items(path: str, *, skip_invalid: bool, rejects: str | None) -> list[Pr
                 continue
             try:
                 it = parse_line(line, n)
-                first = seen.setdefault((it.model, it.id), n)
+                first, model = seen.setdefault(it.id, (n, it.model))
                 if first != n:
-                    raise BadInput("id", f"duplicate of line {first}", n)
+                    across = f" (there for model {model}: an id names one item of a job, across its models)" \
+                        if model != it.model else ""
+                    raise BadInput("id", f"duplicate of line {first}{across}", n)
                 items.append(it)
+                if lines is not None:
+                    lines[it.id] = n
             except BadInput as e:
                 errors.append((n, line, e))
     if errors:
@@ -81,14 +87,18 @@ def default_job(path: str) -> str:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    items = read_items(args.file, skip_invalid=args.skip_invalid, rejects=args.rejects)
+    lines: dict[str, int] = {}
+    items = read_items(args.file, skip_invalid=args.skip_invalid, rejects=args.rejects, lines=lines)
     c = _conductor(args)
     job = args.job or default_job(args.file)
     show = sys.stderr.isatty() and not args.quiet
     step = 20_000  # items per Conductor.submit: each call groups its items by shape (client.py)
     accepted = dupes = 0
     for start in range(0, len(items), step):
-        rep = c.submit(items[start:start + step], job)
+        try:
+            rep = c.submit(items[start:start + step], job)
+        except DuplicateId as e:  # the job has the id under another model (an earlier run)
+            raise DuplicateId(e.item_id, e.detail, lines.get(e.item_id)) from None
         accepted += rep.accepted
         dupes += rep.duplicates
         _progress(min(start + step, len(items)), len(items), show)

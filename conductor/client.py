@@ -26,7 +26,7 @@ from redis.retry import Retry
 
 from conductor import keys as K
 from conductor.config import DEFAULTS
-from conductor.errors import BadInput, NotReplicated, Paused, QueueFull, RedisUnavailable
+from conductor.errors import BadInput, DuplicateId, NotReplicated, Paused, QueueFull, RedisUnavailable
 from conductor.formats import PreparedItem
 from conductor.records import Batch, BatchItem, Contract, Result, json_encoder
 from conductor.schema import check as check_schema
@@ -269,20 +269,46 @@ class Conductor:
 
         Items are grouped per model; each submit.lua call takes up to SUBMIT_CHUNK items and
         is all or nothing; SUBMIT_WINDOW calls are in flight at a time.
+
+        An id names one item of a job across all its models: an id given for two models, or one
+        the job already has under another model, raises DuplicateId before anything is written.
+        (submit.lua checks ids per model only: a job's models live in different cluster slots,
+        which one script cannot read together. Two producers racing the same id into two models
+        of one job are not caught.)
         """
         _check_name("job", job)
         report = SubmitReport()
         by_model: dict[str, list[PreparedItem]] = {}
+        model_of: dict[str, str] = {}
         for it in items:
+            first = model_of.setdefault(it.id, it.model)
+            if first != it.model:
+                raise DuplicateId(it.id, f"{it.id!r} is given for models {first} and {it.model}: an id names "
+                                  f"one item of a job, across its models")
             by_model.setdefault(it.model, []).append(it)
         for model in by_model:  # every name checked before the first write
             _check_name("model", model)
+        self._check_ids_across_models(job, by_model)
         for model, its in by_model.items():
             self._register_job(job, model)
             mk = self.ensure_model(model)
             report.models.add(model)
             self._submit_calls(mk, job, _grouped_by_shape(its), report)
         return report
+
+    def _check_ids_across_models(self, job: str, by_model: dict[str, list[PreparedItem]]) -> None:
+        """Refuse ids the job already has under another of its models (one read per 1,000 ids and
+        other model; none for a job of one model)."""
+        known = self.job_models(job)
+        for other in known:
+            ids = [it.id for model, its in by_model.items() if model != other for it in its]
+            key = K.ModelKeys(other).job_items(job)
+            for start in range(0, len(ids), 1000):
+                chunk = ids[start:start + 1000]
+                for iid, state in zip(chunk, self.r.hmget(key, chunk), strict=True):
+                    if state is not None:
+                        raise DuplicateId(iid, f"{iid!r} is already in job {job} under model {other}: an id "
+                                          f"names one item of a job, across its models")
 
     def _register_job(self, job: str, model: str) -> None:
         pipe = self.r.pipeline(transaction=False)
