@@ -279,15 +279,17 @@ class Conductor:
         _check_name("job", job)
         report = SubmitReport()
         by_model: dict[str, list[PreparedItem]] = {}
-        model_of: dict[str, str] = {}
         for it in items:
-            first = model_of.setdefault(it.id, it.model)
-            if first != it.model:
-                raise DuplicateId(it.id, f"{it.id!r} is given for models {first} and {it.model}: an id names "
-                                  f"one item of a job, across its models")
             by_model.setdefault(it.model, []).append(it)
         for model in by_model:  # every name checked before the first write
             _check_name("model", model)
+        if len(by_model) > 1:
+            model_of: dict[str, str] = {}
+            for it in items:
+                first = model_of.setdefault(it.id, it.model)
+                if first != it.model:
+                    raise DuplicateId(it.id, f"{it.id!r} is given for models {first} and {it.model}: an id "
+                                      f"names one item of a job, across its models")
         self._check_ids_across_models(job, by_model)
         for model, its in by_model.items():
             self._register_job(job, model)
