@@ -96,7 +96,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     accepted = dupes = 0
     for start in range(0, len(items), step):
         try:
-            rep = c.submit(items[start:start + step], job)
+            rep = c.submit(items[start:start + step], job, seal=start + step >= len(items))
         except DuplicateId as e:  # the job has the id under another model (an earlier run)
             raise DuplicateId(e.item_id, e.detail, lines.get(e.item_id)) from None
         accepted += rep.accepted
@@ -293,7 +293,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 if args.model_path:
                     cmd += ["--model-path", args.model_path]
                 procs.append(subprocess.Popen(cmd))
-        rep = c.submit(items, job)
+        rep = c.submit(items, job, seal=True)
         print(f"job {job}: {rep.accepted} items submitted ({rep.duplicates} already there), "
               f"{len(models)} model(s), {args.workers} worker(s) each", file=sys.stderr)
         n = 0

@@ -246,10 +246,10 @@ class Conductor:
         """Re-derive lane indices of every waiting shape instance after the reference contract or
         mode changed; returns how many instances were re-derived (claim also does it lazily)."""
         mk = K.ModelKeys(model)
-        insts = {_s(i) for i in self.r.zrange(mk.staged, 0, -1)}
-        active = self.r.hget(mk.state, "active")
-        if active:
-            insts.add(_s(active))
+        insts = {_s(i) for i in self.r.zrange(mk.staged, 0, -1)} | {_s(i) for i in self.r.zrange(mk.active, 0, -1)}
+        legacy = self.r.hget(mk.state, "active")  # schema before M:active: claim.lua moves it there
+        if legacy:
+            insts.add(_s(legacy))
         try:
             return sum(int(self.scripts.reindex(keys=[mk.base, mk.cfg, mk.state], args=[i])) for i in insts if i)
         except redis.ResponseError as e:
@@ -264,11 +264,13 @@ class Conductor:
         return sorted(_s(m) for m in self.r.smembers(K.MODELS_KEY))
 
     # ------------------------------------------------------------------ submit
-    def submit(self, items: Iterable[PreparedItem], job: str) -> SubmitReport:
+    def submit(self, items: Iterable[PreparedItem], job: str, *, seal: bool = False) -> SubmitReport:
         """Submit items under ``job``; idempotent on (job, model, item id).
 
         Items are grouped per model; each submit.lua call takes up to SUBMIT_CHUNK items and
-        is all or nothing; SUBMIT_WINDOW calls are in flight at a time.
+        is all or nothing; SUBMIT_WINDOW calls are in flight at a time. ``seal``: these are the
+        last items for now (a whole file): each model's intake counts as quiet at once, so the
+        tail of the backlog is dispatched without waiting quiet_ms of silence (seal.lua).
 
         An id names one item of a job across all its models: an id given for two models, or one
         the job already has under another model, raises DuplicateId before anything is written.
@@ -296,6 +298,9 @@ class Conductor:
             mk = self.ensure_model(model)
             report.models.add(model)
             self._submit_calls(mk, job, _grouped_by_shape(its), report)
+        if seal:
+            for model in by_model:
+                self.seal(model)
         return report
 
     def _check_ids_across_models(self, job: str, by_model: dict[str, list[PreparedItem]]) -> None:
@@ -311,6 +316,14 @@ class Conductor:
                     if state is not None:
                         raise DuplicateId(iid, f"{iid!r} is already in job {job} under model {other}: an id "
                                           f"names one item of a job, across its models")
+
+    def seal(self, model: str) -> int:
+        """Declare the end of this producer's submission to ``model`` (seal.lua)."""
+        try:
+            return int(self.scripts.seal(keys=[K.ModelKeys(model).state]))
+        except redis.ResponseError as e:
+            _raise_script_error(e)
+            raise
 
     def _register_job(self, job: str, model: str) -> None:
         pipe = self.r.pipeline(transaction=False)

@@ -2,14 +2,14 @@
 
 Every field has a default here; ``ensure_model`` writes missing fields with HSETNX so an
 operator's ``conductor config`` change is never overwritten. The Lua scripts read the hash
-with HMGET and fall back to the same defaults (``lua/lib_cfg.lua`` must agree; a test checks).
+with HMGET and fall back to the same defaults (``lua/lib.lua`` must agree; tests/test_signature_keys.py checks).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# name -> (default, description). Order matters: lua/lib_cfg.lua reads them in this order.
+# name -> (default, description); lua/lib.lua's CFG_NAMES and CFG_DEFAULTS mirror them.
 FIELDS: dict[str, tuple[Any, str]] = {
     "mode": ("memory", "memory: pad to the longest item rounded up to 8 and count padded tokens; "
                        "disk: count actual tokens and keep the release gate open"),
@@ -20,6 +20,8 @@ FIELDS: dict[str, tuple[Any, str]] = {
     "lane_thr_max": (0.30, "padding fraction that opens a new lane when the lane budget is full"),
     "lane_floor": (0, "padding (tokens) at or under which an item never opens a new lane; memory mode already "
                      "merges lengths within one 8-token step, raise it for short-prompt workloads"),
+    "lane_depth": (4, "lanes a shape instance may own per full batch (reference budget) it holds waiting: a "
+                      "shallow shape gets few wide lanes, a deep one many narrow ones; 0 lifts the limit"),
     "lane_cap": (256, "padding (tokens) above which an item always opens a new lane, budget permitting"),
     "lane_quiet_ms": (3000, "an empty lane without assignments this long returns its id"),
     "activate_batches": (4, "a staged shape activates once it holds this many budgets of tokens"),

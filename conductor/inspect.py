@@ -43,9 +43,10 @@ def model_overview(c, model: str, lanes: bool = False) -> dict[str, Any]:  # noq
     mk = K.ModelKeys(model)
     state = _hash(c.r, mk.state)
     insts = [_s(i) for i in c.r.zrevrange(mk.staged, 0, -1)]
-    active = state.get("active") or ""
-    if active and active not in insts:
-        insts.insert(0, active)
+    active = [_s(i) for i in c.r.zrange(mk.active, 0, -1)] + ([state["active"]] if state.get("active") else [])
+    for inst in reversed(active):
+        if inst not in insts:
+            insts.insert(0, inst)
     shapes = [instance_row(c, mk, i, lanes) for i in insts]
     for s in shapes:
         s["warming"] = s["instance"] == state.get("warming")
@@ -54,6 +55,8 @@ def model_overview(c, model: str, lanes: bool = False) -> dict[str, Any]:  # noq
         "state": state,
         "config": c.config(model),
         "shapes": shapes,
+        "active": active,
+        "affinity": {_s(k): _s(v) for k, v in c.r.hgetall(mk.affinity).items()},
         "reclaimed_batches": c.r.llen(mk.reclaimed),
         "dead_letter": c.r.xlen(mk.dead) if c.r.exists(mk.dead) else 0,
         "consumers": c.consumers(model),
@@ -66,7 +69,7 @@ def render(ov: dict[str, Any]) -> str:
     out = [f"model {ov['model']}{paused}: waiting {st.get('items', 0)} items / {st.get('tokens', 0)} tokens, "
            f"in flight {st.get('inflight_items', 0)} items in {st.get('inflight_batches', 0)} batches, "
            f"gate {'open' if st.get('gate') == '1' else 'closed'}, "
-           f"cleanup {'on' if st.get('cleanup') == '1' else 'off'}, active {st.get('active') or '-'}, "
+           f"cleanup {'on' if st.get('cleanup') == '1' else 'off'}, active {', '.join(ov['active']) or '-'}, "
            f"warming {st.get('warming') or '-'}",
            f"  reclaimed batches {ov['reclaimed_batches']}, dead letter {ov['dead_letter']}, "
            f"completed {st.get('completed', 0)}, failed {st.get('failed', 0)}, activations {st.get('activations', 0)}"]
@@ -77,7 +80,8 @@ def render(ov: dict[str, Any]) -> str:
                    f"{s['items']:>8} {s['lanes']:>6} {s['ready_lanes']:>6} {s['batches']:>8}")
         for ln in s.get("lane_rows", []):
             out.append(f"      lane {ln['lane']:>5} rep {ln['rep']:>6} items {ln['items']:>6} tokens {ln['tokens']:>9}")
-    out.append(f"  {'consumer':<30} {'pending':>8} {'idle ms':>10} alive")
+    out.append(f"  {'consumer':<30} {'pending':>8} {'idle ms':>10} alive  serves")
     for row in ov["consumers"]:
-        out.append(f"  {row['name']:<30} {row.get('pending', 0):>8} {row.get('idle', 0):>10} {row['alive']}")
+        out.append(f"  {row['name']:<30} {row.get('pending', 0):>8} {row.get('idle', 0):>10} {row['alive']!s:<5}  "
+                   f"{ov['affinity'].get(row['name'], '-')}")
     return "\n".join(out)

@@ -14,7 +14,9 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     cdr:jobs                        zset     job -> creation time (ms)
     cdr:job:J:models                set      models a job submitted to
     M:cfg                           hash     per-model thresholds (conductor/config.py)
-    M:state                         hash     model counters: waiting tokens/items, gate, active shape
+    M:state                         hash     model counters: waiting tokens/items, gate, warming shape
+    M:active                        zset     active or draining shape instance "S:E" -> activation time (ms)
+    M:affinity                      hash     worker -> the active instance it serves (it stays until empty)
     M:staged                        zset     shape instance "S:E" -> waiting tokens, not yet active
     M:staged_age                    zset     staged instance -> creation time (ms), for aging
     M:finished                      stream   finished instances and their batch counts (thrash alarm)
@@ -22,7 +24,8 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     M:inst:S:E                      hash     one shape instance (an epoch of a signature): state, counters
     M:inst:S:E:lanes                zset     lane id -> representative length (rolling lanes)
     M:inst:S:E:ready                zset     lane id -> lane id, lanes holding a full batch (round-robin)
-    M:inst:S:E:fill                 zset     lane id -> padded tokens waiting, every non-empty lane
+    M:inst:S:E:fill                 zset     lane id -> representative length, every non-empty lane: the
+                                             order in which a claim fills a batch from neighbouring lanes
     M:inst:S:E:free                 set      retired lane ids, reused before new ones
     M:inst:S:E:touch                zset     lane id -> last assignment time (ms), for lane hygiene
     M:lane:S:E:L                    list     waiting items of one lane, in arrival order, each an item
@@ -105,6 +108,14 @@ class ModelKeys:
     @property
     def staged(self) -> str:
         return f"{self.base}:staged"
+
+    @property
+    def active(self) -> str:
+        return f"{self.base}:active"
+
+    @property
+    def affinity(self) -> str:
+        return f"{self.base}:affinity"
 
     @property
     def staged_age(self) -> str:

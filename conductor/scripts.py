@@ -13,7 +13,7 @@ from importlib import resources
 import redis
 
 _INCLUDE = re.compile(r"^--@include\s+(\S+)\s*$", re.M)
-NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex", "ensure_model", "register",
+NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex", "seal", "ensure_model", "register",
          "heartbeat")
 
 
@@ -37,6 +37,7 @@ class Scripts:
     reclaim: redis.commands.core.Script
     fail: redis.commands.core.Script
     reindex: redis.commands.core.Script
+    seal: redis.commands.core.Script
     repair: redis.commands.core.Script
     ensure_model: redis.commands.core.Script
     register: redis.commands.core.Script

@@ -11,8 +11,8 @@ What is checked, for one model (``M`` = ``cdr:{model}``):
   input_tokens of the record at the same position (claim.lua packs from the token list without
   reading the records, so a wrong token there mis-packs a batch); the lane's length and the sum
   of its token list against ``M:lanemeta:S:E:L`` items and tokens; the lane's rep bounds its
-  longest item; ``M:inst:S:E:lanes`` scores the rep; the ``fill`` score is the lane weight
-  (memory: items x pad8(rep); disk: tokens) for a non-empty lane and absent for an empty one;
+  longest item; ``M:inst:S:E:lanes`` scores the rep; ``fill`` scores the rep too, for a
+  non-empty lane only (absent for an empty one);
   ``ready`` holds exactly the lanes with a full batch;
 - every shape instance ``M:inst:S:E``: tokens and items against the sum of its lanes' truth;
   a staged or warming instance is in ``M:staged`` scored with its tokens, no other one is; an
@@ -207,7 +207,7 @@ class _Cfg:
     @property
     def index_version(self) -> str:
         """lib.lua's index_version: the config an instance's fill and ready indices follow."""
-        return f"{self.budget_tokens:.14g}:{self.budget_items:.14g}:{'disk' if self.disk else 'memory'}"
+        return f"v2:{self.budget_tokens:.14g}:{self.budget_items:.14g}:{'disk' if self.disk else 'memory'}"
 
 
 def _cfg(r: redis.Redis, mk: K.ModelKeys) -> _Cfg:
@@ -444,7 +444,9 @@ def _read_instance(r: redis.Redis, mk: K.ModelKeys, inst: str, scanned: set[str]
     """One MULTI per instance when it holds at most SNAPSHOT entries (each row then compares values
     of one moment, even on a live system); bounded pages otherwise."""
     ik = mk.inst(inst)
-    for _attempt in range(3):
+    # A lane opened between the two reads sends it round again; under steady intake that can take
+    # a few rounds, and falling back to pages would report a moment's drift.
+    for _attempt in range(20):
         pipe = r.pipeline(transaction=False)
         for z in (mk.inst_lanes(inst), mk.inst_fill(inst), mk.inst_ready(inst)):
             pipe.zrange(z, 0, -1)
@@ -548,8 +550,7 @@ def verify(r: redis.Redis, model: str, *, items: bool = False) -> Report:
             in_fill = lane in ir.fill
             row(mk.inst_fill(inst), f"lane {lane} member", int(in_fill), int(t.items > 0), "fill.member")
             if in_fill and t.items and current:
-                row(mk.inst_fill(inst), f"lane {lane} score", int(ir.fill[lane]),
-                    cfg.weight(t.items, t.tokens, rep_truth), "fill.score")
+                row(mk.inst_fill(inst), f"lane {lane} score", int(ir.fill[lane]), rep_truth, "fill.score")
             if current:
                 row(mk.inst_ready(inst), f"lane {lane} member", int(lane in ir.ready),
                     int(t.items > 0 and cfg.ready(t.items, t.tokens, rep_truth)), "ready.member")

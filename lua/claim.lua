@@ -66,8 +66,12 @@ do
   local lk, tk, mk = base .. ':lane' .. L, base .. ':lanetok' .. L, base .. ':lanemeta' .. L
   local sk, sa, st, bk, rk = base .. ':staged', base .. ':staged_age', state_key, batch_items_key, reclaimed_key
   local il, fi, re, to, fr = I .. ':lanes', I .. ':fill', I .. ':ready', I .. ':touch', I .. ':free'
+  local ac, af = base .. ':active', base .. ':affinity'
   local refused = acl_refused(function(ok)
     return ok('HMGET', st) and ok('HSET', st) and ok('HINCRBY', st) and ok('HDEL', st) and ok('HGET', st)
+      and ok('ZADD', ac) and ok('ZREM', ac) and ok('ZRANGE', ac) and ok('HSET', af) and ok('HDEL', af)
+      and ok('HGET', af) and ok('HGETALL', af) and ok('EXISTS', base .. ':hb:0') and ok('ZSCORE', sk)
+      and ok('ZRANK', fi) and ok('ZRANGE', fi) and ok('LRANGE', lk)
       and ok('RPUSH', bk) and ok('XADD', batches_key) and ok('XCLAIM', batches_key) and ok('LINDEX', rk)
       and ok('LPOP', rk) and ok('LSET', rk) and ok('ZREM', sk) and ok('ZADD', sk) and ok('ZREVRANGE', sk)
       and ok('ZREM', sa) and ok('ZADD', sa) and ok('ZRANGE', sa) and ok('XADD', base .. ':finished')
@@ -108,11 +112,12 @@ end
 -- script runs once per batch. Only this script writes the counters below while it runs
 -- (scripts are atomic), so deliver() writes them back from these values; 'warming' is kept
 -- in warming_now as activate() and maybe_warm() change it.
-local st = redis.call('HMGET', state_key, 'gate', 'active', 'tokens', 'last_intake_ms', 'cleanup',
-  'reclaimed_items', 'inflight_batches', 'inflight_items', 'batches', 'items', 'warming', 'sweep_ms', 'paused')
-local warming_now = st[11] or ''
+local st = redis.call('HMGET', state_key, 'gate', 'tokens', 'last_intake_ms', 'cleanup',
+  'reclaimed_items', 'inflight_batches', 'inflight_items', 'batches', 'items', 'warming', 'sweep_ms', 'paused',
+  'active', 'sealed_ms')
+local warming_now = st[10] or ''
 -- Paused (see lib.lua paused()): nothing has been written yet, and nothing is.
-if st[13] == '1' then return {0, 'paused'} end
+if st[12] == '1' then return {0, 'paused'} end
 
 -- The batch's items are already in batch_items_key; this records the batch and hands it to the
 -- consumer through the group.
@@ -124,9 +129,9 @@ local function deliver(sig, ep, lane, maxlen, flags, dv, n, waiting_tok, waiting
   -- XCLAIM FORCE puts the entry straight into the consumer's pending list (delivery count 1,
   -- the consumer created if new) without reading it back; nothing reads the group with '>'.
   redis.call('XCLAIM', batches_key, 'workers', consumer, 0, bid, 'FORCE', 'JUSTID')
-  redis.call('HSET', state_key, 'inflight_batches', num(st[7]) + 1, 'inflight_items', num(st[8]) + n,
-    'batches', num(st[9]) + 1, 'tokens', num(st[3]) - waiting_tok, 'items', num(st[10]) - waiting_items,
-    'reclaimed_items', num(st[6]) - reclaimed)
+  redis.call('HSET', state_key, 'inflight_batches', num(st[6]) + 1, 'inflight_items', num(st[7]) + n,
+    'batches', num(st[8]) + 1, 'tokens', num(st[2]) - waiting_tok, 'items', num(st[9]) - waiting_items,
+    'reclaimed_items', num(st[5]) - reclaimed)
   if flags % 2 == 1 then
     redis.call('HINCRBY', state_key, 'cleanup_batches', 1)
     redis.call('HINCRBY', state_key, 'cleanup_items', n)
@@ -136,7 +141,7 @@ end
 
 -- 1. Reclaimed work first (seed 001's assembly order). Reclaimed batches are already pure.
 --    An entry is msgpack [sig, epoch, lane, deliveries, tokens, records] (lib_requeue.lua).
-local head = num(st[6]) > 0 and redis.call('LINDEX', reclaimed_key, 0)
+local head = num(st[5]) > 0 and redis.call('LINDEX', reclaimed_key, 0)
 if head then
   local b = cmsgpack.unpack(head)
   local toks, recs = b[5], b[6]
@@ -165,8 +170,12 @@ end
 
 -- 2. Release gate: memory mode dispatches nothing until enough is waiting to make good first
 --    batches; once open it stays open. Quiet intake opens it too, so a small job still runs.
-local waiting, last_intake = num(st[3]), num(st[4])
-local quiet = now - last_intake >= cfg.quiet_ms
+local waiting, last_intake = num(st[2]), num(st[3])
+-- Intake is quiet after quiet_ms of silence, or at once when a producer sealed its submission
+-- after the last item arrived (seal.lua).
+local sealed = num(st[14])
+local function quiet_since(last) return now - last >= cfg.quiet_ms or sealed >= last end
+local quiet = quiet_since(last_intake)
 if st[1] ~= '1' then
   if disk or waiting >= cfg.release_batches * cfg.budget_tokens or (quiet and waiting > 0) then
     redis.call('HSET', state_key, 'gate', 1, 'gate_opened_ms', now)
@@ -179,12 +188,23 @@ end
 
 local function inst_key(inst) return base .. ':inst:' .. inst end
 
+-- Several instances may be active at once, each worker on its own (M:affinity): a worker stays
+-- on its instance until it is empty, then takes the one with the most waiting tokens per
+-- worker serving it, so a deep shape is shared and a shallow one taken by one worker.
+local active_key, affinity_key = base .. ':active', base .. ':affinity'
+
+local function attach(inst)
+  redis.call('HSET', affinity_key, consumer, inst)
+  return inst
+end
+
 local function activate(inst, reason)
   local ik = inst_key(inst)
   redis.call('ZREM', base .. ':staged', inst)
   redis.call('ZREM', base .. ':staged_age', inst)
   redis.call('HSET', ik, 'state', 'active', 'activated_ms', now, 'activated_by', reason)
-  redis.call('HSET', state_key, 'active', inst)
+  redis.call('ZADD', active_key, now, inst)
+  attach(inst)
   redis.call('HINCRBY', state_key, 'activations', 1)
   if warming_now == inst then
     redis.call('HDEL', state_key, 'warming')
@@ -200,9 +220,50 @@ local function aged()
   return nil
 end
 
--- The next shape: an aged one first (no shape waits for ever behind popular ones), then the
--- one warming (it prepared for this switch), then the staged instance with the most waiting
--- tokens once it holds activate_batches budgets (any amount in cleanup).
+local function finish(inst)
+  local ik = inst_key(inst)
+  local lanes = redis.call('ZRANGE', ik .. ':lanes', 0, -1)
+  for _, lane in ipairs(lanes) do
+    redis.call('DEL', base .. ':lane:' .. inst .. ':' .. lane, base .. ':lanetok:' .. inst .. ':' .. lane,
+      base .. ':lanemeta:' .. inst .. ':' .. lane)
+  end
+  local h = redis.call('HMGET', ik, 'batches', 'taken')
+  local batches = num(h[1])
+  -- The batches its items could fill under the reference budget: the thrash alarm judges a
+  -- shape against them, not against a fixed count alone.
+  local could = math.max(1, math.ceil(num(h[2]) / cfg.budget_tokens))
+  redis.call('DEL', ik, ik .. ':lanes', ik .. ':fill', ik .. ':ready', ik .. ':free', ik .. ':touch')
+  redis.call('ZREM', active_key, inst)
+  redis.call('HDEL', affinity_key, consumer)
+  redis.call('HINCRBY', state_key, 'shapes_finished', 1)
+  -- Batches-per-shape history for the thrash alarm and its histogram (read by the workers'
+  -- maintenance pass, then trimmed).
+  redis.call('XADD', base .. ':finished', 'MAXLEN', '~', 10000, '*', 'inst', inst, 'batches', batches,
+    'could', could, 'ms', now)
+end
+
+-- Workers serving each active instance other than this one; a dead worker's entry (its
+-- heartbeat key gone) is dropped. Bounded by the fleet; read only when a worker changes shape.
+local function attachments()
+  local aff = redis.call('HGETALL', affinity_key)
+  local n = {}
+  for i = 1, #aff, 2 do
+    if aff[i] ~= consumer then
+      if redis.call('EXISTS', base .. ':hb:' .. aff[i]) == 1 then
+        n[aff[i + 1]] = (n[aff[i + 1]] or 0) + 1
+      else
+        redis.call('HDEL', affinity_key, aff[i])
+      end
+    end
+  end
+  return n
+end
+
+-- The next shape for this worker: an aged one first (no shape waits for ever behind popular
+-- ones); else the larger of the next staged instance (the warming one, which prepared for the
+-- switch, or the one with the most tokens) once it holds activate_batches budgets, and an
+-- active instance's tokens per worker serving it (sharing it); else, rather than idle, a
+-- staged instance or a share holding one full batch; in cleanup, anything.
 local function pick_next(cleanup)
   local old = aged()
   if old then
@@ -211,41 +272,64 @@ local function pick_next(cleanup)
     redis.call('HSET', inst_key(old), 'state', 'draining', 'draining_ms', now)
     return old
   end
-  local warm = warming_now
-  if warm ~= '' and redis.call('HGET', inst_key(warm), 'state') == 'warming' then
-    return activate(warm, 'warmed')
+  local n = attachments()
+  local best, share = nil, 0
+  for _, inst in ipairs(redis.call('ZRANGE', active_key, 0, -1)) do
+    local t = num(redis.call('HGET', inst_key(inst), 'tokens'))
+    if t > 0 and t / ((n[inst] or 0) + 1) > share then
+      best, share = inst, t / ((n[inst] or 0) + 1)
+    elseif t <= 0 and not n[inst] then
+      finish(inst)  -- emptied while its last worker was away (it died or was preempted)
+    end
   end
-  local top = redis.call('ZREVRANGE', base .. ':staged', 0, 0, 'WITHSCORES')
-  if not top[1] then return nil end
-  if cleanup or tonumber(top[2]) >= cfg.activate_batches * cfg.budget_tokens then
-    return activate(top[1], cleanup and 'cleanup' or 'threshold')
+  local cand, ctok = nil, 0
+  if warming_now ~= '' and redis.call('HGET', inst_key(warming_now), 'state') == 'warming' then
+    cand = warming_now
+    ctok = num(redis.call('ZSCORE', base .. ':staged', cand))
+  else
+    local top = redis.call('ZREVRANGE', base .. ':staged', 0, 0, 'WITHSCORES')
+    if top[1] then cand, ctok = top[1], tonumber(top[2]) end
+  end
+  local why = cand == warming_now and 'warmed' or 'threshold'
+  local budget = cfg.budget_tokens
+  if cand and ctok >= cfg.activate_batches * budget and ctok >= share then return activate(cand, why) end
+  if best and share >= cfg.activate_batches * budget then return attach(best) end
+  if cand and ctok >= budget and ctok >= share then return activate(cand, 'depth') end
+  if best and share >= budget then return attach(best) end
+  if cleanup then
+    if cand then return activate(cand, 'cleanup') end
+    if best then return attach(best) end
   end
   return nil
 end
 
 -- Pre-warm (seed 003): when the active instance runs low, mark the staged instance with the
--- most tokens above its activation threshold as warming (one at a time) and tell the workers,
+-- most tokens (at least one full batch) as warming (one at a time) and tell the workers,
 -- so graphs and caches are ready before the switch.
 local function maybe_warm(inst_tokens)
   if inst_tokens >= cfg.prewarm_batches * cfg.budget_tokens then return end
   local cur = warming_now
   if cur ~= '' and redis.call('HGET', inst_key(cur), 'state') == 'warming' then return end
   local top = redis.call('ZREVRANGE', base .. ':staged', 0, 0, 'WITHSCORES')
-  if not top[1] or tonumber(top[2]) < cfg.activate_batches * cfg.budget_tokens then return end
+  -- One full batch is enough: a worker with nothing else activates such a shape (pick_next).
+  if not top[1] or tonumber(top[2]) < cfg.budget_tokens then return end
   redis.call('HSET', inst_key(top[1]), 'state', 'warming', 'warming_ms', now)
   redis.call('HSET', state_key, 'warming', top[1])
   warming_now = top[1]
   redis.call('HINCRBY', state_key, 'warmings', 1)
 end
 
--- Aging preemption: the active instance steps back to staged (lanes and items intact) so an
--- aged shape runs next; it is re-dated so it does not preempt straight back.
+-- Aging preemption: this worker leaves its instance for an aged one; served by no other worker,
+-- the instance steps back to staged (lanes and items intact), re-dated so it does not preempt
+-- straight back.
 local function preempt(inst)
+  redis.call('HDEL', affinity_key, consumer)
+  if (attachments()[inst] or 0) > 0 then return end
   local ik = inst_key(inst)
   redis.call('HSET', ik, 'state', 'staged', 'preempted_ms', now)
   redis.call('ZADD', base .. ':staged', num(redis.call('HGET', ik, 'tokens')), inst)
   redis.call('ZADD', base .. ':staged_age', now, inst)
-  redis.call('HSET', state_key, 'active', '')
+  redis.call('ZREM', active_key, inst)
   redis.call('HINCRBY', state_key, 'preemptions', 1)
 end
 
@@ -261,99 +345,129 @@ local function retire_lane(inst, lane)
   redis.call('HINCRBY', state_key, 'lanes_retired', 1)
 end
 
-local function finish(inst)
-  local ik = inst_key(inst)
-  local lanes = redis.call('ZRANGE', ik .. ':lanes', 0, -1)
-  for _, lane in ipairs(lanes) do
-    redis.call('DEL', base .. ':lane:' .. inst .. ':' .. lane, base .. ':lanetok:' .. inst .. ':' .. lane,
-      base .. ':lanemeta:' .. inst .. ':' .. lane)
-  end
-  local batches = num(redis.call('HGET', ik, 'batches'))
-  redis.call('DEL', ik, ik .. ':lanes', ik .. ':fill', ik .. ':ready', ik .. ':free', ik .. ':touch')
-  redis.call('HSET', state_key, 'active', '')
-  redis.call('HINCRBY', state_key, 'shapes_finished', 1)
-  -- Batches-per-shape history for the thrash alarm and its histogram (read by the workers'
-  -- maintenance pass, then trimmed).
-  redis.call('XADD', base .. ':finished', 'MAXLEN', '~', 10000, '*', 'inst', inst, 'batches', batches,
-    'ms', now)
-end
-
--- info: the instance's HMGET (INFO_FIELDS) read by the caller in this call.
-local function take_from_lane(inst, lane, flags, info)
-  local ik = inst_key(inst)
-  local lk = base .. ':lane:' .. inst .. ':' .. lane
-  local tk = base .. ':lanetok:' .. inst .. ':' .. lane
+-- Plan one lane's part of a batch: read its token list (never more than the batch can still
+-- take) and add items while they fit. acc carries the batch so far: k, maxlen, sum, full.
+-- Memory mode pads a batch to the rep of the longest lane it takes from (the rep bounds every
+-- item: lanes only grow), so each lane keeps one padded length: its graph is built once, and
+-- ahead of time by the pre-warm signal, which names the lanes' padded reps.
+local function plan_lane(inst, lane, acc)
   local mk = base .. ':lanemeta:' .. inst .. ':' .. lane
   local meta = redis.call('HMGET', mk, 'rep', 'last_ms', 'items', 'tokens')
-  local rep, lane_items = num(meta[1]), num(meta[3])
-  -- Every item is at most the lane's rep (lanes only grow), so at least `sure` items fit; read
-  -- the token list in chunks just past that, so the reads grow with the batch, not the lane.
-  local sure = math.floor(max_tokens / math.max(1, disk and rep or pad8(rep)))
-  local want = math.min(max_items, math.max(1, lane_items))
-  local k, maxlen, pmax, sum, from, full = 0, 0, 0, 0, 0, false
-  if sure >= want then
-    -- Every item the batch can take fits: only the sum and the longest are needed.
-    local toks = redis.call('LRANGE', tk, 0, want - 1)
-    for i = 1, #toks do
-      local tok = tonumber(toks[i])
-      sum = sum + tok
-      if tok > maxlen then maxlen = tok end
+  local room = max_items - acc.k
+  if not disk then
+    local plen = pad8(math.max(acc.maxlen, num(meta[1])))
+    -- The first item always goes: one larger than the budget travels alone.
+    room = math.min(room, math.max(math.floor(max_tokens / plen), acc.k == 0 and 1 or 0) - acc.k)
+  end
+  if room <= 0 then
+    acc.full = true
+    return nil
+  end
+  local want = math.min(room, num(meta[3]))
+  if want <= 0 then return nil end
+  local toks = redis.call('LRANGE', base .. ':lanetok:' .. inst .. ':' .. lane, 0, want - 1)
+  local k, sum, mx = acc.k, 0, 0
+  for i = 1, #toks do
+    local tok = tonumber(toks[i])
+    if disk and k > 0 and acc.sum + sum + tok > max_tokens then
+      acc.full = true
+      break
     end
-    k, full = #toks, true
+    k = k + 1
+    sum = sum + tok
+    if tok > mx then mx = tok end
   end
-  while not full and k < want do
-    local upto = math.min(want, math.max(sure + 8, from + 64)) - 1
-    local toks = redis.call('LRANGE', tk, from, upto)
-    if #toks == 0 then break end
-    -- fits() written out: this loop runs once per item of every batch.
-    for i = 1, #toks do
-      local tok = tonumber(toks[i])
-      if k > 0 then
-        if k >= max_items then full = true break end
-        if disk then
-          if sum + tok > max_tokens then full = true break end
-        elseif tok > maxlen then
-          if (k + 1) * (tok + (-tok) % 8) > max_tokens then full = true break end
-        elseif (k + 1) * pmax > max_tokens then full = true break end
-      end
-      k = k + 1
-      sum = sum + tok
-      if tok > maxlen then
-        maxlen = tok
-        pmax = tok + (-tok) % 8
+  if k == acc.k then return nil end
+  local seg = {lane = lane, k = k - acc.k, sum = sum, meta = meta, mk = mk}
+  acc.k, acc.sum = k, acc.sum + sum
+  acc.maxlen = math.max(acc.maxlen, disk and mx or num(meta[1]))
+  if k >= max_items or (not disk and (k + 1) * pad8(acc.maxlen) > max_tokens) then acc.full = true end
+  return seg
+end
+
+-- Plan a batch of one instance: from lane `first` when given (a ready lane, or a lane hygiene
+-- drains), then, while the batch is not full, from the neighbouring non-empty lanes above it in
+-- length order (the fill index scores each by its rep); without `first`, from the shortest lane
+-- up. Padded to the longest item taken, like a cut of the instance's items sorted by length.
+-- Reads only: the bound is the batch (each lane visited gives at least one item or closes it).
+local function plan_batch(inst, first)
+  local ik = inst_key(inst)
+  local acc = {k = 0, maxlen = 0, sum = 0, full = false}
+  local parts = {}
+  local from = 0
+  if first then
+    local seg = plan_lane(inst, first, acc)
+    if seg then parts[1] = seg end
+    if acc.full then return parts, acc end
+    from = redis.call('ZRANK', ik .. ':fill', first)
+    if not from then return parts, acc end
+    from = from + 1
+  end
+  while not acc.full do
+    local lanes = redis.call('ZRANGE', ik .. ':fill', from, from + 15)
+    if #lanes == 0 then break end
+    for _, lane in ipairs(lanes) do
+      if lane ~= first then
+        local seg = plan_lane(inst, lane, acc)
+        if seg then parts[#parts + 1] = seg end
+        if acc.full then break end
       end
     end
-    from = upto + 1
+    from = from + #lanes
   end
-  if k == 0 then return nil end
-  -- A batch is always the head of its lane. SORT BY nosort keeps list order and reads only the
-  -- range it stores: the item bytes go from lane to batch list inside Redis.
-  redis.call('SORT', lk, 'BY', 'nosort', 'LIMIT', 0, k, 'STORE', batch_items_key)
-  redis.call('LTRIM', lk, k, -1)
-  redis.call('LTRIM', tk, k, -1)
-  -- Counters are read once and written once per hash (see deliver).
-  local left, left_tok = lane_items - k, num(meta[4]) - sum
-  if left <= 0 then
-    redis.call('ZREM', ik .. ':fill', lane)
-    redis.call('ZREM', ik .. ':ready', lane)
-    redis.call('HSET', mk, 'items', left, 'tokens', left_tok)
-    redis.call('HDEL', mk, 'since_ms')
-    if now - num(meta[2]) >= cfg.lane_quiet_ms then retire_lane(inst, lane) end
-  else
-    redis.call('HSET', mk, 'items', left, 'tokens', left_tok, 'since_ms', now)
-    redis.call('ZADD', ik .. ':fill', lane_weight(cfg, left, left_tok, rep), lane)
-    if not lane_is_ready(cfg, left, left_tok, rep) then redis.call('ZREM', ik .. ':ready', lane) end
+  return parts, acc
+end
+
+-- Move a planned batch from its lanes to the batch list and deliver it. info: the instance's
+-- HMGET (inst_info) read by the caller in this call.
+local function take_batch(inst, parts, acc, flags, info)
+  local ik = inst_key(inst)
+  for i, seg in ipairs(parts) do
+    local lane = seg.lane
+    local lk = base .. ':lane:' .. inst .. ':' .. lane
+    if i == 1 then
+      -- SORT BY nosort keeps list order and reads only the range it stores: the common batch,
+      -- one lane's head, moves lane -> batch list without its bytes entering Lua.
+      redis.call('SORT', lk, 'BY', 'nosort', 'LIMIT', 0, seg.k, 'STORE', batch_items_key)
+    else
+      redis.call('RPUSH', batch_items_key, unpack(redis.call('LRANGE', lk, 0, seg.k - 1)))
+    end
+    redis.call('LTRIM', lk, seg.k, -1)
+    redis.call('LTRIM', base .. ':lanetok:' .. inst .. ':' .. lane, seg.k, -1)
+    local meta, mk = seg.meta, seg.mk
+    local rep = num(meta[1])
+    local left, left_tok = num(meta[3]) - seg.k, num(meta[4]) - seg.sum
+    if left <= 0 then
+      redis.call('ZREM', ik .. ':fill', lane)
+      redis.call('ZREM', ik .. ':ready', lane)
+      redis.call('HSET', mk, 'items', left, 'tokens', left_tok)
+      redis.call('HDEL', mk, 'since_ms')
+      if now - num(meta[2]) >= cfg.lane_quiet_ms then retire_lane(inst, lane) end
+    else
+      redis.call('HSET', mk, 'items', left, 'tokens', left_tok, 'since_ms', now)
+      if not lane_is_ready(cfg, left, left_tok, rep) then redis.call('ZREM', ik .. ':ready', lane) end
+    end
   end
-  local inst_tokens = num(info[3]) - sum
-  redis.call('HSET', ik, 'tokens', inst_tokens, 'items', num(info[6]) - k, 'batches', num(info[7]) + 1, 'rr', lane)
+  local first = parts[1].lane
+  local inst_tokens = num(info[3]) - acc.sum
+  redis.call('HSET', ik, 'tokens', inst_tokens, 'items', num(info[6]) - acc.k, 'batches', num(info[7]) + 1, 'rr', first,
+    'taken', num(info[8]) + acc.sum)
+  if #parts > 1 then redis.call('HINCRBY', state_key, 'neighbour_fills', 1) end
   if info[1] ~= 'staged' then maybe_warm(inst_tokens) end
   local sig, ep = string.match(inst, '^(%x+):(%d+)$')
-  return deliver(sig, tonumber(ep), tonumber(lane), maxlen, flags, 1, k, sum, k, 0)
+  return deliver(sig, tonumber(ep), tonumber(first), acc.maxlen, flags, 1, acc.k, acc.sum, acc.k, 0)
+end
+
+-- Plan and take in one step, whatever the batch's fill (ready lanes, lane hygiene, draining).
+local function take_from(inst, first, flags, info)
+  local parts, acc = plan_batch(inst, first)
+  if #parts == 0 then return nil end
+  return take_batch(inst, parts, acc, flags, info)
 end
 
 -- Cleanup mode (seed 001): nothing normal is ready, work remains and intake has gone quiet:
 -- activation threshold 0 and batches down to one item, until empty or new work arrives.
-local cleanup = st[5] == '1'
+local cleanup = st[4] == '1'
 local function enter_cleanup()
   if cleanup then return end
   cleanup = true
@@ -361,23 +475,28 @@ local function enter_cleanup()
   redis.call('HINCRBY', state_key, 'cleanup_entries', 1)
 end
 
--- The fields of a shape instance every claim reads, once (take_from_lane uses them too).
+-- The fields of a shape instance every claim reads, once (take_batch uses them too).
 local function inst_info(inst)
-  return redis.call('HMGET', inst_key(inst), 'state', 'rr', 'tokens', 'last_intake_ms', 'idx', 'items', 'batches')
+  return redis.call('HMGET', inst_key(inst), 'state', 'rr', 'tokens', 'last_intake_ms', 'idx', 'items', 'batches',
+    'taken')
 end
 
 -- Aging and lane hygiene look for work that has waited seconds to minutes, so they are checked
 -- at most every sweep period (a quarter of the shorter bound, at most 250 ms) rather than on
 -- every claim; a sweep that finds something leaves the next claim to sweep again.
-local sweep = now >= num(st[12])
+local sweep = now >= num(st[11])
 local function swept()
   local period = math.min(250, cfg.hygiene_idle_ms / 4)
   if cfg.aging_ms > 0 then period = math.min(period, cfg.aging_ms / 4) end
   redis.call('HSET', state_key, 'sweep_ms', now + math.floor(period))
 end
 
-local active, info = st[2], nil
-if active == false or active == '' then active = nil end
+-- Before several instances could be active, the state hash named the one active instance.
+if st[13] and st[13] ~= '' then
+  redis.call('ZADD', active_key, now, st[13])
+  redis.call('HDEL', state_key, 'active')
+end
+local active, info = redis.call('HGET', affinity_key, consumer), nil
 if active then
   info = inst_info(active)
   if not info[1] then active = nil end
@@ -427,7 +546,7 @@ for _ = 1, 4 do
     local left = num(redis.call('HGET', base .. ':lanemeta:' .. active .. ':' .. stale, 'items'))
     if left > 0 and left < cfg.hygiene_items then
       redis.call('HINCRBY', state_key, 'hygiene_drains', 1)
-      local r = take_from_lane(active, stale, (cleanup and 1 or 0) + 4, info)
+      local r = take_from(active, stale, (cleanup and 1 or 0) + 4, info)
       if r then return r end
     elseif left == 0 then
       redis.call('ZREM', ik .. ':touch', stale)
@@ -443,12 +562,15 @@ for _ = 1, 4 do
   local lane = redis.call('ZRANGEBYSCORE', ik .. ':ready', '(' .. num(info[2]), '+inf', 'LIMIT', 0, 1)[1]
   if not lane then lane = redis.call('ZRANGE', ik .. ':ready', 0, 0)[1] end
   if lane then
-    local r = take_from_lane(active, lane, cleanup and 1 or 0, info)
+    local r = take_from(active, lane, cleanup and 1 or 0, info)
     if r then return r end
   end
+  -- No lane holds a full batch alone: fill one from neighbouring lanes, shortest first.
+  local parts, acc = plan_batch(active, nil)
+  if acc.full then return take_batch(active, parts, acc, cleanup and 1 or 0, info) end
   if ist == 'active' then
     local low = num(info[3]) < cfg.drain_batches * cfg.budget_tokens
-    local inst_quiet = now - num(info[4]) >= cfg.quiet_ms
+    local inst_quiet = quiet_since(num(info[4]))
     if low or inst_quiet or cleanup then
       redis.call('HSET', ik, 'state', 'draining', 'draining_ms', now)
       ist = 'draining'
@@ -456,12 +578,8 @@ for _ = 1, 4 do
       return {0, 'wait'}
     end
   end
-  -- Draining: partial batches, fullest lane first, until the instance is empty.
-  local part = redis.call('ZREVRANGE', ik .. ':fill', 0, 0)[1]
-  if part then
-    local r = take_from_lane(active, part, cleanup and 1 or 0, info)
-    if r then return r end
-  end
+  -- Draining: what is left is less than a full batch: it goes as one, shortest lanes first.
+  if #parts > 0 then return take_batch(active, parts, acc, cleanup and 1 or 0, info) end
   finish(active)
   active = nil
 end

@@ -1,13 +1,14 @@
 -- lib.lua: helpers shared by the conductor's scripts, inlined where a script says
 -- "--@include lib.lua" (conductor/scripts.py). Mirrors conductor/config.py (CFG_NAMES,
--- CFG_DEFAULTS) and conductor/keys.py (key suffixes); tests/test_keys_config.py checks both.
+-- CFG_DEFAULTS; tests/test_signature_keys.py checks) and conductor/keys.py (key suffixes;
+-- tests/test_keys.py checks).
 
 local CFG_NAMES = {'mode', 'budget_tokens', 'budget_items', 'lane_max', 'lane_thr_min',
-  'lane_thr_max', 'lane_floor', 'lane_cap', 'lane_quiet_ms', 'activate_batches', 'drain_batches',
+  'lane_thr_max', 'lane_floor', 'lane_depth', 'lane_cap', 'lane_quiet_ms', 'activate_batches', 'drain_batches',
   'release_batches', 'quiet_ms', 'max_waiting_tokens', 'max_deliveries', 'aging_ms', 'prewarm_batches',
   'hygiene_items', 'hygiene_idle_ms'}
 local CFG_DEFAULTS = {mode = 'memory', budget_tokens = 8192, budget_items = 64, lane_max = 2048,
-  lane_thr_min = 0.003, lane_thr_max = 0.3, lane_floor = 0, lane_cap = 256, lane_quiet_ms = 3000,
+  lane_thr_min = 0.003, lane_thr_max = 0.3, lane_floor = 0, lane_depth = 4, lane_cap = 256, lane_quiet_ms = 3000,
   activate_batches = 4, drain_batches = 1, release_batches = 8, quiet_ms = 1000,
   max_waiting_tokens = 0, max_deliveries = 5, aging_ms = 300000, prewarm_batches = 2, hygiene_items = 4,
   hygiene_idle_ms = 5000}
@@ -62,8 +63,10 @@ end
 -- The fill and ready indices of a shape instance are derived under one reference contract and
 -- mode; when those change (the first worker registers after items wait, an operator switches
 -- mode) the instance's indices are re-derived before it is served (claim.lua).
+-- 'v2': the fill index scores a lane by its rep (the order the neighbour fill walks), no longer
+-- by its weight; instances indexed before are re-derived when next served.
 local function index_version(cfg)
-  return cfg.budget_tokens .. ':' .. cfg.budget_items .. ':' .. cfg.mode
+  return 'v2:' .. cfg.budget_tokens .. ':' .. cfg.budget_items .. ':' .. cfg.mode
 end
 
 
@@ -76,7 +79,7 @@ local function reindex(base, state_key, cfg, inst)
     local m = redis.call('HMGET', base .. ':lanemeta:' .. inst .. ':' .. lane, 'items', 'tokens', 'rep')
     local items, tokens, rep = num(m[1]), num(m[2]), num(m[3])
     if items > 0 then
-      redis.call('ZADD', ik .. ':fill', lane_weight(cfg, items, tokens, rep), lane)
+      redis.call('ZADD', ik .. ':fill', rep, lane)
       if lane_is_ready(cfg, items, tokens, rep) then redis.call('ZADD', ik .. ':ready', lane, lane) end
     end
   end

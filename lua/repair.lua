@@ -142,7 +142,7 @@ for _, lane in ipairs(lanes) do
   local fs = redis.call('ZSCORE', ik .. ':fill', lane)
   local in_ready = redis.call('ZSCORE', ik .. ':ready', lane)
   if t.n > 0 then
-    local w = lane_weight(cfg, t.n, t.tok, rep)
+    local w = rep
     if tonumber(fs) ~= w then
       redis.call('ZADD', ik .. ':fill', w, lane)
       changed(ik .. ':fill', 'lane ' .. lane, fs, w)

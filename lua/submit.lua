@@ -55,6 +55,9 @@ local ids, toks = {}, {}
 local sigs_ok = {}
 -- Per signature, the first prefix the call carries (stored once below) or nil.
 local prefixes = {}
+-- Per signature, what this call brings: the depth rule counts it before the first item is placed,
+-- so a backlog sent in a few calls gets the lanes its whole depth deserves.
+local call_depth = {}
 local cjson_decode, byte = cjson.decode, string.byte
 for i = 0, n - 1 do
   local o = 3 + 3 * i
@@ -110,6 +113,13 @@ for i = 0, n - 1 do
   end
   ids[i + 1], toks[i + 1] = id, tok
   call_tokens = call_tokens + tok
+  local d = call_depth[sig]
+  if not d then
+    d = {tokens = 0, items = 0}
+    call_depth[sig] = d
+  end
+  d.tokens = d.tokens + tok
+  d.items = d.items + 1
 end
 -- A signature without a stored prefix (a new one) needs the call to carry it: workers read the
 -- shape's prefix from there.
@@ -139,7 +149,7 @@ do
   local refused = acl_refused(function(ok)
     return ok('HGET', st) and ok('HINCRBY', st) and ok('HSET', st) and ok('HMGET', jk .. ':items')
       and ok('HSET', jk .. ':items') and ok('HINCRBY', jk) and ok('HGET', sh) and ok('HSET', sh) and ok('HSETNX', sh)
-      and ok('HGET', I) and ok('HSET', I) and ok('HINCRBY', I) and ok('ZADD', base .. ':staged_age')
+      and ok('HGET', I) and ok('HMGET', I) and ok('HSET', I) and ok('HINCRBY', I) and ok('ZADD', base .. ':staged_age')
       and ok('ZADD', base .. ':staged') and ok('ZRANGE', I .. ':lanes') and ok('ZADD', I .. ':lanes')
       and ok('SPOP', I .. ':free') and ok('ZADD', I .. ':touch') and ok('ZADD', I .. ':fill')
       and ok('ZADD', I .. ':ready') and ok('RPUSH', base .. ':lane' .. L) and ok('RPUSH', base .. ':lanetok' .. L)
@@ -174,8 +184,18 @@ local function shape_ctx(sig)
     ids[#ids + 1] = raw[j]
     reps[#reps + 1] = tonumber(raw[j + 1])
   end
+  -- Depth rule: no more lanes than lane_depth per full batch (reference budget) the instance
+  -- will hold once this call is in: a shallow shape gets few wide lanes, whose items a claim
+  -- still packs into full batches with their neighbours; a deep one narrow lanes.
+  local max_lanes = cfg.lane_max
+  if cfg.lane_depth > 0 then
+    local have = redis.call('HMGET', ik, 'tokens', 'items')
+    local d = call_depth[sig]
+    local full = math.max((num(have[1]) + d.tokens) / cfg.budget_tokens, (num(have[2]) + d.items) / cfg.budget_items)
+    max_lanes = math.min(max_lanes, math.max(1, math.ceil(cfg.lane_depth * full)))
+  end
   ctx = {inst = inst, ik = ik, st = st, reps = reps, ids = ids, touched = {}, order = {},
-    tokens = 0, items = 0}
+    tokens = 0, items = 0, max_lanes = max_lanes}
   ctxs[sig] = ctx
   return ctx
 end
@@ -201,7 +221,7 @@ local function choose_lane(ctx, tok)
   local open = false
   if not best then
     open = true
-  elseif nl < cfg.lane_max and cost > cfg.lane_floor then
+  elseif nl < ctx.max_lanes and cost > cfg.lane_floor then
     if cost > cfg.lane_cap then
       open = true
     else
@@ -282,7 +302,7 @@ for sig, ctx in pairs(ctxs) do
     redis.call('HSET', mk, 'items', items, 'tokens', tokens, 'rep', rep, 'last_ms', now, 'since_ms', m[4] or now)
     if rep ~= tonumber(m[3]) then zl[#zl + 1] = rep; zl[#zl + 1] = lane end
     zt[#zt + 1] = now; zt[#zt + 1] = lane
-    zf[#zf + 1] = lane_weight(cfg, items, tokens, rep); zf[#zf + 1] = lane
+    zf[#zf + 1] = rep; zf[#zf + 1] = lane
     if lane_is_ready(cfg, items, tokens, rep) then zr[#zr + 1] = lane; zr[#zr + 1] = lane end
   end
   if #zl > 0 then redis.call('ZADD', ik .. ':lanes', unpack(zl)) end

@@ -149,8 +149,8 @@ def claim_hygiene_drains(c: Conductor) -> Call:
     lanes = {int(rep): lane.decode() for lane, rep in c.r.zrange(MK.inst_lanes(inst), 0, -1, withscores=True)}
     c.r.zadd(MK.inst_ready(inst), {lanes[200]: int(lanes[200])})
     c.r.hset(MK.state, "gate", 1)
-    b, _ = c.claim(contract(64, 100_000), "w0")
-    assert b is not None and b.padded_len == 200, b
+    b, _ = c.claim(contract(64, 600), "w0")  # the whole 200-token lane, no neighbour fits beside it
+    assert b is not None and b.padded_len == 200 and len(b.items) == 3, b
     c.r.hset(MK.cfg, "hygiene_idle_ms", 1)
     c.r.hset(MK.state, "sweep_ms", 0)
     time.sleep(0.01)
@@ -404,6 +404,11 @@ def heartbeat(c: Conductor) -> Call:
     return Call("heartbeat", [MK.heartbeat("w"), MK.batches], ["w", 1, 10000, b1.batch_id, b2.batch_id, "1-0"])
 
 
+def seal(c: Conductor) -> Call:
+    quick(c)
+    return Call("seal", [MK.state], [])
+
+
 SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "claim": [claim_warming, claim_warmed_shape_activates, claim_reclaimed_part, claim_reclaimed_whole,
               claim_finish_and_next, claim_aging_preempts, claim_hygiene_drains, claim_hygiene_retires_empty,
@@ -421,6 +426,7 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "ensure_model": [ensure_model_new, ensure_model_known],
     "register": [register],
     "heartbeat": [heartbeat],
+    "seal": [seal],
 }
 
 

@@ -130,10 +130,10 @@ def test_cleanup_mode_drains_the_tail_after_intake_goes_quiet(cdr):
 def test_draining_instance_takes_no_new_items(cdr):
     quick(cdr, budget_tokens=400, budget_items=4)
     cdr.set_config("m", {"quiet_ms": 60000, "drain_batches": 100})
-    cdr.submit([item(i, 100) for i in range(6)], "j")
+    cdr.submit([item(i, 96) for i in range(6)], "j")
     b1, _ = cdr.claim(contract(size=4, tokens=400), "w")  # full lane first
     b2, _ = cdr.claim(contract(size=4, tokens=400), "w")  # then the instance drains
-    assert b1.epoch == 1 and b2.epoch == 1
+    assert b1.epoch == 1 and b2.epoch == 1 and (len(b1.items), len(b2.items)) == (4, 2)
     cdr.submit([item("late", 100)], "j")
     from conductor.signature import shape_signature
     sig = shape_signature(["sys"])
@@ -224,3 +224,64 @@ def test_a_claim_whose_reply_was_lost_is_recovered_by_its_token(redis_server, re
         assert why == "batch" and not c._lost_claims[("m", "w")]
     finally:
         proxy.close()
+
+
+def _lane_heads(c, inst):
+    mk = K.ModelKeys("m")
+    out = {}
+    for lane, rep in c.r.zrange(mk.inst_fill(inst), 0, -1, withscores=True):
+        out[int(rep)] = [int(t) for t in c.r.lrange(mk.lane_tok(inst, lane.decode()), 0, -1)]
+    return out
+
+
+def test_neighbour_fill_takes_the_shortest_lanes_first_and_leaves_the_rest_in_order(cdr):
+    from conductor.signature import shape_signature
+    # Three lanes of 3 items (reps 96, 200, 400): none holds a batch of 8 alone; a claim fills one
+    # from the shortest lanes up, padded to the longest lane it took from.
+    quick(cdr, budget_tokens=100_000, budget_items=8, lane_depth=0, lane_floor=32)
+    toks = [96, 90, 80, 200, 190, 180, 400, 390, 380]
+    cdr.submit([item(f"i{n}", t) for n, t in enumerate(toks)], "j")
+    inst = f"{shape_signature(['sys'])}:1"
+    assert sorted(_lane_heads(cdr, inst)) == [96, 200, 400]
+    b, why = cdr.claim(contract(size=8, tokens=100_000), "w")
+    assert why == "batch" and len(b.items) == 8
+    assert [it.input_tokens for it in b.items] == [96, 90, 80, 200, 190, 180, 400, 390]
+    assert b.padded_len == 400 and {it.id for it in b.items} <= {f"i{n}" for n in range(9)}
+    assert _lane_heads(cdr, inst) == {400: [380]}  # the leftover stays at its lane's head
+    st = cdr.r.hgetall(K.ModelKeys("m").state)
+    assert int(st[b"neighbour_fills"]) == 1 and int(st[b"items"]) == 1
+
+
+def test_neighbour_fill_stops_at_the_token_budget_padded_to_the_longest_lane(cdr):
+    from conductor.signature import shape_signature
+    quick(cdr, budget_tokens=100_000, budget_items=64, lane_depth=0, lane_thr_min=0.01, lane_thr_max=0.01)
+    cdr.submit([item(f"a{n}", 100) for n in range(3)] + [item(f"b{n}", 300) for n in range(3)], "j")
+    b, _ = cdr.claim(contract(size=64, tokens=1000), "w")
+    # 3 x 104 = 312 fits; adding the 300 lane pads every item to 304: 3 items fit (912), not 4
+    assert [it.input_tokens for it in b.items] == [100, 100, 100]
+    assert b.padded_len == 104
+    b2, _ = cdr.claim(contract(size=64, tokens=1000), "w")
+    assert [it.input_tokens for it in b2.items] == [300, 300, 300] and b2.padded_len == 304
+    inst = f"{shape_signature(['sys'])}:1"
+    assert _lane_heads(cdr, inst) == {}
+
+
+def test_workers_take_shapes_of_their_own_and_share_a_deep_one(cdr):
+    from conductor.signature import shape_signature
+    quick(cdr, budget_tokens=1000, budget_items=8, activate_batches=2)
+    for w in ("w1", "w2", "w3"):
+        cdr.r.set(K.ModelKeys("m").heartbeat(w), 1)
+    cdr.submit([item(f"a{n}", 96, prefix=("A",)) for n in range(80)], "j")  # 10 batches
+    cdr.submit([item(f"b{n}", 96, prefix=("B",)) for n in range(30)], "j")  # about 3 batches
+    b1, _ = cdr.claim(contract(size=8, tokens=1000), "w1")
+    b2, _ = cdr.claim(contract(size=8, tokens=1000), "w2")
+    b3, _ = cdr.claim(contract(size=8, tokens=1000), "w3")
+    sig = {shape_signature(["A"]): "A", shape_signature(["B"]): "B"}
+    # w1 takes A (the deepest); w2 shares A (36 tokens... 72 items x 96 / 2 workers beat B's 30 x 96);
+    # w3 takes B rather than a third share of A
+    assert [sig[b.shape] for b in (b1, b2, b3)] == ["A", "A", "B"]
+    aff = {k.decode(): v.decode().split(":")[0] for k, v in cdr.r.hgetall(K.ModelKeys("m").affinity).items()}
+    assert {w: sig[s] for w, s in aff.items()} == {"w1": "A", "w2": "A", "w3": "B"}
+    # a worker stays on its shape until it is empty: w3 never comes back to A while B has items
+    seen = [sig[cdr.claim(contract(size=8, tokens=1000), "w3")[0].shape] for _ in range(3)]
+    assert seen == ["B", "B", "B"]

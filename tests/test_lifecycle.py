@@ -35,12 +35,21 @@ def setup(c, **extra):
 
 def test_staged_until_activation_threshold_then_active(cdr):
     setup(cdr)
-    cdr.submit([item(f"a{i}", 100, prefix=("A",)) for i in range(15)], "j")  # 1500 < 2 x 800
+    cdr.submit([item(f"a{i}", 100, prefix=("A",)) for i in range(7)], "j")  # 700: not one full batch
     assert cdr.claim(contract(), "w") == (None, "wait")
     assert state(cdr, inst("A")) == "staged"
-    cdr.submit([item(f"a{i}", 100, prefix=("A",)) for i in range(15, 17)], "j")  # 1700 >= 1600
+    cdr.submit([item(f"a{i}", 100, prefix=("A",)) for i in range(7, 17)], "j")  # 1700 >= 2 x 800
     b, _ = cdr.claim(contract(), "w")
     assert b is not None and state(cdr, inst("A")) == "active"
+    assert cdr.r.hget(MK.inst(inst("A")), "activated_by") == b"threshold"
+
+
+def test_a_worker_with_nothing_else_activates_a_staged_shape_holding_a_full_batch(cdr):
+    setup(cdr, activate_batches=4)
+    cdr.submit([item(f"a{i}", 96, prefix=("A",)) for i in range(9)], "j")  # 864: one batch, < 4 x 800
+    b, _ = cdr.claim(contract(), "w")  # rather than idle until intake goes quiet
+    assert b is not None and len(b.items) == 8 and state(cdr, inst("A")) == "active"
+    assert cdr.r.hget(MK.inst(inst("A")), "activated_by") == b"depth"
 
 
 def test_active_shape_merges_new_items_into_existing_lanes(cdr):
@@ -243,29 +252,48 @@ def test_thrash_alarm_counts_short_shapes(cdr, caplog):
     for s in "XYZ":
         cdr.submit([item(f"{s}{i}", 100, prefix=(s,)) for i in range(10)], "j")
     before = metrics.THRASHING_SHAPES.labels("m")._value.get()
-    drain(cdr, contract())
+    # 1,000 tokens each could fill 2 batches of 800; batches of 2 items run each in 5
+    drain(cdr, contract(size=2))
     import logging
     with caplog.at_level(logging.CRITICAL, logger="conductor.maintenance"):
         m._next = 0
         m.tick()
     assert metrics.THRASHING_SHAPES.labels("m")._value.get() - before == 3
-    assert len(m.batches_per_shape) == 3 and all(b < 100 for b in m.batches_per_shape)
+    assert m.batches_per_shape == [5, 5, 5]
     assert sum("shape_thrashing" in r.message for r in caplog.records) == 3
+
+
+def test_a_small_shape_run_in_the_batches_it_could_fill_is_not_thrashing(cdr, caplog):
+    from conductor import metrics
+    from workers.maintenance import Maintenance
+    setup(cdr, activate_batches=0, drain_batches=100)
+    m = Maintenance(cdr, "m", "w", interval_s=0)
+    m.tick()
+    for s in "XYZ":
+        cdr.submit([item(f"{s}{i}", 96, prefix=(s,)) for i in range(10)], "j")
+    before = metrics.THRASHING_SHAPES.labels("m")._value.get()
+    drain(cdr, contract())  # 8 + 2 items: the 2 batches its 960 tokens could fill
+    m._next = 0
+    m.tick()
+    assert m.batches_per_shape == [2, 2, 2]
+    assert metrics.THRASHING_SHAPES.labels("m")._value.get() == before
 
 
 def test_drain_threshold_is_exact(cdr):
     # budget 800: drain under 2 budgets = 1600 tokens when no lane holds a full batch
     setup(cdr, activate_batches=0, drain_batches=2)
     cdr.set_config("m", {"lane_floor": 0, "lane_thr_min": 0.01, "lane_thr_max": 0.01})
-    # eight lanes of two items each (at most 2 x 312 padded < 800): no lane ready, 3280 tokens
+    # eight lanes of two items each (at most 2 x 312 padded < 800): no lane ready, 3280 tokens;
+    # a worker taking 64 items cannot fill a batch from the neighbours either
     cdr.submit([item(f"a{i}", 100 + 30 * (i % 8)) for i in range(16)], "j")
     tokens = int(cdr.r.hget(MK.state, "tokens"))
     assert tokens >= 1600
-    assert cdr.claim(contract(tokens=100000), "w") == (None, "wait")
+    assert cdr.claim(contract(size=64, tokens=100000), "w") == (None, "wait")
     assert state(cdr, inst("sys")) == "active"
     cdr.set_config("m", {"drain_batches": tokens // 800 + 1})  # now pending < threshold
-    b, _ = cdr.claim(contract(tokens=100000), "w")
+    b, _ = cdr.claim(contract(size=64, tokens=100000), "w")
     assert b is not None and state(cdr, inst("sys")) == "draining"
+    assert len(b.items) == 16  # what is left goes as one batch
 
 
 def test_only_one_shape_warms_at_a_time(cdr):

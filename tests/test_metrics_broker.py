@@ -23,7 +23,7 @@ def scrape(c, **kw):
 
 
 def test_waiting_cleanup_pressure_and_starving_lanes_are_scraped(cdr):
-    cdr.set_config("m", {"quiet_ms": 100, "lane_max": 8, "budget_tokens": 8192, "budget_items": 64,
+    cdr.set_config("m", {"quiet_ms": 100, "lane_max": 8, "lane_depth": 0, "budget_tokens": 8192, "budget_items": 64,
                          "activate_batches": 4, "release_batches": 0})
     cdr.submit([item(i, 10 + 200 * (i % 4)) for i in range(12)], "j")
     m = scrape(cdr, starving_s=0.05)

@@ -103,6 +103,7 @@ def test_fuzzed_arguments_leave_nothing_written_when_refused(script, admin):
         snap = H.snapshot(admin)
         cases = [mutations(call.args, rng) for _ in range(30)]
         if n == 0:
+            has_args = bool(call.args)
             cases += list(substitutions(call.args))
         for args in cases:
             before = H.fingerprint(admin)
@@ -115,4 +116,5 @@ def test_fuzzed_arguments_leave_nothing_written_when_refused(script, admin):
                 assert "user_script" not in str(got), f"{scenario.__name__} {args!r:.300}: {got}"
             else:
                 H.restore(admin, snap)
-    assert errors > tried // 4
+    if has_args:  # a script without arguments (seal) ignores extra ones
+        assert errors > tried // 4

@@ -34,14 +34,14 @@ def test_first_item_opens_lane_and_close_items_join(cdr):
 
 
 def test_padding_over_cap_opens_lane(cdr):
-    cdr.set_config("m", {"lane_cap": 64, "lane_thr_max": 0.99, "lane_thr_min": 0.99})
+    cdr.set_config("m", {"lane_cap": 64, "lane_thr_max": 0.99, "lane_thr_min": 0.99, "lane_depth": 0})
     submit_one(cdr, 1, 1000)
     submit_one(cdr, 2, 1100)  # 100 tokens (9 %) under a 99 % threshold, but over the 64-token cap
     assert sorted(lanes(cdr, inst_of(cdr)).values()) == [1000, 1100]
 
 
 def test_padding_over_threshold_opens_lane_and_neighbour_that_pads_less_wins(cdr):
-    cdr.set_config("m", {"lane_thr_min": 0.05})
+    cdr.set_config("m", {"lane_thr_min": 0.05, "lane_depth": 0})
     submit_one(cdr, 1, 100)
     submit_one(cdr, 2, 200)  # 50 % padding: new lane
     assert sorted(lanes(cdr, inst_of(cdr)).values()) == [100, 200]
@@ -56,7 +56,7 @@ def test_padding_over_threshold_opens_lane_and_neighbour_that_pads_less_wins(cdr
 def test_threshold_rises_as_lane_budget_fills(cdr):
     # Two lanes of four used (50 %): threshold = 0.02 + (0.5 - 0.02) * 0.25 = 14 %.
     cdr.set_config("m", {"lane_max": 4, "lane_thr_min": 0.02, "lane_thr_max": 0.5, "lane_floor": 0,
-                         "lane_cap": 100000})
+                         "lane_cap": 100000, "lane_depth": 0})
     submit_one(cdr, 1, 1000)
     submit_one(cdr, 2, 1100)  # 9.4 % > 5 % with one lane of four used: opens
     assert len(lanes(cdr, inst_of(cdr))) == 2
@@ -66,7 +66,7 @@ def test_threshold_rises_as_lane_budget_fills(cdr):
 
 
 def test_full_lane_budget_joins_nearest(cdr):
-    cdr.set_config("m", {"lane_max": 2})
+    cdr.set_config("m", {"lane_max": 2, "lane_depth": 0})
     submit_one(cdr, 1, 100)
     submit_one(cdr, 2, 1000)
     submit_one(cdr, 3, 3000)  # would open a lane, budget is full: joins the 1000 lane, which grows
@@ -294,3 +294,31 @@ def test_submit_prefix_rules_it_keeps(cdr):
     assert cdr.prefix("m", s3) == ["y"]
     b, _ = cdr.claim(Contract(model="m", max_batch_size=8, max_batch_tokens=800, max_input_len=100), "w")
     assert b.prefix in ([f"part {i}" for i in range(256)], ["x", ""], ["y"])
+
+
+def test_depth_rule_gives_a_shallow_shape_few_lanes_and_a_deep_one_more(cdr):
+    import math
+    # Reference budget 2,000 tokens / 8 items, one lane per full batch; the lengths are spread
+    # wide enough that, without the rule, every item opens its own lane.
+    cdr.set_config("m", {"budget_tokens": 2000, "budget_items": 8, "lane_depth": 1, "lane_thr_min": 0.01,
+                         "lane_thr_max": 0.01})
+    shallow = [100, 500, 900, 1300]  # 2,800 tokens: 1.4 budgets
+    cdr.submit([item(f"s{i}", t, prefix=("shallow",)) for i, t in enumerate(shallow)], "j")
+    assert len(lanes(cdr, inst_of(cdr, ("shallow",)))) == 2
+    deep = [100 + (i * 61) % 1400 for i in range(24)]
+    cdr.submit([item(f"d{i}", t, prefix=("deep",)) for i, t in enumerate(deep)], "j")
+    assert len(lanes(cdr, inst_of(cdr, ("deep",)))) == math.ceil(max(sum(deep) / 2000, 24 / 8)) == 9
+    cdr.set_config("m", {"lane_depth": 0})  # the rule lifted: padding alone decides
+    cdr.submit([item(f"u{i}", t, prefix=("free",)) for i, t in enumerate(shallow)], "j")
+    assert len(lanes(cdr, inst_of(cdr, ("free",)))) == 4
+
+
+def test_depth_rule_counts_the_calls_own_items_before_placing_the_first(cdr):
+    # One call of 40 items of one shape: the first item already sees 5 budgets (items), so the
+    # lanes open as the lengths ask, up to 5; item by item the shape would have stayed at one.
+    cdr.set_config("m", {"budget_tokens": 1_000_000, "budget_items": 8, "lane_depth": 1,
+                         "lane_thr_min": 0.01, "lane_thr_max": 0.01})
+    cdr.submit([item(f"a{i}", 100 + 200 * (i % 5)) for i in range(40)], "j")
+    assert len(lanes(cdr, inst_of(cdr))) == 5
+    cdr.submit([item(f"b{i}", 100 + 200 * (i % 5), prefix=("other",)) for i in range(3)], "j")
+    assert len(lanes(cdr, inst_of(cdr, ("other",)))) == 1

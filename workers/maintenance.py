@@ -94,7 +94,9 @@ class Maintenance:
             log.warning(json.dumps({"event": "verify_failed", "model": self.model, "error": repr(e)}))
 
     def _thrash_alarm(self) -> None:
-        """A shape that finished in under ``thrash_batches`` batches did not pay for its switch."""
+        """A shape that finished in under ``thrash_batches`` batches, more than twice the batches its
+        items could fill (``could``: its tokens in reference budgets), did not pay for its switch: it
+        ran in small pieces. A small shape run in the few batches it could fill is not thrashing."""
         from conductor import metrics
 
         if self._finished_cursor == "$":
@@ -106,8 +108,9 @@ class Maintenance:
             batches = int(f[b"batches"])
             self.batches_per_shape.append(batches)
             metrics.BATCHES_PER_SHAPE.labels(self.model).observe(batches)
-            if batches < self.thrash_batches:
+            could = int(f.get(b"could", 0))  # 0: an entry written before claim.lua counted it
+            if batches < self.thrash_batches and batches > 2 * could:
                 metrics.THRASHING_SHAPES.labels(self.model).inc()
                 log.critical(json.dumps({"event": "shape_thrashing", "model": self.model,
                                          "instance": f[b"inst"].decode(), "batches": batches,
-                                         "threshold": self.thrash_batches}))
+                                         "could_fill": could, "threshold": self.thrash_batches}))

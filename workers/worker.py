@@ -91,7 +91,8 @@ class Worker:
         self._wd_thread: threading.Thread | None = None
         self.notifier = Notifier()
         self.metrics = WorkerMetrics(self.contract.model, self.name, self.contract.max_batch_tokens)
-        self._prewarmed = ""
+        self._prewarmed: tuple[str, ...] = ()  # the last instances prewarmed (the warming one, the one served)
+        self._serving = ""
 
     # ------------------------------------------------------------------ lifecycle
     def register(self) -> None:
@@ -121,6 +122,7 @@ class Worker:
         try:
             pipe = self.c.r.pipeline(transaction=False)
             pipe.hdel(self.keys.workers, self.name)
+            pipe.hdel(self.keys.affinity, self.name)  # its instance is free for others to take whole
             pipe.delete(self.keys.heartbeat(self.name))
             pipe.execute()
             pending = self.c.r.xpending_range(self.keys.batches, K.GROUP, "-", "+", 1, consumername=self.name)
@@ -242,13 +244,20 @@ class Worker:
             self._give_back_failed(batch, e)
             return True
         self._collect(refused)
-        if batch.warming and batch.warming != self._prewarmed:
+        serving = f"{batch.shape}:{batch.epoch}"
+        if serving != self._serving:
+            # A switch (or a shape shared with other workers): the rest of its lanes' graphs are
+            # built while this first batch runs, not one per batch as they come.
+            self._serving = serving
+            if serving not in self._prewarmed:
+                self._prewarm(serving)
+        if batch.warming and batch.warming not in self._prewarmed:
             self._prewarm(batch.warming)
         return True
 
     def _prewarm(self, inst: str) -> None:
         """The pre-warm signal rides on claim replies: build the next shape's graphs before the switch."""
-        self._prewarmed = inst
+        self._prewarmed = (self._prewarmed + (inst,))[-2:]
         shape, epoch, lanes = self.c.prewarm_info(self.contract.model, inst)
         self.engine.prewarm(shape, lanes, epoch)
         event("prewarm", worker=self.name, shape=shape, epoch=epoch, lanes=len(lanes))

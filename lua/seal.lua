@@ -1,0 +1,26 @@
+#!lua
+-- seal.lua: a producer declares the end of its submission (the last line of a file is in), so
+-- the broker need not wait quiet_ms of silence before treating intake as quiet (seed 001's
+-- cleanup mode, the release gate, an active shape's drain): the tail of a backlog goes at once.
+--
+-- KEYS[1] state  cdr:{model}:state
+-- ARGV: none
+-- Returns: the seal time (ms, the server's clock: the same clock submit.lua stamps
+--   last_intake_ms with, so "sealed at or after the last intake" is exact).
+-- Invariant: intake counts as quiet while no item arrived after the seal (claim.lua); any later
+--   submit ends it, as silence would. Concurrent producers: one producer's seal can open
+--   cleanup for the moments before another's next call, which then ends it (partial batches,
+--   never a lost item).
+-- Errors, with nothing written: 'NOPERM ...' when the caller's ACL refuses a command it may call
+--   (lib.lua acl_refused).
+-- While the model is paused (conductor pause) it refuses with 'PAUSED ...', nothing written.
+--@include lib.lua
+
+local state_key = KEYS[1]
+local refused = acl_refused(function(ok) return ok('HGET', state_key) and ok('HSET', state_key) and ok('TIME') end)
+if refused then return refused end
+refused = paused(state_key)
+if refused then return refused end
+local now = now_ms()
+redis.call('HSET', state_key, 'sealed_ms', now)
+return now
