@@ -86,11 +86,26 @@ def default_job(path: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", Path(path).stem)[:100] or "job"
 
 
+def declare_file(c: Any, job: str, items: list[PreparedItem], lines: dict[str, int]) -> None:
+    """Before the first item is sent: the ids checked against the job's other models, then the
+    file's item count per model recorded (Conductor.declare), so that `conductor status` can tell
+    a job that lost items (a failover, a submit that stopped halfway) from a finished one."""
+    by_model: dict[str, list[PreparedItem]] = {}
+    for it in items:
+        by_model.setdefault(it.model, []).append(it)
+    try:
+        c.check_ids_across_models(job, by_model)
+    except DuplicateId as e:  # the job has the id under another model (an earlier run)
+        raise DuplicateId(e.item_id, e.detail, lines.get(e.item_id)) from None
+    c.declare(job, {m: len(its) for m, its in by_model.items()})  # ids are distinct in a file (read_items)
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     lines: dict[str, int] = {}
     items = read_items(args.file, skip_invalid=args.skip_invalid, rejects=args.rejects, lines=lines)
     c = _conductor(args)
     job = args.job or default_job(args.file)
+    declare_file(c, job, items, lines)
     show = sys.stderr.isatty() and not args.quiet
     step = 20_000  # items per Conductor.submit: each call groups its items by shape (client.py)
     accepted = dupes = 0
@@ -165,7 +180,14 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(json.dumps(st), flush=True)
         else:
             print(f"job {st['job']}: submitted {st['submitted']}, completed {st['completed']}, "
-                  f"failed {st['failed']}, pending {st['pending']}", flush=True)
+                  f"failed {st['failed']}, pending {st['pending']}"
+                  + (f", lost {st['lost']}" if st["lost"] else ""), flush=True)
+        if st["lost"] and (not args.watch or st["done"]):
+            print(f"error: {st['lost']} item(s) the producer sent to job {args.job} are missing from this Redis "
+                  f"(declared {st['declared']}, present {st['submitted']}): a failover to a replica that had not "
+                  "received them, or a submit that stopped halfway. Submit the same file again with the same "
+                  "--job: submission is idempotent, only the missing items are added.", file=sys.stderr)
+            return 3
         if not args.watch or st["done"]:
             return 0
         time.sleep(args.interval)
@@ -293,6 +315,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 if args.model_path:
                     cmd += ["--model-path", args.model_path]
                 procs.append(subprocess.Popen(cmd))
+        declare_file(c, job, items, {})
         rep = c.submit(items, job, seal=True)
         print(f"job {job}: {rep.accepted} items submitted ({rep.duplicates} already there), "
               f"{len(models)} model(s), {args.workers} worker(s) each", file=sys.stderr)

@@ -292,7 +292,7 @@ class Conductor:
                 if first != it.model:
                     raise DuplicateId(it.id, f"{it.id!r} is given for models {first} and {it.model}: an id "
                                       f"names one item of a job, across its models")
-        self._check_ids_across_models(job, by_model)
+        self.check_ids_across_models(job, by_model)
         for model, its in by_model.items():
             self._register_job(job, model)
             mk = self.ensure_model(model)
@@ -303,7 +303,28 @@ class Conductor:
                 self.seal(model)
         return report
 
-    def _check_ids_across_models(self, job: str, by_model: dict[str, list[PreparedItem]]) -> None:
+    def declare(self, job: str, counts: dict[str, int]) -> None:
+        """Record, before sending them, how many items (distinct ids) of ``job`` go to each model
+        (lua/declare.lua; the stored count only grows): ``status`` then reports items that the
+        producer sent and Redis lacks (a failover to a replica that had not received them, an
+        interrupted submit) as lost, instead of showing a smaller job as done. With
+        wait_replicas the declaration is on the replicas before any item is sent. ``conductor
+        submit`` declares a whole file before its first item; a producer of its own calls this
+        before ``submit`` (after checking its ids: a declared item that is then refused counts as
+        missing)."""
+        _check_name("job", job)
+        for model, n in counts.items():
+            if n <= 0:
+                continue
+            self._register_job(job, model)
+            mk = self.ensure_model(model)
+            try:
+                self._confirmed(self.scripts.declare, [mk.job(job), mk.state], [n])
+            except redis.ResponseError as e:
+                _raise_script_error(e)
+                raise
+
+    def check_ids_across_models(self, job: str, by_model: dict[str, list[PreparedItem]]) -> None:
         """Refuse ids the job already has under another of its models (one read per 1,000 ids and
         other model; none for a job of one model)."""
         known = self.job_models(job)
@@ -635,13 +656,16 @@ class Conductor:
     def status(self, job: str, models: list[str] | None = None) -> dict[str, Any]:
         """Counters of ``job`` over its models (``models``: the job's models when already read)."""
         models = self.job_models(job) if models is None else models
-        total = {"job": job, "submitted": 0, "completed": 0, "failed": 0, "pending": 0, "models": {}}
+        total = {"job": job, "submitted": 0, "completed": 0, "failed": 0, "pending": 0, "declared": 0, "lost": 0,
+                 "models": {}}
         for model in models:
             raw = self.r.hgetall(K.ModelKeys(model).job(job))
-            row = {k: int(raw.get(k.encode(), 0)) for k in ("submitted", "completed", "failed")}
+            row = {k: int(raw.get(k.encode(), 0)) for k in ("submitted", "completed", "failed", "declared")}
             row["pending"] = row["submitted"] - row["completed"] - row["failed"]
+            # Items the producer declared before sending them and Redis does not hold (declare.lua).
+            row["lost"] = max(0, row["declared"] - row["submitted"])
             total["models"][model] = row
-            for k in ("submitted", "completed", "failed", "pending"):
+            for k in ("submitted", "completed", "failed", "pending", "declared", "lost"):
                 total[k] += row[k]
         total["done"] = bool(models) and total["pending"] == 0
         return total

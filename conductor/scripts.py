@@ -14,7 +14,7 @@ import redis
 
 _INCLUDE = re.compile(r"^--@include\s+(\S+)\s*$", re.M)
 NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex", "seal", "ensure_model", "register",
-         "heartbeat")
+         "heartbeat", "declare")
 
 
 @functools.cache
@@ -42,3 +42,4 @@ class Scripts:
     ensure_model: redis.commands.core.Script
     register: redis.commands.core.Script
     heartbeat: redis.commands.core.Script
+    declare: redis.commands.core.Script

@@ -409,6 +409,12 @@ def seal(c: Conductor) -> Call:
     return Call("seal", [MK.state], [])
 
 
+def declare(c: Conductor) -> Call:
+    quick(c)
+    c.r.hset(MK.job("j"), "declared", 3)
+    return Call("declare", [MK.job("j"), MK.state], [5])
+
+
 SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "claim": [claim_warming, claim_warmed_shape_activates, claim_reclaimed_part, claim_reclaimed_whole,
               claim_finish_and_next, claim_aging_preempts, claim_hygiene_drains, claim_hygiene_retires_empty,
@@ -427,6 +433,7 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "register": [register],
     "heartbeat": [heartbeat],
     "seal": [seal],
+    "declare": [declare],
 }
 
 
