@@ -17,8 +17,8 @@
 --            0); ARGV[7] the id of that batches entry, or '': deleted when it is not pending
 --   'lane'   ARGV[2] "S:E:L": a lane whose shape instance cdr:{model}:inst:S:E is gone (finished)
 --   'done'   ARGV[2] "S:E:L": a lane of a live shape instance; its items with a result leave it
--- Returns: {moved, cleared, left}: items moved to the reclaimed list (one batch of their shape,
---   served first), items dropped because they have a result already, items left where they were
+-- Returns: {moved, cleared, left}: items moved to the reclaimed list (batches of their shape of at
+--   most 256 items, served first), items dropped because they have a result already, items left where they were
 --   because no job of this model knows them (a human must look).
 -- Errors, with nothing written: 'ERR_ARG ...'; 'ERR_STATE ...' when the place is not orphaned (a
 --   pending batch names the token, the instance of a 'lane' exists, the instance of a 'done' lane
@@ -168,9 +168,15 @@ if #keep > 0 or #drop > 0 then
   end
 end
 if mk and #stay == 0 then redis.call('DEL', tk, mk) end
-if #keep > 0 then
-  redis.call('RPUSH', reclaimed_key, cmsgpack.pack({sig, ep, lane, dv, keep_toks, keep}))
-  redis.call('HINCRBY', state_key, 'reclaimed_items', #keep)
+-- Reclaimed entries of at most 256 items: claim.lua unpacks what it takes of one entry.
+for s = 1, #keep, 256 do
+  local t, r = {}, {}
+  for i = s, math.min(s + 255, #keep) do
+    t[#t + 1] = keep_toks[i]
+    r[#r + 1] = keep[i]
+  end
+  redis.call('RPUSH', reclaimed_key, cmsgpack.pack({sig, ep, lane, dv, t, r}))
 end
+if #keep > 0 then redis.call('HINCRBY', state_key, 'reclaimed_items', #keep) end
 if kind == 'batch' and entry_id ~= '' then redis.call('XDEL', batches_key, entry_id) end
 return {#keep, #drop, #stay}

@@ -124,3 +124,20 @@ def test_an_orphan_of_unknown_shape_is_left_for_a_human(cdr):
     assert len(failed) == 1 and "which shape its items belong to is unknown" in failed[0]
     rep = verify(cdr.r, "m", items=True)
     assert any("orphaned" in p for p in rep.problems)
+
+
+def test_a_big_orphaned_lane_goes_back_in_pieces_a_claim_can_take(cdr):
+    """claim.lua unpacks what it takes of one reclaimed entry (Lua stops near 8,000 values):
+    a lane of 9,000 items goes back as entries of at most 256."""
+    quick(cdr)
+    cdr.submit([item(f"a{i}", 10) for i in range(9000)], "j")
+    inst = f"{shape_signature(['sys'])}:1"
+    cdr.r.delete(*[MK.inst(inst) + sfx for sfx in ("", ":lanes", ":fill", ":ready", ":touch", ":free")])
+    cdr.r.zrem(MK.staged, inst)
+    cdr.r.zrem(MK.staged_age, inst)
+    changes, failed = repair(cdr.r, "m")
+    assert not failed, failed
+    assert cdr.r.llen(MK.reclaimed) == -(-9000 // 256)
+    b, _ = cdr.claim(Contract(model="m", max_batch_size=65536, max_batch_tokens=10**9, max_input_len=4096), "w")
+    assert b.reclaimed and len(b.items) == 256
+    assert verify(cdr.r, "m", items=True).ok
