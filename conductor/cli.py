@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conductor.errors import BadInput, ConductorError
+from conductor.errors import BadInput, ConductorError, DuplicateId
 from conductor.formats import PreparedItem, parse_line
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
@@ -42,11 +42,13 @@ def _progress(done: int, total: int, enabled: bool) -> None:
     sys.stderr.flush()
 
 
-def read_items(path: str, *, skip_invalid: bool, rejects: str | None) -> list[PreparedItem]:
-    """Validate every line first: by default a file with a bad line submits nothing."""
+def read_items(path: str, *, skip_invalid: bool, rejects: str | None,
+               lines: dict[str, int] | None = None) -> list[PreparedItem]:
+    """Validate every line first: by default a file with a bad line submits nothing. ``lines``, when
+    given, gets each item's line number by id."""
     items: list[PreparedItem] = []
     errors: list[tuple[int, bytes, BadInput]] = []
-    seen: dict[tuple[str, str], int] = {}
+    seen: dict[str, tuple[int, str]] = {}  # id -> (first line, model): one id, one item of the job
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             line = raw.rstrip(b"\r\n")
@@ -54,10 +56,14 @@ def read_items(path: str, *, skip_invalid: bool, rejects: str | None) -> list[Pr
                 continue
             try:
                 it = parse_line(line, n)
-                first = seen.setdefault((it.model, it.id), n)
+                first, model = seen.setdefault(it.id, (n, it.model))
                 if first != n:
-                    raise BadInput("id", f"duplicate of line {first}", n)
+                    across = f" (there for model {model}: an id names one item of a job, across its models)" \
+                        if model != it.model else ""
+                    raise BadInput("id", f"duplicate of line {first}{across}", n)
                 items.append(it)
+                if lines is not None:
+                    lines[it.id] = n
             except BadInput as e:
                 errors.append((n, line, e))
     if errors:
@@ -80,15 +86,34 @@ def default_job(path: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", Path(path).stem)[:100] or "job"
 
 
+def declare_file(c: Any, job: str, items: list[PreparedItem], lines: dict[str, int]) -> None:
+    """Before the first item is sent: the ids checked against the job's other models, then the
+    file's item count per model recorded (Conductor.declare), so that `conductor status` can tell
+    a job that lost items (a failover, a submit that stopped halfway) from a finished one."""
+    by_model: dict[str, list[PreparedItem]] = {}
+    for it in items:
+        by_model.setdefault(it.model, []).append(it)
+    try:
+        c.check_ids_across_models(job, by_model)
+    except DuplicateId as e:  # the job has the id under another model (an earlier run)
+        raise DuplicateId(e.item_id, e.detail, lines.get(e.item_id)) from None
+    c.declare(job, {m: len(its) for m, its in by_model.items()})  # ids are distinct in a file (read_items)
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
-    items = read_items(args.file, skip_invalid=args.skip_invalid, rejects=args.rejects)
+    lines: dict[str, int] = {}
+    items = read_items(args.file, skip_invalid=args.skip_invalid, rejects=args.rejects, lines=lines)
     c = _conductor(args)
     job = args.job or default_job(args.file)
+    declare_file(c, job, items, lines)
     show = sys.stderr.isatty() and not args.quiet
     step = 20_000  # items per Conductor.submit: each call groups its items by shape (client.py)
     accepted = dupes = 0
     for start in range(0, len(items), step):
-        rep = c.submit(items[start:start + step], job, seal=start + step >= len(items))
+        try:
+            rep = c.submit(items[start:start + step], job, seal=start + step >= len(items))
+        except DuplicateId as e:  # the job has the id under another model (an earlier run)
+            raise DuplicateId(e.item_id, e.detail, lines.get(e.item_id)) from None
         accepted += rep.accepted
         dupes += rep.duplicates
         _progress(min(start + step, len(items)), len(items), show)
@@ -155,7 +180,14 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(json.dumps(st), flush=True)
         else:
             print(f"job {st['job']}: submitted {st['submitted']}, completed {st['completed']}, "
-                  f"failed {st['failed']}, pending {st['pending']}", flush=True)
+                  f"failed {st['failed']}, pending {st['pending']}"
+                  + (f", lost {st['lost']}" if st["lost"] else ""), flush=True)
+        if st["lost"] and (not args.watch or st["done"]):
+            print(f"error: {st['lost']} item(s) the producer sent to job {args.job} are missing from this Redis "
+                  f"(declared {st['declared']}, present {st['submitted']}): a failover to a replica that had not "
+                  "received them, or a submit that stopped halfway. Submit the same file again with the same "
+                  "--job: submission is idempotent, only the missing items are added.", file=sys.stderr)
+            return 3
         if not args.watch or st["done"]:
             return 0
         time.sleep(args.interval)
@@ -283,6 +315,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 if args.model_path:
                     cmd += ["--model-path", args.model_path]
                 procs.append(subprocess.Popen(cmd))
+        declare_file(c, job, items, {})
         rep = c.submit(items, job, seal=True)
         print(f"job {job}: {rep.accepted} items submitted ({rep.duplicates} already there), "
               f"{len(models)} model(s), {args.workers} worker(s) each", file=sys.stderr)

@@ -26,7 +26,7 @@ from redis.retry import Retry
 
 from conductor import keys as K
 from conductor.config import DEFAULTS
-from conductor.errors import BadInput, NotReplicated, Paused, QueueFull, RedisUnavailable
+from conductor.errors import BadInput, DuplicateId, NotReplicated, Paused, QueueFull, RedisUnavailable
 from conductor.formats import PreparedItem
 from conductor.records import Batch, BatchItem, Contract, Result, json_encoder
 from conductor.schema import check as check_schema
@@ -210,18 +210,19 @@ class Conductor:
         mk = K.ModelKeys(model)
         if model in self._models_ready and not force:
             return mk
-        pipe = self.r.pipeline(transaction=False)
-        for name, value in DEFAULTS.items():
-            # The reference budget is the first worker's contract (seed 001), set when it registers.
-            if name not in ("budget_tokens", "budget_items"):
-                pipe.hsetnx(mk.cfg, name, value)
-        pipe.sadd(K.MODELS_KEY, model)
-        pipe.execute()
+        # The reference budget is the first worker's contract (seed 001), set when it registers.
+        args = [x for name, value in DEFAULTS.items() if name not in ("budget_tokens", "budget_items")
+                for x in (name, value)]
+        # One allow-oom script (lua/ensure_model.lua), not HSETNX and XGROUP CREATE: over maxmemory
+        # Redis refuses those (even when they would change nothing), and a fresh worker must still
+        # register to drain a full Redis. The models set is in another slot: read first, so that a
+        # known model writes nothing there.
         try:
-            self.r.xgroup_create(mk.batches, K.GROUP, id="$", mkstream=True)
+            self.scripts.ensure_model(keys=[mk.cfg, mk.batches], args=args)
         except redis.ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+            _raise_script_error(e)
+        if not self.r.sismember(K.MODELS_KEY, model):
+            self.r.sadd(K.MODELS_KEY, model)
         self._models_ready.add(model)
         return mk
 
@@ -270,6 +271,12 @@ class Conductor:
         is all or nothing; SUBMIT_WINDOW calls are in flight at a time. ``seal``: these are the
         last items for now (a whole file): each model's intake counts as quiet at once, so the
         tail of the backlog is dispatched without waiting quiet_ms of silence (seal.lua).
+
+        An id names one item of a job across all its models: an id given for two models, or one
+        the job already has under another model, raises DuplicateId before anything is written.
+        (submit.lua checks ids per model only: a job's models live in different cluster slots,
+        which one script cannot read together. Two producers racing the same id into two models
+        of one job are not caught.)
         """
         _check_name("job", job)
         report = SubmitReport()
@@ -278,6 +285,14 @@ class Conductor:
             by_model.setdefault(it.model, []).append(it)
         for model in by_model:  # every name checked before the first write
             _check_name("model", model)
+        if len(by_model) > 1:
+            model_of: dict[str, str] = {}
+            for it in items:
+                first = model_of.setdefault(it.id, it.model)
+                if first != it.model:
+                    raise DuplicateId(it.id, f"{it.id!r} is given for models {first} and {it.model}: an id "
+                                      f"names one item of a job, across its models")
+        self.check_ids_across_models(job, by_model)
         for model, its in by_model.items():
             self._register_job(job, model)
             mk = self.ensure_model(model)
@@ -287,6 +302,41 @@ class Conductor:
             for model in by_model:
                 self.seal(model)
         return report
+
+    def declare(self, job: str, counts: dict[str, int]) -> None:
+        """Record, before sending them, how many items (distinct ids) of ``job`` go to each model
+        (lua/declare.lua; the stored count only grows): ``status`` then reports items that the
+        producer sent and Redis lacks (a failover to a replica that had not received them, an
+        interrupted submit) as lost, instead of showing a smaller job as done. With
+        wait_replicas the declaration is on the replicas before any item is sent. ``conductor
+        submit`` declares a whole file before its first item; a producer of its own calls this
+        before ``submit`` (after checking its ids: a declared item that is then refused counts as
+        missing)."""
+        _check_name("job", job)
+        for model, n in counts.items():
+            if n <= 0:
+                continue
+            self._register_job(job, model)
+            mk = self.ensure_model(model)
+            try:
+                self._confirmed(self.scripts.declare, [mk.job(job), mk.state], [n])
+            except redis.ResponseError as e:
+                _raise_script_error(e)
+                raise
+
+    def check_ids_across_models(self, job: str, by_model: dict[str, list[PreparedItem]]) -> None:
+        """Refuse ids the job already has under another of its models (one read per 1,000 ids and
+        other model; none for a job of one model)."""
+        known = self.job_models(job)
+        for other in known:
+            ids = [it.id for model, its in by_model.items() if model != other for it in its]
+            key = K.ModelKeys(other).job_items(job)
+            for start in range(0, len(ids), 1000):
+                chunk = ids[start:start + 1000]
+                for iid, state in zip(chunk, self.r.hmget(key, chunk), strict=True):
+                    if state is not None:
+                        raise DuplicateId(iid, f"{iid!r} is already in job {job} under model {other}: an id "
+                                          f"names one item of a job, across its models")
 
     def seal(self, model: str) -> int:
         """Declare the end of this producer's submission to ``model`` (seal.lua)."""
@@ -606,13 +656,16 @@ class Conductor:
     def status(self, job: str, models: list[str] | None = None) -> dict[str, Any]:
         """Counters of ``job`` over its models (``models``: the job's models when already read)."""
         models = self.job_models(job) if models is None else models
-        total = {"job": job, "submitted": 0, "completed": 0, "failed": 0, "pending": 0, "models": {}}
+        total = {"job": job, "submitted": 0, "completed": 0, "failed": 0, "pending": 0, "declared": 0, "lost": 0,
+                 "models": {}}
         for model in models:
             raw = self.r.hgetall(K.ModelKeys(model).job(job))
-            row = {k: int(raw.get(k.encode(), 0)) for k in ("submitted", "completed", "failed")}
+            row = {k: int(raw.get(k.encode(), 0)) for k in ("submitted", "completed", "failed", "declared")}
             row["pending"] = row["submitted"] - row["completed"] - row["failed"]
+            # Items the producer declared before sending them and Redis does not hold (declare.lua).
+            row["lost"] = max(0, row["declared"] - row["submitted"])
             total["models"][model] = row
-            for k in ("submitted", "completed", "failed", "pending"):
+            for k in ("submitted", "completed", "failed", "pending", "declared", "lost"):
                 total[k] += row[k]
         total["done"] = bool(models) and total["pending"] == 0
         return total

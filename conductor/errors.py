@@ -17,6 +17,16 @@ class BadInput(ConductorError):
         super().__init__(f"{where}{field}: {message}")
 
 
+class DuplicateId(BadInput):
+    """An item id the job already has, or is given twice, under another model: an id names one
+    item of a job, across all its models (one id, one result)."""
+
+    def __init__(self, item_id: str, message: str, line: int | None = None) -> None:
+        self.item_id = item_id
+        self.detail = message
+        super().__init__("id", message, line)
+
+
 class QueueFull(ConductorError):
     """Backpressure: the model's waiting-token ceiling or Redis maxmemory refused the submit.
 

@@ -13,7 +13,8 @@ from importlib import resources
 import redis
 
 _INCLUDE = re.compile(r"^--@include\s+(\S+)\s*$", re.M)
-NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex", "seal")
+NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex", "seal", "ensure_model", "register",
+         "heartbeat", "declare")
 
 
 @functools.cache
@@ -38,3 +39,7 @@ class Scripts:
     reindex: redis.commands.core.Script
     seal: redis.commands.core.Script
     repair: redis.commands.core.Script
+    ensure_model: redis.commands.core.Script
+    register: redis.commands.core.Script
+    heartbeat: redis.commands.core.Script
+    declare: redis.commands.core.Script

@@ -53,8 +53,11 @@ passes showed a transient row, none confirmed.
 ``repair`` rewrites counters from the truth: each shape instance (its lanes, metas, indices,
 counters and staged score) in one Lua call (lua/repair.lua), then the model's counters (as the
 sum of the repaired instances and of the jobs) and the job counters in a WATCH/MULTI transaction
-that gives up when a script writes the model's state in between (retried a few times). Items
-are never moved: a ledger finding (a lost or duplicated item) is for a human.
+that gives up when a script writes the model's state in between (retried a few times). Before
+the counters, ``repair_items`` puts items of orphaned places back (lua/repair_items.lua): a batch
+list no pending batch names, a lane of a gone instance (to the reclaimed list, or cleared when
+they have a result), and items with a result in a live lane. Items counted queued that are in no
+place, duplicated items and items no job knows stay ledger findings, for a human.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -154,6 +158,8 @@ class Report:
     # items=True: queued items by place (waiting, inflight, reclaimed) and done items, so that
     # submitted == waiting + inflight + reclaimed + done can be checked item by item.
     ledger: dict[str, int] = field(default_factory=dict)
+    # items=True: lanes ("S:E:L") holding items that already have a result (repair clears them)
+    done_lanes: set[str] = field(default_factory=set)
 
     @property
     def drift(self) -> list[Row]:
@@ -224,6 +230,8 @@ class _Keys:
     insts: set[str] = field(default_factory=set)
     lanes: dict[str, set[str]] = field(default_factory=dict)  # inst -> lane ids (lists or metas)
     jobs: set[str] = field(default_factory=set)
+    bats: set[str] = field(default_factory=set)  # tokens of batch item lists M:bat:<token>
+    shapes: set[str] = field(default_factory=set)  # signatures with a shape hash M:shape:S
 
 
 def _classify(r: redis.Redis, mk: K.ModelKeys) -> _Keys:
@@ -231,6 +239,8 @@ def _classify(r: redis.Redis, mk: K.ModelKeys) -> _Keys:
     inst_re = re.compile(rf"^{b}:inst:([0-9a-f]{{16}}:\d+)(?::[a-z_]+)?$")
     lane_re = re.compile(rf"^{b}:lane(?:meta|tok)?:([0-9a-f]{{16}}:\d+):(\d+)$")
     job_re = re.compile(rf"^{b}:job:([^:]+)(?::(?:items|results))?$")
+    bat_re = re.compile(rf"^{b}:bat:(.+)$")
+    shape_re = re.compile(rf"^{b}:shape:([0-9a-f]{{16}})$")
     out = _Keys()
     for raw in r.scan_iter(match=f"{mk.base}:*", count=PAGE):
         key = _s(raw)
@@ -240,7 +250,45 @@ def _classify(r: redis.Redis, mk: K.ModelKeys) -> _Keys:
             out.lanes.setdefault(m.group(1), set()).add(m.group(2))
         elif m := job_re.match(key):
             out.jobs.add(m.group(1))
+        elif m := bat_re.match(key):
+            out.bats.add(m.group(1))
+        elif m := shape_re.match(key):
+            out.shapes.add(m.group(1))
     return out
+
+
+_oom = threading.local()  # set when a snapshot fell back to plain reads (Redis over maxmemory)
+
+
+class _Snapshot:
+    """Reads queued like a transaction pipeline's and run in one MULTI (a snapshot of one moment).
+    Over maxmemory Redis refuses every command queued in MULTI, reads included: the same reads
+    then run pipelined without it (not one moment; verify says so in a note), so that a full
+    Redis can still be verified while workers drain it."""
+
+    def __init__(self, r: redis.Redis) -> None:
+        self.r = r
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        def queue(*args: Any, **kw: Any) -> _Snapshot:
+            self.calls.append((name, args, kw))
+            return self
+        return queue
+
+    def _run(self, transaction: bool, raise_on_error: bool) -> list:
+        pipe = self.r.pipeline(transaction=transaction)
+        for name, args, kw in self.calls:
+            getattr(pipe, name)(*args, **kw)
+        return pipe.execute(raise_on_error=raise_on_error)
+
+    def execute(self, raise_on_error: bool = True) -> list:
+        if not getattr(_oom, "on", False):
+            try:
+                return self._run(True, raise_on_error)
+            except (redis.exceptions.OutOfMemoryError, redis.exceptions.ExecAbortError):
+                _oom.on = True
+        return self._run(False, raise_on_error)
 
 
 def _pairs(v: Any) -> Any:
@@ -275,7 +323,7 @@ def _lane_pages(r: redis.Redis, mk: K.ModelKeys, inst: str, lane: str) -> Iterat
     page's records and tokens are compared at one moment."""
     i = 0
     while True:
-        pipe = r.pipeline(transaction=True)
+        pipe = _Snapshot(r)
         pipe.lrange(mk.lane(inst, lane), i, i + PAGE - 1)
         pipe.lrange(mk.lane_tok(inst, lane), i, i + PAGE - 1)
         recs, toks = pipe.execute()
@@ -300,17 +348,23 @@ class _Ledger:
         self.places.setdefault((_s(job), _s(iid)), []).append(place)
 
     def counts(self) -> dict[str, int]:
-        out = {"submitted": len(self.state), "done": 0, "waiting": 0, "inflight": 0, "reclaimed": 0}
+        out = {"submitted": len(self.state), "done": 0, "waiting": 0, "inflight": 0, "reclaimed": 0, "orphaned": 0}
+        kinds = {"lane": "waiting", "batch": "inflight", "orphan": "orphaned"}
         for key, st in self.state.items():
             if st != "q":
                 out["done"] += 1
                 continue
             for p in self.places.get(key, []):
-                out["waiting" if p.startswith("lane ") else "inflight" if p.startswith("batch ") else "reclaimed"] += 1
+                out[kinds.get(p.split(" ", 1)[0], "reclaimed")] += 1
         return out
 
+    def done_lanes(self) -> set[str]:
+        """Lanes ("S:E:L") holding items that have a result (lua/repair_items.lua 'done' clears them)."""
+        return {p.split(" ", 1)[1] for key, st in self.state.items() if st != "q"
+                for p in self.places.get(key, []) if p.startswith("lane ")}
+
     def problems(self, model: str) -> list[str]:
-        lost, dup, phantom, done_waiting = [], [], [], []
+        lost, dup, phantom, done_waiting, orphaned = [], [], [], [], []
         for key, st in self.state.items():
             places = self.places.get(key, [])
             if st == "q":
@@ -318,7 +372,9 @@ class _Ledger:
                     lost.append(key)
                 elif len(places) > 1:
                     dup.append((key, places))
-            elif any(p.startswith("lane ") for p in places):
+                elif places[0].startswith("orphan "):
+                    orphaned.append((key, places[0].split(" ", 1)[1]))
+            elif any(p.startswith(("lane ", "orphan ")) for p in places):
                 done_waiting.append((key, places))
         for key, places in self.places.items():
             if key not in self.state:
@@ -331,10 +387,14 @@ class _Ledger:
         if lost:
             out.append(f"{model}: {len(lost)} queued item(s) are in no lane, pending batch or reclaimed batch "
                        f"(lost): {show(lost)}")
+        if orphaned:
+            out.append(f"{model}: {len(orphaned)} queued item(s) wait in a batch list that no pending batch names "
+                       f"(orphaned; --repair puts them back): {show(orphaned)}")
         if dup:
             out.append(f"{model}: {len(dup)} queued item(s) are in more than one place (duplicated): {show(dup)}")
         if done_waiting:
-            out.append(f"{model}: {len(done_waiting)} item(s) with a result still wait in a lane: {show(done_waiting)}")
+            out.append(f"{model}: {len(done_waiting)} item(s) with a result still wait in a lane or an orphaned "
+                       f"batch list (--repair clears them): {show(done_waiting)}")
         if phantom:
             out.append(f"{model}: {len(phantom)} item(s) wait that no job submitted: {show(phantom)}")
         return out
@@ -397,7 +457,7 @@ def _read_instance(r: redis.Redis, mk: K.ModelKeys, inst: str, scanned: set[str]
             pipe.llen(mk.lane_tok(inst, lane))
         if sum(pipe.execute()) > 2 * SNAPSHOT:
             break
-        pipe = r.pipeline(transaction=True)
+        pipe = _Snapshot(r)
         pipe.hgetall(ik)
         for z in (mk.inst_lanes(inst), mk.inst_fill(inst), mk.inst_ready(inst)):
             pipe.zrange(z, 0, -1, withscores=True)
@@ -441,6 +501,7 @@ def verify(r: redis.Redis, model: str, *, items: bool = False) -> Report:
     rep = Report(model)
     rows = rep.rows
     ledger = _Ledger() if items else None
+    _oom.on = False
     cfg = _cfg(r, mk)
     found = _classify(r, mk)
 
@@ -504,7 +565,7 @@ def verify(r: redis.Redis, model: str, *, items: bool = False) -> Report:
 
     # ---- the model's waiting counters against the sum of its instances' counters, in one MULTI
     # (each instance's counters were checked against its lanes above).
-    pipe = r.pipeline(transaction=True)
+    pipe = _Snapshot(r)
     pipe.hmget(mk.state, ["tokens", "items"])
     for inst in insts:
         pipe.hmget(mk.inst(inst), ["tokens", "items"])
@@ -524,6 +585,15 @@ def verify(r: redis.Redis, model: str, *, items: bool = False) -> Report:
         rep.problems.append(f"{model}: {fl['unreadable']} in-flight or reclaimed item record(s) or reclaimed "
                             "entries do not decode")
 
+    # ---- batch item lists that no pending batch names: a claim or reclaim that stopped halfway
+    # (before every script checked its commands first) left its items there, counted nowhere
+    orphans = _orphans(r, mk, found.bats)
+    row(f"{mk.base}:bat:*", "lists no pending batch names", len(orphans), 0, "bat.orphaned")
+    if ledger is not None:
+        for token in orphans:
+            if _ledger_records(_list(r, mk.batch_items(token)), f"orphan {token}", ledger):
+                rep.problems.append(f"{model}: {mk.batch_items(token)} holds item records that do not decode")
+
     # ---- jobs: counters against the items hash and the results records
     jobs = sorted(found.jobs)
     for job in jobs:
@@ -541,17 +611,43 @@ def verify(r: redis.Redis, model: str, *, items: bool = False) -> Report:
             rep.problems.append(f"{model}: job {job} has {truth['dup_results']} duplicated result record(s)")
     # ---- the model's job totals against the sum of its jobs' counters, in one MULTI
     fields = ["submitted", "completed", "failed"]
-    pipe = r.pipeline(transaction=True)
+    pipe = _Snapshot(r)
     pipe.hmget(mk.state, fields)
     for job in jobs:
         pipe.hmget(mk.job(job), fields)
     got = pipe.execute()
     for i, fld in enumerate(fields):
         row(mk.state, fld, _i(got[0][i]), sum(_i(x[i]) for x in got[1:]), f"state.{fld}")
+    if getattr(_oom, "on", False):
+        rep.notes.append("Redis is over maxmemory and refuses MULTI: every read was a plain pipelined read, not "
+                         "a snapshot (against a live system, re-check a differing row)")
+        _oom.on = False
     if ledger is not None:
         rep.problems.extend(ledger.problems(model))
         rep.ledger = ledger.counts()
+        rep.done_lanes = ledger.done_lanes()
     return rep
+
+
+def _orphans(r: redis.Redis, mk: K.ModelKeys, tokens: set[str]) -> dict[str, tuple[str, dict] | None]:
+    """Batch item lists (of the tokens a SCAN found) that no pending batch names, each with the
+    batches entry that names its token when one is left (not pending: leaked), else None. The
+    pending list is read after the SCAN, and a list a completion deleted meanwhile is skipped."""
+    if not tokens:
+        return {}
+    _b, _n, pending, _bad = _pending(r, mk, None)
+    by_token: dict[str, tuple[str, dict]] = {}
+    for eid, f in _xrange(r, mk.batches):
+        if f.get(b"k"):
+            by_token[_s(f[b"k"])] = (_s(eid), f)
+    out: dict[str, tuple[str, dict] | None] = {}
+    for token in sorted(tokens):
+        named = by_token.get(token)
+        if named is not None and named[0] in pending:
+            continue
+        if r.exists(mk.batch_items(token)):
+            out[token] = named
+    return out
 
 
 def _ledger_records(recs: Any, place: str, ledger: _Ledger) -> int:
@@ -588,7 +684,7 @@ def _read_inflight(r: redis.Redis, mk: K.ModelKeys, ledger: _Ledger | None) -> d
     known: list[str] = []  # k of the batches whose item lists the next MULTI reads
     out: dict[str, int] = {}
     for _attempt in range(3):
-        pipe = r.pipeline(transaction=True)
+        pipe = _Snapshot(r)
         pipe.hmget(mk.state, ["inflight_batches", "inflight_items", "reclaimed_items"])
         pipe.xpending_range(mk.batches, K.GROUP, min="-", max="+", count=SNAPSHOT + 1)
         pipe.xrange(mk.batches, count=SNAPSHOT + 1)
@@ -697,7 +793,7 @@ def _job_truth(r: redis.Redis, mk: K.ModelKeys, job: str, ledger: _Ledger | None
     MULTI; a bigger one counts results up to the last id of a snapshot of its counters, so only
     its items hash (the 'd' count) is read while it may move."""
     fields = ["submitted", "completed", "failed"]
-    pipe = r.pipeline(transaction=True)
+    pipe = _Snapshot(r)
     pipe.hmget(mk.job(job), fields)
     pipe.hlen(mk.job_items(job))
     pipe.xlen(mk.job_results(job))
@@ -706,7 +802,7 @@ def _job_truth(r: redis.Redis, mk: K.ModelKeys, job: str, ledger: _Ledger | None
     item_states: Any
     records: Any
     if n_items <= SNAPSHOT and n_results <= SNAPSHOT:
-        pipe = r.pipeline(transaction=True)
+        pipe = _Snapshot(r)
         pipe.hmget(mk.job(job), fields)
         pipe.hgetall(mk.job_items(job))
         pipe.xrange(mk.job_results(job))
@@ -817,8 +913,7 @@ def repair(r: redis.Redis, model: str, *, attempts: int = 5) -> tuple[list[Chang
 
     mk = K.ModelKeys(model)
     scripts = Scripts(r)
-    changes: list[Change] = []
-    failed: list[str] = []
+    changes, failed = repair_items(r, model)
     found = _classify(r, mk)
     staged = _zset(r, mk.staged)
     for inst in sorted(found.insts | set(found.lanes) | set(staged)):
@@ -839,6 +934,70 @@ def repair(r: redis.Redis, model: str, *, attempts: int = 5) -> tuple[list[Chang
     else:
         failed.append(f"{mk.state}: the model's state kept changing during {attempts} attempts; "
                       "model and job counters not repaired (retry on a quieter system)")
+    return changes, failed
+
+
+def repair_items(r: redis.Redis, model: str) -> tuple[list[Change], list[str]]:
+    """Items put back where they belong (lua/repair_items.lua, one orphaned place per call):
+
+    - a batch list ``M:bat:<token>`` that no pending batch names: its items without a result go to
+      the reclaimed list as one batch of their shape (the shape from a leaked batches entry that
+      names the token, else the model's only signature; with several and no entry the shape is
+      unknown and the list is left for a human), items with a result are dropped, and the leaked
+      entry is deleted;
+    - a lane whose shape instance is gone (finished): the same;
+    - a lane of a live instance: its items that already have a result leave it.
+
+    Items counted queued that are in no place at all cannot be rebuilt: they stay ledger findings.
+    Returns (changes, what could not be done); the counters are repaired after this.
+    """
+    from conductor.scripts import source
+
+    mk = K.ModelKeys(model)
+    script = r.register_script(source("repair_items"))
+    keys = [mk.base, mk.state, mk.batches, mk.reclaimed]
+    changes: list[Change] = []
+    failed: list[str] = []
+
+    def run(where: str, args: list[Any]) -> None:
+        try:
+            moved, cleared, left = (int(x) for x in script(keys=keys, args=args))
+        except redis.ResponseError as e:
+            failed.append(f"{where}: {e}")
+            return
+        if moved or cleared:
+            changes.append(Change(where, "items", str(moved + cleared + left),
+                                  f"{left} ({moved} moved to {mk.reclaimed}, {cleared} with a result cleared)"))
+
+    found = _classify(r, mk)
+    orphans = _orphans(r, mk, found.bats)
+    for token, named in orphans.items():
+        if named is not None:
+            eid, f = named
+            args = [token, _s(f.get(b"sig", b"")), _i(f.get(b"ep")), _i(f.get(b"lane")), _i(f.get(b"dv")) + 1, eid]
+        elif len(found.shapes) == 1:
+            sig = next(iter(found.shapes))
+            args = [token, sig, _i(r.hget(mk.shape(sig), "epoch")), 0, 1, ""]
+        else:
+            failed.append(f"{mk.batch_items(token)}: no batches entry names it and the model has "
+                          f"{len(found.shapes)} shapes: which shape its items belong to is unknown")
+            continue
+        run(mk.batch_items(token), ["batch", *args])
+    # leaked batches entries (not pending) without a list: deleted by the same call
+    _b, _n, pending, _bad = _pending(r, mk, None)
+    for eid, f in _xrange(r, mk.batches):
+        token = _s(f.get(b"k", b""))
+        if _s(eid) not in pending and token and token not in orphans and re.fullmatch(r"[\w.-]{1,64}", token):
+            run(f"{mk.batches} {_s(eid)}", ["batch", token, _s(f.get(b"sig", b"0" * 16)), _i(f.get(b"ep")),
+                                           _i(f.get(b"lane")), 1, _s(eid)])
+    for inst, lanes in sorted(found.lanes.items()):
+        if not r.exists(mk.inst(inst)):
+            for lane in sorted(lanes, key=int):
+                run(mk.lane(inst, lane), ["lane", f"{inst}:{lane}"])
+    for where in sorted(verify(r, model, items=True).done_lanes):
+        inst, lane = where.rsplit(":", 1)
+        if r.exists(mk.inst(inst)):
+            run(mk.lane(inst, lane), ["done", where])
     return changes, failed
 
 
@@ -952,7 +1111,7 @@ def cli_verify(r: redis.Redis, models: list[str], *, do_repair: bool = False, sh
                 for f in failed:
                     print(f"  not repaired: {f}")
                 print(f"after repair: {len(after.drift)} counter(s) differ"
-                      + (f", {len(after.problems)} ledger finding(s) (items are not moved by a repair)"
+                      + (f", {len(after.problems)} ledger finding(s) a repair cannot settle"
                          if after.problems else ""))
                 for x in after.drift:
                     print(f"  {x.key}  {x.field}: recorded {x.recorded}, truth {x.truth}")

@@ -18,8 +18,9 @@
 --   warming}; flags: 1 cleanup, 2 reclaimed, 4 force-drained lane; n items are in the token's
 --   list, in lane order, as item records (conductor/keys.py); warming is the shape instance
 --   "sig:epoch" being pre-warmed ('' if none): the pre-warm signal. Or {0, reason} when nothing
---   is dispatched (reason: gate, wait, idle, paused). Errors: 'ERR_ARG <field>: ...' with nothing
---   written.
+--   is dispatched (reason: gate, wait, idle, paused). Errors, with nothing written: 'ERR_ARG
+--   <field>: ...'; 'NOPERM ...' when the caller's ACL refuses a command it may call (checked
+--   first, lib.lua acl_refused); 'NOGROUP ...' when the batches stream lacks the group.
 -- Cost: item bytes never enter Lua on the normal path: sizes come from the lane's token list
 --   and the items move from lane to batch list inside Redis (SORT BY nosort LIMIT STORE keeps
 --   list order and reads only the range it stores), so the script's work grows with the number
@@ -57,6 +58,43 @@ end
 local CLAIM_CFG = {'mode', 'budget_tokens', 'budget_items', 'activate_batches', 'aging_ms', 'drain_batches',
   'hygiene_idle_ms', 'hygiene_items', 'lane_quiet_ms', 'prewarm_batches', 'quiet_ms', 'release_batches'}
 local cfg = load_cfg(cfg_key, CLAIM_CFG)
+-- Refused before the first write, nothing written: a command the caller's ACL denies ('NOPERM',
+-- lib.lua acl_refused: every command this script may call, on each key or key pattern), and a
+-- batches stream without the group (NOGROUP; XCLAIM would refuse it after the items moved).
+do
+  local I, L = base .. ':inst:0000000000000000:0', ':0000000000000000:0:0'
+  local lk, tk, mk = base .. ':lane' .. L, base .. ':lanetok' .. L, base .. ':lanemeta' .. L
+  local sk, sa, st, bk, rk = base .. ':staged', base .. ':staged_age', state_key, batch_items_key, reclaimed_key
+  local il, fi, re, to, fr = I .. ':lanes', I .. ':fill', I .. ':ready', I .. ':touch', I .. ':free'
+  local ac, af = base .. ':active', base .. ':affinity'
+  local refused = acl_refused(function(ok)
+    return ok('HMGET', st) and ok('HSET', st) and ok('HINCRBY', st) and ok('HDEL', st) and ok('HGET', st)
+      and ok('ZADD', ac) and ok('ZREM', ac) and ok('ZRANGE', ac) and ok('HSET', af) and ok('HDEL', af)
+      and ok('HGET', af) and ok('HGETALL', af) and ok('EXISTS', base .. ':hb:0') and ok('ZSCORE', sk)
+      and ok('ZRANK', fi) and ok('ZRANGE', fi) and ok('LRANGE', lk)
+      and ok('RPUSH', bk) and ok('XADD', batches_key) and ok('XCLAIM', batches_key) and ok('LINDEX', rk)
+      and ok('LPOP', rk) and ok('LSET', rk) and ok('ZREM', sk) and ok('ZADD', sk) and ok('ZREVRANGE', sk)
+      and ok('ZREM', sa) and ok('ZADD', sa) and ok('ZRANGE', sa) and ok('XADD', base .. ':finished')
+      and ok('HSET', I) and ok('HGET', I) and ok('HMGET', I) and ok('ZREM', il) and ok('ZRANGE', il)
+      and ok('ZREM', fi) and ok('ZADD', fi) and ok('ZREVRANGE', fi) and ok('ZREM', re) and ok('ZADD', re)
+      and ok('ZRANGEBYSCORE', re) and ok('ZRANGE', re) and ok('ZREM', to) and ok('ZADD', to)
+      and ok('ZRANGEBYSCORE', to) and ok('SADD', fr) and ok('LTRIM', lk) and ok('LRANGE', tk) and ok('LTRIM', tk)
+      and ok('HMGET', mk) and ok('HSET', mk) and ok('HDEL', mk) and ok('HGET', mk) and ok('EXISTS', mk)
+      and ok('TIME') and ok('XINFO', 'GROUPS', batches_key) and ok('SORT', lk, 'STORE', bk)
+      and ok('DEL', I, il, fi, re, fr, to) and ok('DEL', lk, tk, mk)
+  end)
+  if refused then return refused end
+  local groups = redis.pcall('XINFO', 'GROUPS', batches_key)
+  local found = false
+  if type(groups) == 'table' and not groups.err then
+    for _, g in ipairs(groups) do
+      if g[2] == 'workers' then found = true end
+    end
+  end
+  if not found then
+    return redis.error_reply('NOGROUP ' .. batches_key .. ' has no consumer group workers: nothing written')
+  end
+end
 local now = now_ms()
 local disk = cfg.mode == 'disk'
 

@@ -12,18 +12,25 @@
 -- ARGV[4..]          4 fields per result: job, item id, status ('ok' | 'err'), result JSON
 -- Retiring a batch acks and deletes its entry and deletes its items list (cdr:{model}:bat:<k>).
 -- Returns: {written, acked}: results written now (a result already written before is skipped)
---   and 1 when this call retired the batch (0 when it was retired before, by this consumer or
---   by a reclaim). Errors: 'ERR_ARG <field>: ...' with nothing written.
+--   and 1 when this call retired the batch. {0, 0}, with nothing written, when the batch was
+--   retired before (by this consumer, or by a reclaim that put its items back in the queue):
+--   its items may be running elsewhere, so a late worker's results are not taken.
+--   Errors, with nothing written: 'ERR_ARG <field>: ...' for a malformed argument, a batch id the
+--   batches stream never issued, or a result for an item that is not in the batch (one still in a
+--   lane, one of another batch); 'NOPERM ...' when the caller's ACL refuses a command this call may
+--   run (lib.lua acl_refused); 'PAUSED ...'.
 -- Invariants: an item's result is written at most once (its state in the job's items hash
---   moves q -> d exactly once), so a batch completed twice, or completed by a slow worker after
---   a reclaim handed it to another, never duplicates a result; counters move with the writes.
+--   moves q -> d exactly once), only while the item is in this pending batch's items list, so a
+--   batch completed twice, or completed by a slow worker after a reclaim handed it on, never
+--   duplicates a result and never marks done an item that waits elsewhere; counters move with the
+--   writes. Every argument is checked, and the batch and its items are read, before the first write.
 -- While the model is paused (conductor pause) it refuses with 'PAUSED ...', nothing written.
 --@include lib.lua
 
 local base, state_key, batches_key = KEYS[1], KEYS[2], KEYS[3]
 local bid, final, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
-if not bid or not string.match(bid, '^%d+%-%d+$') then
-  return redis.error_reply('ERR_ARG batch_id: must be a stream id like 1700000000000-0')
+if not stream_id_ok(bid) then
+  return redis.error_reply('ERR_ARG batch_id: must be a stream id like 1700000000000-0 (two whole numbers below 2^64)')
 end
 if final ~= '0' and final ~= '1' then
   return redis.error_reply('ERR_ARG final: must be 0 or 1')
@@ -52,8 +59,93 @@ for i = 0, n - 1 do
   end
 end
 
-local refused = paused(state_key)
+-- Every command this call may run, on the keys it may run it on, before the first write.
+local refused = acl_refused(function(ok)
+  if not (ok('HGET', state_key) and ok('HINCRBY', state_key) and ok('XRANGE', batches_key)
+      and ok('XPENDING', batches_key) and ok('XACK', batches_key) and ok('XDEL', batches_key)
+      and ok('XINFO', 'STREAM', batches_key) and ok('LRANGE', base .. ':bat:0') and ok('DEL', base .. ':bat:0')) then
+    return false
+  end
+  local seen = {}
+  for i = 0, n - 1 do
+    local job = ARGV[4 + 4 * i]
+    if not seen[job] then
+      seen[job] = true
+      local jk = base .. ':job:' .. job
+      if not (ok('HGET', jk .. ':items') and ok('HSET', jk .. ':items') and ok('XADD', jk .. ':results')
+          and ok('HINCRBY', jk)) then
+        return false
+      end
+    end
+  end
+  return true
+end)
 if refused then return refused end
+refused = paused(state_key)
+if refused then return refused end
+
+-- Two valid stream ids compared: -1, 0 or 1 (the parts may pass 2^53: compared as digit strings).
+local function id_cmp(a, b)
+  local am, as = string.match(a, '^0*(%d-)%-0*(%d-)$')
+  local bm, bs = string.match(b, '^0*(%d-)%-0*(%d-)$')
+  for _, p in ipairs({{am, bm}, {as, bs}}) do
+    local x, y = p[1], p[2]
+    if #x ~= #y then return #x < #y and -1 or 1 end
+    if x ~= y then return x < y and -1 or 1 end
+  end
+  return 0
+end
+
+-- The batch and its items, read before any write.
+local entry = redis.call('XRANGE', batches_key, bid, bid)[1]
+if not entry then
+  local info = redis.pcall('XINFO', 'STREAM', batches_key)
+  local last = nil
+  if type(info) == 'table' and not info.err then
+    for j = 1, #info, 2 do
+      if info[j] == 'last-generated-id' then last = info[j + 1] end
+    end
+  end
+  if not last or id_cmp(bid, last) > 0 then
+    return redis.error_reply('ERR_ARG batch_id: ' .. bid .. ' names no batch the batches stream ever issued')
+  end
+  return {0, 0}  -- retired before: nothing of a retired batch is written
+end
+local count, token = 0, nil
+local f = entry[2]
+for j = 1, #f, 2 do
+  if f[j] == 'n' then count = tonumber(f[j + 1]) or 0
+  elseif f[j] == 'k' then token = f[j + 1] end
+end
+local items_key = token and (base .. ':bat:' .. token)
+-- Which (job, id) the batch holds: read from the head of each record when it is plain compact
+-- JSON (what conductor/client.py writes), decoded otherwise.
+local members = {}
+if items_key then
+  for _, rec in ipairs(redis.call('LRANGE', items_key, 0, -1)) do
+    local id, job = string.match(rec, '^%["([^"\\]*)","([^"\\]*)",')
+    if not id then
+      local ok, d = pcall(cjson.decode, rec)
+      if ok and type(d) == 'table' then id, job = d[1], d[2] end
+    end
+    if type(id) == 'string' and type(job) == 'string' then
+      members[job] = members[job] or {}
+      members[job][id] = true
+    end
+  end
+end
+for i = 0, n - 1 do
+  local o = 4 + 4 * i
+  local job, id = ARGV[o], ARGV[o + 1]
+  if not (members[job] and members[job][id]) then
+    return redis.error_reply('ERR_ARG id: item ' .. string.sub(id, 1, 100) .. ' of job ' .. job ..
+      ' is not in batch ' .. bid .. ' (result ' .. i .. '): nothing written')
+  end
+end
+
+-- XACK below refuses a stream without the group (NOGROUP): that refusal comes here, before any write.
+if final == '1' then redis.call('XPENDING', batches_key, 'workers', bid, bid, 1) end
+
 local written, done_ok, done_err = 0, 0, 0
 for i = 0, n - 1 do
   local o = 4 + 4 * i
@@ -77,20 +169,12 @@ if done_err > 0 then redis.call('HINCRBY', state_key, 'failed', done_err) end
 
 local acked = 0
 if final == '1' then
-  local entry = redis.call('XRANGE', batches_key, bid, bid)[1]
   acked = redis.call('XACK', batches_key, 'workers', bid)
   if acked == 1 then
     redis.call('XDEL', batches_key, bid)
     redis.call('HINCRBY', state_key, 'inflight_batches', -1)
-    local items = 0
-    if entry then
-      local f = entry[2]
-      for j = 1, #f, 2 do
-        if f[j] == 'n' then items = tonumber(f[j + 1])
-        elseif f[j] == 'k' then redis.call('DEL', base .. ':bat:' .. f[j + 1]) end
-      end
-    end
-    redis.call('HINCRBY', state_key, 'inflight_items', -items)
+    if items_key then redis.call('DEL', items_key) end
+    redis.call('HINCRBY', state_key, 'inflight_items', -count)
   end
 end
 return {written, acked}

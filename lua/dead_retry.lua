@@ -8,8 +8,11 @@
 -- KEYS[3] dead       cdr:{model}:dead
 -- KEYS[4] reclaimed  cdr:{model}:reclaimed
 -- ARGV[1..]          ids of entries in the dead stream (1..1000)
--- Returns: {retried, skipped}: skipped counts ids that are no longer in the dead stream, and
---   entries whose item no longer holds its dead-letter result (a purged job, a second retry).
+-- Returns: {retried, skipped}: skipped counts ids that are no longer in the dead stream (or are
+--   repeated), and entries whose item no longer holds its dead-letter result (a purged job, a
+--   second retry). Errors, with nothing written: 'ERR_ARG ids: ...'; 'NOPERM ...' when the
+--   caller's ACL refuses a command this call may run (lib.lua acl_refused); 'ERR_STATE ...' for an
+--   entry without a readable item; 'PAUSED ...'. Every entry is read before the first write.
 -- Invariants: per retried item, in one step: its dead-letter result leaves the job's results
 --   stream, its state goes back d -> q, the job's and the model's failed counters go down by
 --   one, and it joins the reclaimed queue (served first) alone with its deliveries reset to 1;
@@ -21,27 +24,37 @@
 local base, state_key, dead_key, reclaimed_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 if #ARGV < 1 or #ARGV > 1000 then return redis.error_reply('ERR_ARG ids: give 1..1000 dead-letter ids') end
 for i = 1, #ARGV do
-  if not string.match(ARGV[i], '^%d+%-%d+$') then
+  if not stream_id_ok(ARGV[i]) then
     return redis.error_reply('ERR_ARG ids: ' .. string.sub(ARGV[i], 1, 40) .. ' is not a stream id')
   end
 end
 
-local refused = paused(state_key)
+local jp = base .. ':job:0'
+local refused = acl_refused(function(ok)
+  return ok('HGET', state_key) and ok('HINCRBY', state_key) and ok('XRANGE', dead_key) and ok('XDEL', dead_key)
+    and ok('HGET', jp .. ':items') and ok('HSET', jp .. ':items') and ok('XRANGE', jp .. ':results')
+    and ok('XDEL', jp .. ':results') and ok('HINCRBY', jp) and ok('RPUSH', reclaimed_key)
+end)
 if refused then return refused end
-local retried, skipped = 0, 0
+refused = paused(state_key)
+if refused then return refused end
+
+-- Every entry read, checked and its item record built before the first write.
+local todo, skipped, seen = {}, 0, {}
 for i = 1, #ARGV do
-  local entry = redis.call('XRANGE', dead_key, ARGV[i], ARGV[i])[1]
+  local entry = not seen[ARGV[i]] and redis.call('XRANGE', dead_key, ARGV[i], ARGV[i])[1]
+  seen[ARGV[i]] = true
   local f = {}
   if entry then
     for j = 1, #entry[2], 2 do f[entry[2][j]] = entry[2][j + 1] end
   end
-  local jk = f.job and (base .. ':job:' .. f.job)
-  if jk and redis.call('HGET', jk .. ':items', f.id) == 'd' and f.rid
-      and redis.call('XDEL', jk .. ':results', f.rid) == 1 then
-    redis.call('HSET', jk .. ':items', f.id, 'q')
-    redis.call('HINCRBY', jk, 'failed', -1)
-    redis.call('HINCRBY', state_key, 'failed', -1)
-    redis.call('HINCRBY', state_key, 'dead_retried', 1)
+  local jk = f.job and f.id and (base .. ':job:' .. f.job)
+  local item = jk and (f.job .. ':' .. f.id)
+  -- Its item must still hold this entry's dead-letter result (not after a purge or a retry).
+  local ok = jk and not seen[item] and redis.call('HGET', jk .. ':items', f.id) == 'd' and f.rid
+    and stream_id_ok(f.rid) and redis.call('XRANGE', jk .. ':results', f.rid, f.rid)[1] ~= nil
+  if ok then
+    seen[item] = true
     local tok = tonumber(f.tok)
     local rec = f.it
     if not rec then
@@ -49,18 +62,33 @@ for i = 1, #ARGV do
       -- Schema 1 also took bodies with leading space or a third element: those are re-encoded
       -- from their first two elements to make a record tail (as migrations/0002 does).
       local body = f.d
-      local dec = cjson.decode(body)
+      local dok, dec = pcall(cjson.decode, body or '')
+      if not dok or type(dec) ~= 'table' or not tok or not tonumber(f.mt) then
+        return redis.error_reply('ERR_STATE dead entry ' .. ARGV[i] .. ' holds no readable item: nothing written')
+      end
       if string.byte(body, 1) ~= 91 or #dec > 2 then
         body = cjson.encode({dec[1], dec[2] == nil and cjson.null or dec[2]})
       end
       rec = item_record(f.id, f.job, tok, f.mt, body)
     end
-    redis.call('RPUSH', reclaimed_key, cmsgpack.pack({f.sig, tonumber(f.ep), tonumber(f.lane), 1, {tok}, {rec}}))
-    redis.call('HINCRBY', state_key, 'reclaimed_items', 1)
-    redis.call('XDEL', dead_key, ARGV[i])
-    retried = retried + 1
+    if not tok then
+      return redis.error_reply('ERR_STATE dead entry ' .. ARGV[i] .. ' has no input tokens: nothing written')
+    end
+    todo[#todo + 1] = {eid = ARGV[i], jk = jk, id = f.id, rid = f.rid, tok = tok,
+      blob = cmsgpack.pack({f.sig, tonumber(f.ep), tonumber(f.lane), 1, {tok}, {rec}})}
   else
     skipped = skipped + 1
   end
 end
-return {retried, skipped}
+
+for _, t in ipairs(todo) do
+  redis.call('XDEL', t.jk .. ':results', t.rid)
+  redis.call('HSET', t.jk .. ':items', t.id, 'q')
+  redis.call('HINCRBY', t.jk, 'failed', -1)
+  redis.call('HINCRBY', state_key, 'failed', -1)
+  redis.call('HINCRBY', state_key, 'dead_retried', 1)
+  redis.call('RPUSH', reclaimed_key, t.blob)
+  redis.call('HINCRBY', state_key, 'reclaimed_items', 1)
+  redis.call('XDEL', dead_key, t.eid)
+end
+return {#todo, skipped}

@@ -13,6 +13,9 @@
 -- ARGV[3] reason     the error, kept with a dead-lettered item
 -- Returns: {items requeued, items dead-lettered}; {0, 0} when the batch was not pending for
 --   this consumer (already completed, failed or reclaimed).
+--   Errors, with nothing written: 'ERR_ARG <field>: ...'; 'NOPERM ...' when the caller's ACL
+--   refuses a command this call may run (lib.lua acl_refused); 'ERR_STATE ...' when an item record
+--   of the batch does not decode; 'PAUSED ...'.
 -- Invariants: the same as reclaim.lua: nothing with a result is redone, an item is delivered at
 --   most max_deliveries times, then dead-lettered with a failed result so its job completes.
 -- While the model is paused (conductor pause) it refuses with 'PAUSED ...', nothing written.
@@ -20,20 +23,28 @@
 
 local base, cfg_key, state_key, batches_key, reclaimed_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local bid, consumer, reason = ARGV[1], ARGV[2], ARGV[3] or ''
-if not bid or not string.match(bid, '^%d+%-%d+$') then
+if not stream_id_ok(bid) then
   return redis.error_reply('ERR_ARG batch_id: must be a stream id like 1700000000000-0')
 end
 if (not consumer) or #consumer < 1 or #consumer > 200 then
   return redis.error_reply('ERR_ARG consumer: must be 1..200 bytes')
 end
 if #reason > 4096 then reason = string.sub(reason, 1, 4096) end
-local refused = paused(state_key)
-if refused then return refused end
-local cfg = load_cfg(cfg_key)
-local now = now_ms()
--- After the locals it reads (base, state_key, batches_key, reclaimed_key, cfg, now).
+-- After the locals lib_requeue.lua reads (base, state_key, batches_key, reclaimed_key, cfg, now).
+local cfg, now
 --@include lib_requeue.lua
+local refused = acl_refused(function(ok)
+  return requeue_acl(ok) and ok('HGET', state_key) and ok('HMGET', cfg_key) and ok('XPENDING', batches_key)
+    and ok('TIME')
+end)
+if refused then return refused end
+refused = paused(state_key)
+if refused then return refused end
+cfg = load_cfg(cfg_key)
+now = now_ms()
 local p = redis.call('XPENDING', batches_key, 'workers', bid, bid, 1, consumer)
 if #p == 0 then return {0, 0} end
-local k, d = requeue(bid, reason, true)
+local plan, err = requeue_plan(bid, reason, true)
+if not plan then return err end
+local k, d = requeue_apply(plan)
 return {k, d}

@@ -10,58 +10,90 @@
 -- times when the batch is blamed for the failure (the engine failed it, or it was the last
 -- batch a dead consumer took: a crash at admission), and only after twice that many otherwise,
 -- so innocent items that shared a dying worker with a poison item are not dead-lettered with it.
+-- Two steps, so that a script reads and decodes every batch it gives back before its first
+-- write: requeue_plan (reads only) and requeue_apply (writes only).
 
--- it: the decoded item record {id, job, input_tokens, max_tokens, ...}; rec: its JSON text.
-local function dead_letter(it, rec, e, dv, bid, reason)
-  local model = string.match(base, '{(.*)}')
-  local jk = base .. ':job:' .. it[2]
-  redis.call('HSET', jk .. ':items', it[1], 'd')
-  local res = cjson.encode({id = it[1], model = model, job = it[2], output = '', output_tokens = 0,
-    error = {code = 'dead_letter', message = 'delivered ' .. dv .. ' times; last: ' .. reason},
-    shape = e.sig, epoch = tonumber(e.ep), lane = tonumber(e.lane), batch = bid, batch_size = tonumber(e.n),
-    batch_padded_len = tonumber(e.plen), input_tokens = it[3], worker = e.w or '', claimed_at = tonumber(e.ts),
-    finished_at = now, deliveries = dv})
-  -- The failed result's id rides with the dead entry, so dead_retry.lua can take it back and the
-  -- job never holds two results for one item.
-  local rid = redis.call('XADD', jk .. ':results', '*', 'id', it[1], 'r', res)
-  redis.call('XADD', base .. ':dead', '*', 'id', it[1], 'job', it[2], 'deliveries', dv,
-    'error', reason, 'sig', e.sig, 'ep', e.ep, 'lane', e.lane, 'tok', it[3], 'mt', it[4], 'it', rec,
-    'batch', bid, 'rid', rid, 'ms', now)
-  redis.call('HINCRBY', jk, 'failed', 1)
-  redis.call('HINCRBY', state_key, 'failed', 1)
-  redis.call('HINCRBY', state_key, 'dead_lettered', 1)
+-- The commands requeue_plan and requeue_apply may call, as checks for lib.lua acl_refused; job
+-- keys by one name of their pattern.
+local function requeue_acl(ok)
+  local jk = base .. ':job:0'
+  return ok('HINCRBY', state_key) and ok('XRANGE', batches_key) and ok('XACK', batches_key)
+    and ok('XDEL', batches_key) and ok('LRANGE', base .. ':bat:0') and ok('DEL', base .. ':bat:0')
+    and ok('HGET', jk .. ':items') and ok('HSET', jk .. ':items') and ok('XADD', jk .. ':results')
+    and ok('HINCRBY', jk) and ok('XADD', base .. ':dead') and ok('RPUSH', reclaimed_key)
 end
 
--- Returns requeued items, dead-lettered items; 0, 0 when the batch was no longer pending.
-local function requeue(bid, reason, blamed)
+-- One pending batch read and decided, nothing written: a plan for requeue_apply, or nil and the
+-- error reply to return when one of its item records does not decode (a human must look).
+local function requeue_plan(bid, reason, blamed)
   local entry = redis.call('XRANGE', batches_key, bid, bid)[1]
-  if redis.call('XACK', batches_key, 'workers', bid) == 0 then return 0, 0 end
-  redis.call('XDEL', batches_key, bid)
-  redis.call('HINCRBY', state_key, 'inflight_batches', -1)
-  if not entry then return 0, 0 end
+  local plan = {bid = bid, found = entry ~= nil, keep = {}, toks = {}, dead = {}}
+  if not entry then return plan end
   local e = {}
   for j = 1, #entry[2], 2 do e[entry[2][j]] = entry[2][j + 1] end
-  redis.call('HINCRBY', state_key, 'inflight_items', -num(e.n))
-  local items_key = base .. ':bat:' .. (e.k or '')
-  local recs = redis.call('LRANGE', items_key, 0, -1)
-  redis.call('DEL', items_key)
+  plan.n = num(e.n)
+  plan.items_key = base .. ':bat:' .. (e.k or '')
+  plan.sig, plan.ep, plan.lane = e.sig or '', tonumber(e.ep) or 0, tonumber(e.lane) or 0
   local dv = num(e.dv)
+  plan.dv = dv
   local limit = blamed and cfg.max_deliveries or 2 * cfg.max_deliveries
-  local toks, keep, dead = {}, {}, 0
-  for _, rec in ipairs(recs) do
-    local it = cjson.decode(rec)
-    if redis.call('HGET', base .. ':job:' .. it[2] .. ':items', it[1]) == 'q' then
+  local model = string.match(base, '{(.*)}')
+  for _, rec in ipairs(redis.call('LRANGE', plan.items_key, 0, -1)) do
+    local ok, it = pcall(cjson.decode, rec)
+    if not ok or type(it) ~= 'table' or type(it[1]) ~= 'string' or type(it[2]) ~= 'string'
+        or type(it[3]) ~= 'number' then
+      return nil, redis.error_reply('ERR_STATE ' .. plan.items_key .. ' holds an item record that does not ' ..
+        'decode as [id, job, input_tokens, ...]: nothing written')
+    end
+    local jk = base .. ':job:' .. it[2]
+    if redis.call('HGET', jk .. ':items', it[1]) == 'q' then
       if dv >= limit then
-        dead_letter(it, rec, e, dv, bid, reason)
-        dead = dead + 1
+        -- The failed result and the dead-letter entry, built here (cjson.encode can refuse).
+        local res = cjson.encode({id = it[1], model = model, job = it[2], output = '', output_tokens = 0,
+          error = {code = 'dead_letter', message = 'delivered ' .. dv .. ' times; last: ' .. reason},
+          shape = e.sig, epoch = tonumber(e.ep), lane = tonumber(e.lane), batch = bid,
+          batch_size = tonumber(e.n), batch_padded_len = tonumber(e.plen), input_tokens = it[3],
+          worker = e.w or '', claimed_at = tonumber(e.ts), finished_at = now, deliveries = dv})
+        plan.dead[#plan.dead + 1] = {jk = jk, id = it[1], res = res,
+          fields = {'id', it[1], 'job', it[2], 'deliveries', dv, 'error', reason, 'sig', e.sig or '',
+            'ep', e.ep or '', 'lane', e.lane or '', 'tok', it[3], 'mt', tostring(it[4]), 'it', rec,
+            'batch', bid}}
       else
-        keep[#keep + 1] = rec
-        toks[#toks + 1] = it[3]
+        plan.keep[#plan.keep + 1] = rec
+        plan.toks[#plan.toks + 1] = it[3]
       end
     end
   end
+  return plan
+end
+
+-- The plan written: returns requeued items, dead-lettered items; 0, 0 when the batch was no
+-- longer pending.
+local function requeue_apply(plan)
+  if redis.call('XACK', batches_key, 'workers', plan.bid) == 0 then return 0, 0 end
+  redis.call('XDEL', batches_key, plan.bid)
+  redis.call('HINCRBY', state_key, 'inflight_batches', -1)
+  if not plan.found then return 0, 0 end
+  redis.call('HINCRBY', state_key, 'inflight_items', -plan.n)
+  redis.call('DEL', plan.items_key)
+  for _, d in ipairs(plan.dead) do
+    redis.call('HSET', d.jk .. ':items', d.id, 'd')
+    -- The failed result's id rides with the dead entry, so dead_retry.lua can take it back and
+    -- the job never holds two results for one item.
+    local rid = redis.call('XADD', d.jk .. ':results', '*', 'id', d.id, 'r', d.res)
+    local f = d.fields
+    f[#f + 1] = 'rid'
+    f[#f + 1] = rid
+    f[#f + 1] = 'ms'
+    f[#f + 1] = now
+    redis.call('XADD', base .. ':dead', '*', unpack(f))
+    redis.call('HINCRBY', d.jk, 'failed', 1)
+    redis.call('HINCRBY', state_key, 'failed', 1)
+    redis.call('HINCRBY', state_key, 'dead_lettered', 1)
+  end
+  local keep, toks = plan.keep, plan.toks
   if #keep > 0 then
-    local sig, ep, lane = e.sig, tonumber(e.ep), tonumber(e.lane)
+    local sig, ep, lane, dv = plan.sig, plan.ep, plan.lane, plan.dv
     if dv + 1 >= 3 then
       for i = 1, #keep do
         redis.call('RPUSH', reclaimed_key, cmsgpack.pack({sig, ep, lane, dv + 1, {toks[i]}, {keep[i]}}))
@@ -72,5 +104,5 @@ local function requeue(bid, reason, blamed)
     redis.call('HINCRBY', state_key, 'reclaimed_items', #keep)
     redis.call('HINCRBY', state_key, 'requeued_items', #keep)
   end
-  return #keep, dead
+  return #keep, #plan.dead
 end

@@ -16,6 +16,9 @@
 -- Returns: {batches, items requeued, items dead-lettered, pending left, consumer deleted 0|1}
 --   A dead consumer's newest batch is blamed for its death (dead-lettered at max_deliveries),
 --   the others, and every batch of a live or draining one, only at twice that (lib_requeue.lua).
+--   Errors, with nothing written: 'ERR_ARG <field>: ...'; 'NOPERM ...' when the caller's ACL
+--   refuses a command this call may run (lib.lua acl_refused); 'ERR_STATE ...' when a batch's
+--   item record does not decode (every batch is read before the first write); 'PAUSED ...'.
 -- Invariants: a consumer whose heartbeat key lives keeps its leased batches (the heartbeat
 --   thread extends leases with XCLAIM JUSTID); results already written are never redone;
 --   the consumer is deleted only once its pending list is empty (DELCONSUMER would discard it).
@@ -36,12 +39,19 @@ if not int_in(count, 1, 1000) then
   return redis.error_reply('ERR_ARG count: must be an integer in 1..1000')
 end
 
-local refused = paused(state_key)
-if refused then return refused end
-local cfg = load_cfg(cfg_key)
-local now = now_ms()
--- After the locals it reads (base, state_key, batches_key, reclaimed_key, cfg, now).
+-- After the locals lib_requeue.lua reads (base, state_key, batches_key, reclaimed_key, cfg, now).
+local cfg, now
 --@include lib_requeue.lua
+local refused = acl_refused(function(ok)
+  return requeue_acl(ok) and ok('HGET', state_key) and ok('HMGET', cfg_key) and ok('XPENDING', batches_key)
+    and ok('EXISTS', base .. ':hb:' .. consumer) and ok('HDEL', base .. ':workers') and ok('TIME')
+    and ok('XGROUP', 'DELCONSUMER', batches_key, 'workers', consumer)
+end)
+if refused then return refused end
+refused = paused(state_key)
+if refused then return refused end
+cfg = load_cfg(cfg_key)
+now = now_ms()
 local alive = redis.call('EXISTS', base .. ':hb:' .. consumer) == 1
 local idle_floor = 0
 if alive and force ~= '1' then
@@ -58,9 +68,17 @@ if not alive then
   if #all > 0 then newest = all[#all][1] end
 end
 local pending = redis.call('XPENDING', batches_key, 'workers', 'IDLE', idle_floor, '-', '+', count, consumer)
-local batches, items, dead = 0, 0, 0
+-- Every batch read and decided before the first write.
+local plans = {}
 for _, p in ipairs(pending) do
-  local k, d = requeue(p[1], 'consumer ' .. consumer .. (alive and ' lost its lease' or ' died'), p[1] == newest)
+  local plan, err = requeue_plan(p[1], 'consumer ' .. consumer .. (alive and ' lost its lease' or ' died'),
+    p[1] == newest)
+  if not plan then return err end
+  plans[#plans + 1] = plan
+end
+local batches, items, dead = 0, 0, 0
+for _, plan in ipairs(plans) do
+  local k, d = requeue_apply(plan)
   batches = batches + 1
   items = items + k
   dead = dead + d

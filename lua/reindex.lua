@@ -11,6 +11,8 @@
 -- Returns: 1 when the instance was re-derived, 0 when it was already current or is gone.
 -- Invariant: afterwards every non-empty lane's fill score and ready membership follow the
 --   current cfg (budget_tokens, budget_items, mode), the same rule submit.lua and claim.lua apply.
+-- Errors, with nothing written: 'ERR_ARG inst: ...'; 'NOPERM ...' when the caller's ACL refuses
+--   a command this call may run (lib.lua acl_refused); 'PAUSED ...'.
 -- While the model is paused (conductor pause) it refuses with 'PAUSED ...', nothing written.
 --@include lib.lua
 
@@ -19,7 +21,14 @@ local inst = ARGV[1]
 if not inst or not string.match(inst, '^%x+:%d+$') then
   return redis.error_reply('ERR_ARG inst: must be a shape instance like 0123456789abcdef:1')
 end
-local refused = paused(state_key)
+local ik = base .. ':inst:' .. inst
+local refused = acl_refused(function(ok)
+  return ok('HGET', state_key) and ok('HINCRBY', state_key) and ok('HMGET', cfg_key) and ok('HMGET', ik)
+    and ok('HSET', ik) and ok('ZRANGE', ik .. ':lanes') and ok('ZADD', ik .. ':fill') and ok('ZADD', ik .. ':ready')
+    and ok('HMGET', base .. ':lanemeta:' .. inst .. ':0') and ok('DEL', ik .. ':ready', ik .. ':fill')
+end)
+if refused then return refused end
+refused = paused(state_key)
 if refused then return refused end
 local cfg = load_cfg(cfg_key)
 local h = redis.call('HMGET', base .. ':inst:' .. inst, 'state', 'idx')

@@ -17,7 +17,8 @@
 --   absent). Errors, with nothing written: 'ERR_ARG inst: ...'; 'ERR_STATE inst: ...' when
 --   lanes hold items but the instance hash is gone (a human must decide where they belong);
 --   'ERR_STATE lane: ...' when a lane list and its token list differ in length (which token
---   belongs to which item is then unknown: a human must decide).
+--   belongs to which item is then unknown: a human must decide); 'NOPERM ...' when the caller's
+--   ACL refuses a command this call may run (lib.lua acl_refused); 'PAUSED ...'.
 -- Invariant: afterwards each lane's meta items equal its length and its meta tokens the sum of
 --   its token list, its rep bounds its longest token and scores it in the lanes ZSET, fill
 --   scores exactly the non-empty lanes with their weight, ready holds exactly the lanes with a
@@ -36,11 +37,22 @@ end
 for i = 2, #ARGV do
   if not string.match(ARGV[i], '^%d+$') then return redis.error_reply('ERR_ARG lane: must be a lane id') end
 end
-local refused = paused(KEYS[3])
+local ik = base .. ':inst:' .. inst
+local lp = ':' .. inst .. ':0'
+local refused = acl_refused(function(ok)
+  for _, z in ipairs({ik .. ':lanes', ik .. ':fill', ik .. ':ready', base .. ':staged'}) do
+    if not (ok('ZRANGE', z) and ok('ZSCORE', z) and ok('ZADD', z) and ok('ZREM', z)) then return false end
+  end
+  local mk = base .. ':lanemeta' .. lp
+  return ok('HGET', KEYS[3]) and ok('HMGET', cfg_key) and ok('EXISTS', ik) and ok('HGET', ik) and ok('HSET', ik)
+    and ok('HMGET', ik) and ok('SREM', ik .. ':free') and ok('SADD', ik .. ':free') and ok('LLEN', base .. ':lane' .. lp)
+    and ok('LRANGE', base .. ':lanetok' .. lp) and ok('HMGET', mk) and ok('HSET', mk) and ok('HSETNX', mk) and ok('TIME')
+end)
+if refused then return refused end
+refused = paused(KEYS[3])
 if refused then return refused end
 local cfg = load_cfg(cfg_key)
 local now = now_ms()
-local ik = base .. ':inst:' .. inst
 local out = {}
 local function changed(key, field, old, new)
   out[#out + 1] = key

@@ -11,11 +11,15 @@
 --   submit ends it, as silence would. Concurrent producers: one producer's seal can open
 --   cleanup for the moments before another's next call, which then ends it (partial batches,
 --   never a lost item).
+-- Errors, with nothing written: 'NOPERM ...' when the caller's ACL refuses a command it may call
+--   (lib.lua acl_refused).
 -- While the model is paused (conductor pause) it refuses with 'PAUSED ...', nothing written.
 --@include lib.lua
 
 local state_key = KEYS[1]
-local refused = paused(state_key)
+local refused = acl_refused(function(ok) return ok('HGET', state_key) and ok('HSET', state_key) and ok('TIME') end)
+if refused then return refused end
+refused = paused(state_key)
 if refused then return refused end
 local now = now_ms()
 redis.call('HSET', state_key, 'sealed_ms', now)

@@ -8,8 +8,9 @@
 -- KEYS[3] state   cdr:{model}:state
 -- ARGV[1] n       number of items that follow (1..5000)
 -- ARGV[2] job     the job every item of the call belongs to
--- ARGV[3..]       3 fields per item: sig (16 hex), record, prefix (JSON list of components, or ''
---                 when an earlier item of this call already carried it). The record is the item
+-- ARGV[3..]       3 fields per item: sig (16 hex), record, prefix (JSON list of at most 256
+--                 strings, or '' when another item of this call carries it or the signature's
+--                 prefix is stored already; a new signature's must come in the call). The record is the item
 --                 as workers read it (conductor/keys.py): the JSON array
 --                 [id, job, input_tokens, max_tokens, prompt, payload], first byte '[', in
 --                 standard JSON: a form only cjson takes (NaN, hex, leading zeros) passes this
@@ -17,7 +18,8 @@
 -- Returns: one integer per item: the lane id it joined, or -1 when this job already has an
 --   item with this id (an interrupted submit re-run neither loses nor duplicates).
 --   Errors, with nothing written: 'ERR_ARG <field>: ...' for a malformed argument,
---   'FULL ...' when the model's waiting-token ceiling (cfg max_waiting_tokens) would be passed.
+--   'FULL ...' when the model's waiting-token ceiling (cfg max_waiting_tokens) would be passed,
+--   'NOPERM ...' when the caller's ACL refuses a command this call may run (lib.lua acl_refused).
 -- Writes each record as sent to its lane list, and its input tokens to the lane's token list at
 --   the same position. The producer builds the record: building it here cost 1.8 us of the
 --   6.4 us of server time per item (bench/submit_profile.py), and the decode that checks it
@@ -51,6 +53,8 @@ local call_tokens = 0
 local ids, toks = {}, {}
 -- A call's items nearly always share a few shapes: each distinct one is pattern-checked once.
 local sigs_ok = {}
+-- Per signature, the first prefix the call carries (stored once below) or nil.
+local prefixes = {}
 -- Per signature, what this call brings: the depth rule counts it before the first item is placed,
 -- so a backlog sent in a few calls gets the lanes its whole depth deserves.
 local call_depth = {}
@@ -91,10 +95,21 @@ for i = 0, n - 1 do
     return redis.error_reply('ERR_ARG prompt: must be a string at item ' .. i)
   end
   if prefix ~= '' then
+    -- As conductor/formats.py: a list of at most 256 strings (workers pass it to the engine as is).
     ok, d = pcall(cjson_decode, prefix)
-    if not ok or type(d) ~= 'table' then
-      return redis.error_reply('ERR_ARG prefix: must be a JSON list of strings at item ' .. i)
+    local good = ok and type(d) == 'table' and string.find(prefix, '^%s*%[') ~= nil
+    if good then
+      local k = 0
+      for _, v in pairs(d) do
+        k = k + 1
+        if type(v) ~= 'string' then good = false break end
+      end
+      good = good and k == #d and k <= 256
     end
+    if not good then
+      return redis.error_reply('ERR_ARG prefix: must be a JSON list of at most 256 strings at item ' .. i)
+    end
+    if not prefixes[sig] then prefixes[sig] = prefix end
   end
   ids[i + 1], toks[i + 1] = id, tok
   call_tokens = call_tokens + tok
@@ -105,6 +120,14 @@ for i = 0, n - 1 do
   end
   d.tokens = d.tokens + tok
   d.items = d.items + 1
+end
+-- A signature without a stored prefix (a new one) needs the call to carry it: workers read the
+-- shape's prefix from there.
+for sig in pairs(sigs_ok) do
+  if not prefixes[sig] and redis.call('HEXISTS', base .. ':shape:' .. sig, 'prefix') == 0 then
+    return redis.error_reply('ERR_ARG prefix: signature ' .. sig .. ' has no prefix yet: the call must carry ' ..
+      'its prefix (a JSON list of strings) on one of its items')
+  end
 end
 
 local refused = paused(state_key)
@@ -118,6 +141,22 @@ if cfg.max_waiting_tokens > 0 then
   end
 end
 
+-- Every command this call may run, on each key or key pattern, before the first write (lib.lua
+-- acl_refused): a refusal halfway would leave the writes before it.
+do
+  local I, L, jk = base .. ':inst:0000000000000000:0', ':0000000000000000:0:0', base .. ':job:' .. job
+  local sh, st = base .. ':shape:0000000000000000', state_key
+  local refused = acl_refused(function(ok)
+    return ok('HGET', st) and ok('HINCRBY', st) and ok('HSET', st) and ok('HMGET', jk .. ':items')
+      and ok('HSET', jk .. ':items') and ok('HINCRBY', jk) and ok('HGET', sh) and ok('HSET', sh) and ok('HSETNX', sh)
+      and ok('HGET', I) and ok('HMGET', I) and ok('HSET', I) and ok('HINCRBY', I) and ok('ZADD', base .. ':staged_age')
+      and ok('ZADD', base .. ':staged') and ok('ZRANGE', I .. ':lanes') and ok('ZADD', I .. ':lanes')
+      and ok('SPOP', I .. ':free') and ok('ZADD', I .. ':touch') and ok('ZADD', I .. ':fill')
+      and ok('ZADD', I .. ':ready') and ok('RPUSH', base .. ':lane' .. L) and ok('RPUSH', base .. ':lanetok' .. L)
+      and ok('HMGET', base .. ':lanemeta' .. L) and ok('HSET', base .. ':lanemeta' .. L) and ok('TIME')
+  end)
+  if refused then return refused end
+end
 local now = now_ms()
 local ctxs = {}
 
@@ -220,7 +259,7 @@ for i = 0, n - 1 do
     fresh[#fresh + 1] = 'q'
     local sig, prefix = ARGV[o], ARGV[o + 2]
     local ctx = shape_ctx(sig)
-    if prefix ~= '' then redis.call('HSETNX', base .. ':shape:' .. sig, 'prefix', prefix) end
+    if prefixes[sig] then redis.call('HSETNX', base .. ':shape:' .. sig, 'prefix', prefixes[sig]); prefixes[sig] = false end
     local lane, rep = choose_lane(ctx, tok)
     local t = ctx.touched[lane]
     if not t then

@@ -56,11 +56,14 @@ def record(id: object, job: object, tok: object, mt: object, body: bytes = b'["p
 
 def submit_argv(job: str, *rows: tuple) -> list:
     """submit.lua's ARGV from rows (id, sig, tok, mt[, body[, prefix]]); the record's job is the
-    call's."""
+    call's. Without a prefix, a signature's first row carries the empty prefix [] (as the client
+    sends each shape's prefix on its first item of a call) and later rows ''."""
     args: list = [len(rows), job]
+    seen: set = set()
     for row in rows:
         id, sig, tok, mt, *rest = row
         body = rest[0] if rest else b'["p", null]'
-        prefix = rest[1] if len(rest) > 1 else b""
+        prefix = rest[1] if len(rest) > 1 else (b"" if sig in seen else b"[]")
+        seen.add(sig)
         args += [sig, record(id, job, tok, mt, body), prefix]
     return args

@@ -161,3 +161,17 @@ def test_reader_reads_and_cannot_submit_or_write(urls, tmp_path):
     assert snapshot(urls) == before
     p = cli("submit", str(out), "--job", "j2", url=urls["reader"], check=False)
     assert p.returncode != 0
+
+
+def test_worker_claim_that_starts_a_warming_shape(urls):
+    """Issue 13: claim.lua published a 'warming' event after its writes, which the shipped ACL
+    (resetchannels) refused: the claim failed halfway and its items were lost."""
+    prod = Conductor.from_url(urls["producer"])
+    quick(prod, budget_tokens=64, budget_items=4, activate_batches=1, prewarm_batches=2, quiet_ms=60000)
+    prod.submit([item(f"a{i}", 10, prefix=("A",)) for i in range(12)], "j")
+    prod.submit([item(f"b{i}", 10, prefix=("B",)) for i in range(10)], "j")
+    w = Conductor.from_url(urls["worker"])
+    b, why = w.claim(Contract(model="m", max_batch_size=4, max_batch_tokens=64, max_input_len=4096), "w")
+    assert why == "batch" and len(b.items) == 4 and b.warming
+    from conductor.verify import verify
+    assert verify(redis.Redis.from_url(urls["admin"]), "m", items=True).ok

@@ -1,7 +1,12 @@
 import json
 
+import msgspec
+import pytest
+
 from conductor import keys as K
+from conductor.errors import BadInput
 from conductor.records import Contract
+from conductor.verify import verify
 from tests.conftest import item
 from tests.helpers import quick, results_for
 
@@ -77,3 +82,52 @@ def test_following_results_never_stops_before_the_last_batch_written(cdr):
     cdr.status = status_with_a_late_completion
     got = [json.loads(r)["id"] for r in cdr.results("j", follow=True, block_ms=50)]
     assert sorted(got, key=int) == [str(i) for i in range(12)]
+
+
+def _dump(r) -> dict:
+    return {k: r.dump(k) for k in r.scan_iter(count=1000)}
+
+
+def test_a_batch_id_the_stream_never_issued_is_refused_with_nothing_written(cdr):
+    """Issue 13: 99999999999999999999999-0 passed the pattern check; the results were written,
+    then XRANGE refused the id."""
+    quick(cdr)
+    cdr.submit([item(i, 10) for i in range(4)], "j")
+    b, _ = cdr.claim(C, "w")
+    before = _dump(cdr.r)
+    for bad in ("99999999999999999999999-0", "18446744073709551616-0", "1-18446744073709551616",
+                "99999999999999-0", "18446744073709551615-18446744073709551615"):
+        with pytest.raises(BadInput, match="batch_id"):
+            cdr.complete(msgspec.structs.replace(b, batch_id=bad), results_for(b))
+        assert _dump(cdr.r) == before, bad
+    assert cdr.complete(b, results_for(b)) == (4, 1)
+    assert verify(cdr.r, "m", items=True).ok
+
+
+def test_results_for_items_outside_the_batch_are_refused_with_nothing_written(cdr):
+    """Issue 13: complete.lua took results for items still waiting in a lane (batch 1-0), and
+    for items of another batch."""
+    quick(cdr)
+    cdr.submit([item(i, 10) for i in range(6)], "j")
+    two = Contract(model="m", max_batch_size=2, max_batch_tokens=8192, max_input_len=4096)
+    b1, _ = cdr.claim(two, "w")
+    b2, _ = cdr.claim(two, "w")
+    waiting = msgspec.structs.replace(b1, items=[msgspec.structs.replace(b1.items[0], id="5")])  # "5" waits in a lane
+    before = _dump(cdr.r)
+    # a batch id below the stream's last id that names no entry: nothing of it is taken
+    assert cdr.complete(msgspec.structs.replace(waiting, batch_id="1-0"), results_for(waiting)) == (0, 0)
+    assert _dump(cdr.r) == before
+    with pytest.raises(BadInput, match="item 5 of job j is not in batch"):
+        cdr.complete(b1, results_for(b1) + results_for(waiting))
+    mixed = results_for(b1)[:1] + results_for(b2)[:1]
+    with pytest.raises(BadInput, match=f"item {b2.items[0].id} of job j is not in batch {b1.batch_id}"):
+        cdr.complete(b1, mixed)
+    other_job = [msgspec.structs.replace(r, job="k") for r in results_for(b1)]
+    with pytest.raises(BadInput, match="of job k is not in batch"):
+        cdr.complete(b1, other_job)
+    assert _dump(cdr.r) == before
+    assert cdr.complete(b1, results_for(b1)) == (2, 1)
+    assert cdr.complete(b2, results_for(b2)) == (2, 1)
+    rep = verify(cdr.r, "m", items=True)
+    assert rep.ok, rep.problems
+    assert cdr.status("j")["completed"] == 4

@@ -101,3 +101,42 @@ def test_maxmemory_refuses_a_submit_with_queue_full_and_writes_nothing(tmp_path)
         assert cdr.status("j")["pending"] == 0
         cdr.r.config_set("maxmemory", 0)
         assert sorted(int(r.id) for r in cdr.read_results("j")) == list(range(n))
+
+
+def test_a_fresh_worker_drains_a_redis_over_maxmemory_and_verify_runs(tmp_path):
+    """Issue 13: over maxmemory (noeviction) a new worker died on HSETNX cfg at registration, its
+    heartbeat SET was refused, and `inspect --verify` failed (Redis refuses MULTI there). Now
+    registration, heartbeats, the sweep and verify go through allow-oom scripts or plain reads."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, cli
+    (tmp_path / "r").mkdir()
+    with EmbeddedRedis(dir=str(tmp_path / "r"), extra=["--maxmemory-policy", "noeviction"]) as srv:
+        cdr = Conductor(connect(srv.url))
+        quick(cdr)
+        n = 300
+        cdr.submit([item(f"{k}", 10 + k % 50, prefix=(f"s{k % 3}",), payload="y" * 2_000) for k in range(n)], "j")
+        used = int(cdr.r.info("memory")["used_memory"])
+        cdr.r.config_set("maxmemory", used // 2)  # well past the limit: every plain write is refused
+        with pytest.raises(Exception, match="OOM|maxmemory"):
+            cdr.r.hsetnx(MK.cfg, "quiet_ms", 1)
+        p = subprocess.run([sys.executable, "-m", "conductor", "--redis", srv.url, "worker", "--engine", "sim",
+                            "--model", "m", "--name", "fresh", "--max-batch-size", "16", "--idle-exit", "1.5",
+                            "--heartbeat-ttl", "0.6"], cwd=str(ROOT), capture_output=True, timeout=120)
+        err = p.stderr.decode()
+        assert p.returncode == 0, err[-3000:]
+        for bad in ("heartbeat_failed", "maintenance_failed", "OOM", "OutOfMemory", "Traceback"):
+            assert bad not in err, err[-3000:]
+        assert '"event": "registered"' in err
+        assert int(cdr.r.info("memory")["used_memory"]) > int(cdr.r.config_get("maxmemory")["maxmemory"])
+        st = cdr.status("j")
+        assert (st["completed"], st["pending"]) == (n, 0)
+        v = cli("inspect", "m", "--verify", url=srv.url, check=False)
+        assert v.returncode == 0, v.stdout.decode() + v.stderr.decode()
+        assert "over maxmemory" in v.stdout.decode()
+        doc = json.loads(cli("inspect", "m", "--verify", "--json", url=srv.url).stdout)[0]
+        assert doc["differ"] == 0 and not doc["problems"]
+        cdr.r.config_set("maxmemory", 0)
+        assert sorted(int(r.id) for r in cdr.read_results("j")) == list(range(n))

@@ -206,7 +206,7 @@ def test_a_record_whose_head_only_cjson_reads_is_handed_out_answerable(cdr):
     cdr.set_config("m", {"release_batches": 0, "activate_batches": 0, "quiet_ms": 0})
     sig = "0123456789abcdef"
     cdr.scripts.submit(keys=[mk.base, mk.cfg, mk.state], args=[
-        2, "j", sig, b'["h", "j", 010, 0x5, "p", 0x10]', b"", sig, record("ok", "j", 10, 5), b""])
+        2, "j", sig, b'["h", "j", 010, 0x5, "p", 0x10]', b"[]", sig, record("ok", "j", 10, 5), b""])
     b, why = cdr.claim(Contract(model="m", max_batch_size=8, max_batch_tokens=800, max_input_len=100), "w")
     assert b is not None, why
     odd, ok = b.items
@@ -250,6 +250,50 @@ def test_a_producer_following_the_readme_protocol_with_raw_commands(cdr):
     assert items[0].payload == {"k": int(items[0].id[1:])}
     st = cdr.status("xj")
     assert (st["submitted"], st["completed"], st["pending"]) == (30, 30, 0)
+
+
+def _everything(r) -> dict:
+    return {k: r.dump(k) for k in r.scan_iter(count=1000)}
+
+
+@pytest.mark.parametrize("prefix", [b'{"a":1}', b'[1,2,{"x":null}]', json.dumps(["c"] * 257).encode(),
+                                    json.dumps(["c"] * 300).encode(), b'[["nested"]]', b'[null]', b'"sys"',
+                                    b'{}', b'[', b'[true]', b""])
+def test_submit_refuses_a_prefix_the_edge_refuses(cdr, prefix):
+    """Issue 13: a prefix that is no list of at most 256 strings (or none, for a new signature)
+    broke every worker's admit with AttributeError; submit.lua refuses it as formats.py does."""
+    mk = K.ModelKeys("m")
+    cdr.ensure_model("m")
+    before = _everything(cdr.r)
+    with pytest.raises(redis.ResponseError, match="ERR_ARG prefix"):
+        cdr.scripts.submit(keys=[mk.base, mk.cfg, mk.state],
+                           args=submit_argv("j", ("x", "0123456789abcdef", 10, 5, b'["p", null]', prefix)))
+    assert _everything(cdr.r) == before
+
+
+def test_submit_prefix_rules_it_keeps(cdr):
+    from conductor.records import Contract
+    mk = K.ModelKeys("m")
+    cdr.ensure_model("m")
+    cdr.set_config("m", {"release_batches": 0, "activate_batches": 0, "quiet_ms": 0})
+    s1, s2 = "0123456789abcdef", "fedcba9876543210"
+    parts = json.dumps([f"part {i}" for i in range(256)]).encode()
+    run = cdr.scripts.submit
+    # 256 components; the prefix on a later item of the call; [] (no cacheable parts)
+    assert run(keys=[mk.base, mk.cfg, mk.state], args=submit_argv(
+        "j", ("a", s1, 10, 5, b'["p", null]', parts), ("b", s2, 10, 5, b'["p", null]', b""),
+        ("c", s2, 10, 5, b'["p", null]', b' ["x", ""]'))) == [0, 0, 0]
+    # known signatures come without it
+    assert run(keys=[mk.base, mk.cfg, mk.state], args=submit_argv(
+        "j", ("d", s1, 10, 5, b'["p", null]', b""), ("e", s2, 10, 5, b'["p", null]', b""))) == [0, 0]
+    assert cdr.prefix("m", s1) == [f"part {i}" for i in range(256)] and cdr.prefix("m", s2) == ["x", ""]
+    # the item that carries a new signature's prefix is a duplicate: the prefix is stored all the same
+    s3 = "00000000000000aa"
+    assert run(keys=[mk.base, mk.cfg, mk.state], args=submit_argv(
+        "j", ("a", s3, 10, 5, b'["p", null]', b'["y"]'), ("f", s3, 10, 5, b'["p", null]', b""))) == [-1, 0]
+    assert cdr.prefix("m", s3) == ["y"]
+    b, _ = cdr.claim(Contract(model="m", max_batch_size=8, max_batch_tokens=800, max_input_len=100), "w")
+    assert b.prefix in ([f"part {i}" for i in range(256)], ["x", ""], ["y"])
 
 
 def test_depth_rule_gives_a_shallow_shape_few_lanes_and_a_deep_one_more(cdr):

@@ -21,7 +21,8 @@ from conductor.retention import trim_model
 log = logging.getLogger("conductor.maintenance")
 
 # Renew-if-mine in one step, so a lease that expired and went to another worker is not taken back.
-_RENEW = """
+# allow-oom: the sweep (reclaim, trim) is how a Redis over maxmemory gets memory back.
+_RENEW = """#!lua flags=allow-oom
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end

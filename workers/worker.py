@@ -98,15 +98,16 @@ class Worker:
     def register(self) -> None:
         c = self.contract
         self.c.ensure_model(c.model)
-        pipe = self.c.r.pipeline(transaction=False)
-        pipe.hset(self.keys.workers, self.name, json.dumps(
-            {"max_batch_size": c.max_batch_size, "max_batch_tokens": c.max_batch_tokens,
-             "max_input_len": c.max_input_len, "engine": self.engine.kind, "pid": os.getpid()}))
-        # The first consumer's contract is the model's reference for "a full batch".
-        pipe.hsetnx(self.keys.cfg, "budget_tokens", c.max_batch_tokens)
-        pipe.hsetnx(self.keys.cfg, "budget_items", c.max_batch_size)
-        pipe.set(self.keys.heartbeat(self.name), int(time.time() * 1000), px=int(self.opts.heartbeat_ttl_s * 1000))
-        set_tokens, set_items = pipe.execute()[1:3]
+        # One allow-oom script (lua/register.lua): it works on a Redis over maxmemory, which a fresh
+        # worker may be started to drain. The first consumer's contract becomes the model's
+        # reference for "a full batch".
+        set_tokens, set_items = self.c.scripts.register(
+            keys=[self.keys.workers, self.keys.cfg, self.keys.heartbeat(self.name)],
+            args=[self.name, json.dumps({"max_batch_size": c.max_batch_size, "max_batch_tokens": c.max_batch_tokens,
+                                         "max_input_len": c.max_input_len, "engine": self.engine.kind,
+                                         "pid": os.getpid()}),
+                  c.max_batch_tokens, c.max_batch_size, int(time.time() * 1000),
+                  max(1, int(self.opts.heartbeat_ttl_s * 1000))])
         if set_tokens or set_items:
             # Lanes that waited for this first worker were judged under the default budget.
             try:
@@ -137,13 +138,11 @@ class Worker:
         period = self.opts.heartbeat_ttl_s / 3
         while not self._hb_stop.wait(period):
             try:
-                ids = self.leased_ids()
-                pipe = self.c.r.pipeline(transaction=False)
-                pipe.set(self.keys.heartbeat(self.name), int(time.time() * 1000),
-                         px=int(self.opts.heartbeat_ttl_s * 1000))
-                if ids:
-                    pipe.xclaim(self.keys.batches, K.GROUP, self.name, 0, ids, justid=True)
-                pipe.execute()
+                # lua/heartbeat.lua, allow-oom: a heartbeat refused over maxmemory would let a
+                # live worker's batches be reclaimed and run twice.
+                self.c.scripts.heartbeat(keys=[self.keys.heartbeat(self.name), self.keys.batches],
+                                         args=[self.name, int(time.time() * 1000),
+                                               max(1, int(self.opts.heartbeat_ttl_s * 1000)), *self.leased_ids()])
             except (redis.RedisError, OSError) as e:
                 event("heartbeat_failed", worker=self.name, error=str(e))
 

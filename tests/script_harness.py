@@ -1,0 +1,522 @@
+"""Scenarios that bring every script of lua/ to each of its branches, for the atomicity harness
+(tests/test_script_acl_atomicity.py): each builds a state through the real API (and a few raw
+writes where no API reaches) and returns the script call to make in it.
+
+Also: which commands a script may call (parsed from its source and the lib.lua helpers it uses),
+a fingerprint of the whole database (DEBUG DIGEST, which leaves out consumer groups, plus XINFO
+STREAM FULL of every stream), and a snapshot that restores the database to the byte.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from conductor import keys as K
+from conductor.client import Conductor
+from conductor.deadletter import DeadLetter
+from conductor.records import Contract
+from conductor.scripts import source
+from tests.conftest import ROOT, item
+from tests.helpers import quick, results_for
+
+MK = K.ModelKeys("m")
+LUA = ROOT / "lua"
+
+
+@dataclass
+class Call:
+    script: str
+    keys: list[str]
+    args: list[Any]
+    # what the call must have done when run as the default user (the branch it is there for)
+    check: Callable[[redis.Redis], Any] | None = None
+
+
+def contract(size: int = 64, tokens: int = 8192) -> Contract:
+    return Contract(model="m", max_batch_size=size, max_batch_tokens=tokens, max_input_len=4096)
+
+
+def claim_call(consumer: str = "w", size: int = 64, tokens: int = 8192, token: str = "t0k3n") -> Call:
+    return Call("claim", [MK.base, MK.cfg, MK.state, MK.batches, MK.reclaimed], [consumer, size, tokens, 4096, token])
+
+
+def complete_call(batch: Any, results: list, final: int = 1) -> Call:
+    from conductor.records import json_encoder
+    args: list[Any] = [batch.batch_id, final, len(results)]
+    for res in results:
+        args += [res.job, res.id, "err" if res.error else "ok", json_encoder.encode(res)]
+    return Call("complete", [MK.base, MK.state, MK.batches], args)
+
+
+def reclaim_call(consumer: str, force: int = 0, min_idle: int = 0, count: int = 100) -> Call:
+    return Call("reclaim", [MK.base, MK.cfg, MK.state, MK.batches, MK.reclaimed], [consumer, force, min_idle, count])
+
+
+def fail_call(batch: Any, consumer: str, reason: str = "engine error") -> Call:
+    return Call("fail", [MK.base, MK.cfg, MK.state, MK.batches, MK.reclaimed], [batch.batch_id, consumer, reason])
+
+
+def submit_call(c: Conductor, items: list, job: str = "j") -> Call:
+    from conductor.client import _submit_args
+    c.ensure_model("m")
+    return Call("submit", [MK.base, MK.cfg, MK.state], _submit_args(job, items))
+
+
+def inst_of(c: Conductor, sig: str | None = None) -> str:
+    """The one (or the given signature's) shape instance of model m."""
+    keys = c.r.scan_iter(match=f"{MK.base}:inst:*:lanes")
+    names = sorted({k.decode().split(":inst:")[1].split(":lanes")[0] for k in keys})
+    return next(n for n in names if sig is None or n.startswith(sig))
+
+
+# ------------------------------------------------------------------ claim
+
+def claim_warming(c: Conductor) -> Call:
+    """The first claim opens the gate, activates the fuller shape, takes a batch from it and, with
+    the active shape then low, marks the other shape warming (issue 13: the PUBLISH that the
+    shipped ACL refused came after these writes)."""
+    quick(c, budget_tokens=64, budget_items=4, activate_batches=1, prewarm_batches=2, quiet_ms=60000)
+    c.submit([item(f"a{i}", 10, prefix=("A",)) for i in range(12)], "j")
+    c.submit([item(f"b{i}", 10, prefix=("B",)) for i in range(10)], "j")
+    call = claim_call(size=4, tokens=64)
+    call.check = lambda r: r.hget(MK.state, "warming") and r.hget(MK.state, "warmings") == b"1"
+    return call
+
+
+def claim_warmed_shape_activates(c: Conductor) -> Call:
+    """The active shape is empty: it drains and finishes, and the warming one activates."""
+    call = claim_warming(c)
+    assert c.claim(contract(4, 64), "w0")[0] is not None
+    assert c.claim(contract(64, 8192), "w0")[0] is not None  # the rest of the active shape
+    assert c.r.hget(MK.state, "warming")
+    call.check = lambda r: not r.hget(MK.state, "warming") and r.hget(MK.state, "shapes_finished") == b"1"
+    return call
+
+
+def claim_reclaimed_part(c: Conductor) -> Call:
+    quick(c)
+    c.submit([item(i, 10) for i in range(6)], "j")
+    c.claim(contract(6), "dead")
+    assert c.reclaim_dead("m")["items"] == 6
+    return claim_call(size=4)
+
+
+def claim_reclaimed_whole(c: Conductor) -> Call:
+    call = claim_reclaimed_part(c)
+    call.args[1] = 64
+    return call
+
+
+def claim_finish_and_next(c: Conductor) -> Call:
+    quick(c, budget_tokens=64, budget_items=4, quiet_ms=60000)
+    c.submit([item(f"a{i}", 10, prefix=("A",)) for i in range(2)], "j")
+    assert len(c.claim(contract(8), "w0")[0].items) == 2
+    c.submit([item(f"b{i}", 10, prefix=("B",)) for i in range(6)], "j")
+    return claim_call()
+
+
+def claim_aging_preempts(c: Conductor) -> Call:
+    quick(c, budget_tokens=64, budget_items=4, quiet_ms=60000, aging_ms=0)
+    c.submit([item(f"a{i}", 10 + i % 3 * 30, prefix=("A",)) for i in range(40)], "j")
+    assert c.claim(contract(4, 64), "w0")[0] is not None
+    c.submit([item(f"b{i}", 10, prefix=("B",)) for i in range(2)], "j")
+    c.r.hset(MK.cfg, "aging_ms", 1)
+    c.r.hset(MK.state, "sweep_ms", 0)
+    time.sleep(0.01)
+    return claim_call(size=4, tokens=64)
+
+
+def claim_hygiene_drains(c: Conductor) -> Call:
+    """A small lane nobody assigned to for a while is force-drained; an empty one retired; a big
+    one looked at later (the touch set holds all three)."""
+    quick(c, budget_tokens=10_000, budget_items=1000, quiet_ms=60000, lane_quiet_ms=600000,
+          hygiene_idle_ms=100000, lane_floor=0, lane_cap=8)
+    c.submit([item(f"s{i}", 10, prefix=("A",)) for i in range(2)]
+             + [item(f"m{i}", 200, prefix=("A",)) for i in range(3)]
+             + [item(f"b{i}", 900, prefix=("A",)) for i in range(20)], "j")
+    # drain the 200-token lane (it stays listed, empty, since lane_quiet_ms is long)
+    inst = inst_of(c)
+    c.r.hset(MK.state, "active", inst)
+    c.r.hset(MK.inst(inst), "state", "draining")
+    c.r.zrem(MK.staged, inst)
+    c.r.zrem(MK.staged_age, inst)
+    lanes = {int(rep): lane.decode() for lane, rep in c.r.zrange(MK.inst_lanes(inst), 0, -1, withscores=True)}
+    c.r.zadd(MK.inst_ready(inst), {lanes[200]: int(lanes[200])})
+    c.r.hset(MK.state, "gate", 1)
+    b, _ = c.claim(contract(64, 600), "w0")  # the whole 200-token lane, no neighbour fits beside it
+    assert b is not None and b.padded_len == 200 and len(b.items) == 3, b
+    c.r.hset(MK.cfg, "hygiene_idle_ms", 1)
+    c.r.hset(MK.state, "sweep_ms", 0)
+    time.sleep(0.01)
+    for lane in lanes.values():
+        c.r.zadd(MK.inst(inst) + ":touch", {lane: 1})
+    return claim_call(tokens=100_000)
+
+
+def claim_hygiene_retires_empty(c: Conductor) -> Call:
+    call = claim_hygiene_drains(c)
+    inst = inst_of(c)
+    small = [lane for lane, rep in c.r.zrange(MK.inst_lanes(inst), 0, -1, withscores=True) if int(rep) == 10][0]
+    c.r.zadd(MK.inst(inst) + ":touch", {small: 10**15})  # only the empty lane and the big one are stale
+    return call
+
+
+def claim_hygiene_big_lane(c: Conductor) -> Call:
+    call = claim_hygiene_drains(c)
+    inst = inst_of(c)
+    for lane, rep in c.r.zrange(MK.inst_lanes(inst), 0, -1, withscores=True):
+        if int(rep) != 900:
+            c.r.zadd(MK.inst(inst) + ":touch", {lane: 10**15})
+    return call
+
+
+def claim_reindexes(c: Conductor) -> Call:
+    quick(c, budget_tokens=64, budget_items=4)
+    c.submit([item(i, 10) for i in range(10)], "j")
+    c.r.hset(MK.cfg, "budget_tokens", 32)  # not through set_config: the claim re-derives lazily
+    return claim_call(size=4, tokens=64)
+
+
+def claim_enters_cleanup(c: Conductor) -> Call:
+    quick(c, activate_batches=100, quiet_ms=1)
+    c.submit([item(i, 10) for i in range(3)], "j")
+    time.sleep(0.01)
+    return claim_call(size=1)
+
+
+def claim_leaves_cleanup(c: Conductor) -> Call:
+    """Nothing waits in cleanup mode: the claim leaves it and counts its time."""
+    quick(c)
+    c.r.hset(MK.state, mapping={"cleanup": 1, "cleanup_since_ms": 1})
+    return claim_call()
+
+
+# ------------------------------------------------------------------ submit
+
+def submit_new_shapes(c: Conductor) -> Call:
+    quick(c, max_waiting_tokens=10**9)
+    c.submit([item("old", 10, prefix=("A",))], "j")
+    return submit_call(c, [item(f"n{i}", 10 + 100 * i, prefix=(("A",), ("B",))[i % 2]) for i in range(6)]
+                       + [item("old", 10, prefix=("A",))])
+
+
+def submit_leaves_cleanup_reuses_lane(c: Conductor) -> Call:
+    quick(c, lane_cap=8)
+    c.submit([item("a", 10)], "j")
+    inst = inst_of(c)
+    c.r.sadd(MK.inst_free(inst), 7)
+    c.r.hset(MK.state, mapping={"cleanup": 1, "cleanup_since_ms": 1})
+    return submit_call(c, [item("b", 3000)])
+
+
+def submit_known_shape_without_prefix(c: Conductor) -> Call:
+    """A signature whose prefix is stored already may come without it."""
+    quick(c)
+    c.submit([item("a", 10)], "j")
+    call = submit_call(c, [item("b", 10), item("c", 20)])
+    call.args[4] = b""
+    return call
+
+
+# ------------------------------------------------------------------ complete
+
+def complete_final(c: Conductor) -> Call:
+    quick(c)
+    c.submit([item(i, 10) for i in range(4)], "j")
+    b, _ = c.claim(contract(), "w")
+    res = results_for(b)
+    res[1] = results_for(b, error=True)[1]
+    c.complete(b, res[:1], final=False)
+    return complete_call(b, res)
+
+
+def complete_retired(c: Conductor) -> Call:
+    quick(c)
+    c.submit([item(i, 10) for i in range(4)], "j")
+    b, _ = c.claim(contract(), "w")
+    c.complete(b, results_for(b))
+    return complete_call(b, results_for(b))
+
+
+# ------------------------------------------------------------------ reclaim, fail, dead letter
+
+def reclaim_dead_consumer(c: Conductor) -> Call:
+    quick(c, max_deliveries=1)
+    c.submit([item(i, 10) for i in range(6)], "j")
+    b1, _ = c.claim(contract(2), "dead")
+    c.claim(contract(2), "dead")
+    c.complete(b1, results_for(b1)[:1], final=False)  # an item with a result is dropped
+    c.r.hset(MK.workers, "dead", "{}")
+    return reclaim_call("dead")
+
+
+def fail_requeues(c: Conductor) -> Call:
+    quick(c)
+    c.submit([item(i, 10) for i in range(4)], "j")
+    b, _ = c.claim(contract(), "w")
+    return fail_call(b, "w")
+
+
+def fail_dead_letters(c: Conductor) -> Call:
+    quick(c, max_deliveries=1)
+    c.submit([item(i, 10) for i in range(4)], "j")
+    b, _ = c.claim(contract(), "w")
+    return fail_call(b, "w")
+
+
+def dead_retry(c: Conductor) -> Call:
+    quick(c, max_deliveries=1)
+    c.submit([item(i, 10) for i in range(3)], "j")
+    b, _ = c.claim(contract(), "w")
+    c.fail(b, "w", "boom")
+    ids = [d.entry for d in DeadLetter(c).items(model="m")]
+    assert len(ids) == 3
+    return Call("dead_retry", [MK.base, MK.state, MK.dead, MK.reclaimed], [*ids, ids[0], "1-0"])
+
+
+# ------------------------------------------------------------------ reindex, repair, trim
+
+def reindex(c: Conductor) -> Call:
+    quick(c, budget_tokens=64, budget_items=4)
+    c.submit([item(i, 10 + i) for i in range(10)], "j")
+    inst = inst_of(c)
+    c.r.hset(MK.cfg, "budget_tokens", 32)
+    return Call("reindex", [MK.base, MK.cfg, MK.state], [inst])
+
+
+def repair(c: Conductor) -> Call:
+    quick(c, budget_tokens=64, budget_items=4)
+    c.submit([item(i, 10 + i * 20) for i in range(8)], "j")
+    inst = inst_of(c)
+    lanes = [x.decode() for x in c.r.zrange(MK.inst_lanes(inst), 0, -1)]
+    c.r.hset(MK.lanemeta(inst, lanes[0]), mapping={"items": 99, "tokens": 1, "rep": 1})
+    c.r.hdel(MK.lanemeta(inst, lanes[1]), "last_ms", "since_ms")
+    c.r.zrem(MK.inst_fill(inst), lanes[1])
+    c.r.zadd(MK.inst_ready(inst), {lanes[2]: 1})
+    c.r.zadd(MK.inst_fill(inst), {"77": 5})
+    c.r.zadd(MK.inst_ready(inst), {"77": 77})
+    c.r.zadd(MK.inst_lanes(inst), {"78": 5})
+    c.r.sadd(MK.inst_free(inst), lanes[3])
+    c.r.hset(MK.inst(inst), mapping={"tokens": 1, "items": 1, "idx": "old"})
+    c.r.zadd(MK.staged, {inst: 3, "feedfeedfeedfeed:1": 4})
+    return Call("repair", [MK.base, MK.cfg, MK.state], [inst, "79"])
+
+
+def repair_unstaged(c: Conductor) -> Call:
+    call = repair(c)
+    c.r.hset(MK.inst(call.args[0]), "state", "active")
+    return call
+
+
+def repair_gone_instance(c: Conductor) -> Call:
+    quick(c)
+    c.r.zadd(MK.staged, {"feedfeedfeedfeed:1": 4})
+    return Call("repair", [MK.base, MK.cfg, MK.state], ["feedfeedfeedfeed:1"])
+
+
+def trim_pending(c: Conductor) -> Call:
+    quick(c)
+    c.submit([item(i, 10) for i in range(4)], "j")
+    b, _ = c.claim(contract(1), "w")
+    c.claim(contract(1), "w")
+    c.complete(b, results_for(b))
+    c.r.xadd(MK.finished, {"inst": "x:1", "batches": 1, "ms": 0})
+    return Call("trim", [MK.batches, MK.finished], [0])
+
+
+def trim_idle(c: Conductor) -> Call:
+    quick(c)
+    c.submit([item(i, 10) for i in range(2)], "j")
+    b, _ = c.claim(contract(), "w")
+    c.complete(b, results_for(b))
+    return Call("trim", [MK.batches, MK.finished], [0])
+
+
+def trim_results(c: Conductor) -> Call:
+    quick(c)
+    c.submit([item(i, 10) for i in range(2)], "j")
+    b, _ = c.claim(contract(), "w")
+    c.complete(b, results_for(b))
+    return Call("trim_results", [MK.job("j"), MK.job_results("j")], [int(time.time() * 1000) + 1000])
+
+
+def _items_call(*args: Any) -> Call:
+    return Call("repair_items", [MK.base, MK.state, MK.batches, MK.reclaimed], list(args))
+
+
+def repair_items_leaked_batch(c: Conductor) -> Call:
+    """A batch acked but never deleted (leaked), one of its items done; another batch pending."""
+    quick(c)
+    c.submit([item(i, 10) for i in range(8)], "j")
+    b, _ = c.claim(contract(4), "w")
+    c.claim(contract(4), "w2")
+    c.complete(b, results_for(b)[:1], final=False)
+    c.r.xack(MK.batches, K.GROUP, b.batch_id)
+    token = c.r.xrange(MK.batches, b.batch_id, b.batch_id)[0][1][b"k"].decode()
+    return _items_call("batch", token, b.shape, b.epoch, b.lane, 2, b.batch_id)
+
+
+def repair_items_gone_lane(c: Conductor) -> Call:
+    """A lane of a gone instance, with an item done and a record no job knows."""
+    quick(c)
+    c.submit([item(i, 10) for i in range(4)], "j")
+    inst = inst_of(c)
+    c.r.delete(MK.inst(inst))
+    c.r.hset(MK.job_items("j"), "0", "d")
+    c.r.rpush(MK.lane(inst, 0), b'["ghost","nojob",10,5,"p",null]')
+    c.r.rpush(MK.lane_tok(inst, 0), 10)
+    return _items_call("lane", f"{inst}:0")
+
+
+def repair_items_done_in_lane(c: Conductor) -> Call:
+    quick(c)
+    c.submit([item(i, 10) for i in range(4)], "j")
+    c.r.hset(MK.job_items("j"), "1", "d")
+    return _items_call("done", f"{inst_of(c)}:0")
+
+
+def ensure_model_new(c: Conductor) -> Call:
+    c.r.hset(MK.cfg, "quiet_ms", 5)  # an operator's value stays
+    return Call("ensure_model", [MK.cfg, MK.batches], ["quiet_ms", 1000, "lane_max", 2048])
+
+
+def ensure_model_known(c: Conductor) -> Call:
+    c.ensure_model("m")
+    return Call("ensure_model", [MK.cfg, MK.batches], ["quiet_ms", 1000])
+
+
+def register(c: Conductor) -> Call:
+    c.ensure_model("m")
+    return Call("register", [MK.workers, MK.cfg, MK.heartbeat("w")], ["w", '{"pid": 1}', 8192, 64, 1, 10000])
+
+
+def heartbeat(c: Conductor) -> Call:
+    quick(c)
+    c.submit([item(i, 10) for i in range(4)], "j")
+    b1, _ = c.claim(contract(2), "w")
+    b2, _ = c.claim(contract(2), "other")
+    return Call("heartbeat", [MK.heartbeat("w"), MK.batches], ["w", 1, 10000, b1.batch_id, b2.batch_id, "1-0"])
+
+
+def seal(c: Conductor) -> Call:
+    quick(c)
+    return Call("seal", [MK.state], [])
+
+
+def declare(c: Conductor) -> Call:
+    quick(c)
+    c.r.hset(MK.job("j"), "declared", 3)
+    return Call("declare", [MK.job("j"), MK.state], [5])
+
+
+SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
+    "claim": [claim_warming, claim_warmed_shape_activates, claim_reclaimed_part, claim_reclaimed_whole,
+              claim_finish_and_next, claim_aging_preempts, claim_hygiene_drains, claim_hygiene_retires_empty,
+              claim_hygiene_big_lane, claim_reindexes, claim_enters_cleanup, claim_leaves_cleanup],
+    "submit": [submit_new_shapes, submit_leaves_cleanup_reuses_lane, submit_known_shape_without_prefix],
+    "complete": [complete_final, complete_retired],
+    "reclaim": [reclaim_dead_consumer],
+    "fail": [fail_requeues, fail_dead_letters],
+    "dead_retry": [dead_retry],
+    "reindex": [reindex],
+    "repair": [repair, repair_unstaged, repair_gone_instance],
+    "repair_items": [repair_items_leaked_batch, repair_items_gone_lane, repair_items_done_in_lane],
+    "trim": [trim_pending, trim_idle],
+    "trim_results": [trim_results],
+    "ensure_model": [ensure_model_new, ensure_model_known],
+    "register": [register],
+    "heartbeat": [heartbeat],
+    "seal": [seal],
+    "declare": [declare],
+}
+
+
+# ------------------------------------------------------------------ what a script may call
+
+_CALL = re.compile(r"redis\.p?call\(\s*'([A-Za-z]+)'(?:\s*,\s*'([A-Za-z]+)')?")
+_SUBCOMMANDS = {"XGROUP", "XINFO"}
+
+
+def _commands(text: str) -> set[str]:
+    out = set()
+    for m in _CALL.finditer(text):
+        cmd = m.group(1).lower()
+        if m.group(1).upper() in _SUBCOMMANDS and m.group(2):
+            cmd += "|" + m.group(2).lower()
+        out.add(cmd)
+    return out
+
+
+def script_commands(name: str) -> set[str]:
+    """Every command ``name`` may call: its own source, lib_requeue.lua when it includes it, and
+    the lib.lua functions it uses (transitively); names as ACL and INFO commandstats spell them."""
+    text = (LUA / f"{name}.lua").read_text()
+    if "--@include lib_requeue.lua" in text:
+        text += (LUA / "lib_requeue.lua").read_text()
+    lib = (LUA / "lib.lua").read_text()
+    funcs = {m.group(1): m.group(0)
+             for m in re.finditer(r"^local function (\w+)\(.*?(?=^local |\Z)", lib, re.M | re.S)}
+    used: set[str] = set()
+    todo = [text]
+    while todo:
+        t = todo.pop()
+        for f, body in funcs.items():
+            if f not in used and re.search(rf"\b{f}\(", t):
+                used.add(f)
+                todo.append(body)
+    out = _commands(text)
+    for f in used:
+        out |= _commands(funcs[f])
+    return out
+
+
+def scripts_in_lua() -> list[str]:
+    return sorted(p.stem for p in LUA.glob("*.lua") if not p.stem.startswith("lib"))
+
+
+# ------------------------------------------------------------------ database fingerprint, snapshot
+
+def fingerprint(r: redis.Redis) -> tuple:
+    """DEBUG DIGEST (every key's value and type) plus each stream's groups, consumers and pending
+    entries, which DEBUG DIGEST leaves out on Redis 7.0."""
+    streams = sorted(k for k in r.scan_iter(count=1000, _type="stream"))
+    return (r.execute_command("DEBUG", "DIGEST"),
+            tuple(repr(r.execute_command("XINFO", "STREAM", k, "FULL")) for k in streams))
+
+
+def snapshot(r: redis.Redis) -> list[tuple[bytes, int, bytes]]:
+    return [(k, max(0, r.pttl(k)), r.dump(k)) for k in r.scan_iter(count=1000)]
+
+
+def restore(r: redis.Redis, snap: list[tuple[bytes, int, bytes]]) -> None:
+    r.flushall()
+    for k, ttl, blob in snap:
+        r.restore(k, ttl, blob)
+
+
+def run(r: redis.Redis, call: Call) -> Any:
+    """The call's reply, or the ResponseError it raised."""
+    sha = r.script_load(source(call.script))
+    try:
+        return r.evalsha(sha, len(call.keys), *call.keys, *call.args)
+    except redis.ResponseError as e:
+        return e
+
+
+def called(r: redis.Redis, call: Call) -> tuple[Any, set[str]]:
+    """Runs ``call`` and returns its reply and the commands it called (INFO commandstats)."""
+    sha = r.script_load(source(call.script))
+    r.config_resetstat()
+    try:
+        reply: Any = r.evalsha(sha, len(call.keys), *call.keys, *call.args)
+    except redis.ResponseError as e:
+        reply = e
+    stats = r.info("commandstats")
+    names = {k.removeprefix("cmdstat_") for k in stats} - {"evalsha", "config|resetstat", "info"}
+    return reply, names
