@@ -14,6 +14,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from conductor.cli_args import (
+    LOG_LEVELS,
+    DefaultsFormatter,
+    Parser,
+    log_level,
+    non_negative_float,
+    non_negative_int,
+    port,
+    positive_float,
+    positive_int,
+)
 from conductor.errors import BadInput, ConductorError
 from conductor.formats import PreparedItem, parse_line
 
@@ -311,129 +322,189 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _engine_flags(p: argparse.ArgumentParser, model_required: bool = True) -> None:
-    p.add_argument("--engine", choices=["sim", "torch", "trtllm"], default="sim")
+    p.add_argument("--engine", choices=["sim", "torch", "trtllm"], default="sim",
+                   help="sim: a cost model, no GPU; torch: transformers; trtllm: TensorRT-LLM")
     if model_required:
-        p.add_argument("--model", required=True, help="model name (the engine's identity)")
+        p.add_argument("--model", required=True, help="model name (the engine's identity in the conductor)")
     p.add_argument("--model-path", help="torch/trtllm: local model folder (torch: 'tiny' for a random tiny Llama)")
-    p.add_argument("--max-batch-size", type=int, default=64)
-    p.add_argument("--max-batch-tokens", type=int, default=8192)
-    p.add_argument("--max-input-len", type=int, default=4096)
-    p.add_argument("--sim-time-scale", type=float, default=0.0, help="sim: multiply sleeps by F (0: no sleeping)")
+    p.add_argument("--max-batch-size", type=positive_int, default=64, help="items per batch (the contract)")
+    p.add_argument("--max-batch-tokens", type=positive_int, default=8192,
+                   help="input tokens per batch, padded in memory mode (the contract)")
+    p.add_argument("--max-input-len", type=positive_int, default=4096,
+                   help="longest input the engine takes; longer items get an error result")
+    p.add_argument("--sim-time-scale", type=non_negative_float, default=0.0,
+                   help="sim: multiply the cost model's sleeps by this (0: no sleeping)")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("conductor")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="conductor", description=__doc__)
-    p.add_argument("--redis", help=f"Redis URL (env CONDUCTOR_REDIS_URL; default {DEFAULT_URL}; rediss:// for TLS)")
-    p.add_argument("--wait-replicas", type=int, default=None, metavar="N",
-                   help="submit and complete wait until N replicas hold their writes (env CONDUCTOR_WAIT_REPLICAS; "
-                        "default 0)")
-    p.add_argument("--log-level", default="info")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = Parser(prog="conductor", description=__doc__, formatter_class=DefaultsFormatter,
+               epilog="Exit status: 0 done; 1 finished but not clean (items failed or pending, counter drift); "
+                      "2 refused (bad arguments or input, unknown job or model, Redis unreachable); "
+                      "130 interrupted; 141 the reader of the output went away.")
+    p.add_argument("--version", action="version", version=f"conductor {_version()}")
+    p.add_argument("--redis", metavar="URL",
+                   help=f"Redis URL; rediss:// for TLS, ?cluster=1 for Redis Cluster "
+                        f"(default: env CONDUCTOR_REDIS_URL, else {DEFAULT_URL})")
+    p.add_argument("--wait-replicas", type=non_negative_int, default=None, metavar="N",
+                   help="submit and complete wait until N replicas hold their writes "
+                        "(default: env CONDUCTOR_WAIT_REPLICAS, else 0)")
+    p.add_argument("--log-level", type=log_level, default="info", metavar="LEVEL",
+                   help=f"one of {', '.join(LOG_LEVELS)}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("submit", help="validate and submit a JSONL file, print the job id, exit")
-    s.add_argument("file")
-    s.add_argument("--job")
+    def command(name: str, help: str, fn, **kw: Any) -> argparse.ArgumentParser:  # noqa: ANN001
+        c = sub.add_parser(name, help=help, description=help, formatter_class=DefaultsFormatter, **kw)
+        c.set_defaults(fn=fn)
+        return c
+
+    s = command("submit", "validate and submit a JSONL file, print the job id, exit", cmd_submit)
+    s.add_argument("file", help="JSON lines: native or OpenAI batch format (README: Input lines)")
+    s.add_argument("--job", help="job id (default: the file's name without its extension)")
     s.add_argument("--skip-invalid", action="store_true", help="submit the valid lines, reject the others")
-    s.add_argument("--rejects", help="write rejected lines here (JSON lines with line, field, error)")
-    s.add_argument("--quiet", action="store_true")
-    s.set_defaults(fn=cmd_submit)
+    s.add_argument("--rejects", metavar="FILE", help="write rejected lines here (JSON lines with line, field, error)")
+    s.add_argument("--quiet", action="store_true", help="print only the job id")
 
-    w = sub.add_parser("worker", help="run one worker (one per GPU)")
+    w = command("worker", "run one worker (one per GPU)", cmd_worker)
     _engine_flags(w)
-    w.add_argument("--name")
-    w.add_argument("--high-water", type=int)
-    w.add_argument("--low-water", type=int)
-    w.add_argument("--pending-ceiling", type=int)
-    w.add_argument("--drain-s", type=float, default=30.0)
-    w.add_argument("--heartbeat-ttl", type=float, default=10.0)
-    w.add_argument("--idle-exit", type=float, help="exit after this many seconds with nothing to do")
-    w.add_argument("--max-batches", type=int)
-    w.add_argument("--metrics-port", type=int)
-    w.set_defaults(fn=cmd_worker)
+    w.add_argument("--name", help="consumer name, unique among live workers of the model (default: the host "
+                                  "name, plus the systemd instance when run from a template unit)")
+    w.add_argument("--high-water", type=positive_int, help="admission latch: stop new prefills at this many "
+                                                          "active sequences (with --low-water)")
+    w.add_argument("--low-water", type=non_negative_int, help="admission latch: admit again at this many")
+    w.add_argument("--pending-ceiling", type=positive_int,
+                   help="items pulled and not yet written back, at most (default: no ceiling)")
+    w.add_argument("--drain-s", type=non_negative_float, default=30.0,
+                   help="on SIGTERM: seconds to finish in-flight work before handing it back")
+    w.add_argument("--heartbeat-ttl", type=positive_float, default=10.0,
+                   help="seconds without a heartbeat before other workers reclaim this one's batches")
+    w.add_argument("--idle-exit", type=non_negative_float, help="exit after this many seconds with nothing to do "
+                                                               "(default: never)")
+    w.add_argument("--max-batches", type=positive_int, help="exit after claiming this many batches (default: no "
+                                                           "limit)")
+    w.add_argument("--metrics-port", type=port, help="serve Prometheus metrics on this port (default: none)")
 
-    r = sub.add_parser("results", help="print a job's results as JSON lines")
-    r.add_argument("job")
+    r = command("results", "print a job's results as JSON lines", cmd_results)
+    r.add_argument("job", help="job id (conductor jobs lists them)")
     r.add_argument("--follow", action="store_true", help="keep reading until every item has a result")
-    r.add_argument("-o", "--output")
-    r.set_defaults(fn=cmd_results)
+    r.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
 
-    st = sub.add_parser("status", help="submitted, completed, failed, pending")
-    st.add_argument("job")
-    st.add_argument("--watch", action="store_true")
-    st.add_argument("--json", action="store_true")
-    st.add_argument("--interval", type=float, default=1.0)
-    st.set_defaults(fn=cmd_status)
+    st = command("status", "a job's submitted, completed, failed and pending items", cmd_status)
+    st.add_argument("job", help="job id (conductor jobs lists them)")
+    st.add_argument("--watch", action="store_true",
+                    help="repeat until every item has a result; exit 1 if any failed")
+    st.add_argument("--json", action="store_true", help="one JSON object per report")
+    st.add_argument("--interval", type=positive_float, default=1.0, help="seconds between reports with --watch")
 
-    i = sub.add_parser("inspect", help="shapes, lanes, waiting tokens, pending entries per consumer")
-    i.add_argument("model", nargs="?")
-    i.add_argument("--lanes", action="store_true")
-    i.add_argument("--json", action="store_true")
+    i = command("inspect", "shapes, lanes, waiting tokens, pending entries per consumer", cmd_inspect)
+    i.add_argument("model", nargs="?", help="one model (default: every model)")
+    i.add_argument("--lanes", action="store_true", help="list every lane of every shape")
+    i.add_argument("--json", action="store_true", help="one JSON list of model views")
     i.add_argument("--verify", action="store_true",
                    help="recompute every counter from the data it counts; exit 1 when any differs")
     i.add_argument("--repair", action="store_true", help="with --verify: rewrite differing counters from the truth")
     i.add_argument("--all", action="store_true", help="with --verify: list lane-level counters that agree too")
     i.add_argument("--no-ledger", action="store_true",
                    help="with --verify: skip the per-item ledger (lost/duplicated items; memory grows with items)")
-    i.set_defaults(fn=cmd_inspect)
 
-    m = sub.add_parser("migrate", help="bring the Redis key schema to this version (stop every worker and "
-                       "submitter first: a migration rewrites the queues they work on)")
-    m.set_defaults(fn=cmd_migrate)
+    command("migrate", "bring the Redis key schema to this version (stop every worker and submitter first: a "
+            "migration rewrites the queues they work on)", cmd_migrate)
 
-    cf = sub.add_parser("config", help="show or set a model's thresholds: conductor config M name=value")
-    cf.add_argument("model")
-    cf.add_argument("values", nargs="*")
-    cf.set_defaults(fn=cmd_config)
+    from conductor.config import help_table
+    cf = command("config", "show or set a model's thresholds: conductor config M name=value ...", cmd_config,
+                 epilog=help_table())
+    cf.formatter_class = _RawEpilogFormatter
+    cf.add_argument("model", help="model name (conductor inspect lists them)")
+    cf.add_argument("values", nargs="*", metavar="name=value", help="thresholds to set (listed below); none: show")
 
     for name, resume in (("pause", False), ("resume", True)):
-        pa = sub.add_parser(name, help="refuse every write to a model's keys (to move its cluster slot or migrate "
-                            "it without stopping processes)" if not resume else "undo conductor pause")
-        pa.add_argument("model")
-        pa.set_defaults(fn=cmd_pause, resume=resume)
+        pa = command(name, "refuse every write to a model's keys (to move its cluster slot or migrate it without "
+                     "stopping processes)" if not resume else "undo conductor pause", cmd_pause)
+        pa.add_argument("model", help="model name (conductor inspect lists them)")
+        pa.set_defaults(resume=resume)
 
-    rc = sub.add_parser("reclaim", help="one reclaim sweep of a model's dead consumers")
-    rc.add_argument("model")
-    rc.add_argument("--min-idle-ms", type=int, default=0)
-    rc.set_defaults(fn=cmd_reclaim)
+    rc = command("reclaim", "one reclaim sweep of a model's dead consumers", cmd_reclaim)
+    rc.add_argument("model", help="model name (conductor inspect lists them)")
+    rc.add_argument("--min-idle-ms", type=non_negative_int, default=0,
+                    help="also take batches idle this long from live consumers (0: only dead consumers)")
 
-    tr = sub.add_parser("trim-results", help="retention: drop a finished job's old result records")
-    tr.add_argument("job")
-    tr.add_argument("--older-than-s", type=float, default=86400.0)
-    tr.set_defaults(fn=cmd_trim_results)
+    tr = command("trim-results", "retention: drop a finished job's old result records", cmd_trim_results)
+    tr.add_argument("job", help="job id (conductor jobs lists them)")
+    tr.add_argument("--older-than-s", type=non_negative_float, default=86400.0,
+                    help="drop result records written more than this many seconds ago")
 
-    dl = sub.add_parser("dead-letter", help="list, retry or purge dead-lettered items")
-    dl.add_argument("action", choices=["list", "retry", "purge"])
-    dl.add_argument("--job")
-    dl.add_argument("--model")
-    dl.set_defaults(fn=cmd_dead_letter)
+    dl = command("dead-letter", "list, retry or purge dead-lettered items", cmd_dead_letter)
+    dl.add_argument("action", choices=["list", "retry", "purge"],
+                    help="list the items, retry them (back to the queue) or purge them (gone for good)")
+    dl.add_argument("--job", help="only this job's items (default: every job)")
+    dl.add_argument("--model", help="only this model's items (default: every model)")
 
-    run = sub.add_parser("run", help="the main job: submit FILE, run N workers per model, write results")
-    run.add_argument("file")
+    run = command("run", "the main job: submit FILE, run N workers per model, write results", cmd_run)
+    run.add_argument("file", help="JSON lines: native or OpenAI batch format (README: Input lines)")
     _engine_flags(run, model_required=False)
-    run.add_argument("--workers", type=int, default=2)
-    run.add_argument("-o", "--output", required=True)
-    run.add_argument("--job")
-    run.add_argument("--quiet-ms", type=int, help="intake silence before cleanup mode (model config)")
-    run.add_argument("--skip-invalid", action="store_true")
-    run.add_argument("--rejects")
-    run.set_defaults(fn=cmd_run)
+    run.add_argument("--workers", type=positive_int, default=2, help="worker processes per model")
+    run.add_argument("-o", "--output", required=True, metavar="FILE", help="where the results go (JSON lines)")
+    run.add_argument("--job", help="job id (default: the file's name without its extension)")
+    run.add_argument("--quiet-ms", type=non_negative_int,
+                     help="intake silence before cleanup mode (model config quiet_ms; default: the model's)")
+    run.add_argument("--skip-invalid", action="store_true", help="submit the valid lines, reject the others")
+    run.add_argument("--rejects", metavar="FILE", help="write rejected lines here (JSON lines with line, field, "
+                                                       "error)")
     return p
+
+
+class _RawEpilogFormatter(DefaultsFormatter):
+    """Keeps the epilog's table rows on lines of their own."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "".join(indent + line for line in text.splitlines(keepends=True))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+    logging.basicConfig(level=args.log_level if isinstance(args.log_level, int) else logging.INFO,
                         format="%(message)s", stream=sys.stderr)
     try:
         return args.fn(args)
+    except BrokenPipeError:
+        return _reader_went_away()
     except ConductorError as e:
-        print(f"conductor: {e}", file=sys.stderr)
-        return 2
-    except FileNotFoundError as e:
-        print(f"conductor: {e.strerror}: {e.filename}", file=sys.stderr)
-        return 2
+        return _fail(str(e))
+    except IsADirectoryError as e:
+        return _fail(f"{e.filename} is a directory, not a file")
+    except OSError as e:
+        if e.filename is None:
+            raise
+        return _fail(f"{e.strerror}: {e.filename}")
     except KeyboardInterrupt:
         return 130
+    except _redis_error() as e:
+        return _fail(f"Redis refused or failed: {e}")
+
+
+def _redis_error() -> type[Exception]:
+    import redis  # not at the top: most commands fail or finish before they need it
+    return redis.RedisError
+
+
+def _fail(message: str) -> int:
+    print(f"conductor: {message.splitlines()[0] if message else 'error'}", file=sys.stderr)
+    return 2
+
+
+def _reader_went_away() -> int:
+    """``conductor results J | head``: the reader closed the pipe. Python would print a traceback
+    when it flushes stdout at exit; point stdout at /dev/null so the exit is quiet."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 141
 
 
 if __name__ == "__main__":
