@@ -84,6 +84,8 @@ def read_items(path: str, *, skip_invalid: bool, rejects: str | None) -> list[Pr
         if not skip_invalid:
             raise ConductorError(f"{len(errors)} invalid line(s) in {path}; nothing submitted "
                                  "(--skip-invalid submits the valid ones)")
+    if not items:
+        raise ConductorError(f"{path} holds no {'valid ' if errors else ''}items: no job made")
     return items
 
 
@@ -142,8 +144,18 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _known_job(c, job: str) -> list[str]:  # noqa: ANN001
+    """The job's models; an unknown job is an error (a typo would otherwise read nothing, or
+    follow forever)."""
+    models = c.job_models(job)
+    if not models:
+        raise ConductorError(f"job {job!r} is unknown to this Redis (conductor jobs lists the jobs)")
+    return models
+
+
 def cmd_results(args: argparse.Namespace) -> int:
     c = _conductor(args)
+    _known_job(c, args.job)
     out = open(args.output, "wb") if args.output else sys.stdout.buffer
     try:
         for rec in c.results(args.job, follow=args.follow):
@@ -158,18 +170,30 @@ def cmd_results(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     c = _conductor(args)
+    models = _known_job(c, args.job)
     while True:
-        st = c.status(args.job)
-        if not st["models"]:
-            raise ConductorError(f"job {args.job!r} is unknown to this Redis")
+        st = c.status(args.job, models)
         if args.json:
             print(json.dumps(st), flush=True)
         else:
             print(f"job {st['job']}: submitted {st['submitted']}, completed {st['completed']}, "
                   f"failed {st['failed']}, pending {st['pending']}", flush=True)
-        if not args.watch or st["done"]:
+        if not args.watch:
             return 0
+        if st["done"]:
+            return 1 if st["failed"] else 0
         time.sleep(args.interval)
+        models = c.job_models(args.job)  # a later submit may have added a model
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    from conductor.jobs import list_jobs, render
+    rows = list_jobs(_conductor(args), limit=args.limit or None)
+    if args.json:
+        print(json.dumps([r.as_dict() for r in rows]))
+    else:
+        print(render(rows))
+    return 0
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -390,6 +414,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--max-batches", type=positive_int, help="exit after claiming this many batches (default: no "
                                                            "limit)")
     w.add_argument("--metrics-port", type=port, help="serve Prometheus metrics on this port (default: none)")
+
+    jb = command("jobs", "list jobs: created, models, submitted, completed, failed, pending, state", cmd_jobs)
+    jb.add_argument("--json", action="store_true", help="one JSON list of job objects")
+    jb.add_argument("--limit", type=non_negative_int, default=100, help="the newest this many jobs (0: all)")
 
     r = command("results", "print a job's results as JSON lines", cmd_results)
     r.add_argument("job", help="job id (conductor jobs lists them)")

@@ -7,6 +7,7 @@ readers can be separate processes on separate machines.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import operator
 import re
@@ -26,7 +27,7 @@ from redis.retry import Retry
 
 from conductor import keys as K
 from conductor.config import DEFAULTS
-from conductor.errors import BadInput, NotReplicated, Paused, QueueFull, RedisUnavailable
+from conductor.errors import BadInput, Conflict, NotReplicated, Paused, QueueFull, RedisUnavailable
 from conductor.formats import PreparedItem
 from conductor.records import Batch, BatchItem, Contract, Result, json_encoder
 from conductor.schema import check as check_schema
@@ -278,6 +279,7 @@ class Conductor:
             by_model.setdefault(it.model, []).append(it)
         for model in by_model:  # every name checked before the first write
             _check_name("model", model)
+        self._refuse_before_writing(job, by_model)
         for model, its in by_model.items():
             self._register_job(job, model)
             mk = self.ensure_model(model)
@@ -287,6 +289,34 @@ class Conductor:
             for model in by_model:
                 self.seal(model)
         return report
+
+    def _refuse_before_writing(self, job: str, by_model: dict[str, list[PreparedItem]]) -> None:
+        """Refusals submit.lua would give one call at a time, asked for the whole submission
+        first, so a refused file leaves nothing behind (not even an empty job): a paused model,
+        and ids the job already has with other content (each call checks again, atomically)."""
+        pipe = self.r.pipeline(transaction=False)
+        for model in by_model:
+            pipe.hget(K.ModelKeys(model).state, "paused")
+        pipe.zscore(K.JOBS_KEY, job)
+        *paused, created = pipe.execute()
+        for model, flag in zip(by_model, paused, strict=True):
+            if flag and _s(flag) == "1":
+                raise Paused(f"PAUSED model {model} is paused (conductor resume {model}); nothing submitted")
+        if created is None:
+            return  # a new job has no ids to conflict with
+        conflicts, example = 0, ""
+        head = _record_head(job)
+        for model, its in by_model.items():
+            sums_key = K.ModelKeys(model).job_sums(job)
+            for start in range(0, len(its), 5000):
+                chunk = its[start:start + 5000]
+                for it, had in zip(chunk, self.r.hmget(sums_key, [it.id for it in chunk]), strict=True):
+                    if had is not None and _s(had) != content_sum(head, it):
+                        conflicts += 1
+                        example = example or it.id
+        if conflicts:
+            raise Conflict(f"job {job} already has {conflicts} of these ids with other content (first: "
+                           f"{example!r}); nothing submitted: use another job id, or the same content")
 
     def seal(self, model: str) -> int:
         """Declare the end of this producer's submission to ``model`` (seal.lua)."""
@@ -690,7 +720,7 @@ def _submit_args(job: str, chunk: Sequence[PreparedItem]) -> list[Any]:
     """submit.lua's ARGV: the count, the job, then per item its signature, its record as workers
     will read it (keys.py) and its shape's prefix, which travels once per call."""
     args: list[Any] = [len(chunk), job]
-    head = b"," + json_encoder.encode(job) + b",%d,%d,"
+    head = _record_head(job)
     seen: set[str] = set()
     for it in chunk:
         if it.sig in seen:
@@ -702,6 +732,17 @@ def _submit_args(job: str, chunk: Sequence[PreparedItem]) -> list[Any]:
         rec = b"[" + json_encoder.encode(it.id) + head % (it.input_tokens, it.max_tokens) + it.body[1:]
         args += [it.sig, rec, prefix]
     return args
+
+
+def _record_head(job: str) -> bytes:
+    """The part of an item record after its id, up to its body (the tokens are %d holes)."""
+    return b"," + json_encoder.encode(job) + b",%d,%d,"
+
+
+def content_sum(head: bytes, it: PreparedItem) -> str:
+    """What submit.lua keeps per id to tell a re-sent item from another item under the same id."""
+    rec = b"[" + json_encoder.encode(it.id) + head % (it.input_tokens, it.max_tokens) + it.body[1:]
+    return hashlib.sha1(it.sig.encode() + rec).hexdigest()[:16]
 
 
 def _count_submit_reply(reply: list[int], report: SubmitReport) -> None:
@@ -749,6 +790,8 @@ def _raise_script_error(e: Exception) -> None:
     if msg.startswith("ERR_ARG"):
         field, _, rest = msg[len("ERR_ARG "):].partition(": ")
         raise BadInput(field, rest) from None
+    if msg.startswith("CONFLICT"):
+        raise Conflict(msg[len("CONFLICT "):] + "; nothing of this call written") from None
     if msg.startswith("PAUSED"):
         raise Paused(msg) from None
     raise e

@@ -17,7 +17,12 @@
 -- Returns: one integer per item: the lane id it joined, or -1 when this job already has an
 --   item with this id (an interrupted submit re-run neither loses nor duplicates).
 --   Errors, with nothing written: 'ERR_ARG <field>: ...' for a malformed argument,
---   'FULL ...' when the model's waiting-token ceiling (cfg max_waiting_tokens) would be passed.
+--   'FULL ...' when the model's waiting-token ceiling (cfg max_waiting_tokens) would be passed,
+--   'CONFLICT <n> ...' when n ids of the call are ids the job already has with other content
+--   (another shape or record: the first 16 hex digits of SHA-1(sig .. record) kept per id in
+--   M:job:J:sums differ).
+-- A re-sent id with the same content is a duplicate (-1); with other content it is another
+--   job's item under a reused job name, whose old results a reader would take for its own.
 -- Writes each record as sent to its lane list, and its input tokens to the lane's token list at
 --   the same position. The producer builds the record: building it here cost 1.8 us of the
 --   6.4 us of server time per item (bench/submit_profile.py), and the decode that checks it
@@ -207,6 +212,33 @@ end
 -- of 1,000 items would otherwise run 1,000 HSETNX).
 local job_items = base .. ':job:' .. job .. ':items'
 local known = redis.call('HMGET', job_items, unpack(ids))
+local job_sums = base .. ':job:' .. job .. ':sums'
+local first, fresh_sums, had = {}, {}, {}
+for i = 1, n do
+  if known[i] then had[#had + 1] = ids[i] end
+end
+if #had > 0 then had = redis.call('HMGET', job_sums, unpack(had)) end
+local conflicts, h = 0, 0
+for i = 1, n do
+  local o = 3 * i
+  local sum = string.sub(redis.sha1hex(ARGV[o] .. ARGV[o + 1]), 1, 16)
+  local id = ids[i]
+  if known[i] then
+    h = h + 1
+    -- an id stored before sums were kept has none: it cannot be judged, so it stays a duplicate
+    if had[h] and had[h] ~= sum then conflicts = conflicts + 1 end
+  elseif first[id] then
+    if first[id] ~= sum then conflicts = conflicts + 1 end
+  else
+    first[id] = sum
+    fresh_sums[#fresh_sums + 1] = id
+    fresh_sums[#fresh_sums + 1] = sum
+  end
+end
+if conflicts > 0 then
+  return redis.error_reply('CONFLICT ' .. conflicts .. ' ids of this call are ids job ' .. job ..
+    ' already has with other content')
+end
 local out, seen, fresh = {}, {}, {}
 local new_items, new_tokens = 0, 0
 for i = 0, n - 1 do
@@ -243,6 +275,7 @@ end
 -- unpack() stops near 8,000 values: the new ids go in slices.
 for s = 1, #fresh, 2000 do
   redis.call('HSET', job_items, unpack(fresh, s, math.min(s + 1999, #fresh)))
+  redis.call('HSET', job_sums, unpack(fresh_sums, s, math.min(s + 1999, #fresh_sums)))
 end
 
 -- Lanes grow and counters move once per call and lane, not once per item.
