@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from conductor import keys as K
 from conductor.cli_args import (
     LOG_LEVELS,
     DefaultsFormatter,
@@ -221,21 +222,33 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _known_model(c, model: str, create: bool = False) -> None:  # noqa: ANN001
+    """A typo would otherwise register a model for good (cdr:models, its config and group)."""
+    if create or c.r.sismember(K.MODELS_KEY, model):
+        return
+    known = c.models()
+    shown = ", ".join(known[:10]) + (f" and {len(known) - 10} more" if len(known) > 10 else "")
+    raise ConductorError(f"model {model!r} is unknown to this Redis (known: {shown or 'none'}); "
+                         "--create makes it")
+
+
 def cmd_pause(args: argparse.Namespace) -> int:
     c = _conductor(args)
+    _known_model(c, args.model, getattr(args, "create", False))
     if args.resume:
         c.resume(args.model)
         print(f"{args.model}: resumed")
     else:
         c.pause(args.model)
-        print(f"{args.model}: paused (every write refused until 'conductor resume {args.model}'; "
-              "workers and producers wait)")
+        print(f"{args.model}: paused until 'conductor resume {args.model}': every write is refused; workers "
+              "wait, producers are refused (submit exits 2, nothing written; submit again after resume)")
     return 0
 
 
 def cmd_config(args: argparse.Namespace) -> int:
     from conductor.config import parse_value
     c = _conductor(args)
+    _known_model(c, args.model, args.create)
     values = {}
     for kv in args.values:
         name, sep, raw = kv.partition("=")
@@ -451,11 +464,15 @@ def build_parser() -> argparse.ArgumentParser:
     cf.formatter_class = _RawEpilogFormatter
     cf.add_argument("model", help="model name (conductor inspect lists them)")
     cf.add_argument("values", nargs="*", metavar="name=value", help="thresholds to set (listed below); none: show")
+    cf.add_argument("--create", action="store_true", help="make the model if Redis does not know it yet")
 
     for name, resume in (("pause", False), ("resume", True)):
         pa = command(name, "refuse every write to a model's keys (to move its cluster slot or migrate it without "
                      "stopping processes)" if not resume else "undo conductor pause", cmd_pause)
         pa.add_argument("model", help="model name (conductor inspect lists them)")
+        if not resume:
+            pa.add_argument("--create", action="store_true", help="make the model if Redis does not know it yet "
+                                                                  "(to pause it before its first item)")
         pa.set_defaults(resume=resume)
 
     rc = command("reclaim", "one reclaim sweep of a model's dead consumers", cmd_reclaim)
@@ -496,7 +513,13 @@ class _RawEpilogFormatter(DefaultsFormatter):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.cmd == "config" and all("=" in e and not e.startswith("-") for e in extra):
+        # argparse ends a '*' positional at the first option: `config M --create a=1` leaves a=1 over
+        args.values += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(level=args.log_level if isinstance(args.log_level, int) else logging.INFO,
                         format="%(message)s", stream=sys.stderr)
     try:
