@@ -43,17 +43,6 @@ def _conductor(args: argparse.Namespace):  # noqa: ANN202
     return Conductor.from_url(_url(args), wait_replicas=wait)
 
 
-def _progress(done: int, total: int, enabled: bool) -> None:
-    if not enabled or total <= 0:
-        return
-    width = 30
-    filled = int(width * done / total)
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
-    if done >= total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
-
-
 def read_items(path: str, *, skip_invalid: bool, rejects: str | None) -> list[PreparedItem]:
     """Validate every line first: by default a file with a bad line submits nothing."""
     items: list[PreparedItem] = []
@@ -94,18 +83,26 @@ def default_job(path: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", Path(path).stem)[:100] or "job"
 
 
+LARGE_SUBMIT = 10_000  # items from which a submit on a terminal shows its live line
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
+    from conductor.progress import ProgressLine
     items = read_items(args.file, skip_invalid=args.skip_invalid, rejects=args.rejects)
     c = _conductor(args)
     job = args.job or default_job(args.file)
-    show = sys.stderr.isatty() and not args.quiet
+    c.check_submit(items, job)  # the whole file: nothing is written when any part would be refused
     step = 20_000  # items per Conductor.submit: each call groups its items by shape (client.py)
     accepted = dupes = 0
-    for start in range(0, len(items), step):
-        rep = c.submit(items[start:start + step], job, seal=start + step >= len(items))
-        accepted += rep.accepted
-        dupes += rep.duplicates
-        _progress(min(start + step, len(items)), len(items), show)
+    live = sys.stderr.isatty() and len(items) >= LARGE_SUBMIT and not args.quiet
+    with ProgressLine(f"submit {job}", len(items), sys.stderr, live=live) as line:
+        for start in range(0, len(items), step):
+            rep = c.submit(items[start:start + step], job,
+                           progress=None if args.quiet else (lambda k, base=start: line.update(base + k)))
+            accepted += rep.accepted
+            dupes += rep.duplicates
+    for model in sorted({it.model for it in items}):
+        c.seal(model)
     print(job)
     if not args.quiet:
         print(f"submitted {accepted} items ({dupes} already there) to job {job}", file=sys.stderr)
@@ -155,11 +152,21 @@ def _known_job(c, job: str) -> list[str]:  # noqa: ANN001
 
 
 def cmd_results(args: argparse.Namespace) -> int:
+    from conductor.fleet import NoWorkerHint
     c = _conductor(args)
-    _known_job(c, args.job)
+    models = _known_job(c, args.job)
+    hint = NoWorkerHint(c.r, models) if args.follow else None
+
+    def waiting() -> bool:
+        if hint is not None and not c.status(args.job)["done"]:
+            hint.check(c.job_models(args.job))
+        return False
+
+    if args.follow:
+        waiting()
     out = open(args.output, "wb") if args.output else sys.stdout.buffer
     try:
-        for rec in c.results(args.job, follow=args.follow):
+        for rec in c.results(args.job, follow=args.follow, should_stop=waiting):
             out.write(rec + b"\n")
             if args.follow:
                 out.flush()
@@ -169,22 +176,51 @@ def cmd_results(args: argparse.Namespace) -> int:
     return 0
 
 
+def _status_line(st: dict[str, Any]) -> str:
+    return (f"job {st['job']}: submitted {st['submitted']}, completed {st['completed']}, "
+            f"failed {st['failed']}, pending {st['pending']}")
+
+
 def cmd_status(args: argparse.Namespace) -> int:
+    from conductor.fleet import NoWorkerHint
+    from conductor.progress import ProgressLine, Rate, fmt_eta
     c = _conductor(args)
     models = _known_job(c, args.job)
-    while True:
-        st = c.status(args.job, models)
-        if args.json:
-            print(json.dumps(st), flush=True)
-        else:
-            print(f"job {st['job']}: submitted {st['submitted']}, completed {st['completed']}, "
-                  f"failed {st['failed']}, pending {st['pending']}", flush=True)
-        if not args.watch:
-            return 0
-        if st["done"]:
-            return 1 if st["failed"] else 0
-        time.sleep(args.interval)
-        models = c.job_models(args.job)  # a later submit may have added a model
+    st = c.status(args.job, models)
+    if not args.watch or args.json:
+        while True:
+            print(json.dumps(st) if args.json else _status_line(st), flush=True)
+            if not args.watch:
+                return 0
+            if st["done"]:
+                return 1 if st["failed"] else 0
+            time.sleep(args.interval)
+            st = c.status(args.job, c.job_models(args.job))  # a later submit may have added a model
+    hint = NoWorkerHint(c.r, models)
+    if sys.stdout.isatty():
+        with ProgressLine(f"job {args.job}", st["submitted"], sys.stdout, unit="answered") as line:
+            while not st["done"]:
+                hint.check(c.job_models(args.job))
+                line.update(st["completed"] + st["failed"], st["submitted"], note=f"{st['failed']} failed")
+                time.sleep(args.interval)
+                st = c.status(args.job, c.job_models(args.job))
+            line.update(st["completed"] + st["failed"], st["submitted"], note=f"{st['failed']} failed")
+        print(_status_line(st), flush=True)
+    else:
+        rate = Rate()  # one plain line per interval, as before, with the rate and ETA added
+        while True:
+            answered = st["completed"] + st["failed"]
+            rate.add(answered, time.monotonic())
+            per_s = rate.per_s()
+            extra = "" if st["done"] else (f", {per_s:,.1f}/s, {fmt_eta(rate.eta_s(answered, st['submitted']))}"
+                                           if per_s is not None else "")
+            print(_status_line(st) + extra, flush=True)
+            if st["done"]:
+                break
+            hint.check(c.job_models(args.job))
+            time.sleep(args.interval)
+            st = c.status(args.job, c.job_models(args.job))
+    return 1 if st["failed"] else 0
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
@@ -299,7 +335,9 @@ def cmd_trim_results(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """The main job in one command: submit, work with N workers per model, collect results."""
-    from conductor.embedded import EmbeddedRedis
+    from conductor.embedded import EmbeddedRedis, free_port
+    from conductor.progress import ProgressLine
+    from conductor.run_summary import RunSummary
     items = read_items(args.file, skip_invalid=args.skip_invalid, rejects=args.rejects)
     server = None
     url = args.redis or os.environ.get("CONDUCTOR_REDIS_URL")
@@ -311,10 +349,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"using an embedded redis-server on {url} for this run (pass --redis URL to use yours)",
               file=sys.stderr)
     procs: list[subprocess.Popen] = []
+    ports: list[int] = []  # each worker's metrics endpoint: the engines' prefix-cache hits are read there
     try:
         from conductor.client import Conductor
         c = Conductor.from_url(url)
         job = args.job or default_job(args.file)
+        c.check_submit(items, job)
         t0 = time.monotonic()
         models = sorted({it.model for it in items})
         for m in models:
@@ -322,28 +362,39 @@ def cmd_run(args: argparse.Namespace) -> int:
                 c.set_config(m, {"quiet_ms": args.quiet_ms})
         for m in models:
             for i in range(args.workers):
+                ports.append(free_port())
                 cmd = [sys.executable, "-m", "conductor", "--redis", url, "--log-level", "warning", "worker",
                        "--engine", args.engine, "--model", m, "--name", f"run-{m}-{i}",
                        "--max-batch-size", str(args.max_batch_size),
                        "--max-batch-tokens", str(args.max_batch_tokens),
                        "--max-input-len", str(args.max_input_len),
-                       "--sim-time-scale", str(args.sim_time_scale)]
+                       "--sim-time-scale", str(args.sim_time_scale), "--metrics-port", str(ports[-1])]
                 if args.model_path:
                     cmd += ["--model-path", args.model_path]
                 procs.append(subprocess.Popen(cmd))
         rep = c.submit(items, job, seal=True)
         print(f"job {job}: {rep.accepted} items submitted ({rep.duplicates} already there), "
               f"{len(models)} model(s), {args.workers} worker(s) each", file=sys.stderr)
-        n = 0
-        with open(args.output, "wb") as out:
+        summary = RunSummary()
+        shown = 0.0
+        with open(args.output, "wb") as out, ProgressLine(f"job {job}", len(items), sys.stderr,
+                                                          unit="results") as line:
             for rec in c.results(job, follow=True, block_ms=200,
                                  should_stop=lambda: all(p.poll() is not None for p in procs)):
                 out.write(rec + b"\n")
-                n += 1
+                summary.add(rec)
+                now = time.monotonic()
+                if now - shown >= 0.1:  # the line redraws a few times a second; per result is waste
+                    shown = now
+                    line.update(summary.results)
+            line.update(summary.results)
+        summary.scrape_prefix_hits(ports)
         st = c.status(job)
         dt = time.monotonic() - t0
+        n = summary.results
         print(f"job {job}: {st['completed']} completed, {st['failed']} failed, {st['pending']} pending; "
               f"{n} results in {args.output}; {dt:.2f}s ({n / dt if dt else 0:.0f} results/s)", file=sys.stderr)
+        print(f"job {job}: {summary.text()}", file=sys.stderr)
         return 0 if st["pending"] == 0 else 1
     finally:
         for p in procs:

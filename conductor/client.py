@@ -264,13 +264,15 @@ class Conductor:
         return sorted(_s(m) for m in self.r.smembers(K.MODELS_KEY))
 
     # ------------------------------------------------------------------ submit
-    def submit(self, items: Iterable[PreparedItem], job: str, *, seal: bool = False) -> SubmitReport:
+    def submit(self, items: Iterable[PreparedItem], job: str, *, seal: bool = False,
+               progress: Callable[[int], None] | None = None) -> SubmitReport:
         """Submit items under ``job``; idempotent on (job, model, item id).
 
         Items are grouped per model; each submit.lua call takes up to SUBMIT_CHUNK items and
         is all or nothing; SUBMIT_WINDOW calls are in flight at a time. ``seal``: these are the
         last items for now (a whole file): each model's intake counts as quiet at once, so the
         tail of the backlog is dispatched without waiting quiet_ms of silence (seal.lua).
+        ``progress`` is called with the number of items answered so far, after every call.
         """
         _check_name("job", job)
         report = SubmitReport()
@@ -284,11 +286,19 @@ class Conductor:
             self._register_job(job, model)
             mk = self.ensure_model(model)
             report.models.add(model)
-            self._submit_calls(mk, job, _grouped_by_shape(its), report)
+            self._submit_calls(mk, job, _grouped_by_shape(its), report, progress)
         if seal:
             for model in by_model:
                 self.seal(model)
         return report
+
+    def check_submit(self, items: Iterable[PreparedItem], job: str) -> None:
+        """Raise what ``submit`` would refuse before its first write (a paused model, ids the job
+        has with other content), for a caller that submits one file in several calls."""
+        by_model: dict[str, list[PreparedItem]] = {}
+        for it in items:
+            by_model.setdefault(it.model, []).append(it)
+        self._refuse_before_writing(job, by_model)
 
     def _refuse_before_writing(self, job: str, by_model: dict[str, list[PreparedItem]]) -> None:
         """Refusals submit.lua would give one call at a time, asked for the whole submission
@@ -332,7 +342,8 @@ class Conductor:
         pipe.sadd(K.job_models_key(job), model)
         pipe.execute()
 
-    def _submit_calls(self, mk: K.ModelKeys, job: str, its: Sequence[PreparedItem], report: SubmitReport) -> None:
+    def _submit_calls(self, mk: K.ModelKeys, job: str, its: Sequence[PreparedItem], report: SubmitReport,
+                      progress: Callable[[int], None] | None = None) -> None:
         """Stream submit.lua calls over one connection, SUBMIT_WINDOW in flight.
 
         An error reply stops the sending; the calls already sent are read, then the first error
@@ -361,8 +372,12 @@ class Conductor:
                 inflight.append(chunk)
                 if len(inflight) >= SUBMIT_WINDOW:
                     error = _read_submit_reply(conn, inflight.popleft(), report, again) or error
+                    if progress:
+                        progress(report.accepted + report.duplicates)
             while inflight:
                 error = _read_submit_reply(conn, inflight.popleft(), report, again) or error
+                if progress:
+                    progress(report.accepted + report.duplicates)
             if self.wait_replicas:
                 # Also when every item was a duplicate: a re-run after NotReplicated must not
                 # return before the replicas have caught up (the pool hands a single producer

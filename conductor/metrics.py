@@ -31,6 +31,8 @@ LATCH_GATED = Gauge("conductor_worker_latch_gated", "1 while the admission latch
 LATCH_TRANSITIONS = Counter("conductor_worker_latch_transitions", "Admission latch flips", ["model", "worker"])
 STEP_SECONDS = Histogram("conductor_engine_step_seconds", "Engine decode step time", ["model", "worker"])
 RETRY_DEPTH = Gauge("conductor_worker_retry_buffer", "Result writes waiting for Redis", ["model", "worker"])
+PREFIX_HIT_TOKENS = Counter("conductor_prefix_hit_tokens", "Input tokens the engine's prefix cache served "
+                            "(not computed)", ["model", "worker"])
 SHAPE_SWITCHES = Counter("conductor_worker_shape_switches", "Batches whose shape differs from the previous one",
                          ["model", "worker"])
 BATCHES_PER_SHAPE = Histogram("conductor_batches_per_shape", "Batches a shape instance ran before it finished",

@@ -284,6 +284,7 @@ class Worker:
         """One turn of the loop; returns whether anything happened."""
         busy = self._turn()
         self.metrics.state(self.engine.active(), self.latch.gated, self.latch.transitions, len(self.retry))
+        self.metrics.engine_counters(getattr(self.engine, "counters", None))
         return busy
 
     def _turn(self) -> bool:

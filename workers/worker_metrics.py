@@ -25,6 +25,8 @@ class WorkerMetrics:
         self.step_seconds = M.STEP_SECONDS.labels(*lw)
         self.retry_depth = M.RETRY_DEPTH.labels(*lw)
         self.shape_switches = M.SHAPE_SWITCHES.labels(*lw)
+        self.prefix_hits = M.PREFIX_HIT_TOKENS.labels(*lw)
+        self._prefix_hits_seen = 0
         self.fill = M.BATCH_FILL.labels(model)
         self.size = M.BATCH_SIZE.labels(model)
         self.padded = M.PADDED_TOKENS.labels(model)
@@ -56,3 +58,10 @@ class WorkerMetrics:
             self.transitions.inc(transitions - self._transitions_seen)
             self._transitions_seen = transitions
         self.retry_depth.set(retry_depth)
+
+    def engine_counters(self, counters: object) -> None:
+        """The engine's own tallies (sim and torch count prefix-cache hits; others may not)."""
+        hits = getattr(counters, "prefix_hit_tokens", None)
+        if isinstance(hits, int) and hits > self._prefix_hits_seen:
+            self.prefix_hits.inc(hits - self._prefix_hits_seen)
+            self._prefix_hits_seen = hits
