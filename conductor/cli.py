@@ -233,6 +233,12 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_exporter(args: argparse.Namespace) -> int:
+    from conductor.exporter import serve
+    return serve(_url(args), args.port, args.host, starving_s=args.starving_s, top_shapes=args.top_shapes,
+                 jobs=args.jobs)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     from conductor.inspect import model_overview, render
     c = _conductor(args)
@@ -505,6 +511,17 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--all", action="store_true", help="with --verify: list lane-level counters that agree too")
     i.add_argument("--no-ledger", action="store_true",
                    help="with --verify: skip the per-item ledger (lost/duplicated items; memory grows with items)")
+
+    ex = command("exporter", "serve the broker's figures for Prometheus (stateless: read from Redis on every "
+                 "scrape; run any number, or none)", cmd_exporter)
+    ex.add_argument("--port", type=port, default=9400, help="HTTP port of /metrics")
+    ex.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    ex.add_argument("--starving-s", type=positive_float, default=30.0,
+                    help="a lane whose head item waited longer counts as starving")
+    ex.add_argument("--top-shapes", type=non_negative_int, default=10,
+                    help="per model, the largest shape instances that get series of their own")
+    ex.add_argument("--jobs", type=non_negative_int, default=500,
+                    help="the newest jobs looked at for per-job series (only running ones get them)")
 
     command("migrate", "bring the Redis key schema to this version (stop every worker and submitter first: a "
             "migration rewrites the queues they work on)", cmd_migrate)

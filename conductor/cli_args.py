@@ -55,9 +55,14 @@ non_negative_float = _number(float, 0, False, "a number of at least 0")
 
 
 def port(raw: str) -> int:
-    value = non_negative_int(raw)
+    """A TCP port, or BASE+N (a systemd template writes ``9500+%i``: one port per instance, valid
+    for any instance number, where ``95%i0`` stops being a port at instance 10)."""
+    try:
+        value = sum(int(part) for part in raw.split("+"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a TCP port (1..65535, or BASE+N)") from None
     if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a TCP port (1..65535)")
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a TCP port (1..65535, or BASE+N)")
     return value
 
 

@@ -86,7 +86,9 @@ class Maintenance:
         self.verify_thread.start()
 
     def _verify(self) -> None:
+        from conductor import metrics
         from conductor.verify import watch_drift
+        metrics.WORKER.set(self.owner)  # this thread's own context: the drift series carry its worker
         try:
             watch_drift(self.c.r, self.model)
         except Exception as e:  # noqa: BLE001 - a check must never take its worker down
@@ -106,10 +108,10 @@ class Maintenance:
             self._finished_cursor = eid.decode()
             batches = int(f[b"batches"])
             self.batches_per_shape.append(batches)
-            metrics.BATCHES_PER_SHAPE.labels(self.model).observe(batches)
+            metrics.BATCHES_PER_SHAPE.labels(self.model, self.owner).observe(batches)
             could = int(f.get(b"could", 0))  # 0: an entry written before claim.lua counted it
             if batches < self.thrash_batches and batches > 2 * could:
-                metrics.THRASHING_SHAPES.labels(self.model).inc()
+                metrics.THRASHING_SHAPES.labels(self.model, self.owner).inc()
                 log.critical(json.dumps({"event": "shape_thrashing", "model": self.model,
                                          "instance": f[b"inst"].decode(), "batches": batches,
                                          "could_fill": could, "threshold": self.thrash_batches}))
