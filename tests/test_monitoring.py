@@ -156,3 +156,14 @@ def test_the_alert_rules_and_the_dashboard_cover_what_an_operator_watches():
     assert "conductor_waiting_tokens" in METRIC.findall(KEDA["spec"]["triggers"][0]["metadata"]["query"])
     assert KEDA["kind"] == "ScaledObject" and KEDA["apiVersion"] == "keda.sh/v1alpha1"
     assert KEDA["spec"]["triggers"][0]["type"] == "prometheus"
+
+
+def test_the_readme_operator_section_explains_every_alert_and_the_scaling_signal():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Operating it"):]
+    section = section[:section.index("\n## ", 1)]
+    for r in rules():
+        assert f"`{r['alert']}`" in section, r["alert"]
+    for needle in ("conductor_waiting_tokens", "deploy/keda/scaledobject.yaml", "conductor jobs", "docker compose up",
+                   "conductor exporter"):
+        assert needle in section, needle
