@@ -12,8 +12,11 @@ contract (batch size, batch tokens, input length) and the same admission latch:
   the token budget; what does not fit opens the worker's next batch.
 * ``stream``: one plain Redis stream with a consumer group, XREADGROUP in order, the same
   FIFO token-budget batching.
-* ``oracle``: every item known in advance, sorted by shape (most tokens first) and length,
-  cut greedily under the contract: the best padding and prefix reuse a broker could reach.
+* ``oracle``: every item known in advance (``bench/oracle.py``, which documents the rule): each
+  shape sorted by length and cut greedily into full batches under the contract, shapes balanced
+  across the workers by estimated work (longest first, a deep shape split into length ranges
+  over several workers), each worker running its own list shape after shape; its next batch's
+  graph is prewarmed (free in the sim). Here it ignores arrival.
 * ``conductor``: Conductor.submit, then the real ``workers.worker.Worker`` loop (claim,
   engine, complete) against claim.lua and complete.lua; results read back and checked:
   every id exactly once.
@@ -21,8 +24,10 @@ contract (batch size, batch tokens, input length) and the same admission latch:
 All workers of a system run in this process, scheduled in simulated time: the worker whose
 simulated clock is lowest takes the next turn (a turn: one decode step, then a pull when the
 latch admits), so the fleet behaves as parallel GPUs. A worker that finds nothing to do waits
-``IDLE_QUANTUM`` simulated seconds. FIFO peers hand the engine batches that mix shapes: the
-engine admits them as one sub-batch per shape, every item padded to the batch's longest.
+``IDLE_QUANTUM`` simulated seconds (while items are still arriving, with ``idle_max_s`` set, it
+backs off, doubling up to ``idle_max_s``, as ``Worker.run`` does up to ``poll_max_s``). FIFO peers
+hand the engine batches that mix shapes: the engine admits them as one sub-batch per shape, every
+item padded to the batch's longest.
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ if __package__ in (None, ""):
 import redis  # noqa: E402
 
 from bench.common import command_line, git_rev, machine, median, now_utc, pct, table, write_section  # noqa: E402
+from bench.oracle import Item, OracleClock, OracleSource, Plan, fits, pad8, sim_work  # noqa: E402
+from bench.oracle import plan as oracle_plan  # noqa: E402
 from bench.workload import Workload, WorkloadSpec, generate  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.config import parse_value  # noqa: E402
@@ -72,19 +79,26 @@ class SuiteConfig:
     high_water: int = 1024
     low_water: int = 768
     max_wall_s: float = 600.0
+    # An idle worker's wait doubles up to this while items are still arriving (trickle), as
+    # Worker.run backs off up to WorkerOptions.poll_max_s; IDLE_QUANTUM: no backoff.
+    idle_max_s: float = IDLE_QUANTUM
     conductor_cfg: dict[str, Any] = field(default_factory=dict)  # cfg fields set before submitting
 
 
-def pad8(n: int) -> int:
-    return -(-n // 8) * 8
-
-
 class RecordingSim(SimEngine):
-    """The sim engine, plus a trace of (simulated time, sequences finished)."""
+    """The sim engine, plus a trace of (simulated time, sequences finished) and a log of what it
+    admitted, in order: (batch id, shape, padded length, item ids) (for bench/static_cost.py)."""
 
     def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
         self.trace: list[tuple[float, int]] = []
+        self.log: list[tuple[str, str, int, list[str]]] = []
+
+    def admit(self, batch: Batch, items: list[BatchItem]) -> list:
+        limit = self.contract.max_input_len
+        self.log.append((batch.batch_id, batch.shape, batch.padded_len,
+                         [it.id for it in items if it.input_tokens <= limit]))
+        return super().admit(batch, items)
 
     def step(self) -> list:
         done = super().step()
@@ -103,6 +117,7 @@ class Record:
     mem_per_item: float = float("nan")
     redis_cpu_us_per_item: float = float("nan")
     claim_us: list[float] = field(default_factory=list)
+    claim_calls: int = 0  # every pull, also those that got nothing
     # one row per batch: items, padded length, actual tokens, items asked for, shapes in it
     batches: list[tuple[int, int, int, int, tuple[str, ...]]] = field(default_factory=list)
     engines: list[RecordingSim] = field(default_factory=list)
@@ -113,22 +128,6 @@ class Record:
 
 
 # ------------------------------------------------------------------------------------ peers
-@dataclass(slots=True)
-class Item:
-    id: str
-    sig: str
-    tok: int
-    mt: int
-
-
-def _fits(k: int, maxlen: int, tok: int, size: int, budget: int) -> bool:
-    if k == 0:
-        return True
-    if k >= size:
-        return False
-    return (k + 1) * pad8(max(maxlen, tok)) <= budget
-
-
 class FifoSource:
     """FIFO token-budget batching over a fetch function; the item that does not fit is kept,
     in order, for this worker's next batch."""
@@ -144,42 +143,11 @@ class FifoSource:
             self.carry.extend(self.fetch(need))
         out: list[Item] = []
         maxlen = 0
-        while self.carry and _fits(len(out), maxlen, self.carry[0].tok, size, self.budget):
+        while self.carry and fits(len(out), maxlen, self.carry[0].tok, size, self.budget):
             it = self.carry.popleft()
             out.append(it)
             maxlen = max(maxlen, it.tok)
         return out
-
-
-class OracleSource:
-    """Every item known in advance: sorted by shape (most tokens first) and length, cut greedily."""
-
-    def __init__(self, items: list[PreparedItem], size: int, budget: int) -> None:
-        tokens = Counter()
-        for it in items:
-            tokens[it.sig] += it.input_tokens
-        order = sorted(items, key=lambda it: (-tokens[it.sig], it.sig, it.input_tokens, it.id))
-        self.batches: deque[list[Item]] = deque()
-        cur: list[Item] = []
-        maxlen = 0
-        for p in order:
-            it = Item(p.id, p.sig, p.input_tokens, p.max_tokens)
-            if cur and (cur[0].sig != it.sig or not _fits(len(cur), maxlen, it.tok, size, budget)):
-                self.batches.append(cur)
-                cur, maxlen = [], 0
-            cur.append(it)
-            maxlen = max(maxlen, it.tok)
-        if cur:
-            self.batches.append(cur)
-
-    def next_batch(self, size: int) -> list[Item]:
-        if not self.batches:
-            return []
-        b = self.batches.popleft()
-        if len(b) > size:
-            self.batches.appendleft(b[size:])
-            b = b[:size]
-        return b
 
 
 class PeerWorker:
@@ -208,6 +176,7 @@ class PeerWorker:
             if size > 0:
                 t = time.perf_counter_ns()
                 items = self.source.next_batch(size)
+                self.rec.claim_calls += 1
                 if items:
                     self.rec.claim_us.append((time.perf_counter_ns() - t) / 1000)
                     self._admit(items, size)
@@ -231,15 +200,19 @@ class PeerWorker:
 
 # ------------------------------------------------------------------------------------ driver
 def drive(workers: list[Any], engines: list[RecordingSim], total: int, finished: Callable[[], int],
-          release: Releaser | None, max_wall_s: float) -> tuple[float, float]:
+          release: Releaser | OracleClock | None, max_wall_s: float, nap: bool = True,
+          idle_max: float = IDLE_QUANTUM) -> tuple[float, float]:
     """Run turns in simulated-time order until ``total`` sequences finished: (makespan, wall).
 
     With arrivals (``release``) the simulated clock is paced to the wall clock while items are
     still to arrive: the broker's own timers (quiet intake, lane quiet time, aging) run on
-    Redis's clock, so simulated time must not run ahead of it while items trickle in.
+    Redis's clock, so simulated time must not run ahead of it while items trickle in. ``nap``:
+    sleep a little when every worker is idle (a broker may be waiting on wall-clock time).
+    ``idle_max``: while items are still to arrive, an idle worker's wait doubles up to this.
     """
     n = len(workers)
     idle = [0.0] * n
+    quantum = [IDLE_QUANTUM] * n
     last_finish = [0.0] * n
     t0 = time.monotonic()
     idle_run = 0
@@ -253,12 +226,14 @@ def drive(workers: list[Any], engines: list[RecordingSim], total: int, finished:
         before = engines[w].counters.finished
         if workers[w].turn():
             idle_run = 0
+            quantum[w] = IDLE_QUANTUM
             if engines[w].counters.finished != before:
                 last_finish[w] = engines[w].counters.sim_seconds + idle[w]
         else:
-            idle[w] += IDLE_QUANTUM
+            idle[w] += quantum[w]
+            quantum[w] = min(2 * quantum[w], idle_max) if release is not None and release.pending else IDLE_QUANTUM
             idle_run += 1
-            if idle_run >= 4 * n:
+            if nap and idle_run >= 4 * n:
                 time.sleep(0.002)  # the broker may be waiting on wall-clock quiet time
         if time.monotonic() - t0 > max_wall_s:
             raise RuntimeError(f"gave up after {max_wall_s:.0f} s wall: {finished()} of {total} finished")
@@ -302,6 +277,8 @@ class Releaser:
 
 
 def run_peer(system: str, r: redis.Redis, wl: Workload, cfg: SuiteConfig) -> Record:
+    if system == "oracle":
+        return run_oracle(wl, cfg)
     rec = Record(system, items=len(wl.items))
     prefixes = {s.sig: s.prefix for s in wl.shapes}
     engines = _engines(cfg, wl.spec.model)
@@ -354,32 +331,49 @@ def run_peer(system: str, r: redis.Redis, wl: Workload, cfg: SuiteConfig) -> Rec
                 return [Item(f[b"id"].decode(), f[b"sig"].decode(), int(f[b"tok"]), int(f[b"mt"]))
                         for _, f in entries]
             return fetch
-    elif system == "oracle":
-        oracle = OracleSource(wl.items, cfg.max_batch_size, cfg.max_batch_tokens)
-        rec.notes.append("offline: no Redis, no submit; arrival ignored")
     else:
         raise ValueError(system)
 
-    if system == "oracle":
-        workers = [PeerWorker(i, engines[i], oracle, cfg, rec, prefixes) for i in range(cfg.workers)]
-        release = None
+    workers = [PeerWorker(i, engines[i], FifoSource(make_fetch(i), cfg.max_batch_tokens), cfg, rec, prefixes)
+               for i in range(cfg.workers)]
+    rel = Releaser(wl, submit)
+    release = None
+    if backlog:
+        rel(0.0)
+        rec.submit_s = rel.spent
+        rec.mem_per_item = (int(r.info("memory")["used_memory"]) - mem0) / len(wl.items)
     else:
-        workers = [PeerWorker(i, engines[i], FifoSource(make_fetch(i), cfg.max_batch_tokens), cfg, rec, prefixes)
-                   for i in range(cfg.workers)]
-        rel = Releaser(wl, submit)
-        if backlog:
-            rel(0.0)
-            rec.submit_s = rel.spent
-            rec.mem_per_item = (int(r.info("memory")["used_memory"]) - mem0) / len(wl.items)
-            release = None
-        else:
-            release = rel
+        release = rel
     rec.makespan, rec.wall_s = drive(workers, engines, len(wl.items), lambda: sum(w.finished for w in workers),
-                                     release, cfg.max_wall_s)
-    if system != "oracle":
-        if not backlog:
-            rec.submit_s = rel.spent
-        rec.redis_cpu_us_per_item = (_redis_cpu(r) - cpu0) * 1e6 / len(wl.items)
+                                     release, cfg.max_wall_s, idle_max=cfg.idle_max_s)
+    if not backlog:
+        rec.submit_s = rel.spent
+    rec.redis_cpu_us_per_item = (_redis_cpu(r) - cpu0) * 1e6 / len(wl.items)
+    return rec
+
+
+def oracle_prefixes(wl: Workload) -> dict[str, int]:
+    return {s.sig: s.prefix_tokens for s in wl.shapes}
+
+
+def run_oracle(wl: Workload, cfg: SuiteConfig, plan: Plan | None = None, arrival: bool = False) -> Record:
+    """The offline oracle (bench/oracle.py) under the sim: each worker pulls from its own planned
+    list. ``plan``: default, planned for the sim's cost; ``arrival``: a batch waits for its items
+    to arrive (otherwise arrival is ignored)."""
+    rec = Record("oracle", items=len(wl.items))
+    prefixes = {s.sig: s.prefix for s in wl.shapes}
+    engines = _engines(cfg, wl.spec.model)
+    rec.engines = engines
+    if plan is None:
+        plan = oracle_plan(wl.items, oracle_prefixes(wl), cfg.workers, cfg.max_batch_size, cfg.max_batch_tokens,
+                           sim_work(high_water=cfg.high_water), wl.arrival_s if arrival else None)
+    clock = OracleClock() if arrival else None
+    rec.notes.append("offline: no Redis, no submit; " + (f"arrival respected, {plan.windows} window(s)"
+                                                         if arrival else "arrival ignored"))
+    workers = [PeerWorker(i, engines[i], OracleSource(plan.workers[i], engines[i], clock), cfg, rec, prefixes)
+               for i in range(cfg.workers)]
+    rec.makespan, rec.wall_s = drive(workers, engines, len(wl.items), lambda: sum(w.finished for w in workers),
+                                     clock, cfg.max_wall_s, nap=False, idle_max=cfg.idle_max_s)
     return rec
 
 
@@ -421,7 +415,7 @@ def run_conductor(r: redis.Redis, url: str, wl: Workload, cfg: SuiteConfig, job:
         rec.submit_s = rel.spent
         rec.mem_per_item = (int(r.info("memory")["used_memory"]) - mem0) / len(wl.items)
     rec.makespan, rec.wall_s = drive(workers, engines, len(wl.items), lambda: sum(w.finished for w in workers),
-                                     None if backlog else rel, cfg.max_wall_s)
+                                     None if backlog else rel, cfg.max_wall_s, idle_max=cfg.idle_max_s)
     if not backlog:
         rec.submit_s = rel.spent
     for w in workers:  # results of the last batches are written on the turn after they finish
@@ -440,6 +434,7 @@ def _instrument(c: Conductor, rec: Record, idx: int) -> None:
     def claim(contract: Any, consumer: str) -> tuple[Batch | None, str]:
         t = time.perf_counter_ns()
         batch, why = inner(contract, consumer)
+        rec.claim_calls += 1
         if batch is not None:
             rec.claim_us.append((time.perf_counter_ns() - t) / 1000)
             rec.batches.append((len(batch.items), batch.padded_len, batch.actual_tokens, contract.max_batch_size,
@@ -609,7 +604,9 @@ def report(args: argparse.Namespace, mach: str, spec: WorkloadSpec, cfg: SuiteCo
         "and complete.lua writing every result to the job's results stream). "
         "The oracle's prefix-cache hit is the ceiling on this workload: the sim caches one shape, so every "
         "worker misses once per shape it serves. The sim charges a graph build per (padded length, shape, "
-        "epoch): the oracle cuts every batch at a new length and pays for it; lanes reuse their length.",
+        "epoch): the oracle cuts every batch at a new length, but prewarms its next batch's graph (a prewarm is "
+        "free in the sim), so it pays only for its first batch; lanes reuse their length and the conductor "
+        "prewarms the next shape's lanes.",
         "",
         "Conductor results: " + "; ".join(f"{c}: {recs[c].complete}" for c in cond) + ".",
         f"conductor-tuned sets {', '.join(f'{k}={v}' for k, v in TUNED_CFG.items())} (defaults: lane_floor 0, "

@@ -78,3 +78,66 @@ def test_cluster_claim_bench_runs(capsys):
     assert cluster_claim.main(["--claims", "5"]) == 0
     out = capsys.readouterr().out
     assert "| 3-node cluster |" in out and out.count("| single node") == 2
+
+
+def test_oracle_plan_covers_every_item_once_in_pure_batches_under_the_contract():
+    from bench import oracle
+    wl = generate(WorkloadSpec(items=3000, shapes=6, seed=4))
+    prefixes = suite.oracle_prefixes(wl)
+    p = oracle.plan(wl.items, prefixes, 4, 64, 65536, oracle.sim_work())
+    ids = [it.id for w in p.workers for b in w for it in b.items]
+    assert sorted(ids) == sorted(it.id for it in wl.items)
+    for w in p.workers:
+        for b in w:
+            assert {it.sig for it in b.items} == {b.sig}
+            assert len(b.items) <= 64 and len(b.items) * b.plen <= 65536
+    # The most popular shape holds more than a quarter of the work: it is split over several workers.
+    top = wl.shapes[0].sig
+    assert sum(1 for w in p.workers if any(b.sig == top for b in w)) > 1
+    # Each worker runs its shapes one after another.
+    for w in p.workers:
+        sigs = [b.sig for b in w]
+        assert len(set(sigs)) == 1 + sum(1 for a, b in zip(sigs, sigs[1:], strict=False) if a != b)
+
+
+def test_static_cost_model_prices_prefix_reuse_graphs_and_arrival():
+    from bench import static_cost as sc
+
+    class It:
+        def __init__(self, id_: str, tok: int) -> None:
+            self.id, self.input_tokens, self.max_tokens = id_, tok, 8
+    its = [It("a", 100), It("b", 100), It("c", 100)]
+    items = sc.Items(its, [0.0, 0.0, 5.0], {"s": 60})
+    p = sc.StaticParams(prefill_per_token=1.0, decode_base=0.0, decode_per_seq=0.0, graph_build=1000.0)
+    res = sc.replay([[sc.SBatch(104, [("s", ["a", "b"])]), sc.SBatch(104, [("s", ["c"])])]], items, p)
+    # First batch: 2*104 - 60 (prefix for all but the first) + one graph; the second waits for
+    # its item (t=5) and has the prefix cached, and reuses the graph.
+    assert res.prefill_s == (2 * 104 - 60) + (104 - 60)
+    assert res.graphs == 1 and res.wait_s == 0.0
+    assert res.makespan == (2 * 104 - 60) + 1000 + (104 - 60)
+    late = sc.replay([[sc.SBatch(104, [("s", ["c"])])]], items, p)
+    assert late.wait_s == 5.0 and late.makespan == 5.0 + 104 + 1000  # alone, it computes its prefix
+
+
+def test_sweep_quick_form_runs_every_point_and_the_oracle_beats_the_stream(tmp_path, capsys):
+    import math
+
+    from bench import sweep
+    out = tmp_path / "sweep.json"
+    assert sweep.main(["--quick", "--no-write", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    quick = [p.name for p in sweep.POINTS if p.quick]
+    results = json.loads(out.read_text())
+    assert [r["point"] for r in results] == quick
+    for name in quick:
+        assert f"| {name} |" in text
+    assert "ok: every id exactly once at every point." in text
+    for r in results:
+        f = r["systems"]
+        for s in ("conductor", "stream"):
+            for model in ("sim", "static"):
+                assert math.isfinite(f[s][f"ratio_{model}"]) and f[s][f"ratio_{model}"] > 0, (r["point"], s, model)
+        assert f["stream"]["ratio_sim"] <= 1.0 and f["stream"]["ratio_static"] <= 1.0, r["point"]
+        assert f["conductor"]["complete"].startswith("ok")
+        for s in ("oracle", "stream", "conductor"):
+            assert f[s]["finished"] == r["spec"]["items"]

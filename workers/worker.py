@@ -91,7 +91,7 @@ class Worker:
         self._wd_thread: threading.Thread | None = None
         self.notifier = Notifier()
         self.metrics = WorkerMetrics(self.contract.model, self.name, self.contract.max_batch_tokens)
-        self._prewarmed: tuple[str, ...] = ()  # the last instances prewarmed (the warming one, the one served)
+        self._warm_lens: dict[str, frozenset[int]] = {}  # instance -> padded lengths prewarmed
         self._serving = ""
 
     # ------------------------------------------------------------------ lifecycle
@@ -270,20 +270,22 @@ class Worker:
             return True
         self._collect(refused)
         serving = f"{batch.shape}:{batch.epoch}"
-        if serving != self._serving:
-            # A switch (or a shape shared with other workers): the rest of its lanes' graphs are
-            # built while this first batch runs, not one per batch as they come.
+        # A switch (or a shape shared with other workers), or a batch at a padded length this
+        # worker has not prepared (a lane opened or grew since): the instance's lanes' graphs are
+        # built while this batch runs, not one per batch as they come.
+        if serving != self._serving or batch.padded_len not in self._warm_lens.get(serving, ()):
             self._serving = serving
-            if serving not in self._prewarmed:
-                self._prewarm(serving)
-        if batch.warming and batch.warming not in self._prewarmed:
+            self._prewarm(serving)
+        if batch.warming and batch.warming not in self._warm_lens:
             self._prewarm(batch.warming)
         return True
 
     def _prewarm(self, inst: str) -> None:
         """The pre-warm signal rides on claim replies: build the next shape's graphs before the switch."""
-        self._prewarmed = (self._prewarmed + (inst,))[-2:]
         shape, epoch, lanes = self.c.prewarm_info(self.contract.model, inst)
+        # The instances prepared last (the one served, the warming one): their padded lengths.
+        self._warm_lens = {k: v for k, v in self._warm_lens.items() if k in (self._serving, inst)}
+        self._warm_lens[inst] = frozenset(lanes)
         self.engine.prewarm(shape, lanes, epoch)
         event("prewarm", worker=self.name, shape=shape, epoch=epoch, lanes=len(lanes))
 
