@@ -315,8 +315,22 @@ def cmd_dead_letter(args: argparse.Namespace) -> int:
     elif args.action == "retry":
         print(json.dumps(dl.retry(model=args.model, job=args.job)))
     else:
-        print(json.dumps({"purged": dl.purge(model=args.model, job=args.job)}))
+        n = sum(1 for _ in dl.items(model=args.model, job=args.job))
+        if n and not args.yes and not _confirmed(f"purge {n} dead-lettered items for good (their failed results "
+                                                 "stay)?"):
+            raise ConductorError(f"dead-letter purge deletes {n} items for good: nothing purged (pass --yes; "
+                                 "conductor dead-letter list shows them)")
+        print(json.dumps({"purged": dl.purge(model=args.model, job=args.job) if n else 0}))
     return 0
+
+
+def _confirmed(question: str) -> bool:
+    """A yes from a person at a terminal; never from a pipe or a script (they pass --yes)."""
+    if not sys.stdin.isatty():
+        return False
+    sys.stderr.write(f"{question} [y/N] ")
+    sys.stderr.flush()
+    return sys.stdin.readline().strip().lower() in ("y", "yes")
 
 
 def cmd_reclaim(args: argparse.Namespace) -> int:
@@ -558,6 +572,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="list the items, retry them (back to the queue) or purge them (gone for good)")
     dl.add_argument("--job", help="only this job's items (default: every job)")
     dl.add_argument("--model", help="only this model's items (default: every model)")
+    dl.add_argument("--yes", action="store_true", help="purge without asking (a purge off a terminal needs it)")
 
     run = command("run", "the main job: submit FILE, run N workers per model, write results", cmd_run)
     run.add_argument("file", help="JSON lines: native or OpenAI batch format (README: Input lines)")

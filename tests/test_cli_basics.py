@@ -125,3 +125,22 @@ def test_the_readme_documents_every_exit_status():
     codes = set(re.findall(r"^\| (\d+) \|", section, re.M))
     epilog = build_parser().epilog
     assert codes == set(re.findall(r"\b(\d+) [a-z]", epilog.split(":", 1)[1])) == {"0", "1", "2", "130", "141"}
+
+
+def test_dead_letter_purge_asks_first(redis_url, cdr):
+    from tests.test_progress import on_pty
+    quick(cdr, max_deliveries=1)
+    cdr.submit([item(f"i{k}", 10) for k in range(3)], "j")
+    cdr.claim(Contract(model="m", max_batch_size=8, max_batch_tokens=8192, max_input_len=4096), "gone")
+    cdr.reclaim_dead("m")
+    assert cdr.r.xlen("cdr:{m}:dead") == 3
+    # from a script: refused, nothing purged
+    err = one_line_error(cli("dead-letter", "purge", url=redis_url, check=False))
+    assert "deletes 3 items for good: nothing purged (pass --yes" in err
+    # at a terminal: a question; a bare Enter is a no, a y a yes
+    code, out = on_pty(["dead-letter", "purge"], redis_url, timeout=30, typed=b"\n")
+    assert code == 2 and b"purge 3 dead-lettered items for good" in out and b"[y/N]" in out
+    assert cdr.r.xlen("cdr:{m}:dead") == 3
+    code, out = on_pty(["dead-letter", "purge"], redis_url, timeout=30, typed=b"y\n")
+    assert code == 0 and b'{"purged": 3}' in out and cdr.r.xlen("cdr:{m}:dead") == 0
+    assert json.loads(cli("dead-letter", "purge", url=redis_url).stdout) == {"purged": 0}  # nothing to ask about

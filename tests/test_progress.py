@@ -20,13 +20,18 @@ C = Contract(model="m", max_batch_size=8, max_batch_tokens=8192, max_input_len=4
 ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]")
 
 
-def on_pty(argv: list[str], url: str, timeout: float = 120, env: dict | None = None) -> tuple[int, bytes]:
-    """Run ``conductor argv`` with stdout and stderr on a pseudo-terminal; (exit status, what it wrote)."""
+def on_pty(argv: list[str], url: str, timeout: float = 120, env: dict | None = None,
+           typed: bytes | None = None) -> tuple[int, bytes]:
+    """Run ``conductor argv`` with stdout and stderr on a pseudo-terminal; (exit status, what it wrote).
+    ``typed``: the terminal is its stdin too, and this is what the user types."""
     master, slave = pty.openpty()
-    p = subprocess.Popen([sys.executable, "-m", "conductor", *argv], stdin=subprocess.DEVNULL, stdout=slave,
+    stdin = subprocess.DEVNULL if typed is None else slave
+    p = subprocess.Popen([sys.executable, "-m", "conductor", *argv], stdin=stdin, stdout=slave,
                          stderr=slave, cwd=str(ROOT), env=dict(os.environ, CONDUCTOR_REDIS_URL=url, COLUMNS="160",
                                                               **(env or {})))
     os.close(slave)
+    if typed is not None:
+        os.write(master, typed)
     out = b""
     deadline = time.monotonic() + timeout
     try:
