@@ -1,4 +1,5 @@
-# A worker or CLI image: `docker compose up` runs Redis, two sim workers and a metrics port each.
+# A worker, exporter or CLI image: `docker compose up` runs Redis, the exporter, two sim workers,
+# Prometheus and Grafana (docker-compose.yml).
 FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./

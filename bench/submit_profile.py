@@ -4,7 +4,8 @@ changed), each submitting the same items to its own model on one server, call by
     .venv/bin/python bench/submit_profile.py [--items 30000] [--reps 3] [--chunk 1000]
 
 Copies: ``as is``; ``no lane counters`` (the per-lane hash, fill, ready and touch updates at
-the end of a call are skipped); ``no dedupe`` (the job's id hash is neither read nor written);
+the end of a call are skipped); ``no dedupe`` (the job's id hash is neither read nor written); ``no content sums`` (no
+SHA-1 per item, nothing written to the job's sums hash);
 ``no lane appends`` (the two RPUSHes per touched lane are skipped); ``no lane choice`` (every
 item joins lane 0); ``record decoded twice`` (the check's cjson.decode runs a second time: the
 check cannot be cut, its result supplies id and tokens). For a cut, the difference to ``as is``
@@ -34,6 +35,10 @@ CUTS = {
     "no lane counters": [("  for _, lane in ipairs(ctx.order) do\n", "  for _, lane in ipairs({}) do\n")],
     "no dedupe": [("local known = redis.call('HMGET', job_items, unpack(ids))\n", "local known = {}\n"),
                   ("for s = 1, #fresh, 2000 do\n", "for s = 1, 0, 2000 do\n")],
+    "no content sums": [("  local sum = string.sub(redis.sha1hex(ARGV[o] .. ARGV[o + 1]), 1, 16)\n",
+                         "  local sum = ''\n"),
+                        ("  redis.call('HSET', job_sums, unpack(fresh_sums, s, math.min(s + 1999, #fresh_sums)))\n",
+                         "")],
     "no lane appends": [("    redis.call('RPUSH', base .. ':lane:' .. ctx.inst .. ':' .. lane, unpack(t.recs))\n"
                          "    redis.call('RPUSH', base .. ':lanetok:' .. ctx.inst .. ':' .. lane, unpack(t.toks))\n",
                          "")],

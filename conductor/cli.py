@@ -14,6 +14,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from conductor import keys as K
+from conductor.cli_args import (
+    LOG_LEVELS,
+    DefaultsFormatter,
+    Parser,
+    log_level,
+    non_negative_float,
+    non_negative_int,
+    port,
+    positive_float,
+    positive_int,
+)
 from conductor.errors import BadInput, ConductorError, DuplicateId
 from conductor.formats import PreparedItem, parse_line
 
@@ -29,17 +41,6 @@ def _conductor(args: argparse.Namespace):  # noqa: ANN202
     wait = args.wait_replicas if getattr(args, "wait_replicas", None) is not None else \
         int(os.environ.get("CONDUCTOR_WAIT_REPLICAS", "0") or 0)
     return Conductor.from_url(_url(args), wait_replicas=wait)
-
-
-def _progress(done: int, total: int, enabled: bool) -> None:
-    if not enabled or total <= 0:
-        return
-    width = 30
-    filled = int(width * done / total)
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total}")
-    if done >= total:
-        sys.stderr.write("\n")
-    sys.stderr.flush()
 
 
 def read_items(path: str, *, skip_invalid: bool, rejects: str | None,
@@ -79,6 +80,8 @@ def read_items(path: str, *, skip_invalid: bool, rejects: str | None,
         if not skip_invalid:
             raise ConductorError(f"{len(errors)} invalid line(s) in {path}; nothing submitted "
                                  "(--skip-invalid submits the valid ones)")
+    if not items:
+        raise ConductorError(f"{path} holds no {'valid ' if errors else ''}items: no job made")
     return items
 
 
@@ -100,23 +103,31 @@ def declare_file(c: Any, job: str, items: list[PreparedItem], lines: dict[str, i
     c.declare(job, {m: len(its) for m, its in by_model.items()})  # ids are distinct in a file (read_items)
 
 
+LARGE_SUBMIT = 10_000  # items from which a submit on a terminal shows its live line
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
+    from conductor.progress import ProgressLine
     lines: dict[str, int] = {}
     items = read_items(args.file, skip_invalid=args.skip_invalid, rejects=args.rejects, lines=lines)
     c = _conductor(args)
     job = args.job or default_job(args.file)
+    c.check_submit(items, job)  # the whole file: nothing is written when any part would be refused
     declare_file(c, job, items, lines)
-    show = sys.stderr.isatty() and not args.quiet
     step = 20_000  # items per Conductor.submit: each call groups its items by shape (client.py)
     accepted = dupes = 0
-    for start in range(0, len(items), step):
-        try:
-            rep = c.submit(items[start:start + step], job, seal=start + step >= len(items))
-        except DuplicateId as e:  # the job has the id under another model (an earlier run)
-            raise DuplicateId(e.item_id, e.detail, lines.get(e.item_id)) from None
-        accepted += rep.accepted
-        dupes += rep.duplicates
-        _progress(min(start + step, len(items)), len(items), show)
+    live = sys.stderr.isatty() and len(items) >= LARGE_SUBMIT and not args.quiet
+    with ProgressLine(f"submit {job}", len(items), sys.stderr, live=live) as line:
+        for start in range(0, len(items), step):
+            try:
+                rep = c.submit(items[start:start + step], job,
+                               progress=None if args.quiet else (lambda k, base=start: line.update(base + k)))
+            except DuplicateId as e:  # the job has the id under another model (an earlier run)
+                raise DuplicateId(e.item_id, e.detail, lines.get(e.item_id)) from None
+            accepted += rep.accepted
+            dupes += rep.duplicates
+    for model in sorted({it.model for it in items}):
+        c.seal(model)
     print(job)
     if not args.quiet:
         print(f"submitted {accepted} items ({dupes} already there) to job {job}", file=sys.stderr)
@@ -156,11 +167,31 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _known_job(c, job: str) -> list[str]:  # noqa: ANN001
+    """The job's models; an unknown job is an error (a typo would otherwise read nothing, or
+    follow forever)."""
+    models = c.job_models(job)
+    if not models:
+        raise ConductorError(f"job {job!r} is unknown to this Redis (conductor jobs lists the jobs)")
+    return models
+
+
 def cmd_results(args: argparse.Namespace) -> int:
+    from conductor.fleet import NoWorkerHint
     c = _conductor(args)
+    models = _known_job(c, args.job)
+    hint = NoWorkerHint(c.r, models) if args.follow else None
+
+    def waiting() -> bool:
+        if hint is not None and not c.status(args.job)["done"]:
+            hint.check(c.job_models(args.job))
+        return False
+
+    if args.follow:
+        waiting()
     out = open(args.output, "wb") if args.output else sys.stdout.buffer
     try:
-        for rec in c.results(args.job, follow=args.follow):
+        for rec in c.results(args.job, follow=args.follow, should_stop=waiting):
             out.write(rec + b"\n")
             if args.follow:
                 out.flush()
@@ -170,27 +201,79 @@ def cmd_results(args: argparse.Namespace) -> int:
     return 0
 
 
+def _status_line(st: dict[str, Any]) -> str:
+    return (f"job {st['job']}: submitted {st['submitted']}, completed {st['completed']}, "
+            f"failed {st['failed']}, pending {st['pending']}" + (f", lost {st['lost']}" if st.get("lost") else ""))
+
+
 def cmd_status(args: argparse.Namespace) -> int:
+    from conductor.fleet import NoWorkerHint
+    from conductor.progress import ProgressLine, Rate, fmt_eta
     c = _conductor(args)
-    while True:
-        st = c.status(args.job)
-        if not st["models"]:
-            raise ConductorError(f"job {args.job!r} is unknown to this Redis")
-        if args.json:
-            print(json.dumps(st), flush=True)
-        else:
-            print(f"job {st['job']}: submitted {st['submitted']}, completed {st['completed']}, "
-                  f"failed {st['failed']}, pending {st['pending']}"
-                  + (f", lost {st['lost']}" if st["lost"] else ""), flush=True)
-        if st["lost"] and (not args.watch or st["done"]):
-            print(f"error: {st['lost']} item(s) the producer sent to job {args.job} are missing from this Redis "
-                  f"(declared {st['declared']}, present {st['submitted']}): a failover to a replica that had not "
-                  "received them, or a submit that stopped halfway. Submit the same file again with the same "
-                  "--job: submission is idempotent, only the missing items are added.", file=sys.stderr)
-            return 3
-        if not args.watch or st["done"]:
-            return 0
-        time.sleep(args.interval)
+    models = _known_job(c, args.job)
+    st = c.status(args.job, models)
+    if not args.watch or args.json:
+        while True:
+            print(json.dumps(st) if args.json else _status_line(st), flush=True)
+            if st["lost"] and (not args.watch or st["done"]):
+                return _lost(args.job, st)
+            if not args.watch:
+                return 0
+            if st["done"]:
+                return 1 if st["failed"] else 0
+            time.sleep(args.interval)
+            st = c.status(args.job, c.job_models(args.job))  # a later submit may have added a model
+    hint = NoWorkerHint(c.r, models)
+    if sys.stdout.isatty():
+        with ProgressLine(f"job {args.job}", st["submitted"], sys.stdout, unit="answered") as line:
+            while not st["done"]:
+                hint.check(c.job_models(args.job))
+                line.update(st["completed"] + st["failed"], st["submitted"], note=f"{st['failed']} failed")
+                time.sleep(args.interval)
+                st = c.status(args.job, c.job_models(args.job))
+            line.update(st["completed"] + st["failed"], st["submitted"], note=f"{st['failed']} failed")
+        print(_status_line(st), flush=True)
+    else:
+        rate = Rate()  # one plain line per interval, as before, with the rate and ETA added
+        while True:
+            answered = st["completed"] + st["failed"]
+            rate.add(answered, time.monotonic())
+            per_s = rate.per_s()
+            extra = "" if st["done"] else (f", {per_s:,.1f}/s, {fmt_eta(rate.eta_s(answered, st['submitted']))}"
+                                           if per_s is not None else "")
+            print(_status_line(st) + extra, flush=True)
+            if st["done"]:
+                break
+            hint.check(c.job_models(args.job))
+            time.sleep(args.interval)
+            st = c.status(args.job, c.job_models(args.job))
+    if st["lost"]:
+        return _lost(args.job, st)
+    return 1 if st["failed"] else 0
+
+
+def _lost(job: str, st: dict[str, Any]) -> int:
+    print(f"error: {st['lost']} item(s) the producer sent to job {job} are missing from this Redis "
+          f"(declared {st['declared']}, present {st['submitted']}): a failover to a replica that had not "
+          "received them, or a submit that stopped halfway. Submit the same file again with the same "
+          "--job: submission is idempotent, only the missing items are added.", file=sys.stderr)
+    return 3
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    from conductor.jobs import list_jobs, render
+    rows = list_jobs(_conductor(args), limit=args.limit or None)
+    if args.json:
+        print(json.dumps([r.as_dict() for r in rows]))
+    else:
+        print(render(rows))
+    return 0
+
+
+def cmd_exporter(args: argparse.Namespace) -> int:
+    from conductor.exporter import serve
+    return serve(_url(args), args.port, args.host, starving_s=args.starving_s, top_shapes=args.top_shapes,
+                 jobs=args.jobs)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -218,21 +301,33 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _known_model(c, model: str, create: bool = False) -> None:  # noqa: ANN001
+    """A typo would otherwise register a model for good (cdr:models, its config and group)."""
+    if create or c.r.sismember(K.MODELS_KEY, model):
+        return
+    known = c.models()
+    shown = ", ".join(known[:10]) + (f" and {len(known) - 10} more" if len(known) > 10 else "")
+    raise ConductorError(f"model {model!r} is unknown to this Redis (known: {shown or 'none'}); "
+                         "--create makes it")
+
+
 def cmd_pause(args: argparse.Namespace) -> int:
     c = _conductor(args)
+    _known_model(c, args.model, getattr(args, "create", False))
     if args.resume:
         c.resume(args.model)
         print(f"{args.model}: resumed")
     else:
         c.pause(args.model)
-        print(f"{args.model}: paused (every write refused until 'conductor resume {args.model}'; "
-              "workers and producers wait)")
+        print(f"{args.model}: paused until 'conductor resume {args.model}': every write is refused; workers "
+              "wait, producers are refused (submit exits 2, nothing written; submit again after resume)")
     return 0
 
 
 def cmd_config(args: argparse.Namespace) -> int:
     from conductor.config import parse_value
     c = _conductor(args)
+    _known_model(c, args.model, args.create)
     values = {}
     for kv in args.values:
         name, sep, raw = kv.partition("=")
@@ -257,8 +352,22 @@ def cmd_dead_letter(args: argparse.Namespace) -> int:
     elif args.action == "retry":
         print(json.dumps(dl.retry(model=args.model, job=args.job)))
     else:
-        print(json.dumps({"purged": dl.purge(model=args.model, job=args.job)}))
+        n = sum(1 for _ in dl.items(model=args.model, job=args.job))
+        if n and not args.yes and not _confirmed(f"purge {n} dead-lettered items for good (their failed results "
+                                                 "stay)?"):
+            raise ConductorError(f"dead-letter purge deletes {n} items for good: nothing purged (pass --yes; "
+                                 "conductor dead-letter list shows them)")
+        print(json.dumps({"purged": dl.purge(model=args.model, job=args.job) if n else 0}))
     return 0
+
+
+def _confirmed(question: str) -> bool:
+    """A yes from a person at a terminal; never from a pipe or a script (they pass --yes)."""
+    if not sys.stdin.isatty():
+        return False
+    sys.stderr.write(f"{question} [y/N] ")
+    sys.stderr.flush()
+    return sys.stdin.readline().strip().lower() in ("y", "yes")
 
 
 def cmd_reclaim(args: argparse.Namespace) -> int:
@@ -283,7 +392,9 @@ def cmd_trim_results(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """The main job in one command: submit, work with N workers per model, collect results."""
-    from conductor.embedded import EmbeddedRedis
+    from conductor.embedded import EmbeddedRedis, free_port
+    from conductor.progress import ProgressLine
+    from conductor.run_summary import RunSummary
     items = read_items(args.file, skip_invalid=args.skip_invalid, rejects=args.rejects)
     server = None
     url = args.redis or os.environ.get("CONDUCTOR_REDIS_URL")
@@ -295,10 +406,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"using an embedded redis-server on {url} for this run (pass --redis URL to use yours)",
               file=sys.stderr)
     procs: list[subprocess.Popen] = []
+    ports: list[int] = []  # each worker's metrics endpoint: the engines' prefix-cache hits are read there
     try:
         from conductor.client import Conductor
         c = Conductor.from_url(url)
         job = args.job or default_job(args.file)
+        c.check_submit(items, job)
         t0 = time.monotonic()
         models = sorted({it.model for it in items})
         for m in models:
@@ -306,12 +419,13 @@ def cmd_run(args: argparse.Namespace) -> int:
                 c.set_config(m, {"quiet_ms": args.quiet_ms})
         for m in models:
             for i in range(args.workers):
+                ports.append(free_port())
                 cmd = [sys.executable, "-m", "conductor", "--redis", url, "--log-level", "warning", "worker",
                        "--engine", args.engine, "--model", m, "--name", f"run-{m}-{i}",
                        "--max-batch-size", str(args.max_batch_size),
                        "--max-batch-tokens", str(args.max_batch_tokens),
                        "--max-input-len", str(args.max_input_len),
-                       "--sim-time-scale", str(args.sim_time_scale)]
+                       "--sim-time-scale", str(args.sim_time_scale), "--metrics-port", str(ports[-1])]
                 if args.model_path:
                     cmd += ["--model-path", args.model_path]
                 procs.append(subprocess.Popen(cmd))
@@ -319,16 +433,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         rep = c.submit(items, job, seal=True)
         print(f"job {job}: {rep.accepted} items submitted ({rep.duplicates} already there), "
               f"{len(models)} model(s), {args.workers} worker(s) each", file=sys.stderr)
-        n = 0
-        with open(args.output, "wb") as out:
+        summary = RunSummary()
+        shown = 0.0
+        with open(args.output, "wb") as out, ProgressLine(f"job {job}", len(items), sys.stderr,
+                                                          unit="results") as line:
             for rec in c.results(job, follow=True, block_ms=200,
                                  should_stop=lambda: all(p.poll() is not None for p in procs)):
                 out.write(rec + b"\n")
-                n += 1
+                summary.add(rec)
+                now = time.monotonic()
+                if now - shown >= 0.1:  # the line redraws a few times a second; per result is waste
+                    shown = now
+                    line.update(summary.results)
+            line.update(summary.results)
+        summary.scrape_prefix_hits(ports)
         st = c.status(job)
         dt = time.monotonic() - t0
+        n = summary.results
         print(f"job {job}: {st['completed']} completed, {st['failed']} failed, {st['pending']} pending; "
               f"{n} results in {args.output}; {dt:.2f}s ({n / dt if dt else 0:.0f} results/s)", file=sys.stderr)
+        print(f"job {job}: {summary.text()}", file=sys.stderr)
         return 0 if st["pending"] == 0 else 1
     finally:
         for p in procs:
@@ -344,129 +468,215 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _engine_flags(p: argparse.ArgumentParser, model_required: bool = True) -> None:
-    p.add_argument("--engine", choices=["sim", "torch", "trtllm"], default="sim")
+    p.add_argument("--engine", choices=["sim", "torch", "trtllm"], default="sim",
+                   help="sim: a cost model, no GPU; torch: transformers; trtllm: TensorRT-LLM")
     if model_required:
-        p.add_argument("--model", required=True, help="model name (the engine's identity)")
+        p.add_argument("--model", required=True, help="model name (the engine's identity in the conductor)")
     p.add_argument("--model-path", help="torch/trtllm: local model folder (torch: 'tiny' for a random tiny Llama)")
-    p.add_argument("--max-batch-size", type=int, default=64)
-    p.add_argument("--max-batch-tokens", type=int, default=8192)
-    p.add_argument("--max-input-len", type=int, default=4096)
-    p.add_argument("--sim-time-scale", type=float, default=0.0, help="sim: multiply sleeps by F (0: no sleeping)")
+    p.add_argument("--max-batch-size", type=positive_int, default=64, help="items per batch (the contract)")
+    p.add_argument("--max-batch-tokens", type=positive_int, default=8192,
+                   help="input tokens per batch, padded in memory mode (the contract)")
+    p.add_argument("--max-input-len", type=positive_int, default=4096,
+                   help="longest input the engine takes; longer items get an error result")
+    p.add_argument("--sim-time-scale", type=non_negative_float, default=0.0,
+                   help="sim: multiply the cost model's sleeps by this (0: no sleeping)")
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("conductor")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="conductor", description=__doc__)
-    p.add_argument("--redis", help=f"Redis URL (env CONDUCTOR_REDIS_URL; default {DEFAULT_URL}; rediss:// for TLS)")
-    p.add_argument("--wait-replicas", type=int, default=None, metavar="N",
-                   help="submit and complete wait until N replicas hold their writes (env CONDUCTOR_WAIT_REPLICAS; "
-                        "default 0)")
-    p.add_argument("--log-level", default="info")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = Parser(prog="conductor", description=__doc__, formatter_class=DefaultsFormatter,
+               epilog="Exit status: 0 done; 1 finished but not clean (items failed or pending, counter drift); "
+                      "2 refused (bad arguments or input, unknown job or model, Redis unreachable); "
+                      "130 interrupted; 141 the reader of the output went away.")
+    p.add_argument("--version", action="version", version=f"conductor {_version()}")
+    p.add_argument("--redis", metavar="URL",
+                   help=f"Redis URL; rediss:// for TLS, ?cluster=1 for Redis Cluster "
+                        f"(default: env CONDUCTOR_REDIS_URL, else {DEFAULT_URL})")
+    p.add_argument("--wait-replicas", type=non_negative_int, default=None, metavar="N",
+                   help="submit and complete wait until N replicas hold their writes "
+                        "(default: env CONDUCTOR_WAIT_REPLICAS, else 0)")
+    p.add_argument("--log-level", type=log_level, default="info", metavar="LEVEL",
+                   help=f"one of {', '.join(LOG_LEVELS)}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    s = sub.add_parser("submit", help="validate and submit a JSONL file, print the job id, exit")
-    s.add_argument("file")
-    s.add_argument("--job")
+    def command(name: str, help: str, fn, **kw: Any) -> argparse.ArgumentParser:  # noqa: ANN001
+        c = sub.add_parser(name, help=help, description=help, formatter_class=DefaultsFormatter, **kw)
+        c.set_defaults(fn=fn)
+        return c
+
+    s = command("submit", "validate and submit a JSONL file, print the job id, exit", cmd_submit)
+    s.add_argument("file", help="JSON lines: native or OpenAI batch format (README: Input lines)")
+    s.add_argument("--job", help="job id (default: the file's name without its extension)")
     s.add_argument("--skip-invalid", action="store_true", help="submit the valid lines, reject the others")
-    s.add_argument("--rejects", help="write rejected lines here (JSON lines with line, field, error)")
-    s.add_argument("--quiet", action="store_true")
-    s.set_defaults(fn=cmd_submit)
+    s.add_argument("--rejects", metavar="FILE", help="write rejected lines here (JSON lines with line, field, error)")
+    s.add_argument("--quiet", action="store_true", help="print only the job id")
 
-    w = sub.add_parser("worker", help="run one worker (one per GPU)")
+    w = command("worker", "run one worker (one per GPU)", cmd_worker)
     _engine_flags(w)
-    w.add_argument("--name")
-    w.add_argument("--high-water", type=int)
-    w.add_argument("--low-water", type=int)
-    w.add_argument("--pending-ceiling", type=int)
-    w.add_argument("--drain-s", type=float, default=30.0)
-    w.add_argument("--heartbeat-ttl", type=float, default=10.0)
-    w.add_argument("--idle-exit", type=float, help="exit after this many seconds with nothing to do")
-    w.add_argument("--max-batches", type=int)
-    w.add_argument("--metrics-port", type=int)
-    w.set_defaults(fn=cmd_worker)
+    w.add_argument("--name", help="consumer name, unique among live workers of the model (default: the host "
+                                  "name, plus the systemd instance when run from a template unit)")
+    w.add_argument("--high-water", type=positive_int, help="admission latch: stop new prefills at this many "
+                                                          "active sequences (with --low-water)")
+    w.add_argument("--low-water", type=non_negative_int, help="admission latch: admit again at this many")
+    w.add_argument("--pending-ceiling", type=positive_int,
+                   help="items pulled and not yet written back, at most (default: no ceiling)")
+    w.add_argument("--drain-s", type=non_negative_float, default=30.0,
+                   help="on SIGTERM: seconds to finish in-flight work before handing it back")
+    w.add_argument("--heartbeat-ttl", type=positive_float, default=10.0,
+                   help="seconds without a heartbeat before other workers reclaim this one's batches")
+    w.add_argument("--idle-exit", type=non_negative_float, help="exit after this many seconds with nothing to do "
+                                                               "(default: never)")
+    w.add_argument("--max-batches", type=positive_int, help="exit after claiming this many batches (default: no "
+                                                           "limit)")
+    w.add_argument("--metrics-port", type=port, help="serve Prometheus metrics on this port (default: none)")
 
-    r = sub.add_parser("results", help="print a job's results as JSON lines")
-    r.add_argument("job")
+    jb = command("jobs", "list jobs: created, models, submitted, completed, failed, pending, state", cmd_jobs)
+    jb.add_argument("--json", action="store_true", help="one JSON list of job objects")
+    jb.add_argument("--limit", type=non_negative_int, default=100, help="the newest this many jobs (0: all)")
+
+    r = command("results", "print a job's results as JSON lines", cmd_results)
+    r.add_argument("job", help="job id (conductor jobs lists them)")
     r.add_argument("--follow", action="store_true", help="keep reading until every item has a result")
-    r.add_argument("-o", "--output")
-    r.set_defaults(fn=cmd_results)
+    r.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
 
-    st = sub.add_parser("status", help="submitted, completed, failed, pending")
-    st.add_argument("job")
-    st.add_argument("--watch", action="store_true")
-    st.add_argument("--json", action="store_true")
-    st.add_argument("--interval", type=float, default=1.0)
-    st.set_defaults(fn=cmd_status)
+    st = command("status", "a job's submitted, completed, failed and pending items", cmd_status)
+    st.add_argument("job", help="job id (conductor jobs lists them)")
+    st.add_argument("--watch", action="store_true",
+                    help="repeat until every item has a result; exit 1 if any failed")
+    st.add_argument("--json", action="store_true", help="one JSON object per report")
+    st.add_argument("--interval", type=positive_float, default=1.0, help="seconds between reports with --watch")
 
-    i = sub.add_parser("inspect", help="shapes, lanes, waiting tokens, pending entries per consumer")
-    i.add_argument("model", nargs="?")
-    i.add_argument("--lanes", action="store_true")
-    i.add_argument("--json", action="store_true")
+    i = command("inspect", "shapes, lanes, waiting tokens, pending entries per consumer", cmd_inspect)
+    i.add_argument("model", nargs="?", help="one model (default: every model)")
+    i.add_argument("--lanes", action="store_true", help="list every lane of every shape")
+    i.add_argument("--json", action="store_true", help="one JSON list of model views")
     i.add_argument("--verify", action="store_true",
                    help="recompute every counter from the data it counts; exit 1 when any differs")
     i.add_argument("--repair", action="store_true", help="with --verify: rewrite differing counters from the truth")
     i.add_argument("--all", action="store_true", help="with --verify: list lane-level counters that agree too")
     i.add_argument("--no-ledger", action="store_true",
                    help="with --verify: skip the per-item ledger (lost/duplicated items; memory grows with items)")
-    i.set_defaults(fn=cmd_inspect)
 
-    m = sub.add_parser("migrate", help="bring the Redis key schema to this version (stop every worker and "
-                       "submitter first: a migration rewrites the queues they work on)")
-    m.set_defaults(fn=cmd_migrate)
+    ex = command("exporter", "serve the broker's figures for Prometheus (stateless: read from Redis on every "
+                 "scrape; run any number, or none)", cmd_exporter)
+    ex.add_argument("--port", type=port, default=9400, help="HTTP port of /metrics")
+    ex.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    ex.add_argument("--starving-s", type=positive_float, default=30.0,
+                    help="a lane whose head item waited longer counts as starving")
+    ex.add_argument("--top-shapes", type=non_negative_int, default=10,
+                    help="per model, the largest shape instances that get series of their own")
+    ex.add_argument("--jobs", type=non_negative_int, default=500,
+                    help="the newest jobs looked at for per-job series (only running ones get them)")
 
-    cf = sub.add_parser("config", help="show or set a model's thresholds: conductor config M name=value")
-    cf.add_argument("model")
-    cf.add_argument("values", nargs="*")
-    cf.set_defaults(fn=cmd_config)
+    command("migrate", "bring the Redis key schema to this version (stop every worker and submitter first: a "
+            "migration rewrites the queues they work on)", cmd_migrate)
+
+    from conductor.config import help_table
+    cf = command("config", "show or set a model's thresholds: conductor config M name=value ...", cmd_config,
+                 epilog=help_table())
+    cf.formatter_class = _RawEpilogFormatter
+    cf.add_argument("model", help="model name (conductor inspect lists them)")
+    cf.add_argument("values", nargs="*", metavar="name=value", help="thresholds to set (listed below); none: show")
+    cf.add_argument("--create", action="store_true", help="make the model if Redis does not know it yet")
 
     for name, resume in (("pause", False), ("resume", True)):
-        pa = sub.add_parser(name, help="refuse every write to a model's keys (to move its cluster slot or migrate "
-                            "it without stopping processes)" if not resume else "undo conductor pause")
-        pa.add_argument("model")
-        pa.set_defaults(fn=cmd_pause, resume=resume)
+        pa = command(name, "refuse every write to a model's keys (to move its cluster slot or migrate it without "
+                     "stopping processes)" if not resume else "undo conductor pause", cmd_pause)
+        pa.add_argument("model", help="model name (conductor inspect lists them)")
+        if not resume:
+            pa.add_argument("--create", action="store_true", help="make the model if Redis does not know it yet "
+                                                                  "(to pause it before its first item)")
+        pa.set_defaults(resume=resume)
 
-    rc = sub.add_parser("reclaim", help="one reclaim sweep of a model's dead consumers")
-    rc.add_argument("model")
-    rc.add_argument("--min-idle-ms", type=int, default=0)
-    rc.set_defaults(fn=cmd_reclaim)
+    rc = command("reclaim", "one reclaim sweep of a model's dead consumers", cmd_reclaim)
+    rc.add_argument("model", help="model name (conductor inspect lists them)")
+    rc.add_argument("--min-idle-ms", type=non_negative_int, default=0,
+                    help="also take batches idle this long from live consumers (0: only dead consumers)")
 
-    tr = sub.add_parser("trim-results", help="retention: drop a finished job's old result records")
-    tr.add_argument("job")
-    tr.add_argument("--older-than-s", type=float, default=86400.0)
-    tr.set_defaults(fn=cmd_trim_results)
+    tr = command("trim-results", "retention: drop a finished job's old result records", cmd_trim_results)
+    tr.add_argument("job", help="job id (conductor jobs lists them)")
+    tr.add_argument("--older-than-s", type=non_negative_float, default=86400.0,
+                    help="drop result records written more than this many seconds ago")
 
-    dl = sub.add_parser("dead-letter", help="list, retry or purge dead-lettered items")
-    dl.add_argument("action", choices=["list", "retry", "purge"])
-    dl.add_argument("--job")
-    dl.add_argument("--model")
-    dl.set_defaults(fn=cmd_dead_letter)
+    dl = command("dead-letter", "list, retry or purge dead-lettered items", cmd_dead_letter)
+    dl.add_argument("action", choices=["list", "retry", "purge"],
+                    help="list the items, retry them (back to the queue) or purge them (gone for good)")
+    dl.add_argument("--job", help="only this job's items (default: every job)")
+    dl.add_argument("--model", help="only this model's items (default: every model)")
+    dl.add_argument("--yes", action="store_true", help="purge without asking (a purge off a terminal needs it)")
 
-    run = sub.add_parser("run", help="the main job: submit FILE, run N workers per model, write results")
-    run.add_argument("file")
+    run = command("run", "the main job: submit FILE, run N workers per model, write results", cmd_run)
+    run.add_argument("file", help="JSON lines: native or OpenAI batch format (README: Input lines)")
     _engine_flags(run, model_required=False)
-    run.add_argument("--workers", type=int, default=2)
-    run.add_argument("-o", "--output", required=True)
-    run.add_argument("--job")
-    run.add_argument("--quiet-ms", type=int, help="intake silence before cleanup mode (model config)")
-    run.add_argument("--skip-invalid", action="store_true")
-    run.add_argument("--rejects")
-    run.set_defaults(fn=cmd_run)
+    run.add_argument("--workers", type=positive_int, default=2, help="worker processes per model")
+    run.add_argument("-o", "--output", required=True, metavar="FILE", help="where the results go (JSON lines)")
+    run.add_argument("--job", help="job id (default: the file's name without its extension)")
+    run.add_argument("--quiet-ms", type=non_negative_int,
+                     help="intake silence before cleanup mode (model config quiet_ms; default: the model's)")
+    run.add_argument("--skip-invalid", action="store_true", help="submit the valid lines, reject the others")
+    run.add_argument("--rejects", metavar="FILE", help="write rejected lines here (JSON lines with line, field, "
+                                                       "error)")
     return p
 
 
+class _RawEpilogFormatter(DefaultsFormatter):
+    """Keeps the epilog's table rows on lines of their own."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "".join(indent + line for line in text.splitlines(keepends=True))
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.INFO),
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.cmd == "config" and all("=" in e and not e.startswith("-") for e in extra):
+        # argparse ends a '*' positional at the first option: `config M --create a=1` leaves a=1 over
+        args.values += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    logging.basicConfig(level=args.log_level if isinstance(args.log_level, int) else logging.INFO,
                         format="%(message)s", stream=sys.stderr)
     try:
         return args.fn(args)
+    except BrokenPipeError:
+        return _reader_went_away()
     except ConductorError as e:
-        print(f"conductor: {e}", file=sys.stderr)
-        return 2
-    except FileNotFoundError as e:
-        print(f"conductor: {e.strerror}: {e.filename}", file=sys.stderr)
-        return 2
+        return _fail(str(e))
+    except IsADirectoryError as e:
+        return _fail(f"{e.filename} is a directory, not a file")
+    except OSError as e:
+        if e.filename is None:
+            raise
+        return _fail(f"{e.strerror}: {e.filename}")
     except KeyboardInterrupt:
         return 130
+    except _redis_error() as e:
+        return _fail(f"Redis refused or failed: {e}")
+
+
+def _redis_error() -> type[Exception]:
+    import redis  # not at the top: most commands fail or finish before they need it
+    return redis.RedisError
+
+
+def _fail(message: str) -> int:
+    print(f"conductor: {message.splitlines()[0] if message else 'error'}", file=sys.stderr)
+    return 2
+
+
+def _reader_went_away() -> int:
+    """``conductor results J | head``: the reader closed the pipe. Python would print a traceback
+    when it flushes stdout at exit; point stdout at /dev/null so the exit is quiet."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 141
 
 
 if __name__ == "__main__":

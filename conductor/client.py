@@ -7,6 +7,7 @@ readers can be separate processes on separate machines.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import operator
 import re
@@ -26,7 +27,7 @@ from redis.retry import Retry
 
 from conductor import keys as K
 from conductor.config import DEFAULTS
-from conductor.errors import BadInput, DuplicateId, NotReplicated, Paused, QueueFull, RedisUnavailable
+from conductor.errors import BadInput, Conflict, DuplicateId, NotReplicated, Paused, QueueFull, RedisUnavailable
 from conductor.formats import PreparedItem
 from conductor.records import Batch, BatchItem, Contract, Result, json_encoder
 from conductor.schema import check as check_schema
@@ -264,7 +265,8 @@ class Conductor:
         return sorted(_s(m) for m in self.r.smembers(K.MODELS_KEY))
 
     # ------------------------------------------------------------------ submit
-    def submit(self, items: Iterable[PreparedItem], job: str, *, seal: bool = False) -> SubmitReport:
+    def submit(self, items: Iterable[PreparedItem], job: str, *, seal: bool = False,
+               progress: Callable[[int], None] | None = None) -> SubmitReport:
         """Submit items under ``job``; idempotent on (job, model, item id).
 
         Items are grouped per model; each submit.lua call takes up to SUBMIT_CHUNK items and
@@ -277,6 +279,7 @@ class Conductor:
         (submit.lua checks ids per model only: a job's models live in different cluster slots,
         which one script cannot read together. Two producers racing the same id into two models
         of one job are not caught.)
+        ``progress`` is called with the number of items answered so far, after every call.
         """
         _check_name("job", job)
         report = SubmitReport()
@@ -285,9 +288,10 @@ class Conductor:
             by_model.setdefault(it.model, []).append(it)
         for model in by_model:  # every name checked before the first write
             _check_name("model", model)
+        self._refuse_before_writing(job, by_model)
         if len(by_model) > 1:
             model_of: dict[str, str] = {}
-            for it in items:
+            for it in (it for its in by_model.values() for it in its):
                 first = model_of.setdefault(it.id, it.model)
                 if first != it.model:
                     raise DuplicateId(it.id, f"{it.id!r} is given for models {first} and {it.model}: an id "
@@ -297,7 +301,7 @@ class Conductor:
             self._register_job(job, model)
             mk = self.ensure_model(model)
             report.models.add(model)
-            self._submit_calls(mk, job, _grouped_by_shape(its), report)
+            self._submit_calls(mk, job, _grouped_by_shape(its), report, progress)
         if seal:
             for model in by_model:
                 self.seal(model)
@@ -337,6 +341,41 @@ class Conductor:
                     if state is not None:
                         raise DuplicateId(iid, f"{iid!r} is already in job {job} under model {other}: an id "
                                           f"names one item of a job, across its models")
+    def check_submit(self, items: Iterable[PreparedItem], job: str) -> None:
+        """Raise what ``submit`` would refuse before its first write (a paused model, ids the job
+        has with other content), for a caller that submits one file in several calls."""
+        by_model: dict[str, list[PreparedItem]] = {}
+        for it in items:
+            by_model.setdefault(it.model, []).append(it)
+        self._refuse_before_writing(job, by_model)
+
+    def _refuse_before_writing(self, job: str, by_model: dict[str, list[PreparedItem]]) -> None:
+        """Refusals submit.lua would give one call at a time, asked for the whole submission
+        first, so a refused file leaves nothing behind (not even an empty job): a paused model,
+        and ids the job already has with other content (each call checks again, atomically)."""
+        pipe = self.r.pipeline(transaction=False)
+        for model in by_model:
+            pipe.hget(K.ModelKeys(model).state, "paused")
+        pipe.zscore(K.JOBS_KEY, job)
+        *paused, created = pipe.execute()
+        for model, flag in zip(by_model, paused, strict=True):
+            if flag and _s(flag) == "1":
+                raise Paused(f"PAUSED model {model} is paused (conductor resume {model}); nothing submitted")
+        if created is None:
+            return  # a new job has no ids to conflict with
+        conflicts, example = 0, ""
+        head = _record_head(job)
+        for model, its in by_model.items():
+            sums_key = K.ModelKeys(model).job_sums(job)
+            for start in range(0, len(its), 5000):
+                chunk = its[start:start + 5000]
+                for it, had in zip(chunk, self.r.hmget(sums_key, [it.id for it in chunk]), strict=True):
+                    if had is not None and _s(had) != content_sum(head, it):
+                        conflicts += 1
+                        example = example or it.id
+        if conflicts:
+            raise Conflict(f"job {job} already has {conflicts} of these ids with other content (first: "
+                           f"{example!r}); nothing submitted: use another job id, or the same content")
 
     def seal(self, model: str) -> int:
         """Declare the end of this producer's submission to ``model`` (seal.lua)."""
@@ -352,7 +391,8 @@ class Conductor:
         pipe.sadd(K.job_models_key(job), model)
         pipe.execute()
 
-    def _submit_calls(self, mk: K.ModelKeys, job: str, its: Sequence[PreparedItem], report: SubmitReport) -> None:
+    def _submit_calls(self, mk: K.ModelKeys, job: str, its: Sequence[PreparedItem], report: SubmitReport,
+                      progress: Callable[[int], None] | None = None) -> None:
         """Stream submit.lua calls over one connection, SUBMIT_WINDOW in flight.
 
         An error reply stops the sending; the calls already sent are read, then the first error
@@ -381,8 +421,12 @@ class Conductor:
                 inflight.append(chunk)
                 if len(inflight) >= SUBMIT_WINDOW:
                     error = _read_submit_reply(conn, inflight.popleft(), report, again) or error
+                    if progress:
+                        progress(report.accepted + report.duplicates)
             while inflight:
                 error = _read_submit_reply(conn, inflight.popleft(), report, again) or error
+                if progress:
+                    progress(report.accepted + report.duplicates)
             if self.wait_replicas:
                 # Also when every item was a duplicate: a re-run after NotReplicated must not
                 # return before the replicas have caught up (the pool hands a single producer
@@ -743,7 +787,7 @@ def _submit_args(job: str, chunk: Sequence[PreparedItem]) -> list[Any]:
     """submit.lua's ARGV: the count, the job, then per item its signature, its record as workers
     will read it (keys.py) and its shape's prefix, which travels once per call."""
     args: list[Any] = [len(chunk), job]
-    head = b"," + json_encoder.encode(job) + b",%d,%d,"
+    head = _record_head(job)
     seen: set[str] = set()
     for it in chunk:
         if it.sig in seen:
@@ -755,6 +799,17 @@ def _submit_args(job: str, chunk: Sequence[PreparedItem]) -> list[Any]:
         rec = b"[" + json_encoder.encode(it.id) + head % (it.input_tokens, it.max_tokens) + it.body[1:]
         args += [it.sig, rec, prefix]
     return args
+
+
+def _record_head(job: str) -> bytes:
+    """The part of an item record after its id, up to its body (the tokens are %d holes)."""
+    return b"," + json_encoder.encode(job) + b",%d,%d,"
+
+
+def content_sum(head: bytes, it: PreparedItem) -> str:
+    """What submit.lua keeps per id to tell a re-sent item from another item under the same id."""
+    rec = b"[" + json_encoder.encode(it.id) + head % (it.input_tokens, it.max_tokens) + it.body[1:]
+    return hashlib.sha1(it.sig.encode() + rec).hexdigest()[:16]
 
 
 def _count_submit_reply(reply: list[int], report: SubmitReport) -> None:
@@ -802,6 +857,8 @@ def _raise_script_error(e: Exception) -> None:
     if msg.startswith("ERR_ARG"):
         field, _, rest = msg[len("ERR_ARG "):].partition(": ")
         raise BadInput(field, rest) from None
+    if msg.startswith("CONFLICT"):
+        raise Conflict(msg[len("CONFLICT "):] + "; nothing of this call written") from None
     if msg.startswith("PAUSED"):
         raise Paused(msg) from None
     raise e

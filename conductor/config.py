@@ -54,3 +54,12 @@ def parse_value(name: str, raw: str) -> Any:
     if value < 0:
         raise ValueError(f"config: {name} must not be negative")
     return value
+
+
+def help_table() -> str:
+    """Every field with its default and meaning, for ``conductor config --help``."""
+    rows = ["thresholds:"]
+    for name, (default, text) in FIELDS.items():
+        shown = "the first worker's contract" if name in ("budget_tokens", "budget_items") else default
+        rows.append(f"  {name} (default: {shown}): {text}")
+    return "\n".join(rows)

@@ -40,6 +40,12 @@ class Paused(ConductorError):
     same call succeeds after ``conductor resume``."""
 
 
+class Conflict(ConductorError):
+    """A re-submit under an existing job brought ids the job already has with other content:
+    another file under a reused job name, whose old results a reader would take for its own.
+    Nothing of the refused call was written."""
+
+
 class NotReplicated(ConductorError):
     """The write went to the primary, but fewer replicas than asked for confirmed it in time
     (WAIT). Sending the same call again is safe: submit and complete are idempotent."""

@@ -53,6 +53,8 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     M:workers                       hash     worker -> registered contract (JSON)
     M:job:J                         hash     job counters for this model: submitted, completed, failed
     M:job:J:items                   hash     item id -> q (queued) | d (done): idempotency of both ends
+    M:job:J:sums                    hash     item id -> its content's sum (16 hex digits of SHA-1(sig ||
+                                             record)): a re-submitted id must bring the same content
     M:job:J:results                 stream   result records of the job for this model, JSON
 
 An item record is the JSON array text ``[id, job, input_tokens, max_tokens, prompt, payload]``
@@ -189,6 +191,9 @@ class ModelKeys:
 
     def job_items(self, job: str) -> str:
         return f"{self.base}:job:{job}:items"
+
+    def job_sums(self, job: str) -> str:
+        return f"{self.base}:job:{job}:sums"
 
     def job_results(self, job: str) -> str:
         return f"{self.base}:job:{job}:results"

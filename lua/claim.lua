@@ -28,8 +28,8 @@
 -- Invariants: a batch holds items of ONE lane of ONE shape instance of ONE model; what does not
 --   fit stays at the head of its lane, in order; assembly order is reclaimed work, then lanes;
 --   dispatch stays on the active instance until it is empty (or an aged shape preempts it:
---   aging and lane hygiene are swept at most every 250 ms, see swept()); at most one instance
---   is warming; the work done grows with the batch (a bounded number of lanes
+--   aging and lane hygiene are swept at most every 250 ms, see swept()); each worker warms at
+--   most one instance, its next; the work done grows with the batch (a bounded number of lanes
 --   is looked at), never with the queue.
 --@include lib.lua
 
@@ -66,11 +66,12 @@ do
   local lk, tk, mk = base .. ':lane' .. L, base .. ':lanetok' .. L, base .. ':lanemeta' .. L
   local sk, sa, st, bk, rk = base .. ':staged', base .. ':staged_age', state_key, batch_items_key, reclaimed_key
   local il, fi, re, to, fr = I .. ':lanes', I .. ':fill', I .. ':ready', I .. ':touch', I .. ':free'
-  local ac, af = base .. ':active', base .. ':affinity'
+  local ac, af, wm = base .. ':active', base .. ':affinity', base .. ':warming'
   local refused = acl_refused(function(ok)
     return ok('HMGET', st) and ok('HSET', st) and ok('HINCRBY', st) and ok('HDEL', st) and ok('HGET', st)
       and ok('ZADD', ac) and ok('ZREM', ac) and ok('ZRANGE', ac) and ok('HSET', af) and ok('HDEL', af)
       and ok('HGET', af) and ok('HGETALL', af) and ok('EXISTS', base .. ':hb:0') and ok('ZSCORE', sk)
+      and ok('HGET', wm) and ok('HSET', wm) and ok('HDEL', wm)
       and ok('ZRANK', fi) and ok('ZRANGE', fi) and ok('LRANGE', lk)
       and ok('RPUSH', bk) and ok('XADD', batches_key) and ok('XCLAIM', batches_key) and ok('LINDEX', rk)
       and ok('LPOP', rk) and ok('LSET', rk) and ok('ZREM', sk) and ok('ZADD', sk) and ok('ZREVRANGE', sk)
@@ -213,6 +214,7 @@ local function activate(inst, reason)
     redis.call('HDEL', warming_key, consumer)
     warming_now = ''
   end
+  if st[10] == inst then redis.call('HDEL', state_key, 'warming') end
   return inst
 end
 

@@ -20,6 +20,11 @@
 --   Errors, with nothing written: 'ERR_ARG <field>: ...' for a malformed argument,
 --   'FULL ...' when the model's waiting-token ceiling (cfg max_waiting_tokens) would be passed,
 --   'NOPERM ...' when the caller's ACL refuses a command this call may run (lib.lua acl_refused).
+--   'CONFLICT <n> ...' when n ids of the call are ids the job already has with other content
+--   (another shape or record: the first 16 hex digits of SHA-1(sig .. record) kept per id in
+--   M:job:J:sums differ).
+-- A re-sent id with the same content is a duplicate (-1); with other content it is another
+--   job's item under a reused job name, whose old results a reader would take for its own.
 -- Writes each record as sent to its lane list, and its input tokens to the lane's token list at
 --   the same position. The producer builds the record: building it here cost 1.8 us of the
 --   6.4 us of server time per item (bench/submit_profile.py), and the decode that checks it
@@ -148,7 +153,7 @@ do
   local sh, st = base .. ':shape:0000000000000000', state_key
   local refused = acl_refused(function(ok)
     return ok('HGET', st) and ok('HINCRBY', st) and ok('HSET', st) and ok('HMGET', jk .. ':items')
-      and ok('HSET', jk .. ':items') and ok('HINCRBY', jk) and ok('HGET', sh) and ok('HSET', sh) and ok('HSETNX', sh)
+      and ok('HSET', jk .. ':items') and ok('HMGET', jk .. ':sums') and ok('HSET', jk .. ':sums') and ok('HINCRBY', jk) and ok('HGET', sh) and ok('HSET', sh) and ok('HSETNX', sh)
       and ok('HGET', I) and ok('HMGET', I) and ok('HSET', I) and ok('HINCRBY', I) and ok('ZADD', base .. ':staged_age')
       and ok('ZADD', base .. ':staged') and ok('ZRANGE', I .. ':lanes') and ok('ZADD', I .. ':lanes')
       and ok('SPOP', I .. ':free') and ok('ZADD', I .. ':touch') and ok('ZADD', I .. ':fill')
@@ -246,6 +251,33 @@ end
 -- of 1,000 items would otherwise run 1,000 HSETNX).
 local job_items = base .. ':job:' .. job .. ':items'
 local known = redis.call('HMGET', job_items, unpack(ids))
+local job_sums = base .. ':job:' .. job .. ':sums'
+local first, fresh_sums, had = {}, {}, {}
+for i = 1, n do
+  if known[i] then had[#had + 1] = ids[i] end
+end
+if #had > 0 then had = redis.call('HMGET', job_sums, unpack(had)) end
+local conflicts, h = 0, 0
+for i = 1, n do
+  local o = 3 * i
+  local sum = string.sub(redis.sha1hex(ARGV[o] .. ARGV[o + 1]), 1, 16)
+  local id = ids[i]
+  if known[i] then
+    h = h + 1
+    -- an id stored before sums were kept has none: it cannot be judged, so it stays a duplicate
+    if had[h] and had[h] ~= sum then conflicts = conflicts + 1 end
+  elseif first[id] then
+    if first[id] ~= sum then conflicts = conflicts + 1 end
+  else
+    first[id] = sum
+    fresh_sums[#fresh_sums + 1] = id
+    fresh_sums[#fresh_sums + 1] = sum
+  end
+end
+if conflicts > 0 then
+  return redis.error_reply('CONFLICT ' .. conflicts .. ' ids of this call are ids job ' .. job ..
+    ' already has with other content')
+end
 local out, seen, fresh = {}, {}, {}
 local new_items, new_tokens = 0, 0
 for i = 0, n - 1 do
@@ -282,6 +314,7 @@ end
 -- unpack() stops near 8,000 values: the new ids go in slices.
 for s = 1, #fresh, 2000 do
   redis.call('HSET', job_items, unpack(fresh, s, math.min(s + 1999, #fresh)))
+  redis.call('HSET', job_sums, unpack(fresh_sums, s, math.min(s + 1999, #fresh_sums)))
 end
 
 -- Lanes grow and counters move once per call and lane, not once per item.

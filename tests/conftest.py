@@ -63,8 +63,9 @@ def item(i: int | str, tokens: int, *, model: str = "m", prefix: tuple[str, ...]
                                   "input_tokens": tokens, "max_tokens": max_tokens, "payload": payload}))
 
 
-def cli(*args: str, url: str, check: bool = True, timeout: float = 120, **kw) -> subprocess.CompletedProcess:
-    env = dict(os.environ, CONDUCTOR_REDIS_URL=url)
+def cli(*args: str, url: str, check: bool = True, timeout: float = 120, env: dict | None = None,
+        **kw) -> subprocess.CompletedProcess:
+    env = dict(os.environ, CONDUCTOR_REDIS_URL=url, **(env or {}))
     p = subprocess.run([sys.executable, "-m", "conductor", *args], capture_output=True, env=env,
                        timeout=timeout, cwd=str(ROOT), **kw)
     if check and p.returncode != 0:

@@ -95,6 +95,7 @@ def claim_warmed_shape_activates(c: Conductor) -> Call:
     assert c.claim(contract(4, 64), "w0")[0] is not None
     assert c.claim(contract(64, 8192), "w0")[0] is not None  # the rest of the active shape
     assert c.r.hget(MK.state, "warming")
+    call.args[0] = "w0"  # each worker warms its own next shape: w0's is the one it switches to
     call.check = lambda r: not r.hget(MK.state, "warming") and r.hget(MK.state, "shapes_finished") == b"1"
     return call
 

@@ -26,6 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from conductor import keys as K
 from conductor.client import Conductor, connect
+from conductor.formats import PreparedItem
 from conductor.records import Batch, Contract
 from conductor.verify import verify
 from tests.conftest import item
@@ -68,6 +69,7 @@ class Accounting(RuleBasedStateMachine):
         self.open: list[tuple[Batch, str]] = []  # claimed, not yet completed/failed by its worker
         self.stale: list[tuple[Batch, str]] = []  # completed, failed or reclaimed: a late worker may still write
         self.ids: dict[str, set[str]] = {j: set() for j in JOBS}
+        self.sent: dict[str, PreparedItem] = {}  # id -> the item as first submitted (ids are unique across jobs)
         self.seq = 0
 
     # One initialize rule: hypothesis runs several in any order, and a backlog submitted before
@@ -93,10 +95,11 @@ class Accounting(RuleBasedStateMachine):
             self.seq += 1
             fresh.append(item(f"i{self.seq}", tokens, model=MODEL, prefix=SHAPES[shape]))
         again = sorted(self.ids[job])[:dups]  # a producer re-running its submit
-        resubmitted = [item(i, 5, model=MODEL, prefix=SHAPES[0]) for i in again]
+        resubmitted = [self.sent[i] for i in again]  # the same items: other content would be refused
         rep = self.c.submit(fresh + resubmitted, job)
         assert (rep.accepted, rep.duplicates) == (len(fresh), len(again))
         self.ids[job].update(it.id for it in fresh)
+        self.sent.update((it.id, it) for it in fresh)
 
     @rule(contract=st.sampled_from(CONTRACTS), consumer=st.sampled_from(CONSUMERS), times=st.integers(1, 3))
     def claim(self, contract: Contract, consumer: str, times: int) -> None:

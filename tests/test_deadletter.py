@@ -127,7 +127,7 @@ def test_purge_by_job_keeps_results_and_other_jobs(cdr, redis_url):
         cdr.claim(C, "dead")
     cdr.reclaim_dead("m")
     assert cdr.r.xlen(MK.dead) == 5
-    assert json.loads(cli("dead-letter", "purge", "--job", "a", url=redis_url).stdout) == {"purged": 3}
+    assert json.loads(cli("dead-letter", "purge", "--job", "a", "--yes", url=redis_url).stdout) == {"purged": 3}
     assert {d.job for d in DeadLetter(cdr).items()} == {"b"}
     assert cdr.status("a")["failed"] == 3 and cdr.status("a")["done"]
     assert len(cdr.read_results("a")) == 3

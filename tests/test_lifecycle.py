@@ -251,14 +251,14 @@ def test_thrash_alarm_counts_short_shapes(cdr, caplog):
     m.tick()  # positions the cursor
     for s in "XYZ":
         cdr.submit([item(f"{s}{i}", 100, prefix=(s,)) for i in range(10)], "j")
-    before = metrics.THRASHING_SHAPES.labels("m")._value.get()
+    before = metrics.THRASHING_SHAPES.labels("m", "w")._value.get()
     # 1,000 tokens each could fill 2 batches of 800; batches of 2 items run each in 5
     drain(cdr, contract(size=2))
     import logging
     with caplog.at_level(logging.CRITICAL, logger="conductor.maintenance"):
         m._next = 0
         m.tick()
-    assert metrics.THRASHING_SHAPES.labels("m")._value.get() - before == 3
+    assert metrics.THRASHING_SHAPES.labels("m", "w")._value.get() - before == 3
     assert m.batches_per_shape == [5, 5, 5]
     assert sum("shape_thrashing" in r.message for r in caplog.records) == 3
 
@@ -271,12 +271,12 @@ def test_a_small_shape_run_in_the_batches_it_could_fill_is_not_thrashing(cdr, ca
     m.tick()
     for s in "XYZ":
         cdr.submit([item(f"{s}{i}", 96, prefix=(s,)) for i in range(10)], "j")
-    before = metrics.THRASHING_SHAPES.labels("m")._value.get()
+    before = metrics.THRASHING_SHAPES.labels("m", "w")._value.get()
     drain(cdr, contract())  # 8 + 2 items: the 2 batches its 960 tokens could fill
     m._next = 0
     m.tick()
     assert m.batches_per_shape == [2, 2, 2]
-    assert metrics.THRASHING_SHAPES.labels("m")._value.get() == before
+    assert metrics.THRASHING_SHAPES.labels("m", "w")._value.get() == before
 
 
 def test_drain_threshold_is_exact(cdr):

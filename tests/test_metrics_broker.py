@@ -4,7 +4,7 @@ import time
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from conductor.metrics import ModelStateCollector
+from conductor.broker_metrics import ModelStateCollector
 from conductor.records import Contract
 from tests.conftest import item
 from tests.helpers import drain
@@ -37,7 +37,7 @@ def test_waiting_cleanup_pressure_and_starving_lanes_are_scraped(cdr):
     m = scrape(cdr, starving_s=0.05)
     assert m["conductor_cleanup_entries_total"] == 1
     assert m["conductor_cleanup_active"] == 1
-    assert m["conductor_lane_pressure"] == 4 / 8  # four lanes of the active shape, budget eight
+    assert m["conductor_lane_pressure_ratio"] == 4 / 8  # four lanes of the active shape, budget eight
     assert m["conductor_starving_lanes"] >= 3  # lanes whose items waited past the (tiny) limit
     assert m["conductor_inflight_items"] == 2
     drain(cdr, c)

@@ -287,13 +287,14 @@ def test_submit_prefix_rules_it_keeps(cdr):
     assert run(keys=[mk.base, mk.cfg, mk.state], args=submit_argv(
         "j", ("d", s1, 10, 5, b'["p", null]', b""), ("e", s2, 10, 5, b'["p", null]', b""))) == [0, 0]
     assert cdr.prefix("m", s1) == [f"part {i}" for i in range(256)] and cdr.prefix("m", s2) == ["x", ""]
-    # the item that carries a new signature's prefix is a duplicate: the prefix is stored all the same
+    # an id of the job sent again under another signature is another item: refused, nothing written
     s3 = "00000000000000aa"
-    assert run(keys=[mk.base, mk.cfg, mk.state], args=submit_argv(
-        "j", ("a", s3, 10, 5, b'["p", null]', b'["y"]'), ("f", s3, 10, 5, b'["p", null]', b""))) == [-1, 0]
-    assert cdr.prefix("m", s3) == ["y"]
+    with pytest.raises(redis.ResponseError, match="CONFLICT 1"):
+        run(keys=[mk.base, mk.cfg, mk.state], args=submit_argv(
+            "j", ("a", s3, 10, 5, b'["p", null]', b'["y"]'), ("f", s3, 10, 5, b'["p", null]', b"")))
+    assert not cdr.r.exists(mk.shape(s3))
     b, _ = cdr.claim(Contract(model="m", max_batch_size=8, max_batch_tokens=800, max_input_len=100), "w")
-    assert b.prefix in ([f"part {i}" for i in range(256)], ["x", ""], ["y"])
+    assert b.prefix in ([f"part {i}" for i in range(256)], ["x", ""])
 
 
 def test_depth_rule_gives_a_shallow_shape_few_lanes_and_a_deep_one_more(cdr):

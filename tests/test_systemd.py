@@ -139,7 +139,13 @@ def test_unit_template_has_the_keys_a_fleet_relies_on():
     filled = [w for a in filled for w in (shlex.split(env["CONDUCTOR_WORKER_ARGS"])
                                           if a == "$CONDUCTOR_WORKER_ARGS" else [a])]
     args = build_parser().parse_args(filled)
-    assert (args.cmd, args.name, args.metrics_port, args.drain_s) == ("worker", "host-gpu3", 9530, drain)
+    # no --name: the default is the host plus the instance, which the unit hands over
+    assert ("Environment", "CONDUCTOR_INSTANCE=%i") in svc
+    assert (args.cmd, args.name, args.metrics_port, args.drain_s) == ("worker", None, 9503, drain)
+    # one valid, distinct metrics port for every instance a host may run
+    ports = {build_parser().parse_args([a.replace("%i", str(n)) for a in argv[1:-1]]
+                                       + ["--model", "m"]).metrics_port for n in range(256)}
+    assert len(ports) == 256 and max(ports) <= 65535
     assert (args.engine, args.high_water, args.low_water) == ("torch", 48, 16)
     assert env["CONDUCTOR_REDIS_URL"].startswith("redis")
 

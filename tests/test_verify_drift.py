@@ -15,7 +15,7 @@ from workers.maintenance import Maintenance
 
 
 def _gauge(model: str, kind: str) -> float | None:
-    return REGISTRY.get_sample_value("conductor_counter_drift", {"model": model, "counter": kind})
+    return REGISTRY.get_sample_value("conductor_counter_drift", {"model": model, "counter": kind, "worker": "owner-1"})
 
 
 def _check(m: Maintenance) -> None:

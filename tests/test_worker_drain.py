@@ -64,7 +64,7 @@ def test_sigterm_with_a_short_drain_hands_back_what_did_not_finish(cdr, redis_ur
     # the metrics endpoint serves the worker's figures while it works
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     active = [float(line.split()[-1]) for line in body.splitlines()
-              if line.startswith('conductor_worker_active_slots{model="m",worker="A"}')]
+              if line.startswith('conductor_worker_active_sequences{model="m",worker="A"}')]
     assert active and active[0] > 0
     claimed = cdr.r.xpending(MK.batches, K.GROUP)["pending"]
     t = time.monotonic()

@@ -32,7 +32,7 @@ def test_a_scrape_shows_the_worker_figures_moving(cdr):
     for _ in range(2000):
         w.turn()
         now = scrape()
-        seen_active = max(seen_active, now[("conductor_worker_active_slots", ())])
+        seen_active = max(seen_active, now[("conductor_worker_active_sequences", ())])
         seen_gated = max(seen_gated, now[("conductor_worker_latch_gated", ())])
         if cdr.status("j")["done"] and not w.engine.active():
             break
@@ -45,7 +45,7 @@ def test_a_scrape_shows_the_worker_figures_moving(cdr):
     assert delta("conductor_finished_sequences_total") == 48
     assert delta("conductor_output_tokens_total") == w.output_tokens > 48
     assert seen_active == 8 and seen_gated == 1
-    assert after[("conductor_worker_active_slots", ())] == 0
+    assert after[("conductor_worker_active_sequences", ())] == 0
     assert delta("conductor_worker_latch_transitions_total") == w.latch.transitions >= 2
     assert delta("conductor_batch_items_count") == w.batches_claimed
     assert delta("conductor_batch_items_sum") == 48
@@ -56,7 +56,7 @@ def test_a_scrape_shows_the_worker_figures_moving(cdr):
     assert 0 < delta("conductor_batch_fill_ratio_sum") < w.batches_claimed
     assert delta("conductor_engine_step_seconds_count") == w.engine.counters.steps
     assert delta("conductor_worker_shape_switches_total") >= 1  # two shapes, one worker
-    assert after[("conductor_worker_retry_buffer", ())] == 0
+    assert after[("conductor_worker_retry_buffer_batches", ())] == 0
 
 
 def test_retry_buffer_depth_shows_while_redis_refuses_writes(fresh_server):
@@ -70,8 +70,38 @@ def test_retry_buffer_depth_shows_while_redis_refuses_writes(fresh_server):
     try:
         for _ in range(6):
             w.turn()
-        assert scrape("wr")[("conductor_worker_retry_buffer", ())] == 1
+        assert scrape("wr")[("conductor_worker_retry_buffer_batches", ())] == 1
     finally:
         c.r.config_set("min-replicas-to-write", 0)
     w.turn()
-    assert scrape("wr")[("conductor_worker_retry_buffer", ())] == 0
+    assert scrape("wr")[("conductor_worker_retry_buffer_batches", ())] == 0
+
+
+def test_every_worker_series_names_its_worker_and_gauges_their_unit(cdr):
+    from workers.maintenance import Maintenance
+    quick(cdr, MODEL)
+    cdr.submit([item(f"u{k}", 10, model=MODEL, prefix=(f"S{k % 3}",), max_tokens=4) for k in range(24)], "j")
+    maint = Maintenance(cdr, MODEL, "labelled", interval_s=0, verify_interval_s=3600)
+    maint.tick()  # positions its cursor on the finished-shapes stream
+    w = worker(cdr, sim(MODEL), name="labelled")
+    run_until_done(w)
+    maint._verify_next = 0.0
+    maint._next = 0.0
+    maint.tick()  # the thrash alarm, batches per shape and the drift check: the lease holder's series
+    maint.verify_thread.join(30)
+    fams = [f for f in text_string_to_metric_families(generate_latest(REGISTRY).decode())
+            if f.name.startswith("conductor_")]
+    ours = [s for f in fams for s in f.samples if s.labels.get("model") == MODEL]
+    names = {s.name for s in ours}
+    assert {"conductor_batch_fill_ratio_bucket", "conductor_padded_tokens_total", "conductor_actual_tokens_total",
+            "conductor_batches_per_shape_count", "conductor_counter_drift", "conductor_claim_seconds_count",
+            "conductor_prefix_hit_tokens_total"} <= names
+    unlabelled = sorted({s.name for s in ours if not s.labels.get("worker")})
+    assert not unlabelled, f"series without a worker label: {unlabelled}"
+    assert {s.labels["worker"] for s in ours if s.name == "conductor_counter_drift"} == {"labelled"}
+    units = ("_sequences", "_batches", "_ratio", "_tokens", "_items", "_seconds", "_lanes", "_entries")
+    flags = {"conductor_worker_latch_gated"}  # 0 or 1: a state, no unit
+    kinds = {"conductor_counter_drift"}  # counts in the unit of its counter label (tokens, items, batches)
+    # the text format shows a counter's or histogram's creation time as a gauge of its own
+    gauges = {f.name for f in fams if f.type == "gauge" and not f.name.endswith("_created")}
+    assert gauges and all(g.endswith(units) or g in flags | kinds for g in gauges), sorted(gauges)

@@ -14,6 +14,7 @@ import time
 
 import redis
 
+from conductor import metrics
 from conductor.client import Conductor
 from conductor.keys import ModelKeys
 from conductor.retention import trim_model
@@ -53,6 +54,10 @@ class Maintenance:
         self.verify_interval_s = verify_interval_s
         self._verify_next = time.monotonic() + verify_interval_s
         self.verify_thread: threading.Thread | None = None
+        # bound now, so the series exist (at 0) before the first shape finishes: an alert or a
+        # dashboard then reads 0, not "no data"
+        self._per_shape = metrics.BATCHES_PER_SHAPE.labels(model, owner)
+        self._thrashing = metrics.THRASHING_SHAPES.labels(model, owner)
 
     def tick(self) -> dict | None:
         now = time.monotonic()
@@ -88,6 +93,7 @@ class Maintenance:
 
     def _verify(self) -> None:
         from conductor.verify import watch_drift
+        metrics.WORKER.set(self.owner)  # this thread's own context: the drift series carry its worker
         try:
             watch_drift(self.c.r, self.model)
         except Exception as e:  # noqa: BLE001 - a check must never take its worker down
@@ -97,8 +103,6 @@ class Maintenance:
         """A shape that finished in under ``thrash_batches`` batches, more than twice the batches its
         items could fill (``could``: its tokens in reference budgets), did not pay for its switch: it
         ran in small pieces. A small shape run in the few batches it could fill is not thrashing."""
-        from conductor import metrics
-
         if self._finished_cursor == "$":
             last = self.c.r.xrevrange(self.keys.finished, count=1)
             self._finished_cursor = last[0][0].decode() if last else "0-0"
@@ -107,10 +111,10 @@ class Maintenance:
             self._finished_cursor = eid.decode()
             batches = int(f[b"batches"])
             self.batches_per_shape.append(batches)
-            metrics.BATCHES_PER_SHAPE.labels(self.model).observe(batches)
+            self._per_shape.observe(batches)
             could = int(f.get(b"could", 0))  # 0: an entry written before claim.lua counted it
             if batches < self.thrash_batches and batches > 2 * could:
-                metrics.THRASHING_SHAPES.labels(self.model).inc()
+                self._thrashing.inc()
                 log.critical(json.dumps({"event": "shape_thrashing", "model": self.model,
                                          "instance": f[b"inst"].decode(), "batches": batches,
                                          "could_fill": could, "threshold": self.thrash_batches}))

@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import threading
 import time
 from collections import deque
@@ -32,9 +31,10 @@ import redis
 
 from conductor import keys as K
 from conductor.client import Conductor
-from conductor.errors import Paused
+from conductor.errors import ConductorError, Paused
 from conductor.records import Batch, Contract, Result, ResultError
 from workers.engines.base import Engine, Finished
+from workers.identity import default_worker_name
 from workers.latch import AdmissionLatch
 from workers.sdnotify import Notifier
 from workers.transient import RIDE_OUT, is_transient
@@ -74,7 +74,7 @@ class Worker:
         self.engine = engine
         self.opts = opts or WorkerOptions()
         self.latch = AdmissionLatch(self.opts.high_water, self.opts.low_water)
-        self.name = self.opts.name or f"{socket.gethostname()}-{os.getpid()}"
+        self.name = self.opts.name or default_worker_name()
         self.contract: Contract = engine.contract
         self.keys = K.ModelKeys(self.contract.model)
         self.inflight: dict[str, _InFlight] = {}
@@ -117,6 +117,28 @@ class Worker:
         event("registered", worker=self.name, model=c.model, engine=self.engine.kind,
               max_batch_size=c.max_batch_size, max_batch_tokens=c.max_batch_tokens,
               max_input_len=c.max_input_len, high_water=self.latch.high, low_water=self.latch.low)
+
+    def take_name(self) -> None:
+        """Before a process starts working under its name: refuse a name a live worker uses (two
+        processes sharing one consumer would reclaim each other's batches), and hand back at once
+        what an earlier run under this name left pending (it died: its batches would otherwise
+        wait for the stale sweep, minutes, since this run's heartbeat keeps the name alive)."""
+        hb = self.keys.heartbeat(self.name)
+        seen, ttl_ms = self.c.r.get(hb), self.c.r.pttl(hb)
+        if seen is not None:
+            # a live owner renews its heartbeat (a new value) before the key expires; a dead one does not
+            deadline = time.monotonic() + max(0, ttl_ms) / 1000 + 0.1
+            while time.monotonic() < deadline:
+                time.sleep(0.1)
+                now = self.c.r.get(hb)
+                if now is None:
+                    break
+                if now != seen:
+                    raise ConductorError(f"worker name {self.name!r} is in use by a live worker of "
+                                         f"{self.contract.model}; give each worker its own --name")
+        if self.c.r.xpending_range(self.keys.batches, K.GROUP, "-", "+", 1, consumername=self.name):
+            res = self.c.reclaim_consumer(self.contract.model, self.name, force=True)
+            event("took_back", worker=self.name, batches=res["batches"], items=res["items"])
 
     def deregister(self) -> None:
         try:
@@ -228,7 +250,9 @@ class Worker:
         contract = Contract(model=self.contract.model, max_batch_size=size,
                             max_batch_tokens=self.contract.max_batch_tokens,
                             max_input_len=self.contract.max_input_len)
+        t = time.perf_counter()
         batch, self.last_claim = self.c.claim(contract, self.name)
+        self.metrics.claim_took(time.perf_counter() - t)
         if batch is None:
             return False
         self.batches_claimed += 1
@@ -286,6 +310,7 @@ class Worker:
         """One turn of the loop; returns whether anything happened."""
         busy = self._turn()
         self.metrics.state(self.engine.active(), self.latch.gated, self.latch.transitions, len(self.retry))
+        self.metrics.engine_counters(getattr(self.engine, "counters", None))
         return busy
 
     def _turn(self) -> bool:
@@ -309,6 +334,8 @@ class Worker:
         return busy
 
     def run(self) -> None:
+        self.c.ensure_model(self.contract.model)
+        self.take_name()
         self.register()
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self._hb_thread.start()

@@ -17,18 +17,21 @@ class WorkerMetrics:
         self.model = model
         self.budget_tokens = budget_tokens
         lw = (model, worker)
-        self.active = M.ACTIVE_SLOTS.labels(*lw)
+        self.active = M.ACTIVE_SEQUENCES.labels(*lw)
         self.gated = M.LATCH_GATED.labels(*lw)
         self.transitions = M.LATCH_TRANSITIONS.labels(*lw)
         self.finished = M.FINISHED.labels(*lw)
         self.output_tokens = M.OUTPUT_TOKENS.labels(*lw)
         self.step_seconds = M.STEP_SECONDS.labels(*lw)
-        self.retry_depth = M.RETRY_DEPTH.labels(*lw)
+        self.retry_depth = M.RETRY_BUFFER.labels(*lw)
+        self.claim_seconds = M.CLAIM_SECONDS.labels(*lw)
         self.shape_switches = M.SHAPE_SWITCHES.labels(*lw)
-        self.fill = M.BATCH_FILL.labels(model)
-        self.size = M.BATCH_SIZE.labels(model)
-        self.padded = M.PADDED_TOKENS.labels(model)
-        self.actual = M.ACTUAL_TOKENS.labels(model)
+        self.prefix_hits = M.PREFIX_HIT_TOKENS.labels(*lw)
+        self._prefix_hits_seen = 0
+        self.fill = M.BATCH_FILL.labels(*lw)
+        self.size = M.BATCH_SIZE.labels(*lw)
+        self.padded = M.PADDED_TOKENS.labels(*lw)
+        self.actual = M.ACTUAL_TOKENS.labels(*lw)
         self._last_shape = ""
         self._transitions_seen = 0
 
@@ -40,6 +43,9 @@ class WorkerMetrics:
         if self._last_shape and batch.shape != self._last_shape:
             self.shape_switches.inc()
         self._last_shape = batch.shape
+
+    def claim_took(self, seconds: float) -> None:
+        self.claim_seconds.observe(seconds)
 
     def stepped(self, seconds: float) -> None:
         self.step_seconds.observe(seconds)
@@ -56,3 +62,10 @@ class WorkerMetrics:
             self.transitions.inc(transitions - self._transitions_seen)
             self._transitions_seen = transitions
         self.retry_depth.set(retry_depth)
+
+    def engine_counters(self, counters: object) -> None:
+        """The engine's own tallies (sim and torch count prefix-cache hits; others may not)."""
+        hits = getattr(counters, "prefix_hit_tokens", None)
+        if isinstance(hits, int) and hits > self._prefix_hits_seen:
+            self.prefix_hits.inc(hits - self._prefix_hits_seen)
+            self._prefix_hits_seen = hits

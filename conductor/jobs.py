@@ -1,0 +1,76 @@
+"""The job list (``conductor jobs``): every job Redis knows, with its counters over its models."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from conductor import keys as K
+from conductor.client import Conductor
+
+
+@dataclass
+class JobRow:
+    job: str
+    created_ms: int
+    models: list[str] = field(default_factory=list)
+    submitted: int = 0
+    completed: int = 0
+    failed: int = 0
+    pending: int = 0
+
+    @property
+    def state(self) -> str:
+        """running: items wait or run; done: every item has a result, none failed; failed: every
+        item has a result, some are errors; empty: nothing was ever accepted."""
+        if self.pending > 0:
+            return "running"
+        if self.submitted == 0:
+            return "empty"
+        return "failed" if self.failed else "done"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "state": self.state}
+
+
+def list_jobs(c: Conductor, limit: int | None = None) -> list[JobRow]:
+    """The newest ``limit`` jobs (all when None), oldest first; two pipelined reads in all."""
+    stop = -1 if limit is None else limit - 1
+    newest = c.r.zrevrange(K.JOBS_KEY, 0, stop, withscores=True)
+    rows = [JobRow(job=_s(j), created_ms=int(ms)) for j, ms in reversed(newest)]
+    pipe = c.r.pipeline(transaction=False)
+    for row in rows:
+        pipe.smembers(K.job_models_key(row.job))
+    for row, models in zip(rows, pipe.execute(), strict=True):
+        row.models = sorted(_s(m) for m in models)
+    pipe = c.r.pipeline(transaction=False)
+    for row in rows:
+        for m in row.models:
+            pipe.hmget(K.ModelKeys(m).job(row.job), "submitted", "completed", "failed")
+    counts = iter(pipe.execute())
+    for row in rows:
+        for _ in row.models:
+            sub, done, failed = (int(v or 0) for v in next(counts))
+            row.submitted += sub
+            row.completed += done
+            row.failed += failed
+        row.pending = row.submitted - row.completed - row.failed
+    return rows
+
+
+def render(rows: list[JobRow]) -> str:
+    if not rows:
+        return "no jobs"
+    head = f"{'job':<24} {'created':<19} {'models':<20} {'submitted':>9} {'completed':>9} {'failed':>7} " \
+           f"{'pending':>7}  state"
+    out = [head]
+    for r in rows:
+        created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.created_ms / 1000))
+        out.append(f"{r.job:<24} {created:<19} {','.join(r.models) or '-':<20} {r.submitted:>9} {r.completed:>9} "
+                   f"{r.failed:>7} {r.pending:>7}  {r.state}")
+    return "\n".join(out)
+
+
+def _s(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v

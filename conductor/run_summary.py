@@ -1,0 +1,67 @@
+"""The figures ``conductor run`` ends with: batches, mean items per batch and padding from the
+result records themselves (each names its batch, batch size and padded length), and prefix-cache
+hits from the workers' own Prometheus endpoints (the engine counts them; nothing else knows)."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import msgspec
+from prometheus_client.parser import text_string_to_metric_families
+
+
+class _Row(msgspec.Struct):
+    batch: str = ""
+    batch_size: int = 0
+    batch_padded_len: int = 0
+    input_tokens: int = 0
+
+
+_decode = msgspec.json.Decoder(_Row).decode
+
+
+class RunSummary:
+    def __init__(self) -> None:
+        self.results = 0
+        self.actual_tokens = 0
+        self._batches: dict[str, int] = {}  # batch id -> its padded tokens
+        self.prefix_hit_tokens: int | None = None
+
+    def add(self, record: bytes) -> None:
+        row = _decode(record)
+        self.results += 1
+        if not row.batch:  # an item answered without running (dead-lettered): no batch to count
+            return
+        self.actual_tokens += row.input_tokens
+        self._batches.setdefault(row.batch, row.batch_padded_len * row.batch_size)
+
+    @property
+    def batches(self) -> int:
+        return len(self._batches)
+
+    def padding(self) -> float:
+        padded = sum(self._batches.values())
+        return 1 - self.actual_tokens / padded if padded else 0.0
+
+    def scrape_prefix_hits(self, ports: list[int], timeout_s: float = 2.0) -> None:
+        """Sum conductor_prefix_hit_tokens over the workers' endpoints; left None if any is unreadable
+        (a partial sum would understate the hits)."""
+        total = 0.0
+        for port in ports:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as resp:
+                    text = resp.read().decode()
+            except OSError:
+                return
+            for fam in text_string_to_metric_families(text):
+                if fam.name == "conductor_prefix_hit_tokens":
+                    total += sum(s.value for s in fam.samples if s.name.endswith("_total"))
+        self.prefix_hit_tokens = int(total)
+
+    def text(self) -> str:
+        mean = self.results / self.batches if self.batches else 0.0
+        hits = "prefix hits unknown" if self.prefix_hit_tokens is None else (
+            f"prefix hits {self.prefix_hit_tokens:,} tokens "
+            f"({self.prefix_hit_tokens / self.actual_tokens if self.actual_tokens else 0:.1%} of input tokens)")
+        return (f"{self.batches:,} batches, {mean:.1f} items per batch (mean), padding {self.padding():.1%} "
+                f"of dispatched tokens, {hits}")
