@@ -34,7 +34,8 @@ def test_jobs_lists_every_job_with_its_counters_and_state(redis_url, cdr, tmp_pa
     cli("submit", write(tmp_path / "b.jsonl", rows(2)), "--job", "failing-job", url=redis_url)
     b, _ = cdr.claim(CONTRACT, "w")
     cdr.complete(b, results_for(b, error=True))
-    cli("submit", write(tmp_path / "c.jsonl", rows(4) + rows(1, model="n", start=4)), "--job", "open-job", url=redis_url)
+    cli("submit", write(tmp_path / "c.jsonl", rows(4) + rows(1, model="n", start=4)), "--job", "open-job",
+        url=redis_url)
     listed = json.loads(cli("jobs", "--json", url=redis_url).stdout)
     got = {r["job"]: (r["models"], r["submitted"], r["completed"], r["failed"], r["pending"], r["state"])
            for r in listed}
