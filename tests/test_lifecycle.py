@@ -98,8 +98,8 @@ def test_warming_signal_then_switch_to_the_warmed_shape(cdr):
 
 
 def test_worker_prewarms_the_sim_engine_graphs(cdr):
-    from workers.engines.sim import SimEngine
-    from workers.worker import Worker, WorkerOptions
+    from conductor.workers.engines.sim import SimEngine
+    from conductor.workers.worker import Worker, WorkerOptions
     setup(cdr, activate_batches=1, prewarm_batches=2)
     cdr.submit([item(f"a{i}", 100, prefix=("A",)) for i in range(40)], "j")
     cdr.submit([item(f"b{i}", 100, prefix=("B",)) for i in range(24)], "j")
@@ -245,7 +245,7 @@ def test_lane_hygiene_force_drains_a_small_idle_lane(cdr):
 
 def test_thrash_alarm_counts_short_shapes(cdr, caplog):
     from conductor import metrics
-    from workers.maintenance import Maintenance
+    from conductor.workers.maintenance import Maintenance
     setup(cdr, activate_batches=0, drain_batches=100)
     m = Maintenance(cdr, "m", "w", interval_s=0)
     m.tick()  # positions the cursor
@@ -265,7 +265,7 @@ def test_thrash_alarm_counts_short_shapes(cdr, caplog):
 
 def test_a_small_shape_run_in_the_batches_it_could_fill_is_not_thrashing(cdr, caplog):
     from conductor import metrics
-    from workers.maintenance import Maintenance
+    from conductor.workers.maintenance import Maintenance
     setup(cdr, activate_batches=0, drain_batches=100)
     m = Maintenance(cdr, "m", "w", interval_s=0)
     m.tick()

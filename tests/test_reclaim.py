@@ -7,10 +7,10 @@ import time
 
 from conductor import keys as K
 from conductor.records import Contract
+from conductor.workers.engines.sim import SimEngine
+from conductor.workers.worker import Worker, WorkerOptions
 from tests.conftest import item
 from tests.helpers import drain, quick, results_for
-from workers.engines.sim import SimEngine
-from workers.worker import Worker, WorkerOptions
 
 MK = K.ModelKeys("m")
 
