@@ -17,7 +17,7 @@ import urllib.parse
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import redis
@@ -646,8 +646,11 @@ class Conductor:
     def fail(self, batch: Batch, consumer: str, reason: str) -> tuple[int, int]:
         """Give back a batch the engine could not run: (items requeued, items dead-lettered)."""
         mk = K.ModelKeys(batch.model)
-        k, d = self.scripts.fail(keys=[mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed],
-                                 args=[batch.batch_id, consumer, reason[:4096]])
+        try:
+            k, d = self.scripts.fail(keys=[mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed],
+                                     args=[batch.batch_id, consumer, reason[:4096]])
+        except redis.ResponseError as e:
+            _raise_script_error(e)
         return int(k), int(d)
 
     def reclaim_consumer(self, model: str, consumer: str, *, force: bool = False,
@@ -656,9 +659,12 @@ class Conductor:
         mk = K.ModelKeys(model)
         total = {"batches": 0, "items": 0, "dead": 0, "left": 0, "deleted": 0}
         while True:
-            b, k, d, left, deleted = self.scripts.reclaim(
-                keys=[mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed],
-                args=[consumer, 1 if force else 0, min_idle_ms, count])
+            try:
+                b, k, d, left, deleted = self.scripts.reclaim(
+                    keys=[mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed],
+                    args=[consumer, 1 if force else 0, min_idle_ms, count])
+            except redis.ResponseError as e:
+                _raise_script_error(e)
             total["batches"] += int(b)
             total["items"] += int(k)
             total["dead"] += int(d)
@@ -847,7 +853,7 @@ def _check_name(kind: str, value: str) -> None:
         raise BadInput(kind, str(e).split(": ", 1)[1]) from None
 
 
-def _raise_script_error(e: Exception) -> None:
+def _raise_script_error(e: Exception) -> NoReturn:
     msg = str(e)
     if msg.startswith("FULL"):
         raise QueueFull(msg) from None

@@ -951,10 +951,10 @@ def repair_items(r: redis.Redis, model: str) -> tuple[list[Change], list[str]]:
     Items counted queued that are in no place at all cannot be rebuilt: they stay ledger findings.
     Returns (changes, what could not be done); the counters are repaired after this.
     """
-    from conductor.scripts import source
+    from conductor.scripts import Scripts
 
     mk = K.ModelKeys(model)
-    script = r.register_script(source("repair_items"))
+    script = Scripts(r).repair_items
     keys = [mk.base, mk.state, mk.batches, mk.reclaimed]
     changes: list[Change] = []
     failed: list[str] = []

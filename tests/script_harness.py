@@ -416,6 +416,20 @@ def declare(c: Conductor) -> Call:
     return Call("declare", [MK.job("j"), MK.state], [5])
 
 
+def lease_free(c: Conductor) -> Call:
+    return Call("lease", [MK.maint_lease], ["w", 5000], check=lambda r: r.get(MK.maint_lease) == b"w")
+
+
+def lease_mine(c: Conductor) -> Call:
+    c.r.set(MK.maint_lease, "w", px=1000)
+    return Call("lease", [MK.maint_lease], ["w", 5000], check=lambda r: r.pttl(MK.maint_lease) > 1000)
+
+
+def lease_taken(c: Conductor) -> Call:
+    c.r.set(MK.maint_lease, "other", px=5000)
+    return Call("lease", [MK.maint_lease], ["w", 5000], check=lambda r: r.get(MK.maint_lease) == b"other")
+
+
 SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "claim": [claim_warming, claim_warmed_shape_activates, claim_reclaimed_part, claim_reclaimed_whole,
               claim_finish_and_next, claim_aging_preempts, claim_hygiene_drains, claim_hygiene_retires_empty,
@@ -435,6 +449,7 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "heartbeat": [heartbeat],
     "seal": [seal],
     "declare": [declare],
+    "lease": [lease_free, lease_mine, lease_taken],
 }
 
 
