@@ -33,9 +33,9 @@ from conductor.records import Batch, BatchItem, Contract, Result, json_encoder
 from conductor.schema import check as check_schema
 from conductor.scripts import Scripts
 
-# One submit.lua call blocks Redis for about 20 us per item here, so 1,000 items keep every
-# other client's wait near 20 ms; two calls in flight let the client encode the next call while
-# Redis runs the last one (bench/submit_claim.py: 1.5x over 500 items x 8 per round trip).
+# One submit.lua call blocks Redis for a time per item, so the chunk bounds every other client's
+# wait; two calls in flight let the client encode the next call while Redis runs the last one
+# (figures: bench/RESULTS.md, "Figures moved from code comments").
 SUBMIT_CHUNK = 1000  # items per submit.lua call
 SUBMIT_WINDOW = 2  # submit.lua calls in flight on the connection
 
@@ -563,7 +563,7 @@ class Conductor:
 
         Straight on a connection of its own, packed by hiredis, rather than through a redis-py
         pipeline and the pool: the claim is the hot call of every worker, and that bookkeeping
-        cost about 80 us per call here, a third of the script's server time (bench/RESULTS.md). A
+        cost a third of the script's server time (bench/RESULTS.md). A
         dropped connection raises, as a pipeline's would; claims are not retried blindly (the
         script may have run): the worker rides the error out and its next claim looks the lost
         batch up by its token (``_recover_lost_claim``).
