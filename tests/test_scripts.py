@@ -5,17 +5,14 @@ import re
 
 import pytest
 
-from conductor import keys as K
 from conductor.deadletter import DeadLetter
 from conductor.errors import Paused
 from conductor.records import Contract
 from conductor.scripts import NAMES, Scripts, source
 from tests.conftest import ROOT, item
-from tests.helpers import quick
+from tests.helpers import MK, quick
 
 C = Contract(model="m", max_batch_size=4, max_batch_tokens=8192, max_input_len=4096)
-MK = K.ModelKeys("m")
-
 
 def test_names_are_exactly_the_scripts_of_lua():
     run = sorted(p.stem for p in (ROOT / "lua").glob("*.lua") if not p.stem.startswith("lib"))
