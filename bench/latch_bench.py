@@ -32,8 +32,8 @@ from conductor.client import Conductor, connect  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
 from conductor.formats import parse_line  # noqa: E402
 from conductor.records import Batch, BatchItem  # noqa: E402
-from workers.engines.sim import SimEngine, SimParams  # noqa: E402
-from workers.worker import Worker, WorkerOptions  # noqa: E402
+from conductor.workers.engines.sim import SimEngine, SimParams  # noqa: E402
+from conductor.workers.worker import Worker, WorkerOptions  # noqa: E402
 
 MODEL = "latch-bench"
 PROMPT_TOKENS = 120  # one lane: padded to 120

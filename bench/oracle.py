@@ -9,7 +9,7 @@ The rule, in order:
    ``max_batch_tokens``; otherwise it opens the next batch. Every batch is pure (one shape) and
    full but for the last of each shape, with the least padding a length-sorted cut allows.
 2. **Estimate.** Each batch's work is estimated with the cost model the plan is made for (the
-   oracle knows every output length, ``workers.engines.sim.output_len``): ``sim_work`` for the
+   oracle knows every output length, ``conductor.workers.engines.sim.output_len``): ``sim_work`` for the
    sim, ``bench.static_cost.estimate`` plus one graph build (every batch has a padded length of
    its own) for the static model; the prefix is taken as cached. (bench/sweep.py makes one plan
    per model and, under the static model, keeps the better of the two plans' runs.)
@@ -44,7 +44,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.engines.sim import SimParams, output_len
+from conductor.workers.engines.sim import SimParams, output_len
 
 
 def pad8(n: int) -> int:

@@ -1,4 +1,4 @@
-"""A second cost model (issue 12): static batches, independent of ``workers.engines.sim``.
+"""A second cost model (issue 12): static batches, independent of ``conductor.workers.engines.sim``.
 
 It replays, per worker, the batches that worker received, in the order received, and prices
 them as a static-batch engine would: a batch runs to completion before the next one starts (no
@@ -7,7 +7,7 @@ continuous batching, no admission latch, no prewarm). One batch of n items padde
 * prefill: ``prefill_per_token`` x padded uncached tokens = n x plen minus the shape's prefix
   tokens of every item when this worker's previous batch had the same shape (the prefix is in
   its cache), else of every item but the first (the first computes it, the rest share it);
-* decode: the longest output in the batch (``workers.engines.sim.output_len``, the output
+* decode: the longest output in the batch (``conductor.workers.engines.sim.output_len``, the output
   every system's engine produces for the item) decode steps, each ``decode_base`` +
   ``decode_per_seq`` x n;
 * ``graph_build`` when (plen, shape) is new to this worker.
@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from workers.engines.sim import output_len
+from conductor.workers.engines.sim import output_len
 
 
 @dataclass(frozen=True)

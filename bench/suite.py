@@ -3,7 +3,7 @@
     .venv/bin/python bench/suite.py            # full mode (standard workload), rewrites RESULTS.md
     .venv/bin/python bench/suite.py --quick    # under 2 minutes; CI smoke size
 
-Systems, all with ``workers.engines.sim.SimEngine`` (a SIMULATED GPU: throughput figures are
+Systems, all with ``conductor.workers.engines.sim.SimEngine`` (a SIMULATED GPU: throughput figures are
 in simulated GPU seconds, ``SimEngine.counters.sim_seconds``, not wall time), the same
 contract (batch size, batch tokens, input length) and the same admission latch:
 
@@ -17,7 +17,7 @@ contract (batch size, batch tokens, input length) and the same admission latch:
   across the workers by estimated work (longest first, a deep shape split into length ranges
   over several workers), each worker running its own list shape after shape; its next batch's
   graph is prewarmed (free in the sim). Here it ignores arrival.
-* ``conductor``: Conductor.submit, then the real ``workers.worker.Worker`` loop (claim,
+* ``conductor``: Conductor.submit, then the real ``conductor.workers.worker.Worker`` loop (claim,
   engine, complete) against claim.lua and complete.lua; results read back and checked:
   every id exactly once.
 
@@ -58,9 +58,9 @@ from conductor.config import parse_value  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
 from conductor.formats import PreparedItem  # noqa: E402
 from conductor.records import Batch, BatchItem, result_decoder  # noqa: E402
-from workers.engines.sim import SimEngine  # noqa: E402
-from workers.latch import AdmissionLatch  # noqa: E402
-from workers.worker import Worker, WorkerOptions  # noqa: E402
+from conductor.workers.engines.sim import SimEngine  # noqa: E402
+from conductor.workers.latch import AdmissionLatch  # noqa: E402
+from conductor.workers.worker import Worker, WorkerOptions  # noqa: E402
 
 IDLE_QUANTUM = 0.002  # simulated seconds an idle worker waits before it looks again
 SYSTEMS = ("rq", "stream", "oracle", "conductor", "conductor-tuned")

@@ -13,7 +13,7 @@ seed but the issue's two reference points (seed 11). The 1M-item point is part o
 it alone takes about 4.5 minutes wall and 1 GB of memory on a 2-core machine (the whole sweep, see
 RESULTS.md); ``--quick`` runs only the three quick points.
 
-Systems per point, all on ``workers.engines.sim.SimEngine`` with the same contract and admission
+Systems per point, all on ``conductor.workers.engines.sim.SimEngine`` with the same contract and admission
 latch, scheduled in simulated time by ``bench.suite.drive``:
 
 * ``oracle``: ``bench/oracle.py`` (its docstring is the rule): length-sorted greedy full batches per
@@ -21,7 +21,7 @@ latch, scheduled in simulated time by ``bench.suite.drive``:
   each worker running its own list shape after shape. Planned once per cost model; on trickle points
   the best of several arrival windows per model.
 * ``stream``: a plain Redis stream, FIFO token-budget batching (``bench.suite.run_peer``).
-* ``conductor``: the real ``workers.worker.Worker`` loop against the real Lua scripts
+* ``conductor``: the real ``conductor.workers.worker.Worker`` loop against the real Lua scripts
   (``bench.suite.run_conductor``); every id must come back exactly once.
 
 Cost models: (1) the sim (finished sequences per simulated second, the fleet's makespan); (2) the
@@ -59,7 +59,7 @@ from bench.oracle import OBatch, Plan, plan, sim_work  # noqa: E402
 from bench.workload import Workload, WorkloadSpec, generate  # noqa: E402
 from conductor.client import connect  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
-from workers.worker import WorkerOptions  # noqa: E402
+from conductor.workers.worker import WorkerOptions  # noqa: E402
 
 SYSTEMS = ("oracle", "stream", "conductor")
 STATIC = static_cost.StaticParams()

@@ -135,7 +135,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 
 def build_engine(args: argparse.Namespace):  # noqa: ANN202
-    from workers.engines import make_engine
+    from conductor.workers.engines import make_engine
     kw: dict[str, Any] = {"model": args.model}
     if args.engine == "sim":
         kw.update(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
@@ -147,8 +147,8 @@ def build_engine(args: argparse.Namespace):  # noqa: ANN202
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from workers.latch import AdmissionLatch, LatchConfigError
-    from workers.worker import Worker, WorkerOptions
+    from conductor.workers.latch import AdmissionLatch, LatchConfigError
+    from conductor.workers.worker import Worker, WorkerOptions
     try:
         AdmissionLatch(args.high_water, args.low_water)
     except LatchConfigError as e:

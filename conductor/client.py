@@ -17,7 +17,7 @@ import urllib.parse
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import msgspec
 import redis
@@ -33,9 +33,9 @@ from conductor.records import Batch, BatchItem, Contract, Result, json_encoder
 from conductor.schema import check as check_schema
 from conductor.scripts import Scripts
 
-# One submit.lua call blocks Redis for about 20 us per item here, so 1,000 items keep every
-# other client's wait near 20 ms; two calls in flight let the client encode the next call while
-# Redis runs the last one (bench/submit_claim.py: 1.5x over 500 items x 8 per round trip).
+# One submit.lua call blocks Redis for a time per item, so the chunk bounds every other client's
+# wait; two calls in flight let the client encode the next call while Redis runs the last one
+# (figures: bench/RESULTS.md, "Figures moved from code comments").
 SUBMIT_CHUNK = 1000  # items per submit.lua call
 SUBMIT_WINDOW = 2  # submit.lua calls in flight on the connection
 
@@ -563,7 +563,7 @@ class Conductor:
 
         Straight on a connection of its own, packed by hiredis, rather than through a redis-py
         pipeline and the pool: the claim is the hot call of every worker, and that bookkeeping
-        cost about 80 us per call here, a third of the script's server time (bench/RESULTS.md). A
+        cost a third of the script's server time (bench/RESULTS.md). A
         dropped connection raises, as a pipeline's would; claims are not retried blindly (the
         script may have run): the worker rides the error out and its next claim looks the lost
         batch up by its token (``_recover_lost_claim``).
@@ -646,8 +646,11 @@ class Conductor:
     def fail(self, batch: Batch, consumer: str, reason: str) -> tuple[int, int]:
         """Give back a batch the engine could not run: (items requeued, items dead-lettered)."""
         mk = K.ModelKeys(batch.model)
-        k, d = self.scripts.fail(keys=[mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed],
-                                 args=[batch.batch_id, consumer, reason[:4096]])
+        try:
+            k, d = self.scripts.fail(keys=[mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed],
+                                     args=[batch.batch_id, consumer, reason[:4096]])
+        except redis.ResponseError as e:
+            _raise_script_error(e)
         return int(k), int(d)
 
     def reclaim_consumer(self, model: str, consumer: str, *, force: bool = False,
@@ -656,9 +659,12 @@ class Conductor:
         mk = K.ModelKeys(model)
         total = {"batches": 0, "items": 0, "dead": 0, "left": 0, "deleted": 0}
         while True:
-            b, k, d, left, deleted = self.scripts.reclaim(
-                keys=[mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed],
-                args=[consumer, 1 if force else 0, min_idle_ms, count])
+            try:
+                b, k, d, left, deleted = self.scripts.reclaim(
+                    keys=[mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed],
+                    args=[consumer, 1 if force else 0, min_idle_ms, count])
+            except redis.ResponseError as e:
+                _raise_script_error(e)
             total["batches"] += int(b)
             total["items"] += int(k)
             total["dead"] += int(d)
@@ -847,7 +853,7 @@ def _check_name(kind: str, value: str) -> None:
         raise BadInput(kind, str(e).split(": ", 1)[1]) from None
 
 
-def _raise_script_error(e: Exception) -> None:
+def _raise_script_error(e: Exception) -> NoReturn:
     msg = str(e)
     if msg.startswith("FULL"):
         raise QueueFull(msg) from None

@@ -12,9 +12,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import redis
+
 from conductor import keys as K
-from conductor.client import Conductor
-from conductor.scripts import source
+from conductor.client import Conductor, _raise_script_error
 
 _CHUNK = 500
 
@@ -41,7 +42,7 @@ def _s(v: bytes | str) -> str:
 class DeadLetter:
     def __init__(self, conductor: Conductor) -> None:
         self.c = conductor
-        self._retry = conductor.r.register_script(source("dead_retry"))
+        self._retry = conductor.scripts.dead_retry
 
     def _models(self, model: str | None) -> list[str]:
         return [model] if model else self.c.models()
@@ -74,8 +75,11 @@ class DeadLetter:
         for m, entries in self._by_model(model, job).items():
             mk = K.ModelKeys(m)
             for start in range(0, len(entries), _CHUNK):
-                done, skipped = self._retry(keys=[mk.base, mk.state, mk.dead, mk.reclaimed],
-                                            args=entries[start:start + _CHUNK])
+                try:
+                    done, skipped = self._retry(keys=[mk.base, mk.state, mk.dead, mk.reclaimed],
+                                                args=entries[start:start + _CHUNK])
+                except redis.ResponseError as e:
+                    _raise_script_error(e)
                 total["retried"] += int(done)
                 total["skipped"] += int(skipped)
         return total

@@ -16,13 +16,6 @@ class Contract(msgspec.Struct, frozen=True):
     max_input_len: int
 
 
-class Body(msgspec.Struct, array_like=True):
-    """What a lane entry stores besides its plain fields: the non-cacheable part of an item."""
-
-    prompt: str
-    payload: Any = None
-
-
 class BatchItem(msgspec.Struct, array_like=True, gc=False):
     """One item of a batch. Array-like: an item record in Redis is the JSON array
     ``[id, job, input_tokens, max_tokens, prompt, payload]`` (conductor/keys.py), which decodes
@@ -98,5 +91,3 @@ class Result(msgspec.Struct, omit_defaults=False):
 
 json_encoder = msgspec.json.Encoder()
 result_decoder = msgspec.json.Decoder(Result)
-body_encoder = msgspec.msgpack.Encoder()
-body_decoder = msgspec.msgpack.Decoder(Body)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from conductor import keys as K
 from conductor.client import Conductor
-from conductor.scripts import source
 
 FINISHED_KEEP = 10_000
 
@@ -16,15 +15,14 @@ FINISHED_KEEP = 10_000
 def trim_model(c: Conductor, model: str, *, finished_keep: int = FINISHED_KEEP) -> dict[str, int | str]:
     """Trim the batches stream below its oldest pending batch and the finished stream to a length."""
     mk = K.ModelKeys(model)
-    script = c.r.register_script(source("trim"))
-    batches, finished, oldest = script(keys=[mk.batches, mk.finished], args=[finished_keep])
+    batches, finished, oldest = c.scripts.trim(keys=[mk.batches, mk.finished], args=[finished_keep])
     return {"batches": int(batches), "finished": int(finished),
             "oldest_pending": oldest.decode() if isinstance(oldest, bytes) else str(oldest)}
 
 
 def trim_job_results(c: Conductor, job: str, before_ms: int) -> int:
     """Drop results of ``job`` written before ``before_ms``; refused while the job has work left."""
-    script = c.r.register_script(source("trim_results"))
+    script = c.scripts.trim_results
     n = 0
     for model in c.job_models(job):
         mk = K.ModelKeys(model)

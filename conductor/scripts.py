@@ -13,8 +13,9 @@ from importlib import resources
 import redis
 
 _INCLUDE = re.compile(r"^--@include\s+(\S+)\s*$", re.M)
+# Every script of lua/ that is run (lib*.lua are includes); tests/test_scripts.py holds the two to each other.
 NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex", "seal", "ensure_model", "register",
-         "heartbeat", "declare")
+         "heartbeat", "declare", "dead_retry", "repair_items", "trim", "trim_results", "lease")
 
 
 @functools.cache
@@ -43,3 +44,8 @@ class Scripts:
     register: redis.commands.core.Script
     heartbeat: redis.commands.core.Script
     declare: redis.commands.core.Script
+    dead_retry: redis.commands.core.Script
+    repair_items: redis.commands.core.Script
+    trim: redis.commands.core.Script
+    trim_results: redis.commands.core.Script
+    lease: redis.commands.core.Script

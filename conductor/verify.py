@@ -44,11 +44,8 @@ in-flight MULTI once their names are known). Bigger ones are read in pages (SCAN
 XPENDING with COUNT, LRANGE of bounded ranges) and are not one snapshot: against a live system such a row, or a
 row whose key appeared between two reads (a new shape instance, a changed config), can differ
 only because a script ran in between. Run against a quiet system, or re-check:
-``verify_confirmed`` reports only rows that differ the same way in two passes. Measured here
-with lane lists (schema 2): 100,000 waiting items of one job in 20 shapes verify in 0.4 s (1.0 s
-with the ledger), the longest single server step 1 ms (an HSCAN page of the job's items); with
-lane streams (schema 1), on a live run of two sim workers under steady intake, 3 of 29 single
-passes showed a transient row, none confirmed.
+``verify_confirmed`` reports only rows that differ the same way in two passes (timings and
+transient rows seen on a live run: bench/RESULTS.md, "Figures moved from code comments").
 
 ``repair`` rewrites counters from the truth: each shape instance (its lanes, metas, indices,
 counters and staged score) in one Lua call (lua/repair.lua), then the model's counters (as the
@@ -951,10 +948,10 @@ def repair_items(r: redis.Redis, model: str) -> tuple[list[Change], list[str]]:
     Items counted queued that are in no place at all cannot be rebuilt: they stay ledger findings.
     Returns (changes, what could not be done); the counters are repaired after this.
     """
-    from conductor.scripts import source
+    from conductor.scripts import Scripts
 
     mk = K.ModelKeys(model)
-    script = r.register_script(source("repair_items"))
+    script = Scripts(r).repair_items
     keys = [mk.base, mk.state, mk.batches, mk.reclaimed]
     changes: list[Change] = []
     failed: list[str] = []

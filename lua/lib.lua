@@ -119,7 +119,7 @@ end
 -- ok('HSET', key) and ok('DEL', k1, k2) and ... (ok is redis.acl_check_cmd; subcommands as in
 -- ok('XGROUP', 'DELCONSUMER', key)). Keys named per shape instance, lane, batch or job are checked
 -- by one name of their pattern, so the cost is one check per distinct command and key pattern
--- (0.1-0.2 us each, measured), not per key or item; the chain builds no table. Returns the error
+-- (figure: bench/RESULTS.md), not per key or item; the chain builds no table. Returns the error
 -- reply to return ('NOPERM ...', naming the first refused command; nothing written), or nil.
 local function acl_refused(checks)
   local check = redis.acl_check_cmd

@@ -26,9 +26,9 @@
 -- A re-sent id with the same content is a duplicate (-1); with other content it is another
 --   job's item under a reused job name, whose old results a reader would take for its own.
 -- Writes each record as sent to its lane list, and its input tokens to the lane's token list at
---   the same position. The producer builds the record: building it here cost 1.8 us of the
---   6.4 us of server time per item (bench/submit_profile.py), and the decode that checks it
---   is needed anyway.
+--   the same position. The producer builds the record: building it here cost over a quarter
+--   of the server time per item (bench/RESULTS.md, bench/submit_profile.py), and the decode
+--   that checks it is needed anyway.
 -- Invariants: every argument is checked before the first write (all or nothing per call);
 --   a lane list and its token list always have the same length, in the same order;
 --   lanes only grow and are never merged; a draining or finished shape instance never takes

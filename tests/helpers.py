@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import time
 
+from conductor import keys as K
 from conductor.client import Conductor
 from conductor.records import Batch, Contract, Result
+
+MK = K.ModelKeys("m")  # the keys of model "m", the model most tests use
+
+
+def contract(size: int = 64, tokens: int = 8192, *, model: str = "m", max_input_len: int = 100000) -> Contract:
+    """A worker's contract: batch size and token budget, for model "m" unless told."""
+    return Contract(model=model, max_batch_size=size, max_batch_tokens=tokens, max_input_len=max_input_len)
 
 
 def results_for(batch: Batch, worker: str = "w", error: bool = False) -> list[Result]:

@@ -15,9 +15,9 @@ import sys
 
 from conductor.client import Conductor
 from conductor.records import Batch, BatchItem
-from workers.engines.base import Finished
-from workers.engines.sim import SimEngine
-from workers.worker import Worker, WorkerOptions
+from conductor.workers.engines.base import Finished
+from conductor.workers.engines.sim import SimEngine
+from conductor.workers.worker import Worker, WorkerOptions
 
 
 class PoisonedSim(SimEngine):

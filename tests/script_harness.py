@@ -20,12 +20,10 @@ import redis
 from conductor import keys as K
 from conductor.client import Conductor
 from conductor.deadletter import DeadLetter
-from conductor.records import Contract
 from conductor.scripts import source
 from tests.conftest import ROOT, item
-from tests.helpers import quick, results_for
+from tests.helpers import MK, contract, quick, results_for
 
-MK = K.ModelKeys("m")
 LUA = ROOT / "lua"
 
 
@@ -36,10 +34,6 @@ class Call:
     args: list[Any]
     # what the call must have done when run as the default user (the branch it is there for)
     check: Callable[[redis.Redis], Any] | None = None
-
-
-def contract(size: int = 64, tokens: int = 8192) -> Contract:
-    return Contract(model="m", max_batch_size=size, max_batch_tokens=tokens, max_input_len=4096)
 
 
 def claim_call(consumer: str = "w", size: int = 64, tokens: int = 8192, token: str = "t0k3n") -> Call:
@@ -92,8 +86,8 @@ def claim_warming(c: Conductor) -> Call:
 def claim_warmed_shape_activates(c: Conductor) -> Call:
     """The active shape is empty: it drains and finishes, and the warming one activates."""
     call = claim_warming(c)
-    assert c.claim(contract(4, 64), "w0")[0] is not None
-    assert c.claim(contract(64, 8192), "w0")[0] is not None  # the rest of the active shape
+    assert c.claim(contract(4, 64, max_input_len=4096), "w0")[0] is not None
+    assert c.claim(contract(64, 8192, max_input_len=4096), "w0")[0] is not None  # the rest of the active shape
     assert c.r.hget(MK.state, "warming")
     call.args[0] = "w0"  # each worker warms its own next shape: w0's is the one it switches to
     call.check = lambda r: not r.hget(MK.state, "warming") and r.hget(MK.state, "shapes_finished") == b"1"
@@ -103,7 +97,7 @@ def claim_warmed_shape_activates(c: Conductor) -> Call:
 def claim_reclaimed_part(c: Conductor) -> Call:
     quick(c)
     c.submit([item(i, 10) for i in range(6)], "j")
-    c.claim(contract(6), "dead")
+    c.claim(contract(6, max_input_len=4096), "dead")
     assert c.reclaim_dead("m")["items"] == 6
     return claim_call(size=4)
 
@@ -117,7 +111,7 @@ def claim_reclaimed_whole(c: Conductor) -> Call:
 def claim_finish_and_next(c: Conductor) -> Call:
     quick(c, budget_tokens=64, budget_items=4, quiet_ms=60000)
     c.submit([item(f"a{i}", 10, prefix=("A",)) for i in range(2)], "j")
-    assert len(c.claim(contract(8), "w0")[0].items) == 2
+    assert len(c.claim(contract(8, max_input_len=4096), "w0")[0].items) == 2
     c.submit([item(f"b{i}", 10, prefix=("B",)) for i in range(6)], "j")
     return claim_call()
 
@@ -125,7 +119,7 @@ def claim_finish_and_next(c: Conductor) -> Call:
 def claim_aging_preempts(c: Conductor) -> Call:
     quick(c, budget_tokens=64, budget_items=4, quiet_ms=60000, aging_ms=0)
     c.submit([item(f"a{i}", 10 + i % 3 * 30, prefix=("A",)) for i in range(40)], "j")
-    assert c.claim(contract(4, 64), "w0")[0] is not None
+    assert c.claim(contract(4, 64, max_input_len=4096), "w0")[0] is not None
     c.submit([item(f"b{i}", 10, prefix=("B",)) for i in range(2)], "j")
     c.r.hset(MK.cfg, "aging_ms", 1)
     c.r.hset(MK.state, "sweep_ms", 0)
@@ -150,7 +144,7 @@ def claim_hygiene_drains(c: Conductor) -> Call:
     lanes = {int(rep): lane.decode() for lane, rep in c.r.zrange(MK.inst_lanes(inst), 0, -1, withscores=True)}
     c.r.zadd(MK.inst_ready(inst), {lanes[200]: int(lanes[200])})
     c.r.hset(MK.state, "gate", 1)
-    b, _ = c.claim(contract(64, 600), "w0")  # the whole 200-token lane, no neighbour fits beside it
+    b, _ = c.claim(contract(64, 600, max_input_len=4096), "w0")  # the whole 200-token lane, no neighbour fits beside it
     assert b is not None and b.padded_len == 200 and len(b.items) == 3, b
     c.r.hset(MK.cfg, "hygiene_idle_ms", 1)
     c.r.hset(MK.state, "sweep_ms", 0)
@@ -230,7 +224,7 @@ def submit_known_shape_without_prefix(c: Conductor) -> Call:
 def complete_final(c: Conductor) -> Call:
     quick(c)
     c.submit([item(i, 10) for i in range(4)], "j")
-    b, _ = c.claim(contract(), "w")
+    b, _ = c.claim(contract(max_input_len=4096), "w")
     res = results_for(b)
     res[1] = results_for(b, error=True)[1]
     c.complete(b, res[:1], final=False)
@@ -240,7 +234,7 @@ def complete_final(c: Conductor) -> Call:
 def complete_retired(c: Conductor) -> Call:
     quick(c)
     c.submit([item(i, 10) for i in range(4)], "j")
-    b, _ = c.claim(contract(), "w")
+    b, _ = c.claim(contract(max_input_len=4096), "w")
     c.complete(b, results_for(b))
     return complete_call(b, results_for(b))
 
@@ -250,8 +244,8 @@ def complete_retired(c: Conductor) -> Call:
 def reclaim_dead_consumer(c: Conductor) -> Call:
     quick(c, max_deliveries=1)
     c.submit([item(i, 10) for i in range(6)], "j")
-    b1, _ = c.claim(contract(2), "dead")
-    c.claim(contract(2), "dead")
+    b1, _ = c.claim(contract(2, max_input_len=4096), "dead")
+    c.claim(contract(2, max_input_len=4096), "dead")
     c.complete(b1, results_for(b1)[:1], final=False)  # an item with a result is dropped
     c.r.hset(MK.workers, "dead", "{}")
     return reclaim_call("dead")
@@ -260,21 +254,21 @@ def reclaim_dead_consumer(c: Conductor) -> Call:
 def fail_requeues(c: Conductor) -> Call:
     quick(c)
     c.submit([item(i, 10) for i in range(4)], "j")
-    b, _ = c.claim(contract(), "w")
+    b, _ = c.claim(contract(max_input_len=4096), "w")
     return fail_call(b, "w")
 
 
 def fail_dead_letters(c: Conductor) -> Call:
     quick(c, max_deliveries=1)
     c.submit([item(i, 10) for i in range(4)], "j")
-    b, _ = c.claim(contract(), "w")
+    b, _ = c.claim(contract(max_input_len=4096), "w")
     return fail_call(b, "w")
 
 
 def dead_retry(c: Conductor) -> Call:
     quick(c, max_deliveries=1)
     c.submit([item(i, 10) for i in range(3)], "j")
-    b, _ = c.claim(contract(), "w")
+    b, _ = c.claim(contract(max_input_len=4096), "w")
     c.fail(b, "w", "boom")
     ids = [d.entry for d in DeadLetter(c).items(model="m")]
     assert len(ids) == 3
@@ -324,8 +318,8 @@ def repair_gone_instance(c: Conductor) -> Call:
 def trim_pending(c: Conductor) -> Call:
     quick(c)
     c.submit([item(i, 10) for i in range(4)], "j")
-    b, _ = c.claim(contract(1), "w")
-    c.claim(contract(1), "w")
+    b, _ = c.claim(contract(1, max_input_len=4096), "w")
+    c.claim(contract(1, max_input_len=4096), "w")
     c.complete(b, results_for(b))
     c.r.xadd(MK.finished, {"inst": "x:1", "batches": 1, "ms": 0})
     return Call("trim", [MK.batches, MK.finished], [0])
@@ -334,7 +328,7 @@ def trim_pending(c: Conductor) -> Call:
 def trim_idle(c: Conductor) -> Call:
     quick(c)
     c.submit([item(i, 10) for i in range(2)], "j")
-    b, _ = c.claim(contract(), "w")
+    b, _ = c.claim(contract(max_input_len=4096), "w")
     c.complete(b, results_for(b))
     return Call("trim", [MK.batches, MK.finished], [0])
 
@@ -342,7 +336,7 @@ def trim_idle(c: Conductor) -> Call:
 def trim_results(c: Conductor) -> Call:
     quick(c)
     c.submit([item(i, 10) for i in range(2)], "j")
-    b, _ = c.claim(contract(), "w")
+    b, _ = c.claim(contract(max_input_len=4096), "w")
     c.complete(b, results_for(b))
     return Call("trim_results", [MK.job("j"), MK.job_results("j")], [int(time.time() * 1000) + 1000])
 
@@ -355,8 +349,8 @@ def repair_items_leaked_batch(c: Conductor) -> Call:
     """A batch acked but never deleted (leaked), one of its items done; another batch pending."""
     quick(c)
     c.submit([item(i, 10) for i in range(8)], "j")
-    b, _ = c.claim(contract(4), "w")
-    c.claim(contract(4), "w2")
+    b, _ = c.claim(contract(4, max_input_len=4096), "w")
+    c.claim(contract(4, max_input_len=4096), "w2")
     c.complete(b, results_for(b)[:1], final=False)
     c.r.xack(MK.batches, K.GROUP, b.batch_id)
     token = c.r.xrange(MK.batches, b.batch_id, b.batch_id)[0][1][b"k"].decode()
@@ -400,8 +394,8 @@ def register(c: Conductor) -> Call:
 def heartbeat(c: Conductor) -> Call:
     quick(c)
     c.submit([item(i, 10) for i in range(4)], "j")
-    b1, _ = c.claim(contract(2), "w")
-    b2, _ = c.claim(contract(2), "other")
+    b1, _ = c.claim(contract(2, max_input_len=4096), "w")
+    b2, _ = c.claim(contract(2, max_input_len=4096), "other")
     return Call("heartbeat", [MK.heartbeat("w"), MK.batches], ["w", 1, 10000, b1.batch_id, b2.batch_id, "1-0"])
 
 
@@ -414,6 +408,20 @@ def declare(c: Conductor) -> Call:
     quick(c)
     c.r.hset(MK.job("j"), "declared", 3)
     return Call("declare", [MK.job("j"), MK.state], [5])
+
+
+def lease_free(c: Conductor) -> Call:
+    return Call("lease", [MK.maint_lease], ["w", 5000], check=lambda r: r.get(MK.maint_lease) == b"w")
+
+
+def lease_mine(c: Conductor) -> Call:
+    c.r.set(MK.maint_lease, "w", px=1000)
+    return Call("lease", [MK.maint_lease], ["w", 5000], check=lambda r: r.pttl(MK.maint_lease) > 1000)
+
+
+def lease_taken(c: Conductor) -> Call:
+    c.r.set(MK.maint_lease, "other", px=5000)
+    return Call("lease", [MK.maint_lease], ["w", 5000], check=lambda r: r.get(MK.maint_lease) == b"other")
 
 
 SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
@@ -435,6 +443,7 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "heartbeat": [heartbeat],
     "seal": [seal],
     "declare": [declare],
+    "lease": [lease_free, lease_mine, lease_taken],
 }
 
 

@@ -12,18 +12,16 @@ from pathlib import Path
 import pytest
 import redis
 
-from conductor import keys as K
 from conductor.client import Conductor, connect
 from conductor.embedded import free_port
 from conductor.errors import RedisUnavailable
 from conductor.records import Contract
 from tests.conftest import ROOT, cli, item
-from tests.helpers import quick, results_for
+from tests.helpers import MK, quick, results_for
 from tests.secure_redis import SecureRedis
 
 ACL = ROOT / "deploy" / "redis" / "users.acl"
 ROLES = ("producer", "worker", "reader", "admin")
-MK = K.ModelKeys("m")
 C = Contract(model="m", max_batch_size=8, max_batch_tokens=8192, max_input_len=4096)
 # a refused command, and one refused inside a script
 NOPERM = r"(?i)noperm|no permissions|can't run this command"

@@ -10,14 +10,12 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conductor import keys as K
 from conductor.errors import BadInput
 from conductor.formats import PreparedItem, parse_line
 from conductor.records import Contract
 from tests.conftest import item
-from tests.helpers import quick, submit_argv
+from tests.helpers import MK, quick, submit_argv
 
-MK = K.ModelKeys("m")
 SETTINGS = settings(max_examples=50, deadline=None, database=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 TEN_MB = "x" * (10 * 1024 * 1024)

@@ -4,11 +4,7 @@ from conductor import keys as K
 from conductor.client import Conductor, connect
 from conductor.records import Contract
 from tests.conftest import item
-from tests.helpers import drain, quick, results_for
-
-
-def contract(size=64, tokens=8192, model="m"):
-    return Contract(model=model, max_batch_size=size, max_batch_tokens=tokens, max_input_len=100000)
+from tests.helpers import contract, drain, quick, results_for
 
 
 def test_memory_mode_pads_to_longest_rounded_to_8_and_closes_on_tokens(cdr):

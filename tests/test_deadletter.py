@@ -13,9 +13,8 @@ from conductor import keys as K
 from conductor.deadletter import DeadLetter
 from conductor.records import Contract
 from tests.conftest import ROOT, cli, item
-from tests.helpers import drain, quick, results_for
+from tests.helpers import MK, drain, quick, results_for
 
-MK = K.ModelKeys("m")
 C = Contract(model="m", max_batch_size=64, max_batch_tokens=8192, max_input_len=4096)
 
 

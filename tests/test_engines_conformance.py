@@ -12,11 +12,11 @@ import os
 import pytest
 
 from conductor.records import Batch, BatchItem
+from conductor.workers.engines import make_engine
+from conductor.workers.engines.base import Engine
 from tests.conftest import cli, item
 from tests.helpers import quick
 from tests.worker_kit import run_until_done, worker
-from workers.engines import make_engine
-from workers.engines.base import Engine
 
 ENGINES = ["sim", "torch"] + (["trtllm"] if importlib.util.find_spec("tensorrt_llm") else [])
 MAX_INPUT = 64

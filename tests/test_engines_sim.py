@@ -2,7 +2,7 @@
 prompt; 'newest' protects old sequences so all finish exactly once; 'largest' thrashes."""
 
 from conductor.records import Batch, BatchItem
-from workers.engines.sim import SimEngine, SimParams, output_len
+from conductor.workers.engines.sim import SimEngine, SimParams, output_len
 
 
 def fill(eng: SimEngine, n: int) -> list[BatchItem]:

@@ -6,7 +6,7 @@ import pytest
 import torch  # the torch extra is part of the README's test install: no skip here
 
 from conductor.records import Batch, BatchItem
-from workers.engines.torch_engine import TorchEngine
+from conductor.workers.engines.torch_engine import TorchEngine
 
 
 def batch(shape: str, prefix: list[str], prompts: list[str], max_tokens: int = 12, bid: str = "1-0") -> Batch:

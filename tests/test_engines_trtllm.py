@@ -9,9 +9,9 @@ import pytest
 
 from conductor import keys as K
 from conductor.client import Conductor
+from conductor.workers.engines import make_engine
+from conductor.workers.engines.base import EngineConfigError, EngineUnavailable
 from tests.conftest import cli
-from workers.engines import make_engine
-from workers.engines.base import EngineConfigError, EngineUnavailable
 
 HAVE_TRTLLM = importlib.util.find_spec("tensorrt_llm") is not None
 

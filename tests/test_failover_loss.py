@@ -8,12 +8,10 @@ from __future__ import annotations
 import json
 import time
 
-from conductor import keys as K
 from conductor.client import Conductor, connect
 from conductor.embedded import EmbeddedRedis
 from tests.conftest import cli
-
-MK = K.ModelKeys("m")
+from tests.helpers import MK
 
 
 def _wait(cond, what: str, timeout: float = 20.0) -> None:

@@ -12,9 +12,8 @@ from conductor.errors import QueueFull
 from conductor.records import Contract
 from conductor.retention import trim_job_results, trim_model
 from tests.conftest import item
-from tests.helpers import drain, quick, results_for
+from tests.helpers import MK, drain, quick, results_for
 
-MK = K.ModelKeys("m")
 ONE = Contract(model="m", max_batch_size=1, max_batch_tokens=8192, max_input_len=4096)
 C = Contract(model="m", max_batch_size=64, max_batch_tokens=8192, max_input_len=4096)
 

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from conductor import keys as K
+from conductor.workers.latch import AdmissionLatch, LatchConfigError
+from conductor.workers.worker import Worker, WorkerOptions
 from tests.conftest import cli
 from tests.worker_kit import run_until_done, sim, submit, worker
-from workers.latch import AdmissionLatch, LatchConfigError
-from workers.worker import Worker, WorkerOptions
 
 
 @pytest.mark.parametrize("high,low", [(8, None), (None, 2)])

@@ -3,17 +3,9 @@
 import threading
 import time
 
-from conductor import keys as K
-from conductor.records import Contract
 from conductor.signature import shape_signature
 from tests.conftest import item
-from tests.helpers import drain, results_for
-
-MK = K.ModelKeys("m")
-
-
-def contract(size=8, tokens=800):
-    return Contract(model="m", max_batch_size=size, max_batch_tokens=tokens, max_input_len=100000)
+from tests.helpers import MK, contract, drain, results_for
 
 
 def inst(prefix, ep=1):
@@ -36,10 +28,10 @@ def setup(c, **extra):
 def test_staged_until_activation_threshold_then_active(cdr):
     setup(cdr)
     cdr.submit([item(f"a{i}", 100, prefix=("A",)) for i in range(7)], "j")  # 700: not one full batch
-    assert cdr.claim(contract(), "w") == (None, "wait")
+    assert cdr.claim(contract(8, 800), "w") == (None, "wait")
     assert state(cdr, inst("A")) == "staged"
     cdr.submit([item(f"a{i}", 100, prefix=("A",)) for i in range(7, 17)], "j")  # 1700 >= 2 x 800
-    b, _ = cdr.claim(contract(), "w")
+    b, _ = cdr.claim(contract(8, 800), "w")
     assert b is not None and state(cdr, inst("A")) == "active"
     assert cdr.r.hget(MK.inst(inst("A")), "activated_by") == b"threshold"
 
@@ -47,7 +39,7 @@ def test_staged_until_activation_threshold_then_active(cdr):
 def test_a_worker_with_nothing_else_activates_a_staged_shape_holding_a_full_batch(cdr):
     setup(cdr, activate_batches=4)
     cdr.submit([item(f"a{i}", 96, prefix=("A",)) for i in range(9)], "j")  # 864: one batch, < 4 x 800
-    b, _ = cdr.claim(contract(), "w")  # rather than idle until intake goes quiet
+    b, _ = cdr.claim(contract(8, 800), "w")  # rather than idle until intake goes quiet
     assert b is not None and len(b.items) == 8 and state(cdr, inst("A")) == "active"
     assert cdr.r.hget(MK.inst(inst("A")), "activated_by") == b"depth"
 
@@ -55,12 +47,12 @@ def test_a_worker_with_nothing_else_activates_a_staged_shape_holding_a_full_batc
 def test_active_shape_merges_new_items_into_existing_lanes(cdr):
     setup(cdr, activate_batches=0)
     cdr.submit([item(f"a{i}", 100, prefix=("A",)) for i in range(20)], "j")
-    b, _ = cdr.claim(contract(), "w")
+    b, _ = cdr.claim(contract(8, 800), "w")
     lanes_before = cdr.r.zrange(MK.inst_lanes(inst("A")), 0, -1)
     cdr.submit([item(f"late{i}", 100, prefix=("A",)) for i in range(8)], "j")
     assert cdr.r.zrange(MK.inst_lanes(inst("A")), 0, -1) == lanes_before
     assert int(cdr.r.hget(MK.shape(shape_signature(["A"])), "epoch")) == 1  # no fresh shape record
-    rest = drain(cdr, contract())
+    rest = drain(cdr, contract(8, 800))
     assert {x.epoch for x in rest} == {1}
     assert sum(len(x.items) for x in rest) + len(b.items) == 28
 
@@ -69,7 +61,7 @@ def test_finished_instance_returns_every_lane(cdr):
     setup(cdr, activate_batches=0, drain_batches=100)
     cdr.submit([item(f"a{i}", 20 + 150 * (i % 4), prefix=("A",)) for i in range(16)], "j")
     assert cdr.r.zcard(MK.inst_lanes(inst("A"))) == 4
-    drain(cdr, contract(tokens=100000))
+    drain(cdr, contract(8, 100000))
     assert not cdr.r.exists(MK.inst(inst("A")), MK.inst_lanes(inst("A")), MK.inst_fill(inst("A")))
     assert list(cdr.r.scan_iter(f"{MK.base}:lane*")) == []
     fin = cdr.r.xrange(MK.finished)
@@ -84,7 +76,7 @@ def test_warming_signal_then_switch_to_the_warmed_shape(cdr):
     seen = []
     warming = set()
     while True:
-        b, why = cdr.claim(contract(), "w")
+        b, why = cdr.claim(contract(8, 800), "w")
         if b is None:
             break
         seen.append(b.prefix[0])
@@ -98,8 +90,8 @@ def test_warming_signal_then_switch_to_the_warmed_shape(cdr):
 
 
 def test_worker_prewarms_the_sim_engine_graphs(cdr):
-    from workers.engines.sim import SimEngine
-    from workers.worker import Worker, WorkerOptions
+    from conductor.workers.engines.sim import SimEngine
+    from conductor.workers.worker import Worker, WorkerOptions
     setup(cdr, activate_batches=1, prewarm_batches=2)
     cdr.submit([item(f"a{i}", 100, prefix=("A",)) for i in range(40)], "j")
     cdr.submit([item(f"b{i}", 100, prefix=("B",)) for i in range(24)], "j")
@@ -141,7 +133,7 @@ def test_draining_instance_never_takes_a_new_item_under_concurrency(cdr):
         from conductor.client import Conductor, connect
         c = Conductor(connect(_url(cdr)))
         while not stop.is_set():
-            b, _ = c.claim(contract(), name)
+            b, _ = c.claim(contract(8, 800), name)
             if b is None:
                 time.sleep(0.001)
                 continue
@@ -209,7 +201,7 @@ def test_aging_bounds_the_wait_of_a_small_shape(cdr):
         t0 = time.monotonic()
         waited = None
         while time.monotonic() - t0 < 5:
-            b, _ = cdr.claim(contract(), "w")
+            b, _ = cdr.claim(contract(8, 800), "w")
             if b is None:
                 time.sleep(0.005)
                 continue
@@ -230,13 +222,13 @@ def test_lane_hygiene_force_drains_a_small_idle_lane(cdr):
     cdr.set_config("m", {"lane_floor": 0, "lane_thr_min": 0.01, "lane_thr_max": 0.01})
     cdr.submit([item(f"odd{i}", 300, prefix=("A",)) for i in range(2)], "j")  # a small lane, never ready
     cdr.submit([item(f"a{i}", 100, prefix=("A",)) for i in range(16)], "j")
-    b, _ = cdr.claim(contract(), "w")
+    b, _ = cdr.claim(contract(8, 800), "w")
     assert not b.hygiene and b.items[0].input_tokens == 100
     time.sleep(0.2)
     cdr.submit([item(f"a{i}", 100, prefix=("A",)) for i in range(16, 40)], "j")  # the busy lane keeps going
     got = []
     for _ in range(3):
-        b, _ = cdr.claim(contract(), "w")
+        b, _ = cdr.claim(contract(8, 800), "w")
         got.append(b)
     hyg = [x for x in got if x.hygiene]
     assert len(hyg) == 1 and {i.id for i in hyg[0].items} == {"odd0", "odd1"}
@@ -245,7 +237,7 @@ def test_lane_hygiene_force_drains_a_small_idle_lane(cdr):
 
 def test_thrash_alarm_counts_short_shapes(cdr, caplog):
     from conductor import metrics
-    from workers.maintenance import Maintenance
+    from conductor.workers.maintenance import Maintenance
     setup(cdr, activate_batches=0, drain_batches=100)
     m = Maintenance(cdr, "m", "w", interval_s=0)
     m.tick()  # positions the cursor
@@ -253,7 +245,7 @@ def test_thrash_alarm_counts_short_shapes(cdr, caplog):
         cdr.submit([item(f"{s}{i}", 100, prefix=(s,)) for i in range(10)], "j")
     before = metrics.THRASHING_SHAPES.labels("m", "w")._value.get()
     # 1,000 tokens each could fill 2 batches of 800; batches of 2 items run each in 5
-    drain(cdr, contract(size=2))
+    drain(cdr, contract(2, 800))
     import logging
     with caplog.at_level(logging.CRITICAL, logger="conductor.maintenance"):
         m._next = 0
@@ -265,14 +257,14 @@ def test_thrash_alarm_counts_short_shapes(cdr, caplog):
 
 def test_a_small_shape_run_in_the_batches_it_could_fill_is_not_thrashing(cdr, caplog):
     from conductor import metrics
-    from workers.maintenance import Maintenance
+    from conductor.workers.maintenance import Maintenance
     setup(cdr, activate_batches=0, drain_batches=100)
     m = Maintenance(cdr, "m", "w", interval_s=0)
     m.tick()
     for s in "XYZ":
         cdr.submit([item(f"{s}{i}", 96, prefix=(s,)) for i in range(10)], "j")
     before = metrics.THRASHING_SHAPES.labels("m", "w")._value.get()
-    drain(cdr, contract())  # 8 + 2 items: the 2 batches its 960 tokens could fill
+    drain(cdr, contract(8, 800))  # 8 + 2 items: the 2 batches its 960 tokens could fill
     m._next = 0
     m.tick()
     assert m.batches_per_shape == [2, 2, 2]
@@ -288,10 +280,10 @@ def test_drain_threshold_is_exact(cdr):
     cdr.submit([item(f"a{i}", 100 + 30 * (i % 8)) for i in range(16)], "j")
     tokens = int(cdr.r.hget(MK.state, "tokens"))
     assert tokens >= 1600
-    assert cdr.claim(contract(size=64, tokens=100000), "w") == (None, "wait")
+    assert cdr.claim(contract(64, 100000), "w") == (None, "wait")
     assert state(cdr, inst("sys")) == "active"
     cdr.set_config("m", {"drain_batches": tokens // 800 + 1})  # now pending < threshold
-    b, _ = cdr.claim(contract(size=64, tokens=100000), "w")
+    b, _ = cdr.claim(contract(64, 100000), "w")
     assert b is not None and state(cdr, inst("sys")) == "draining"
     assert len(b.items) == 16  # what is left goes as one batch
 
@@ -302,7 +294,7 @@ def test_only_one_shape_warms_at_a_time(cdr):
     for s in "BCD":
         cdr.submit([item(f"{s}{i}", 100, prefix=(s,)) for i in range(10)], "j")
     for _ in range(3):
-        b, _ = cdr.claim(contract(), "w")
+        b, _ = cdr.claim(contract(8, 800), "w")
         assert b.prefix == ["A"]
     states = [state(cdr, inst(s)) for s in "BCD"]
     assert states.count("warming") == 1 and states.count("staged") == 2
@@ -315,7 +307,7 @@ def test_quiet_lane_ids_are_reused(cdr):
     cdr.submit([item(f"a{i}", 100) for i in range(8)] + [item(f"b{i}", 500) for i in range(8)], "j")
     ids = {int(x) for x in cdr.r.zrange(MK.inst_lanes(inst("sys")), 0, -1)}
     assert ids == {0, 1}
-    b, _ = cdr.claim(contract(tokens=100000), "w")  # empties one lane; quiet at once: its id returns
+    b, _ = cdr.claim(contract(8, 100000), "w")  # empties one lane; quiet at once: its id returns
     freed = int(b.lane)
     assert cdr.r.smembers(MK.inst_free(inst("sys"))) == {str(freed).encode()}
     cdr.submit([item("c0", 2000)], "j")  # a new lane takes the freed id, not a new one

@@ -6,17 +6,14 @@ import json
 import pytest
 import redis
 
-from conductor import keys as K
 from conductor.deadletter import DeadLetter
 from conductor.errors import Paused
 from conductor.records import Contract
 from tests.conftest import cli, item
-from tests.helpers import drain, quick, results_for
+from tests.helpers import MK, drain, quick, results_for
 from tests.worker_kit import run_until_done, submit, worker
 
 C = Contract(model="m", max_batch_size=4, max_batch_tokens=8192, max_input_len=4096)
-MK = K.ModelKeys("m")
-
 
 def dump(r) -> dict:
     return {k: r.dump(k) for k in r.scan_iter(match="cdr:{m}:*", count=1000)}

@@ -11,3 +11,9 @@ def test_readme_opens_with_the_main_job_and_the_tests_and_ci_runs_the_latter():
     assert "conductor run" in main
     assert "pytest" in tests
     assert tests in (ROOT / ".ci" / "run").read_text()
+
+
+def test_ci_lints_with_ruff_and_fails_on_lint_errors():
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "set -euo pipefail" in ci
+    assert "if ! .venv/bin/ruff check .; then" in ci and "exit 1" in ci.split("ruff check .", 1)[1]

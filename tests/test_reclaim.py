@@ -6,17 +6,10 @@ import threading
 import time
 
 from conductor import keys as K
-from conductor.records import Contract
+from conductor.workers.engines.sim import SimEngine
+from conductor.workers.worker import Worker, WorkerOptions
 from tests.conftest import item
-from tests.helpers import drain, quick, results_for
-from workers.engines.sim import SimEngine
-from workers.worker import Worker, WorkerOptions
-
-MK = K.ModelKeys("m")
-
-
-def contract(size=64, tokens=8192):
-    return Contract(model="m", max_batch_size=size, max_batch_tokens=tokens, max_input_len=100000)
+from tests.helpers import MK, contract, drain, quick, results_for
 
 
 def consumer_names(cdr):

@@ -9,9 +9,8 @@ from conductor.records import Contract, Result, json_encoder
 from conductor.signature import shape_signature
 from conductor.verify import repair, verify
 from tests.conftest import cli, item
-from tests.helpers import drain, quick, results_for
+from tests.helpers import MK, drain, quick, results_for
 
-MK = K.ModelKeys("m")
 C = Contract(model="m", max_batch_size=4, max_batch_tokens=8192, max_input_len=4096)
 BIG = Contract(model="m", max_batch_size=64, max_batch_tokens=8192, max_input_len=4096)
 

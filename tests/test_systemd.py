@@ -16,9 +16,9 @@ import pytest
 
 from conductor import keys as K
 from conductor.cli import build_parser
+from conductor.workers.sdnotify import Notifier, socket_address, watchdog_interval
 from tests.conftest import ROOT, item
 from tests.helpers import quick
-from workers.sdnotify import Notifier, socket_address, watchdog_interval
 
 UNIT = ROOT / "deploy" / "systemd" / "conductor-worker@.service"
 ENV_EXAMPLE = ROOT / "deploy" / "systemd" / "worker.env.example"

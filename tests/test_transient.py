@@ -4,7 +4,7 @@ exception (it maps some codes to classes and strips the code from the message)."
 import pytest
 from redis._parsers.base import BaseParser
 
-from workers.transient import is_transient
+from conductor.workers.transient import is_transient
 
 TRANSIENT = ["READONLY You can't write against a read only replica.", "CLUSTERDOWN The cluster is down",
              "TRYAGAIN Multiple keys request during rehashing of slot", "MASTERDOWN Link with MASTER is down",

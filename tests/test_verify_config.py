@@ -31,8 +31,8 @@ def _backlog_then_first_worker(cdr) -> K.ModelKeys:  # noqa: ANN001
 
 def test_worker_registration_rederives_the_indices_at_once(cdr):
     """The first worker's budget (Worker.register) re-derives lanes that waited for it."""
-    from workers.engines.sim import SimEngine
-    from workers.worker import Worker, WorkerOptions
+    from conductor.workers.engines.sim import SimEngine
+    from conductor.workers.worker import Worker, WorkerOptions
     quick(cdr, quiet_ms=60_000)
     cdr.submit([item(i, 100) for i in range(20)], "j")
     Worker(cdr, SimEngine("m", max_batch_size=C.max_batch_size, max_batch_tokens=C.max_batch_tokens),

@@ -9,9 +9,9 @@ from prometheus_client import REGISTRY
 
 from conductor import keys as K
 from conductor.verify import repair
+from conductor.workers.maintenance import Maintenance
 from tests.conftest import item
 from tests.helpers import quick
-from workers.maintenance import Maintenance
 
 
 def _gauge(model: str, kind: str) -> float | None:

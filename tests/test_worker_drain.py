@@ -14,9 +14,7 @@ from collections import Counter
 from conductor import keys as K
 from conductor.embedded import free_port
 from tests.conftest import ROOT, item
-from tests.helpers import quick
-
-MK = K.ModelKeys("m")
+from tests.helpers import MK, quick
 
 
 def start_worker(url: str, name: str, log_path, *extra: str) -> subprocess.Popen:

@@ -10,13 +10,12 @@ import sys
 from collections import Counter
 
 from conductor import keys as K
+from conductor.workers.identity import default_worker_name, systemd_instance
 from tests.conftest import ROOT, cli, item
-from tests.helpers import quick
+from tests.helpers import MK, quick
 from tests.test_cli_basics import one_line_error
 from tests.test_worker_drain import events, start_worker, wait_for
-from workers.identity import default_worker_name, systemd_instance
 
-MK = K.ModelKeys("m")
 HOST = socket.gethostname().split(".")[0]
 
 

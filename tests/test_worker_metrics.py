@@ -78,7 +78,7 @@ def test_retry_buffer_depth_shows_while_redis_refuses_writes(fresh_server):
 
 
 def test_every_worker_series_names_its_worker_and_gauges_their_unit(cdr):
-    from workers.maintenance import Maintenance
+    from conductor.workers.maintenance import Maintenance
     quick(cdr, MODEL)
     cdr.submit([item(f"u{k}", 10, model=MODEL, prefix=(f"S{k % 3}",), max_tokens=4) for k in range(24)], "j")
     maint = Maintenance(cdr, MODEL, "labelled", interval_s=0, verify_interval_s=3600)

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from conductor.client import Conductor
+from conductor.workers.engines.sim import SimEngine
+from conductor.workers.worker import Worker, WorkerOptions
 from tests.conftest import item
 from tests.helpers import quick
-from workers.engines.sim import SimEngine
-from workers.worker import Worker, WorkerOptions
 
 
 def sim(model: str = "m", **kw) -> SimEngine:

@@ -12,23 +12,13 @@ import os
 import threading
 import time
 
-import redis
-
 from conductor import metrics
 from conductor.client import Conductor
 from conductor.keys import ModelKeys
 from conductor.retention import trim_model
+from conductor.workers.transient import RIDE_OUT
 
 log = logging.getLogger("conductor.maintenance")
-
-# Renew-if-mine in one step, so a lease that expired and went to another worker is not taken back.
-# allow-oom: the sweep (reclaim, trim) is how a Redis over maxmemory gets memory back.
-_RENEW = """#!lua flags=allow-oom
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
-end
-return redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) and 1 or 0
-"""
 
 
 class Maintenance:
@@ -43,7 +33,7 @@ class Maintenance:
         self.lease_ms = lease_ms
         self.stale_idle_ms = stale_idle_ms
         self.thrash_batches = thrash_batches
-        self._renew = conductor.r.register_script(_RENEW)
+        self._renew = conductor.scripts.lease  # lua/lease.lua
         self._next = 0.0
         self._finished_cursor = "$"
         self.batches_per_shape: list[int] = []
@@ -77,7 +67,7 @@ class Maintenance:
             self._drift_check()
             trim_model(self.c, self.model)
             return res
-        except (redis.RedisError, OSError) as e:
+        except RIDE_OUT as e:  # a Redis failure, a paused model (Paused), memory full (QueueFull)
             log.warning(json.dumps({"event": "maintenance_failed", "model": self.model, "error": str(e)}))
             return None
 

@@ -33,12 +33,12 @@ from conductor import keys as K
 from conductor.client import Conductor
 from conductor.errors import ConductorError, Paused
 from conductor.records import Batch, Contract, Result, ResultError
-from workers.engines.base import Engine, Finished
-from workers.identity import default_worker_name
-from workers.latch import AdmissionLatch
-from workers.sdnotify import Notifier
-from workers.transient import RIDE_OUT, is_transient
-from workers.worker_metrics import WorkerMetrics
+from conductor.workers.engines.base import Engine, Finished
+from conductor.workers.identity import default_worker_name
+from conductor.workers.latch import AdmissionLatch
+from conductor.workers.sdnotify import Notifier
+from conductor.workers.transient import RIDE_OUT, is_transient
+from conductor.workers.worker_metrics import WorkerMetrics
 
 log = logging.getLogger("conductor.worker")
 
@@ -348,7 +348,7 @@ class Worker:
         idle_since = time.monotonic()
         sleep = 0.001
         # The reclaim sweep runs in whichever live worker holds the model's maintenance lease.
-        from workers.maintenance import Maintenance
+        from conductor.workers.maintenance import Maintenance
         ttl_ms = int(self.opts.heartbeat_ttl_s * 1000)
         maint = Maintenance(self.c, self.contract.model, self.name, lease_ms=max(1000, min(5000, 3 * ttl_ms)),
                             stale_idle_ms=max(3000, 10 * ttl_ms))

@@ -39,7 +39,7 @@ import xxhash
 
 from conductor.formats import estimate_tokens
 from conductor.records import Batch, BatchItem, Contract
-from workers.engines.base import ContractHolder, Finished, too_long
+from conductor.workers.engines.base import ContractHolder, Finished, too_long
 
 
 @dataclass

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conductor.records import Batch, BatchItem, Contract, ResultError
-from workers.engines.base import ContractHolder, EngineConfigError, EngineUnavailable, Finished, too_long
-from workers.engines.byte_tokenizer import ByteTokenizer
+from conductor.workers.engines.base import ContractHolder, EngineConfigError, EngineUnavailable, Finished, too_long
+from conductor.workers.engines.byte_tokenizer import ByteTokenizer
 
 TINY_CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2)
