@@ -72,7 +72,7 @@ local refused = acl_refused(function(ok)
     if not seen[job] then
       seen[job] = true
       local jk = base .. ':job:' .. job
-      if not (ok('HGET', jk .. ':items') and ok('HSET', jk .. ':items') and ok('XADD', jk .. ':results')
+      if not (ok('HMGET', jk .. ':items') and ok('HSET', jk .. ':items') and ok('XADD', jk .. ':results')
           and ok('HINCRBY', jk)) then
         return false
       end
@@ -146,23 +146,48 @@ end
 -- XACK below refuses a stream without the group (NOGROUP): that refusal comes here, before any write.
 if final == '1' then redis.call('XPENDING', batches_key, 'workers', bid, bid, 1) end
 
-local written, done_ok, done_err = 0, 0, 0
+-- Which results are new: one HMGET per job (in slices: unpack stops near 8,000 values), before
+-- any write; then per job one HSET and one HINCRBY per status instead of a command per result.
+local jobs, order = {}, {}
 for i = 0, n - 1 do
   local o = 4 + 4 * i
-  local job, id, status, rec = ARGV[o], ARGV[o + 1], ARGV[o + 2], ARGV[o + 3]
-  local jk = base .. ':job:' .. job
-  if redis.call('HGET', jk .. ':items', id) == 'q' then
-    redis.call('HSET', jk .. ':items', id, 'd')
-    redis.call('XADD', jk .. ':results', '*', 'id', id, 'r', rec)
-    if status == 'ok' then
-      redis.call('HINCRBY', jk, 'completed', 1)
-      done_ok = done_ok + 1
-    else
-      redis.call('HINCRBY', jk, 'failed', 1)
-      done_err = done_err + 1
-    end
-    written = written + 1
+  local g = jobs[ARGV[o]]
+  if not g then
+    g = {ids = {}, at = {}, state = {}}
+    jobs[ARGV[o]] = g
+    order[#order + 1] = ARGV[o]
   end
+  g.ids[#g.ids + 1] = ARGV[o + 1]
+  g.at[#g.at + 1] = o
+end
+for _, job in ipairs(order) do
+  local g = jobs[job]
+  for s = 1, #g.ids, 2000 do
+    local got = redis.call('HMGET', base .. ':job:' .. job .. ':items', unpack(g.ids, s, math.min(s + 1999, #g.ids)))
+    for j = 1, #got do g.state[s + j - 1] = got[j] end
+  end
+end
+
+local written, done_ok, done_err = 0, 0, 0
+for _, job in ipairs(order) do
+  local g, jk = jobs[job], base .. ':job:' .. job
+  local marks, seen, ok_n, err_n = {}, {}, 0, 0
+  for j, id in ipairs(g.ids) do
+    if g.state[j] == 'q' and not seen[id] then
+      seen[id] = true
+      local o = g.at[j]
+      marks[#marks + 1] = id
+      marks[#marks + 1] = 'd'
+      redis.call('XADD', jk .. ':results', '*', 'id', id, 'r', ARGV[o + 3])
+      if ARGV[o + 2] == 'ok' then ok_n = ok_n + 1 else err_n = err_n + 1 end
+    end
+  end
+  for s = 1, #marks, 2000 do
+    redis.call('HSET', jk .. ':items', unpack(marks, s, math.min(s + 1999, #marks)))
+  end
+  if ok_n > 0 then redis.call('HINCRBY', jk, 'completed', ok_n) end
+  if err_n > 0 then redis.call('HINCRBY', jk, 'failed', err_n) end
+  written, done_ok, done_err = written + ok_n + err_n, done_ok + ok_n, done_err + err_n
 end
 if done_ok > 0 then redis.call('HINCRBY', state_key, 'completed', done_ok) end
 if done_err > 0 then redis.call('HINCRBY', state_key, 'failed', done_err) end
