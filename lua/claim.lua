@@ -21,11 +21,12 @@
 --   is dispatched (reason: gate, wait, idle, paused). Errors, with nothing written: 'ERR_ARG
 --   <field>: ...'; 'NOPERM ...' when the caller's ACL refuses a command it may call (checked
 --   first, lib.lua acl_refused); 'NOGROUP ...' when the batches stream lacks the group.
--- Cost: item bytes never enter Lua on the normal path: sizes come from the lane's token list
---   and the items move from lane to batch list inside Redis (SORT BY nosort LIMIT STORE keeps
---   list order and reads only the range it stores), so the script's work grows with the number
---   of items in the batch, not with their bytes or with the queue.
--- Invariants: a batch holds items of ONE lane of ONE shape instance of ONE model; what does not
+-- Cost: sizes come from the lanes' token lists; the first lane's items move to the batch list
+--   inside Redis (SORT BY nosort LIMIT STORE keeps list order and reads only the range it
+--   stores), a neighbouring lane's pass through Lua (LRANGE, RPUSH), so the script's work grows
+--   with the items in the batch, not with the queue.
+-- Invariants: a batch holds items of ONE shape instance of ONE model, from one lane or from
+--   neighbouring lanes in length order, padded to the rep of the longest lane taken; what does not
 --   fit stays at the head of its lane, in order; assembly order is reclaimed work, then lanes;
 --   dispatch stays on the active instance until it is empty (or an aged shape preempts it:
 --   aging and lane hygiene are swept at most every 250 ms, see swept()); each worker warms at
@@ -143,6 +144,14 @@ local function deliver(sig, ep, lane, maxlen, flags, dv, n, waiting_tok, waiting
   return {1, bid, sig, ep, lane, pad8(maxlen), now, flags, dv, n, warming_now}
 end
 
+-- RPUSH of a whole list in slices: unpack() stops near 8,000 values, and an error there would
+-- come after the batch's first items had moved (contracts allow 65,536 items).
+local function push_all(key, list)
+  for s = 1, #list, 2000 do
+    redis.call('RPUSH', key, unpack(list, s, math.min(s + 1999, #list)))
+  end
+end
+
 -- 1. Reclaimed work first (seed 001's assembly order). Reclaimed batches are already pure.
 --    An entry is msgpack [sig, epoch, lane, deliveries, tokens, records] (lib_requeue.lua).
 local head = num(st[5]) > 0 and redis.call('LINDEX', reclaimed_key, 0)
@@ -168,7 +177,7 @@ if head then
     b[5], b[6] = rest_t, rest_r
     redis.call('LSET', reclaimed_key, 0, cmsgpack.pack(b))
   end
-  redis.call('RPUSH', batch_items_key, unpack(take))
+  push_all(batch_items_key, take)
   return deliver(b[1], b[2], b[3], maxlen, 2, b[4], k, 0, 0, k)
 end
 
@@ -454,7 +463,7 @@ local function take_batch(inst, parts, acc, flags, info)
       -- one lane's head, moves lane -> batch list without its bytes entering Lua.
       redis.call('SORT', lk, 'BY', 'nosort', 'LIMIT', 0, seg.k, 'STORE', batch_items_key)
     else
-      redis.call('RPUSH', batch_items_key, unpack(redis.call('LRANGE', lk, 0, seg.k - 1)))
+      push_all(batch_items_key, redis.call('LRANGE', lk, 0, seg.k - 1))
     end
     redis.call('LTRIM', lk, seg.k, -1)
     redis.call('LTRIM', base .. ':lanetok:' .. inst .. ':' .. lane, seg.k, -1)

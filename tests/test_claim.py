@@ -281,3 +281,12 @@ def test_workers_take_shapes_of_their_own_and_share_a_deep_one(cdr):
     # a worker stays on its shape until it is empty: w3 never comes back to A while B has items
     seen = [sig[cdr.claim(contract(size=8, tokens=1000), "w3")[0].shape] for _ in range(3)]
     assert seen == ["B", "B", "B"]
+
+
+def test_a_batch_of_ten_thousand_items_from_neighbouring_lanes_moves_whole(cdr):
+    # Past Lua's unpack limit (about 8,000 values): the second lane's items still move in full.
+    quick(cdr, budget_tokens=10_000_000, budget_items=20_000, lane_depth=0, lane_floor=0)
+    cdr.submit([item(f"a{n}", 8) for n in range(100)] + [item(f"b{n}", 200) for n in range(9900)], "j")
+    b, _ = cdr.claim(contract(size=20_000, tokens=10_000_000), "w")
+    assert len(b.items) == 10_000 and len({it.id for it in b.items}) == 10_000
+    assert b.padded_len == 200 and int(cdr.r.hget(K.ModelKeys("m").state, "items")) == 0
