@@ -256,6 +256,9 @@ local function finish(inst)
     'could', could, 'ms', now)
 end
 
+-- A worker lives while its heartbeat key does (it expires with the worker's TTL).
+local function alive(worker) return redis.call('EXISTS', base .. ':hb:' .. worker) == 1 end
+
 -- Workers serving each active instance other than this one; a dead worker's entry (its
 -- heartbeat key gone) is dropped. Bounded by the fleet; read only when a worker changes shape.
 local function attachments()
@@ -263,7 +266,7 @@ local function attachments()
   local n = {}
   for i = 1, #aff, 2 do
     if aff[i] ~= consumer then
-      if redis.call('EXISTS', base .. ':hb:' .. aff[i]) == 1 then
+      if alive(aff[i]) then
         n[aff[i + 1]] = (n[aff[i + 1]] or 0) + 1
       else
         redis.call('HDEL', affinity_key, aff[i])
@@ -280,8 +283,7 @@ local function top_staged()
   for i = 1, #top, 2 do
     local h = redis.call('HMGET', inst_key(top[i]), 'state', 'warming_for')
     -- a dead worker's reservation (its heartbeat key gone) lapses
-    if h[1] ~= 'warming' or h[2] == consumer or not h[2]
-        or redis.call('EXISTS', base .. ':hb:' .. h[2]) == 0 then
+    if h[1] ~= 'warming' or h[2] == consumer or not h[2] or not alive(h[2]) then
       return top[i], tonumber(top[i + 1])
     end
   end
