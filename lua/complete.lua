@@ -144,7 +144,7 @@ for i = 0, n - 1 do
 end
 
 -- XACK below refuses a stream without the group (NOGROUP): that refusal comes here, before any write.
-if final == '1' then redis.call('XPENDING', batches_key, 'workers', bid, bid, 1) end
+if final == '1' then redis.call('XPENDING', batches_key, GROUP, bid, bid, 1) end
 
 -- Which results are new: one HMGET per job (in slices: unpack stops near 8,000 values), before
 -- any write; then per job one HSET and one HINCRBY per status instead of a command per result.
@@ -194,7 +194,7 @@ if done_err > 0 then redis.call('HINCRBY', state_key, 'failed', done_err) end
 
 local acked = 0
 if final == '1' then
-  acked = redis.call('XACK', batches_key, 'workers', bid)
+  acked = redis.call('XACK', batches_key, GROUP, bid)
   if acked == 1 then
     redis.call('XDEL', batches_key, bid)
     redis.call('HINCRBY', state_key, 'inflight_batches', -1)

@@ -26,7 +26,7 @@ for i = 1, #ARGV, 2 do
 end
 local refused = acl_refused(function(ok)
   return ok('HSETNX', cfg_key) and ok('XINFO', 'GROUPS', batches_key)
-    and ok('XGROUP', 'CREATE', batches_key, 'workers', '$', 'MKSTREAM')
+    and ok('XGROUP', 'CREATE', batches_key, GROUP, '$', 'MKSTREAM')
 end)
 if refused then return refused end
 local groups = redis.pcall('XINFO', 'GROUPS', batches_key)
@@ -35,7 +35,7 @@ if type(groups) == 'table' and groups.err then
   if not string.find(groups.err, 'no such key') then return groups end
 else
   for _, g in ipairs(groups) do
-    if g[2] == 'workers' then have = true end
+    if g[2] == GROUP then have = true end
   end
 end
 local set = 0
@@ -43,5 +43,5 @@ for i = 1, #ARGV, 2 do
   set = set + redis.call('HSETNX', cfg_key, ARGV[i], ARGV[i + 1])
 end
 if have then return {set, 0} end
-redis.call('XGROUP', 'CREATE', batches_key, 'workers', '$', 'MKSTREAM')
+redis.call('XGROUP', 'CREATE', batches_key, GROUP, '$', 'MKSTREAM')
 return {set, 1}

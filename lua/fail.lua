@@ -42,7 +42,7 @@ refused = paused(state_key)
 if refused then return refused end
 cfg = load_cfg(cfg_key)
 now = now_ms()
-local p = redis.call('XPENDING', batches_key, 'workers', bid, bid, 1, consumer)
+local p = redis.call('XPENDING', batches_key, GROUP, bid, bid, 1, consumer)
 if #p == 0 then return {0, 0} end
 local plan, err = requeue_plan(bid, reason, true)
 if not plan then return err end

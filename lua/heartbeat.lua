@@ -35,12 +35,12 @@ if refused then return refused end
 -- The worker's own pending entries among the ids (read first: NOGROUP refuses here).
 local mine = {}
 for i = 4, #ARGV do
-  local p = redis.call('XPENDING', batches_key, 'workers', ARGV[i], ARGV[i], 1)[1]
+  local p = redis.call('XPENDING', batches_key, GROUP, ARGV[i], ARGV[i], 1)[1]
   if p and p[2] == worker then mine[#mine + 1] = ARGV[i] end
 end
 redis.call('SET', hb_key, ARGV[2], 'PX', ttl)
 for s = 1, #mine, 1000 do
-  local args = {batches_key, 'workers', worker, 0}
+  local args = {batches_key, GROUP, worker, 0}
   for i = s, math.min(s + 999, #mine) do args[#args + 1] = mine[i] end
   args[#args + 1] = 'JUSTID'
   redis.call('XCLAIM', unpack(args))

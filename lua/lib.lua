@@ -1,17 +1,9 @@
 -- lib.lua: helpers shared by the conductor's scripts, inlined where a script says
--- "--@include lib.lua" (conductor/scripts.py). Mirrors conductor/config.py (CFG_NAMES,
--- CFG_DEFAULTS; tests/test_signature_keys.py checks) and conductor/keys.py (key suffixes;
--- tests/test_keys.py checks).
+-- "--@include lib.lua" (conductor/scripts.py). CFG_NAMES, CFG_DEFAULTS and GROUP come from
+-- lib_generated.lua, which conductor/scripts.py writes from conductor/config.py and
+-- conductor/keys.py; key suffixes follow conductor/keys.py (tests/test_keys.py checks).
 
-local CFG_NAMES = {'mode', 'budget_tokens', 'budget_items', 'lane_max', 'lane_thr_min',
-  'lane_thr_max', 'lane_floor', 'lane_depth', 'lane_cap', 'lane_quiet_ms', 'activate_batches', 'drain_batches',
-  'release_batches', 'quiet_ms', 'max_waiting_tokens', 'max_deliveries', 'aging_ms', 'prewarm_batches',
-  'hygiene_items', 'hygiene_idle_ms'}
-local CFG_DEFAULTS = {mode = 'memory', budget_tokens = 8192, budget_items = 64, lane_max = 2048,
-  lane_thr_min = 0.003, lane_thr_max = 0.3, lane_floor = 0, lane_depth = 8, lane_cap = 256, lane_quiet_ms = 3000,
-  activate_batches = 4, drain_batches = 1, release_batches = 8, quiet_ms = 1000,
-  max_waiting_tokens = 0, max_deliveries = 5, aging_ms = 300000, prewarm_batches = 2, hygiene_items = 4,
-  hygiene_idle_ms = 5000}
+--@include lib_generated.lua
 
 -- names: the fields a script uses (every field when nil); each field read costs, and claim.lua
 -- runs once per batch.
@@ -29,6 +21,15 @@ local function load_cfg(cfg_key, names)
     end
   end
   return cfg
+end
+
+-- A hash's fields read by name into a table (false where a field is missing): one HMGET, and
+-- the callers say st.gate rather than st[1].
+local function hmget_named(key, names)
+  local raw = redis.call('HMGET', key, unpack(names))
+  local out = {}
+  for i, name in ipairs(names) do out[name] = raw[i] end
+  return out
 end
 
 local function now_ms()

@@ -70,7 +70,7 @@ end
 -- The plan written: returns requeued items, dead-lettered items; 0, 0 when the batch was no
 -- longer pending.
 local function requeue_apply(plan)
-  if redis.call('XACK', batches_key, 'workers', plan.bid) == 0 then return 0, 0 end
+  if redis.call('XACK', batches_key, GROUP, plan.bid) == 0 then return 0, 0 end
   redis.call('XDEL', batches_key, plan.bid)
   redis.call('HINCRBY', state_key, 'inflight_batches', -1)
   if not plan.found then return 0, 0 end

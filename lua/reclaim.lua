@@ -45,7 +45,7 @@ local cfg, now
 local refused = acl_refused(function(ok)
   return requeue_acl(ok) and ok('HGET', state_key) and ok('HMGET', cfg_key) and ok('XPENDING', batches_key)
     and ok('EXISTS', base .. ':hb:' .. consumer) and ok('HDEL', base .. ':workers') and ok('TIME')
-    and ok('XGROUP', 'DELCONSUMER', batches_key, 'workers', consumer)
+    and ok('XGROUP', 'DELCONSUMER', batches_key, GROUP, consumer)
 end)
 if refused then return refused end
 refused = paused(state_key)
@@ -64,10 +64,10 @@ end
 -- scan stays small.
 local newest = nil
 if not alive then
-  local all = redis.call('XPENDING', batches_key, 'workers', '-', '+', 100000, consumer)
+  local all = redis.call('XPENDING', batches_key, GROUP, '-', '+', 100000, consumer)
   if #all > 0 then newest = all[#all][1] end
 end
-local pending = redis.call('XPENDING', batches_key, 'workers', 'IDLE', idle_floor, '-', '+', count, consumer)
+local pending = redis.call('XPENDING', batches_key, GROUP, 'IDLE', idle_floor, '-', '+', count, consumer)
 -- Every batch read and decided before the first write.
 local plans = {}
 for _, p in ipairs(pending) do
@@ -83,10 +83,10 @@ for _, plan in ipairs(plans) do
   items = items + k
   dead = dead + d
 end
-local left = #redis.call('XPENDING', batches_key, 'workers', '-', '+', 1, consumer)
+local left = #redis.call('XPENDING', batches_key, GROUP, '-', '+', 1, consumer)
 local deleted = 0
 if left == 0 and not alive then
-  redis.call('XGROUP', 'DELCONSUMER', batches_key, 'workers', consumer)
+  redis.call('XGROUP', 'DELCONSUMER', batches_key, GROUP, consumer)
   redis.call('HDEL', base .. ':workers', consumer)
   deleted = 1
 end

@@ -81,7 +81,7 @@ if refused then return refused end
 -- The place must be orphaned, read in this call.
 local entry_pending = false
 if kind == 'batch' then
-  for _, p in ipairs(redis.call('XPENDING', batches_key, 'workers', '-', '+', 100000)) do
+  for _, p in ipairs(redis.call('XPENDING', batches_key, GROUP, '-', '+', 100000)) do
     local e = redis.call('XRANGE', batches_key, p[1], p[1])[1]
     if e then
       for j = 1, #e[2], 2 do

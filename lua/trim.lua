@@ -30,7 +30,7 @@ if refused then return refused end
 
 local trimmed, oldest = 0, ''
 if redis.call('EXISTS', batches_key) == 1 then
-  local summary = redis.call('XPENDING', batches_key, 'workers')
+  local summary = redis.call('XPENDING', batches_key, GROUP)
   if summary[1] > 0 then
     oldest = summary[2]
     trimmed = redis.call('XTRIM', batches_key, 'MINID', oldest)

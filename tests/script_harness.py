@@ -18,6 +18,7 @@ from typing import Any
 import redis
 
 from conductor import keys as K
+from conductor import scripts
 from conductor.client import Conductor
 from conductor.deadletter import DeadLetter
 from conductor.scripts import source
@@ -464,14 +465,22 @@ def _commands(text: str) -> set[str]:
 
 
 def script_commands(name: str) -> set[str]:
-    """Every command ``name`` may call: its own source, lib_requeue.lua when it includes it, and
-    the lib.lua functions it uses (transitively); names as ACL and INFO commandstats spell them."""
+    """Every command ``name`` may call: its own source and the functions of its includes (lib.lua,
+    lib_requeue.lua, claim.lua's, nested ones) that it uses, transitively; names as ACL and INFO
+    commandstats spell them."""
     text = (LUA / f"{name}.lua").read_text()
-    if "--@include lib_requeue.lua" in text:
-        text += (LUA / "lib_requeue.lua").read_text()
-    lib = (LUA / "lib.lua").read_text()
-    funcs = {m.group(1): m.group(0)
-             for m in re.finditer(r"^local function (\w+)\(.*?(?=^local |\Z)", lib, re.M | re.S)}
+    included: list[str] = []
+
+    def read(file: str) -> str:
+        included.append(file)
+        return scripts._read(file)
+
+    scripts.expand(f"{name}.lua", read)
+    funcs: dict[str, str] = {}
+    for file in included[1:]:
+        lib = read(file)
+        funcs.update({m.group(1): m.group(0)
+                      for m in re.finditer(r"^local function (\w+)\(.*?(?=^local |\Z)", lib, re.M | re.S)})
     used: set[str] = set()
     todo = [text]
     while todo:

@@ -1,13 +1,9 @@
 import re
-from pathlib import Path
 
 import xxhash
 
-from conductor.config import DEFAULTS, FIELDS
 from conductor.keys import ModelKeys
 from conductor.signature import shape_signature
-
-LIB = (Path(__file__).resolve().parent.parent / "lua" / "lib.lua").read_text()
 
 
 def test_signature_is_stable_and_documented():
@@ -33,15 +29,6 @@ def test_all_model_keys_share_one_hash_tag():
              mk.inst("ab:1"), mk.inst_lanes("ab:1"), mk.lane("ab:1", 3), mk.lanemeta("ab:1", 3),
              mk.heartbeat("w"), mk.job("j"), mk.job_items("j"), mk.job_results("j"), mk.maint_lease]
     assert all(n.startswith("cdr:{llama-3.1-8b}:") for n in names)
-
-
-def test_lua_config_mirror_agrees_with_python():
-    names = re.search(r"CFG_NAMES = \{(.*?)\}", LIB, re.S).group(1)
-    assert re.findall(r"'(\w+)'", names) == list(FIELDS)
-    defaults = re.search(r"CFG_DEFAULTS = \{(.*?)\}", LIB, re.S).group(1)
-    lua = dict(re.findall(r"(\w+) = ('?[\w.]+'?)", defaults))
-    for k, v in DEFAULTS.items():
-        assert lua[k].strip("'") == str(v), k
 
 
 def test_bad_model_names_are_refused():

@@ -1,0 +1,45 @@
+-- lib_claim_guard.lua: what claim.lua refuses before its first write, nothing written: a command
+-- the caller's ACL denies ('NOPERM', lib.lua acl_refused: every command claim.lua and its
+-- includes may call, on each key or key pattern), and a batches stream without the consumer
+-- group ('NOGROUP': XCLAIM would refuse it after the items moved).
+-- Keys: reads only (XINFO GROUPS of M:batches). Invariant: a command added to claim.lua's
+--   includes is added here too (tests/test_script_acl_atomicity.py denies each in turn).
+--@include lib.lua
+
+-- Returns the error reply to return, or nil.
+local function claim_refused(base, state_key, batches_key, reclaimed_key, batch_items_key)
+  local I, L = base .. ':inst:0000000000000000:0', ':0000000000000000:0:0'
+  local lk, tk, mk = base .. ':lane' .. L, base .. ':lanetok' .. L, base .. ':lanemeta' .. L
+  local sk, sa, st, bk, rk = base .. ':staged', base .. ':staged_age', state_key, batch_items_key, reclaimed_key
+  local il, fi, re, to, fr = I .. ':lanes', I .. ':fill', I .. ':ready', I .. ':touch', I .. ':free'
+  local ac, af, wm = base .. ':active', base .. ':affinity', base .. ':warming'
+  local refused = acl_refused(function(ok)
+    return ok('HMGET', st) and ok('HSET', st) and ok('HINCRBY', st) and ok('HDEL', st) and ok('HGET', st)
+      and ok('ZADD', ac) and ok('ZREM', ac) and ok('ZRANGE', ac) and ok('HSET', af) and ok('HDEL', af)
+      and ok('HGET', af) and ok('HGETALL', af) and ok('EXISTS', base .. ':hb:0') and ok('ZSCORE', sk)
+      and ok('HGET', wm) and ok('HSET', wm) and ok('HDEL', wm)
+      and ok('ZRANK', fi) and ok('ZRANGE', fi) and ok('LRANGE', lk)
+      and ok('RPUSH', bk) and ok('XADD', batches_key) and ok('XCLAIM', batches_key) and ok('LINDEX', rk)
+      and ok('LPOP', rk) and ok('LSET', rk) and ok('ZREM', sk) and ok('ZADD', sk) and ok('ZREVRANGE', sk)
+      and ok('ZREM', sa) and ok('ZADD', sa) and ok('ZRANGE', sa) and ok('XADD', base .. ':finished')
+      and ok('HSET', I) and ok('HGET', I) and ok('HMGET', I) and ok('ZREM', il) and ok('ZRANGE', il)
+      and ok('ZREM', fi) and ok('ZADD', fi) and ok('ZREVRANGE', fi) and ok('ZREM', re) and ok('ZADD', re)
+      and ok('ZRANGEBYSCORE', re) and ok('ZRANGE', re) and ok('ZREM', to) and ok('ZADD', to)
+      and ok('ZRANGEBYSCORE', to) and ok('SADD', fr) and ok('LTRIM', lk) and ok('LRANGE', tk) and ok('LTRIM', tk)
+      and ok('HMGET', mk) and ok('HSET', mk) and ok('HDEL', mk) and ok('HGET', mk) and ok('EXISTS', mk)
+      and ok('TIME') and ok('XINFO', 'GROUPS', batches_key) and ok('SORT', lk, 'STORE', bk)
+      and ok('DEL', I, il, fi, re, fr, to) and ok('DEL', lk, tk, mk)
+  end)
+  if refused then return refused end
+  local groups = redis.pcall('XINFO', 'GROUPS', batches_key)
+  local found = false
+  if type(groups) == 'table' and not groups.err then
+    for _, g in ipairs(groups) do
+      if g[2] == GROUP then found = true end
+    end
+  end
+  if not found then
+    return redis.error_reply('NOGROUP ' .. batches_key .. ' has no consumer group ' .. GROUP .. ': nothing written')
+  end
+  return nil
+end

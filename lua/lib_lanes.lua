@@ -1,0 +1,98 @@
+-- lib_lanes.lua: how claim.lua plans a batch from a shape instance's lanes (seed 002), reading
+-- only, and retires an emptied lane. Every function takes c, the claim context claim.lua builds
+-- (base, state_key, disk, max_items, max_tokens).
+-- Keys: M:inst:S:E:fill (read), M:lanemeta:S:E:L and M:lanetok:S:E:L (read); retire_lane also
+--   M:inst:S:E:lanes/fill/ready/touch/free, the lane's three keys, and M:state lanes_retired.
+-- Invariants: a batch holds items of one instance, from one lane or from neighbouring lanes in
+--   length order, padded to the rep of the longest lane taken (memory mode); the first item
+--   always goes, so an item larger than the budget travels alone rather than stranding; the
+--   lanes looked at are bounded by the batch (each gives at least one item or closes it).
+--@include lib.lua
+
+local function retire_lane(c, inst, lane)
+  local base = c.base
+  local ik = base .. ':inst:' .. inst
+  redis.call('ZREM', ik .. ':lanes', lane)
+  redis.call('ZREM', ik .. ':fill', lane)
+  redis.call('ZREM', ik .. ':ready', lane)
+  redis.call('ZREM', ik .. ':touch', lane)
+  redis.call('DEL', base .. ':lane:' .. inst .. ':' .. lane, base .. ':lanetok:' .. inst .. ':' .. lane,
+    base .. ':lanemeta:' .. inst .. ':' .. lane)
+  redis.call('SADD', ik .. ':free', lane)
+  redis.call('HINCRBY', c.state_key, 'lanes_retired', 1)
+end
+
+-- Plan one lane's part of a batch: read its token list (never more than the batch can still
+-- take) and add items while they fit. acc carries the batch so far: k, maxlen, sum, full.
+-- Memory mode pads a batch to the rep of the longest lane it takes from (the rep bounds every
+-- item: lanes only grow), so each lane keeps one padded length: its graph is built once, and
+-- ahead of time by the pre-warm signal, which names the lanes' padded reps.
+-- Returns the lane's part {lane, k, sum, meta, mk} or nil.
+local function plan_lane(c, inst, lane, acc)
+  local disk, max_items, max_tokens = c.disk, c.max_items, c.max_tokens
+  local mk = c.base .. ':lanemeta:' .. inst .. ':' .. lane
+  local meta = hmget_named(mk, {'rep', 'last_ms', 'items', 'tokens'})
+  local room = max_items - acc.k
+  if not disk then
+    local plen = pad8(math.max(acc.maxlen, num(meta.rep)))
+    -- The first item always goes: one larger than the budget travels alone.
+    room = math.min(room, math.max(math.floor(max_tokens / plen), acc.k == 0 and 1 or 0) - acc.k)
+  end
+  if room <= 0 then
+    acc.full = true
+    return nil
+  end
+  local want = math.min(room, num(meta.items))
+  if want <= 0 then return nil end
+  local toks = redis.call('LRANGE', c.base .. ':lanetok:' .. inst .. ':' .. lane, 0, want - 1)
+  local k, sum, mx = acc.k, 0, 0
+  for i = 1, #toks do
+    local tok = tonumber(toks[i])
+    if disk and k > 0 and acc.sum + sum + tok > max_tokens then
+      acc.full = true
+      break
+    end
+    k = k + 1
+    sum = sum + tok
+    if tok > mx then mx = tok end
+  end
+  if k == acc.k then return nil end
+  local seg = {lane = lane, k = k - acc.k, sum = sum, meta = meta, mk = mk}
+  acc.k, acc.sum = k, acc.sum + sum
+  acc.maxlen = math.max(acc.maxlen, disk and mx or num(meta.rep))
+  if k >= max_items or (not disk and (k + 1) * pad8(acc.maxlen) > max_tokens) then acc.full = true end
+  return seg
+end
+
+-- Plan a batch of one instance: from lane `first` when given (a ready lane, or a lane hygiene
+-- drains), then, while the batch is not full, from the neighbouring non-empty lanes above it in
+-- length order (the fill index scores each by its rep); without `first`, from the shortest lane
+-- up. Padded to the longest item taken, like a cut of the instance's items sorted by length.
+-- Reads only. Returns the parts (plan_lane's) and acc {k, maxlen, sum, full}.
+local function plan_batch(c, inst, first)
+  local ik = c.base .. ':inst:' .. inst
+  local acc = {k = 0, maxlen = 0, sum = 0, full = false}
+  local parts = {}
+  local from = 0
+  if first then
+    local seg = plan_lane(c, inst, first, acc)
+    if seg then parts[1] = seg end
+    if acc.full then return parts, acc end
+    from = redis.call('ZRANK', ik .. ':fill', first)
+    if not from then return parts, acc end
+    from = from + 1
+  end
+  while not acc.full do
+    local lanes = redis.call('ZRANGE', ik .. ':fill', from, from + 15)
+    if #lanes == 0 then break end
+    for _, lane in ipairs(lanes) do
+      if lane ~= first then
+        local seg = plan_lane(c, inst, lane, acc)
+        if seg then parts[#parts + 1] = seg end
+        if acc.full then break end
+      end
+    end
+    from = from + #lanes
+  end
+  return parts, acc
+end

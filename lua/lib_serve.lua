@@ -1,0 +1,98 @@
+-- lib_serve.lua: one pass of claim.lua over the instance a worker serves: aging preemption and
+-- lane hygiene (swept at most every sweep period), then a full batch from a ready lane, then one
+-- filled from neighbouring lanes, then the drain decision. Every function takes c, the claim
+-- context claim.lua builds (base, state_key, cfg, now, cleanup, sweep).
+-- Keys: M:inst:S:E (read, state -> draining), its ready and touch sets, M:lanemeta:S:E:L, M:state
+--   sweep_ms and hygiene_drains; through lib_deliver.lua and lib_lifecycle.lua what they touch.
+-- Invariants: dispatch stays on the instance until it is empty (or an aged shape preempts it);
+--   a small lane nobody assigned to for hygiene_idle_ms is force-drained (flag 4), so no item
+--   waits for ever behind busier lanes; the work grows with the batch, never with the queue.
+--@include lib.lua
+--@include lib_lifecycle.lua
+--@include lib_deliver.lua
+
+-- The fields of a shape instance every claim reads, once (take_batch uses them too).
+local INST_FIELDS = {'state', 'rr', 'tokens', 'last_intake_ms', 'idx', 'items', 'batches', 'taken'}
+local function inst_info(c, inst) return hmget_named(inst_key(c.base, inst), INST_FIELDS) end
+
+-- The instance's fill and ready indices follow the config they were derived under (lib.lua
+-- index_version): re-derived here when that changed.
+local function indexed(c, inst, info)
+  if info.idx ~= index_version(c.cfg) then reindex(c.base, c.state_key, c.cfg, inst) end
+end
+
+-- Aging preemption (sweep only): an active instance gives way to an aged staged one, which is
+-- then served (pick_next activates it). Returns the instance to serve and its fields.
+local function preempt_aged(c, inst, info)
+  if info.state ~= 'active' or not aged(c) then return inst, info end
+  preempt(c, inst)
+  inst = pick_next(c, c.cleanup)
+  info = inst_info(c, inst)
+  indexed(c, inst, info)
+  return inst, info
+end
+
+-- Aging and lane hygiene look for work that has waited seconds to minutes, so they are checked
+-- at most every sweep period (a quarter of the shorter bound, at most 250 ms) rather than on
+-- every claim; a sweep that finds something leaves the next claim to sweep again.
+local function swept(c)
+  local period = math.min(250, c.cfg.hygiene_idle_ms / 4)
+  if c.cfg.aging_ms > 0 then period = math.min(period, c.cfg.aging_ms / 4) end
+  redis.call('HSET', c.state_key, 'sweep_ms', c.now + math.floor(period))
+end
+
+-- Lane hygiene (seed 003, sweep only): a small lane nobody assigned to for a while, while the
+-- shape stays busy elsewhere, is force-drained so its items do not wait for ever; an empty one
+-- is retired. Returns the reply when it drained a batch, or nil.
+local function hygiene(c, inst, info)
+  local base, cfg, now = c.base, c.cfg, c.now
+  local ik = inst_key(base, inst)
+  local stale = redis.call('ZRANGEBYSCORE', ik .. ':touch', '-inf', now - cfg.hygiene_idle_ms, 'LIMIT', 0, 1)[1]
+  if not stale then
+    swept(c)
+    c.sweep = false
+    return nil
+  end
+  local left = num(redis.call('HGET', base .. ':lanemeta:' .. inst .. ':' .. stale, 'items'))
+  if left > 0 and left < cfg.hygiene_items then
+    redis.call('HINCRBY', c.state_key, 'hygiene_drains', 1)
+    return take_from(c, inst, stale, (c.cleanup and 1 or 0) + 4, info)
+  elseif left == 0 then
+    redis.call('ZREM', ik .. ':touch', stale)
+    if redis.call('EXISTS', base .. ':lanemeta:' .. inst .. ':' .. stale) == 1 then
+      retire_lane(c, inst, stale)
+    end
+  else
+    -- a big lane: it dispatches by readiness or drain; look at it again later
+    redis.call('ZADD', ik .. ':touch', now, stale)
+  end
+  return nil
+end
+
+-- A batch of the instance: a full one from a ready lane (round-robin from the last lane served),
+-- else one filled from neighbouring lanes, shortest first; an active instance with no full
+-- batch drains once low or quiet (or in cleanup), and a draining one sends what it has.
+-- Returns the reply, or nil when the instance is empty (the caller finishes it).
+local function serve(c, inst, info)
+  local ik = inst_key(c.base, inst)
+  local flags = c.cleanup and 1 or 0
+  local lane = redis.call('ZRANGEBYSCORE', ik .. ':ready', '(' .. num(info.rr), '+inf', 'LIMIT', 0, 1)[1]
+  if not lane then lane = redis.call('ZRANGE', ik .. ':ready', 0, 0)[1] end
+  if lane then
+    local r = take_from(c, inst, lane, flags, info)
+    if r then return r end
+  end
+  local parts, acc = plan_batch(c, inst, nil)
+  if acc.full then return take_batch(c, inst, parts, acc, flags, info) end
+  if info.state == 'active' then
+    local low = num(info.tokens) < c.cfg.drain_batches * c.cfg.budget_tokens
+    if low or quiet_since(c, num(info.last_intake_ms)) or c.cleanup then
+      redis.call('HSET', ik, 'state', 'draining', 'draining_ms', c.now)
+    else
+      return {0, 'wait'}
+    end
+  end
+  -- Draining: what is left is less than a full batch: it goes as one, shortest lanes first.
+  if #parts > 0 then return take_batch(c, inst, parts, acc, flags, info) end
+  return nil
+end

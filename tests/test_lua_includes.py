@@ -1,0 +1,79 @@
+"""conductor/scripts.py's include mechanism: includes nest, each file is inlined once, a cycle is
+an error; lib_generated.lua carries config.py's names and defaults and keys.py's group name into
+the Lua as loaded, so the two cannot drift (issue 14)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import redis
+
+from conductor import config, keys, scripts
+from conductor.scripts import NAMES, expand, source
+from tests.conftest import ROOT
+
+
+def reader(files: dict[str, str]):
+    return lambda name: files[name]
+
+
+def test_includes_nest_and_each_file_is_inlined_once():
+    files = {"a.lua": "A1\n--@include b.lua\n--@include c.lua\nA2\n",
+             "b.lua": "B1\n--@include c.lua\nB2\n",
+             "c.lua": "C\n"}
+    out = expand("a.lua", reader(files))
+    assert out.split("\n") == ["A1", "B1", "C", "B2", "", "A2", ""]  # c where b first named it, then not again
+
+
+def test_an_include_cycle_is_an_error():
+    files = {"a.lua": "--@include b.lua\n", "b.lua": "--@include c.lua\n", "c.lua": "--@include a.lua\n"}
+    with pytest.raises(ValueError, match=r"cycle: a.lua -> b.lua -> c.lua -> a.lua"):
+        expand("a.lua", reader(files))
+    with pytest.raises(ValueError, match="cycle: s.lua -> s.lua"):
+        expand("s.lua", reader({"s.lua": "x\n--@include s.lua\n"}))
+
+
+def test_every_script_inlines_each_of_its_includes_once():
+    libs = sorted(p.name for p in (ROOT / "lua").glob("lib*.lua"))
+    for name in NAMES:
+        text = source(name)
+        assert not re.search(r"^--@include", text, re.M), name
+        for lib in [*libs, "lib_generated.lua"]:
+            # every include's header names its file on its first line
+            assert text.count(f"-- {lib}:") <= 1, (name, lib)
+        assert text.count("-- lib_generated.lua:") == 1, name
+    claim = source("claim")
+    for lib in ("lib.lua", "lib_cleanup.lua", "lib_lifecycle.lua", "lib_lanes.lua", "lib_deliver.lua", "lib_serve.lua"):
+        assert claim.count(f"-- {lib}:") == 1, lib
+
+
+def _eval_lib(r: redis.Redis, body: str, *keys_: str) -> object:
+    text = expand("t.lua", lambda f: "--@include lib.lua\n" + body if f == "t.lua" else scripts._read(f))
+    return r.eval(text, len(keys_), *keys_)
+
+
+def test_the_lua_config_names_defaults_and_group_are_config_py_and_keys_py(redis_url):
+    r = redis.Redis.from_url(redis_url)
+    got = json.loads(_eval_lib(r, "return cjson.encode({CFG_NAMES, CFG_DEFAULTS, GROUP})"))
+    assert got[0] == list(config.FIELDS)
+    assert got[1] == config.DEFAULTS
+    assert got[2] == keys.GROUP
+
+
+def test_changing_a_default_or_the_group_in_python_changes_the_loaded_lua(redis_url, monkeypatch):
+    r = redis.Redis.from_url(redis_url)
+    r.delete("cdr:{t}:cfg")
+    assert _eval_lib(r, "return load_cfg(KEYS[1]).quiet_ms", "cdr:{t}:cfg") == config.DEFAULTS["quiet_ms"]
+    monkeypatch.setitem(config.DEFAULTS, "quiet_ms", 4321)
+    monkeypatch.setattr(keys, "GROUP", "other")
+    assert _eval_lib(r, "return load_cfg(KEYS[1]).quiet_ms", "cdr:{t}:cfg") == 4321
+    assert _eval_lib(r, "return GROUP") == b"other"
+    assert "quiet_ms = 4321" in scripts.generated()
+
+
+def test_generated_refuses_a_default_lua_cannot_hold(monkeypatch):
+    monkeypatch.setitem(config.DEFAULTS, "quiet_ms", [1])
+    with pytest.raises(TypeError, match="Lua form"):
+        scripts.generated()
