@@ -15,6 +15,7 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     cdr:job:J:models                set      models a job submitted to
     M:cfg                           hash     per-model thresholds (conductor/config.py)
     M:state                         hash     model counters: waiting tokens/items, gate, warming shape
+                                             (every field in STATE_FIELDS below)
     M:active                        zset     active or draining shape instance "S:E" -> activation time (ms)
     M:affinity                      hash     worker -> the active instance it serves (it stays until empty)
     M:warming                       hash     worker -> the staged instance it warms, its next (pre-warm signal)
@@ -73,6 +74,46 @@ SCHEMA_KEY = f"{PREFIX}:schema"
 MODELS_KEY = f"{PREFIX}:models"
 JOBS_KEY = f"{PREFIX}:jobs"
 GROUP = "workers"
+
+# Every field of M:state, with what it holds; tests/test_keys.py checks that every field a script
+# of lua/ writes there is listed. Counters are whole numbers; *_ms fields are times in ms.
+STATE_FIELDS: dict[str, str] = {
+    "tokens": "input tokens waiting in lanes (submit.lua adds, claim.lua takes)",
+    "items": "items waiting in lanes",
+    "submitted": "items ever accepted by submit.lua",
+    "completed": "items completed with a result (complete.lua)",
+    "failed": "items completed with an error result, dead-lettered ones included",
+    "last_intake_ms": "when submit.lua last accepted an item (intake quiet: cleanup, gate, drain)",
+    "sealed_ms": "when a producer last sealed its submission (seal.lua): intake counts as quiet at once",
+    "gate": "1 once the release gate opened (it stays open)",
+    "gate_opened_ms": "when the release gate opened",
+    "cleanup": "1 while the model is in cleanup mode (lua/lib_cleanup.lua)",
+    "cleanup_since_ms": "when the current cleanup period began",
+    "cleanup_entries": "cleanup periods entered",
+    "cleanup_ms": "time spent in cleanup periods that ended",
+    "cleanup_batches": "batches dispatched in cleanup",
+    "cleanup_items": "items dispatched in cleanup",
+    "batches": "batches ever dispatched",
+    "inflight_batches": "batches claimed and not yet completed, failed or reclaimed",
+    "inflight_items": "items of the in-flight batches",
+    "reclaimed_items": "items in M:reclaimed, served before the lanes",
+    "requeued_items": "items ever given back to M:reclaimed (reclaim.lua, fail.lua)",
+    "reclaims": "batches taken back from dead or lease-lost consumers",
+    "dead_lettered": "items ever dead-lettered",
+    "dead_retried": "dead-lettered items sent back by dead_retry.lua",
+    "activations": "shape instances activated",
+    "preemptions": "active instances stepped back to staged by aging",
+    "shapes_finished": "shape instances emptied and finished",
+    "warming": "the shape instance last marked warming (for inspect)",
+    "warmings": "instances marked warming (pre-warm signals)",
+    "neighbour_fills": "batches filled from more than one lane",
+    "hygiene_drains": "small idle lanes force-drained by lane hygiene",
+    "lanes_retired": "lanes emptied, quiet, and their ids returned for reuse",
+    "reindexes": "shape instances whose fill/ready indices were re-derived (lib.lua reindex)",
+    "sweep_ms": "when claim.lua next sweeps for aging and lane hygiene",
+    "paused": "1 while the model is paused (Conductor.pause): every writing script refuses",
+    "active": "schema before M:active: the one active instance; claim.lua moves it to M:active",
+}
 
 # Names end up inside key names and hash tags: keep them printable and free of the
 # characters that would break the tag ({}) or the ':' separated layout.

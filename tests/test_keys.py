@@ -84,3 +84,67 @@ def test_claim_reads_every_config_field_it_uses():
     used = set(re.findall(r"\bcfg\.(\w+)", claim))
     assert len(used) >= 10
     assert used <= loaded, f"claim.lua uses cfg fields it does not load: {sorted(used - loaded)}"
+
+
+# redis.call('HSET' | 'HINCRBY' | 'HDEL' | ..., <the state key>, ...): the scripts name M:state
+# state_key (claim.lua's includes c.state_key).
+_STATE_WRITE = re.compile(r"redis\.call\(\s*'(HSET|HSETNX|HINCRBY|HINCRBYFLOAT|HDEL)'\s*,\s*(?:c\.)?state_key\s*,")
+
+
+def _call_args(text: str, i: int) -> list[str]:
+    """The comma-separated arguments from text[i] up to the call's closing parenthesis."""
+    depth, cur, out, quote = 0, "", [], None
+    while i < len(text):
+        ch = text[i]
+        cur += ch
+        if quote:
+            if ch == "\\":
+                cur += text[i + 1]
+                i += 1
+            elif ch == quote:
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "({":
+            depth += 1
+        elif ch in ")}":
+            if depth == 0:
+                out.append(cur[:-1].strip())
+                return out
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(cur[:-1].strip())
+            cur = ""
+        i += 1
+    raise AssertionError(f"unclosed call at {text[i - 40:i]!r}")
+
+
+def state_fields_written(lua: str) -> list[str]:
+    """Every field argument of a write to M:state in ``lua``, as written (a literal is quoted)."""
+    out = []
+    for m in _STATE_WRITE.finditer(lua):
+        args = _call_args(lua, m.end())
+        cmd = m.group(1)
+        positions = range(0, len(args), 2) if cmd == "HSET" else range(len(args)) if cmd == "HDEL" else [0]
+        out += [args[p] for p in positions]
+    return out
+
+
+def test_every_state_field_the_scripts_write_is_listed_in_keys():
+    written: dict[str, set[str]] = {}
+    for p in lua_files():
+        for f in state_fields_written(p.read_text(encoding="utf-8")):
+            assert re.fullmatch(r"'\w+'", f), f"{p.name} writes M:state field {f}, not a literal: list it by name"
+            written.setdefault(f.strip("'"), set()).add(p.name)
+    assert len(written) >= 30, sorted(written)  # the scan sees the scripts' writes
+    missing = {f: sorted(w) for f, w in written.items() if f not in conductor.keys.STATE_FIELDS}
+    assert not missing, f"M:state fields written in lua/ but missing from conductor/keys.py STATE_FIELDS: {missing}"
+    # and the list holds nothing that nobody writes (paused: Conductor.pause writes it)
+    assert set(conductor.keys.STATE_FIELDS) - set(written) == {"paused"}
+
+
+def test_the_state_scan_reads_multi_field_writes():
+    lua = ("redis.call('HSET', state_key, 'a', num(st.x) + 1, 'b', f(1, 2))\n"
+           "redis.call('HINCRBY', c.state_key, 'c', -plan.n)\nredis.call('HDEL', state_key, 'd', 'e')\n"
+           "redis.call('HSET', other_key, 'zz', 1)\nredis.call('HSET', state_key, name, 1)\n")
+    assert state_fields_written(lua) == ["'a'", "'b'", "'c'", "'d'", "'e'", "name"]
