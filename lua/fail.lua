@@ -20,8 +20,9 @@
 --   most max_deliveries times, then dead-lettered with a failed result so its job completes.
 -- While the model is paused (conductor pause) it refuses with 'PAUSED ...', nothing written.
 --@include lib.lua
+--@include lib_requeue_prologue.lua
 
-local base, cfg_key, state_key, batches_key, reclaimed_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local batches_key = KEYS[4]
 local bid, consumer, reason = ARGV[1], ARGV[2], ARGV[3] or ''
 if not stream_id_ok(bid) then
   return redis.error_reply('ERR_ARG batch_id: must be a stream id like 1700000000000-0')
@@ -30,21 +31,11 @@ if (not consumer) or #consumer < 1 or #consumer > 200 then
   return redis.error_reply('ERR_ARG consumer: must be 1..200 bytes')
 end
 if #reason > 4096 then reason = string.sub(reason, 1, 4096) end
--- After the locals lib_requeue.lua reads (base, state_key, batches_key, reclaimed_key, cfg, now).
-local cfg, now
---@include lib_requeue.lua
-local refused = acl_refused(function(ok)
-  return requeue_acl(ok) and ok('HGET', state_key) and ok('HMGET', cfg_key) and ok('XPENDING', batches_key)
-    and ok('TIME')
-end)
-if refused then return refused end
-refused = paused(state_key)
-if refused then return refused end
-cfg = load_cfg(cfg_key)
-now = now_ms()
+local rq, refused = requeue_prologue(KEYS)
+if not rq then return refused end
 local p = redis.call('XPENDING', batches_key, GROUP, bid, bid, 1, consumer)
 if #p == 0 then return {0, 0} end
-local plan, err = requeue_plan(bid, reason, true)
+local plan, err = requeue_plan(rq, bid, reason, true)
 if not plan then return err end
-local k, d = requeue_apply(plan)
+local k, d = requeue_apply(rq, plan)
 return {k, d}

@@ -1,5 +1,8 @@
 -- lib_requeue.lua: give one pending batch back to the reclaimed queue, inlined by reclaim.lua
--- and fail.lua. Expects locals base, state_key, batches_key, reclaimed_key, cfg, now.
+-- and fail.lua (through lib_requeue_prologue.lua). Every function takes rq, the requeue context
+-- lib_requeue_prologue.lua builds: base, state_key, batches_key, reclaimed_key, cfg, now.
+-- Keys: M:batches (XRANGE, XACK, XDEL), M:bat:<token>, M:job:J:items/results and M:job:J,
+--   M:dead, M:reclaimed, M:state counters.
 -- A pending batch is its batches-stream entry (fields in conductor/keys.py) plus the list of its
 -- item records named by the entry's token; a requeued batch becomes one reclaimed entry, msgpack
 -- [sig, epoch, lane, deliveries, tokens, records]. Item records travel as they are (their bytes
@@ -12,10 +15,12 @@
 -- so innocent items that shared a dying worker with a poison item are not dead-lettered with it.
 -- Two steps, so that a script reads and decodes every batch it gives back before its first
 -- write: requeue_plan (reads only) and requeue_apply (writes only).
+--@include lib.lua
 
 -- The commands requeue_plan and requeue_apply may call, as checks for lib.lua acl_refused; job
 -- keys by one name of their pattern.
-local function requeue_acl(ok)
+local function requeue_acl(rq, ok)
+  local base, state_key, batches_key, reclaimed_key = rq.base, rq.state_key, rq.batches_key, rq.reclaimed_key
   local jk = base .. ':job:0'
   return ok('HINCRBY', state_key) and ok('XRANGE', batches_key) and ok('XACK', batches_key)
     and ok('XDEL', batches_key) and ok('LRANGE', base .. ':bat:0') and ok('DEL', base .. ':bat:0')
@@ -25,7 +30,8 @@ end
 
 -- One pending batch read and decided, nothing written: a plan for requeue_apply, or nil and the
 -- error reply to return when one of its item records does not decode (a human must look).
-local function requeue_plan(bid, reason, blamed)
+local function requeue_plan(rq, bid, reason, blamed)
+  local base, batches_key, cfg, now = rq.base, rq.batches_key, rq.cfg, rq.now
   local entry = redis.call('XRANGE', batches_key, bid, bid)[1]
   local plan = {bid = bid, found = entry ~= nil, keep = {}, toks = {}, dead = {}}
   if not entry then return plan end
@@ -69,7 +75,9 @@ end
 
 -- The plan written: returns requeued items, dead-lettered items; 0, 0 when the batch was no
 -- longer pending.
-local function requeue_apply(plan)
+local function requeue_apply(rq, plan)
+  local base, state_key, batches_key, reclaimed_key = rq.base, rq.state_key, rq.batches_key, rq.reclaimed_key
+  local now = rq.now
   if redis.call('XACK', batches_key, GROUP, plan.bid) == 0 then return 0, 0 end
   redis.call('XDEL', batches_key, plan.bid)
   redis.call('HINCRBY', state_key, 'inflight_batches', -1)

@@ -24,8 +24,9 @@
 --   the consumer is deleted only once its pending list is empty (DELCONSUMER would discard it).
 -- While the model is paused (conductor pause) it refuses with 'PAUSED ...', nothing written.
 --@include lib.lua
+--@include lib_requeue_prologue.lua
 
-local base, cfg_key, state_key, batches_key, reclaimed_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
+local base, state_key, batches_key = KEYS[1], KEYS[3], KEYS[4]
 local consumer, force = ARGV[1], ARGV[2]
 local min_idle, count = tonumber(ARGV[3]), tonumber(ARGV[4])
 if (not consumer) or #consumer < 1 or #consumer > 200 then
@@ -39,19 +40,11 @@ if not int_in(count, 1, 1000) then
   return redis.error_reply('ERR_ARG count: must be an integer in 1..1000')
 end
 
--- After the locals lib_requeue.lua reads (base, state_key, batches_key, reclaimed_key, cfg, now).
-local cfg, now
---@include lib_requeue.lua
-local refused = acl_refused(function(ok)
-  return requeue_acl(ok) and ok('HGET', state_key) and ok('HMGET', cfg_key) and ok('XPENDING', batches_key)
-    and ok('EXISTS', base .. ':hb:' .. consumer) and ok('HDEL', base .. ':workers') and ok('TIME')
+local rq, refused = requeue_prologue(KEYS, function(ok)
+  return ok('EXISTS', base .. ':hb:' .. consumer) and ok('HDEL', base .. ':workers')
     and ok('XGROUP', 'DELCONSUMER', batches_key, GROUP, consumer)
 end)
-if refused then return refused end
-refused = paused(state_key)
-if refused then return refused end
-cfg = load_cfg(cfg_key)
-now = now_ms()
+if not rq then return refused end
 local alive = redis.call('EXISTS', base .. ':hb:' .. consumer) == 1
 local idle_floor = 0
 if alive and force ~= '1' then
@@ -71,14 +64,14 @@ local pending = redis.call('XPENDING', batches_key, GROUP, 'IDLE', idle_floor, '
 -- Every batch read and decided before the first write.
 local plans = {}
 for _, p in ipairs(pending) do
-  local plan, err = requeue_plan(p[1], 'consumer ' .. consumer .. (alive and ' lost its lease' or ' died'),
+  local plan, err = requeue_plan(rq, p[1], 'consumer ' .. consumer .. (alive and ' lost its lease' or ' died'),
     p[1] == newest)
   if not plan then return err end
   plans[#plans + 1] = plan
 end
 local batches, items, dead = 0, 0, 0
 for _, plan in ipairs(plans) do
-  local k, d = requeue_apply(plan)
+  local k, d = requeue_apply(rq, plan)
   batches = batches + 1
   items = items + k
   dead = dead + d
