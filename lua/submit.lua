@@ -35,6 +35,11 @@
 --   a new item: the signature's next epoch (staged) does.
 -- While the model is paused (conductor pause) it refuses with 'PAUSED ...', nothing written.
 --@include lib.lua
+--@include lib_submit_args.lua
+--@include lib_submit_guard.lua
+--@include lib_job_ids.lua
+--@include lib_intake.lua
+--@include lib_cleanup.lua
 
 local base, cfg_key, state_key = KEYS[1], KEYS[2], KEYS[3]
 local n = tonumber(ARGV[1])
@@ -48,232 +53,30 @@ local job = ARGV[2]
 if #job < 1 or #job > 128 or not string.match(job, '^[%w%._/@+=-]+$') then
   return redis.error_reply('ERR_ARG job: invalid job name')
 end
-
--- Mirrors conductor/formats.py: the edge refuses first; the script refuses what other clients send.
-local MAX_TOKENS = 16777216
-local MAX_OUTPUT = 1048576
-local MAX_RECORD = 8388608 + 8192  -- a body of 8 MiB, and an id and job escaped at worst
-local call_tokens = 0
--- Per item, from the decode that checks its record: its id and input tokens.
-local ids, toks = {}, {}
--- A call's items nearly always share a few shapes: each distinct one is pattern-checked once.
-local sigs_ok = {}
--- Per signature, the first prefix the call carries (stored once below) or nil.
-local prefixes = {}
--- Per signature, what this call brings: the depth rule counts it before the first item is placed,
--- so a backlog sent in a few calls gets the lanes its whole depth deserves.
-local call_depth = {}
-local cjson_decode, byte = cjson.decode, string.byte
-for i = 0, n - 1 do
-  local o = 3 + 3 * i
-  local sig, rec, prefix = ARGV[o], ARGV[o + 1], ARGV[o + 2]
-  if not sigs_ok[sig] then
-    if #sig ~= 16 or not string.match(sig, '^[0-9a-f]+$') then
-      return redis.error_reply('ERR_ARG sig: must be 16 lowercase hex digits at item ' .. i)
-    end
-    sigs_ok[sig] = true
-  end
-  if #rec > MAX_RECORD or #prefix > MAX_RECORD then
-    return redis.error_reply('ERR_ARG record: larger than ' .. MAX_RECORD .. ' bytes at item ' .. i)
-  end
-  -- Workers decode the record as it is stored: a malformed one would fail every delivery until
-  -- dead-lettered.
-  local ok, d = pcall(cjson_decode, rec)
-  if not ok or type(d) ~= 'table' or byte(rec, 1) ~= 91 or #d < 5 or #d > 6 then
-    return redis.error_reply('ERR_ARG record: must be a JSON array [id, job, input_tokens, ' ..
-      'max_tokens, prompt, payload] at item ' .. i)
-  end
-  local id, tok = d[1], d[3]
-  if type(id) ~= 'string' or #id < 1 or #id > 512 then
-    return redis.error_reply('ERR_ARG id: must be a string of 1..512 bytes at item ' .. i)
-  end
-  if d[2] ~= job then
-    return redis.error_reply('ERR_ARG job: the record names another job than the call at item ' .. i)
-  end
-  if type(tok) ~= 'number' or not int_in(tok, 1, MAX_TOKENS) then
-    return redis.error_reply('ERR_ARG input_tokens: must be an integer in 1..' .. MAX_TOKENS .. ' at item ' .. i)
-  end
-  if type(d[4]) ~= 'number' or not int_in(d[4], 1, MAX_OUTPUT) then
-    return redis.error_reply('ERR_ARG max_tokens: must be an integer in 1..' .. MAX_OUTPUT .. ' at item ' .. i)
-  end
-  if type(d[5]) ~= 'string' then
-    return redis.error_reply('ERR_ARG prompt: must be a string at item ' .. i)
-  end
-  if prefix ~= '' then
-    -- As conductor/formats.py: a list of at most 256 strings (workers pass it to the engine as is).
-    ok, d = pcall(cjson_decode, prefix)
-    local good = ok and type(d) == 'table' and string.find(prefix, '^%s*%[') ~= nil
-    if good then
-      local k = 0
-      for _, v in pairs(d) do
-        k = k + 1
-        if type(v) ~= 'string' then good = false break end
-      end
-      good = good and k == #d and k <= 256
-    end
-    if not good then
-      return redis.error_reply('ERR_ARG prefix: must be a JSON list of at most 256 strings at item ' .. i)
-    end
-    if not prefixes[sig] then prefixes[sig] = prefix end
-  end
-  ids[i + 1], toks[i + 1] = id, tok
-  call_tokens = call_tokens + tok
-  local d = call_depth[sig]
-  if not d then
-    d = {tokens = 0, items = 0}
-    call_depth[sig] = d
-  end
-  d.tokens = d.tokens + tok
-  d.items = d.items + 1
-end
--- A signature without a stored prefix (a new one) needs the call to carry it: workers read the
--- shape's prefix from there.
-for sig in pairs(sigs_ok) do
-  if not prefixes[sig] and redis.call('HEXISTS', base .. ':shape:' .. sig, 'prefix') == 0 then
-    return redis.error_reply('ERR_ARG prefix: signature ' .. sig .. ' has no prefix yet: the call must carry ' ..
-      'its prefix (a JSON list of strings) on one of its items')
-  end
-end
+local call, err = check_items(ARGV, n, job)
+if not call then return err end
+local ids, toks, prefixes = call.ids, call.toks, call.prefixes
+err = prefixes_missing(base, call)
+if err then return err end
 
 local refused = paused(state_key)
 if refused then return refused end
 local cfg = load_cfg(cfg_key)
 if cfg.max_waiting_tokens > 0 then
   local waiting = num(redis.call('HGET', state_key, 'tokens'))
-  if waiting + call_tokens > cfg.max_waiting_tokens then
-    return redis.error_reply('FULL model queue holds ' .. waiting .. ' waiting tokens; ' .. call_tokens ..
+  if waiting + call.tokens > cfg.max_waiting_tokens then
+    return redis.error_reply('FULL model queue holds ' .. waiting .. ' waiting tokens; ' .. call.tokens ..
       ' more would pass the ceiling of ' .. cfg.max_waiting_tokens)
   end
 end
-
--- Every command this call may run, on each key or key pattern, before the first write (lib.lua
--- acl_refused): a refusal halfway would leave the writes before it.
-do
-  local I, L, jk = base .. ':inst:0000000000000000:0', ':0000000000000000:0:0', base .. ':job:' .. job
-  local sh, st = base .. ':shape:0000000000000000', state_key
-  local refused = acl_refused(function(ok)
-    return ok('HGET', st) and ok('HINCRBY', st) and ok('HSET', st) and ok('HMGET', jk .. ':items')
-      and ok('HSET', jk .. ':items') and ok('HMGET', jk .. ':sums') and ok('HSET', jk .. ':sums') and ok('HINCRBY', jk) and ok('HGET', sh) and ok('HSET', sh) and ok('HSETNX', sh)
-      and ok('HGET', I) and ok('HMGET', I) and ok('HSET', I) and ok('HINCRBY', I) and ok('ZADD', base .. ':staged_age')
-      and ok('ZADD', base .. ':staged') and ok('ZRANGE', I .. ':lanes') and ok('ZADD', I .. ':lanes')
-      and ok('SPOP', I .. ':free') and ok('ZADD', I .. ':touch') and ok('ZADD', I .. ':fill')
-      and ok('ZADD', I .. ':ready') and ok('RPUSH', base .. ':lane' .. L) and ok('RPUSH', base .. ':lanetok' .. L)
-      and ok('HMGET', base .. ':lanemeta' .. L) and ok('HSET', base .. ':lanemeta' .. L) and ok('TIME')
-  end)
-  if refused then return refused end
-end
+refused = submit_refused(base, state_key, job)
+if refused then return refused end
 local now = now_ms()
-local ctxs = {}
+-- The submit context lib_intake.lua takes.
+local intake = {base = base, cfg = cfg, now = now, depth = call.depth, ctxs = {}}
 
-local function shape_ctx(sig)
-  local ctx = ctxs[sig]
-  if ctx then return ctx end
-  local shape_key = base .. ':shape:' .. sig
-  local ep = tonumber(redis.call('HGET', shape_key, 'epoch'))
-  local st = nil
-  if ep then st = redis.call('HGET', base .. ':inst:' .. sig .. ':' .. ep, 'state') end
-  if (not st) or st == 'draining' or st == 'finished' then
-    ep = (ep or 0) + 1
-    st = 'staged'
-    local ik = base .. ':inst:' .. sig .. ':' .. ep
-    redis.call('HSET', shape_key, 'epoch', ep)
-    redis.call('HSET', ik, 'state', 'staged', 'sig', sig, 'epoch', ep, 'created_ms', now,
-      'tokens', 0, 'items', 0, 'batches', 0, 'lane_seq', 0, 'rr', -1, 'idx', index_version(cfg))
-    redis.call('ZADD', base .. ':staged_age', 'NX', now, sig .. ':' .. ep)
-  end
-  local inst = sig .. ':' .. ep
-  local ik = base .. ':inst:' .. inst
-  local raw = redis.call('ZRANGE', ik .. ':lanes', 0, -1, 'WITHSCORES')
-  local reps, ids = {}, {}
-  for j = 1, #raw, 2 do
-    ids[#ids + 1] = raw[j]
-    reps[#reps + 1] = tonumber(raw[j + 1])
-  end
-  -- Depth rule: no more lanes than lane_depth per full batch (reference budget) the instance
-  -- will hold once this call is in: a shallow shape gets few wide lanes, whose items a claim
-  -- still packs into full batches with their neighbours; a deep one narrow lanes.
-  local max_lanes = cfg.lane_max
-  if cfg.lane_depth > 0 then
-    local have = redis.call('HMGET', ik, 'tokens', 'items')
-    local d = call_depth[sig]
-    local full = math.max((num(have[1]) + d.tokens) / cfg.budget_tokens, (num(have[2]) + d.items) / cfg.budget_items)
-    max_lanes = math.min(max_lanes, math.max(1, math.ceil(cfg.lane_depth * full)))
-  end
-  ctx = {inst = inst, ik = ik, st = st, reps = reps, ids = ids, touched = {}, order = {},
-    tokens = 0, items = 0, max_lanes = max_lanes}
-  ctxs[sig] = ctx
-  return ctx
-end
-
--- Spend structure before spending waste: open a lane when joining the best neighbour would
--- pad more than a threshold that rises as the lane budget fills.
-local function choose_lane(ctx, tok)
-  local reps, ids = ctx.reps, ctx.ids
-  local nl = #reps
-  local lo, hi = 1, nl + 1
-  while lo < hi do
-    local mid = math.floor((lo + hi) / 2)
-    if reps[mid] >= tok then hi = mid else lo = mid + 1 end
-  end
-  local up = lo
-  local p = pad8(tok)
-  local best, cost = nil, nil
-  if up <= nl then best = up; cost = pad8(reps[up]) - p end
-  if up > 1 then
-    local c = p - pad8(reps[up - 1])
-    if (not best) or c < cost then best = up - 1; cost = c end
-  end
-  local open = false
-  if not best then
-    open = true
-  elseif nl < ctx.max_lanes and cost > cfg.lane_floor then
-    if cost > cfg.lane_cap then
-      open = true
-    else
-      local used = nl / cfg.lane_max
-      local thr = cfg.lane_thr_min + (cfg.lane_thr_max - cfg.lane_thr_min) * used * used
-      if cost / math.max(p, pad8(reps[best])) > thr then open = true end
-    end
-  end
-  if open then
-    local id = redis.call('SPOP', ctx.ik .. ':free')
-    if not id then id = redis.call('HINCRBY', ctx.ik, 'lane_seq', 1) - 1 end
-    id = tostring(id)
-    table.insert(reps, up, tok)
-    table.insert(ids, up, id)
-    return id, tok
-  end
-  if reps[best] < tok then reps[best] = tok end
-  return ids[best], reps[best]
-end
-
--- Which ids the job already has: one read for the call, one write of the new ones (a call
--- of 1,000 items would otherwise run 1,000 HSETNX).
-local job_items = base .. ':job:' .. job .. ':items'
-local known = redis.call('HMGET', job_items, unpack(ids))
-local job_sums = base .. ':job:' .. job .. ':sums'
-local first, fresh_sums, had = {}, {}, {}
-for i = 1, n do
-  if known[i] then had[#had + 1] = ids[i] end
-end
-if #had > 0 then had = redis.call('HMGET', job_sums, unpack(had)) end
-local conflicts, h = 0, 0
-for i = 1, n do
-  local o = 3 * i
-  local sum = string.sub(redis.sha1hex(ARGV[o] .. ARGV[o + 1]), 1, 16)
-  local id = ids[i]
-  if known[i] then
-    h = h + 1
-    -- an id stored before sums were kept has none: it cannot be judged, so it stays a duplicate
-    if had[h] and had[h] ~= sum then conflicts = conflicts + 1 end
-  elseif first[id] then
-    if first[id] ~= sum then conflicts = conflicts + 1 end
-  else
-    first[id] = sum
-    fresh_sums[#fresh_sums + 1] = id
-    fresh_sums[#fresh_sums + 1] = sum
-  end
-end
+local job_items, job_sums = base .. ':job:' .. job .. ':items', base .. ':job:' .. job .. ':sums'
+local known, fresh_sums, conflicts = id_conflicts(job_items, job_sums, ARGV, ids, n)
 if conflicts > 0 then
   return redis.error_reply('CONFLICT ' .. conflicts .. ' ids of this call are ids job ' .. job ..
     ' already has with other content')
@@ -290,9 +93,12 @@ for i = 0, n - 1 do
     fresh[#fresh + 1] = id
     fresh[#fresh + 1] = 'q'
     local sig, prefix = ARGV[o], ARGV[o + 2]
-    local ctx = shape_ctx(sig)
-    if prefixes[sig] then redis.call('HSETNX', base .. ':shape:' .. sig, 'prefix', prefixes[sig]); prefixes[sig] = false end
-    local lane, rep = choose_lane(ctx, tok)
+    local ctx = shape_ctx(intake, sig)
+    if prefixes[sig] then
+      redis.call('HSETNX', base .. ':shape:' .. sig, 'prefix', prefixes[sig])
+      prefixes[sig] = false
+    end
+    local lane, rep = choose_lane(cfg, ctx, tok)
     local t = ctx.touched[lane]
     if not t then
       t = {items = 0, tokens = 0, recs = {}, toks = {}}
@@ -310,49 +116,13 @@ for i = 0, n - 1 do
     new_tokens = new_tokens + tok
     out[#out + 1] = tonumber(lane)
   end
-end
--- unpack() stops near 8,000 values: the new ids go in slices.
+end-- unpack() stops near 8,000 values: the new ids go in slices.
 for s = 1, #fresh, 2000 do
   redis.call('HSET', job_items, unpack(fresh, s, math.min(s + 1999, #fresh)))
   redis.call('HSET', job_sums, unpack(fresh_sums, s, math.min(s + 1999, #fresh_sums)))
 end
-
 -- Lanes grow and counters move once per call and lane, not once per item.
-for sig, ctx in pairs(ctxs) do
-  local ik = ctx.ik
-  -- Per lane: its two lists and one read and one write of its hash. The sorted sets of the
-  -- instance take every touched lane in one ZADD each: a call of 1,000 items touches hundreds
-  -- of lanes, and every redis.call costs a few microseconds.
-  local zl, zt, zf, zr = {}, {}, {}, {}
-  for _, lane in ipairs(ctx.order) do
-    local t = ctx.touched[lane]
-    local mk = base .. ':lanemeta:' .. ctx.inst .. ':' .. lane
-    redis.call('RPUSH', base .. ':lane:' .. ctx.inst .. ':' .. lane, unpack(t.recs))
-    redis.call('RPUSH', base .. ':lanetok:' .. ctx.inst .. ':' .. lane, unpack(t.toks))
-    local m = redis.call('HMGET', mk, 'items', 'tokens', 'rep', 'since_ms')
-    local items, tokens = num(m[1]) + t.items, num(m[2]) + t.tokens
-    local rep = math.max(t.rep, num(m[3]))
-    redis.call('HSET', mk, 'items', items, 'tokens', tokens, 'rep', rep, 'last_ms', now, 'since_ms', m[4] or now)
-    if rep ~= tonumber(m[3]) then zl[#zl + 1] = rep; zl[#zl + 1] = lane end
-    zt[#zt + 1] = now; zt[#zt + 1] = lane
-    zf[#zf + 1] = rep; zf[#zf + 1] = lane
-    if lane_is_ready(cfg, items, tokens, rep) then zr[#zr + 1] = lane; zr[#zr + 1] = lane end
-  end
-  if #zl > 0 then redis.call('ZADD', ik .. ':lanes', unpack(zl)) end
-  if #zt > 0 then
-    redis.call('ZADD', ik .. ':touch', unpack(zt))
-    redis.call('ZADD', ik .. ':fill', unpack(zf))
-  end
-  if #zr > 0 then redis.call('ZADD', ik .. ':ready', unpack(zr)) end
-  if ctx.items > 0 then
-    local tokens = redis.call('HINCRBY', ik, 'tokens', ctx.tokens)
-    redis.call('HINCRBY', ik, 'items', ctx.items)
-    redis.call('HSET', ik, 'last_intake_ms', now)
-    if ctx.st == 'staged' or ctx.st == 'warming' then
-      redis.call('ZADD', base .. ':staged', tokens, ctx.inst)
-    end
-  end
-end
+for _, ctx in pairs(intake.ctxs) do grow_lanes(intake, ctx) end
 if new_items > 0 then
   redis.call('HINCRBY', base .. ':job:' .. job, 'submitted', new_items)
   redis.call('HINCRBY', base .. ':job:' .. job, 'submitted_tokens', new_tokens)
@@ -360,10 +130,7 @@ if new_items > 0 then
   redis.call('HINCRBY', state_key, 'items', new_items)
   redis.call('HINCRBY', state_key, 'submitted', new_items)
   redis.call('HSET', state_key, 'last_intake_ms', now)
-  if redis.call('HGET', state_key, 'cleanup') == '1' then
-    local since = num(redis.call('HGET', state_key, 'cleanup_since_ms'))
-    redis.call('HINCRBY', state_key, 'cleanup_ms', math.max(0, now - since))
-    redis.call('HSET', state_key, 'cleanup', 0)
-  end
+  -- New work ends cleanup mode (lib_cleanup.lua).
+  if redis.call('HGET', state_key, 'cleanup') == '1' then exit_cleanup(state_key, now) end
 end
 return out

@@ -1,0 +1,136 @@
+-- lib_intake.lua: where submit.lua puts each item (seed 002): the shape instance that takes new
+-- items (a draining or finished one never does: the signature's next epoch, staged, does), the
+-- lane (rolling lanes, opened when joining the best neighbour would pad past a threshold that
+-- rises as the lane budget fills; retired lane ids reused first; the depth rule), and the lanes'
+-- writes, once per call and lane. s is the submit context submit.lua builds: base, cfg, now,
+-- depth (per signature, what the call brings), ctxs (per signature, its shape_ctx).
+-- Keys: M:shape:S (epoch), M:inst:S:E and its lanes/free/touch/fill/ready sets, M:staged,
+--   M:staged_age, M:lane:S:E:L, M:lanetok:S:E:L, M:lanemeta:S:E:L.
+-- Invariants: a lane list and its token list always have the same length, in the same order;
+--   lanes only grow (a lane's rep never shrinks) and are never merged.
+--@include lib.lua
+
+-- The signature's instance that takes this call's items, read (and staged anew when needed)
+-- once per call: {inst, ik, st (its state), reps and ids (its lanes by rep), touched, order,
+-- tokens, items, max_lanes}.
+local function shape_ctx(s, sig)
+  local base, cfg, now = s.base, s.cfg, s.now
+  local ctx = s.ctxs[sig]
+  if ctx then return ctx end
+  local shape_key = base .. ':shape:' .. sig
+  local ep = tonumber(redis.call('HGET', shape_key, 'epoch'))
+  local st = nil
+  if ep then st = redis.call('HGET', base .. ':inst:' .. sig .. ':' .. ep, 'state') end
+  if (not st) or st == 'draining' or st == 'finished' then
+    ep = (ep or 0) + 1
+    st = 'staged'
+    local ik = base .. ':inst:' .. sig .. ':' .. ep
+    redis.call('HSET', shape_key, 'epoch', ep)
+    redis.call('HSET', ik, 'state', 'staged', 'sig', sig, 'epoch', ep, 'created_ms', now,
+      'tokens', 0, 'items', 0, 'batches', 0, 'lane_seq', 0, 'rr', -1, 'idx', index_version(cfg))
+    redis.call('ZADD', base .. ':staged_age', 'NX', now, sig .. ':' .. ep)
+  end
+  local inst = sig .. ':' .. ep
+  local ik = base .. ':inst:' .. inst
+  local raw = redis.call('ZRANGE', ik .. ':lanes', 0, -1, 'WITHSCORES')
+  local reps, ids = {}, {}
+  for j = 1, #raw, 2 do
+    ids[#ids + 1] = raw[j]
+    reps[#reps + 1] = tonumber(raw[j + 1])
+  end
+  -- Depth rule: no more lanes than lane_depth per full batch (reference budget) the instance
+  -- will hold once this call is in: a shallow shape gets few wide lanes, whose items a claim
+  -- still packs into full batches with their neighbours; a deep one narrow lanes.
+  local max_lanes = cfg.lane_max
+  if cfg.lane_depth > 0 then
+    local have = redis.call('HMGET', ik, 'tokens', 'items')
+    local d = s.depth[sig]
+    local full = math.max((num(have[1]) + d.tokens) / cfg.budget_tokens, (num(have[2]) + d.items) / cfg.budget_items)
+    max_lanes = math.min(max_lanes, math.max(1, math.ceil(cfg.lane_depth * full)))
+  end
+  ctx = {inst = inst, ik = ik, st = st, reps = reps, ids = ids, touched = {}, order = {},
+    tokens = 0, items = 0, max_lanes = max_lanes}
+  s.ctxs[sig] = ctx
+  return ctx
+end
+
+-- Spend structure before spending waste: open a lane when joining the best neighbour would
+-- pad more than a threshold that rises as the lane budget fills.
+local function choose_lane(cfg, ctx, tok)
+  local reps, ids = ctx.reps, ctx.ids
+  local nl = #reps
+  local lo, hi = 1, nl + 1
+  while lo < hi do
+    local mid = math.floor((lo + hi) / 2)
+    if reps[mid] >= tok then hi = mid else lo = mid + 1 end
+  end
+  local up = lo
+  local p = pad8(tok)
+  local best, cost = nil, nil
+  if up <= nl then best = up; cost = pad8(reps[up]) - p end
+  if up > 1 then
+    local c = p - pad8(reps[up - 1])
+    if (not best) or c < cost then best = up - 1; cost = c end
+  end
+  local open = false
+  if not best then
+    open = true
+  elseif nl < ctx.max_lanes and cost > cfg.lane_floor then
+    if cost > cfg.lane_cap then
+      open = true
+    else
+      local used = nl / cfg.lane_max
+      local thr = cfg.lane_thr_min + (cfg.lane_thr_max - cfg.lane_thr_min) * used * used
+      if cost / math.max(p, pad8(reps[best])) > thr then open = true end
+    end
+  end
+  if open then
+    local id = redis.call('SPOP', ctx.ik .. ':free')
+    if not id then id = redis.call('HINCRBY', ctx.ik, 'lane_seq', 1) - 1 end
+    id = tostring(id)
+    table.insert(reps, up, tok)
+    table.insert(ids, up, id)
+    return id, tok
+  end
+  if reps[best] < tok then reps[best] = tok end
+  return ids[best], reps[best]
+end
+
+-- Lanes grow and counters move once per call and lane, not once per item.
+-- s: the submit context (base, cfg, now); ctx: shape_ctx's, with the call's items placed.
+local function grow_lanes(s, ctx)
+  local base, cfg, now = s.base, s.cfg, s.now
+  local ik = ctx.ik
+  -- Per lane: its two lists and one read and one write of its hash. The sorted sets of the
+  -- instance take every touched lane in one ZADD each: a call of 1,000 items touches hundreds
+  -- of lanes, and every redis.call costs a few microseconds.
+  local zl, zt, zf, zr = {}, {}, {}, {}
+  for _, lane in ipairs(ctx.order) do
+    local t = ctx.touched[lane]
+    local mk = base .. ':lanemeta:' .. ctx.inst .. ':' .. lane
+    redis.call('RPUSH', base .. ':lane:' .. ctx.inst .. ':' .. lane, unpack(t.recs))
+    redis.call('RPUSH', base .. ':lanetok:' .. ctx.inst .. ':' .. lane, unpack(t.toks))
+    local m = redis.call('HMGET', mk, 'items', 'tokens', 'rep', 'since_ms')
+    local items, tokens = num(m[1]) + t.items, num(m[2]) + t.tokens
+    local rep = math.max(t.rep, num(m[3]))
+    redis.call('HSET', mk, 'items', items, 'tokens', tokens, 'rep', rep, 'last_ms', now, 'since_ms', m[4] or now)
+    if rep ~= tonumber(m[3]) then zl[#zl + 1] = rep; zl[#zl + 1] = lane end
+    zt[#zt + 1] = now; zt[#zt + 1] = lane
+    zf[#zf + 1] = rep; zf[#zf + 1] = lane
+    if lane_is_ready(cfg, items, tokens, rep) then zr[#zr + 1] = lane; zr[#zr + 1] = lane end
+  end
+  if #zl > 0 then redis.call('ZADD', ik .. ':lanes', unpack(zl)) end
+  if #zt > 0 then
+    redis.call('ZADD', ik .. ':touch', unpack(zt))
+    redis.call('ZADD', ik .. ':fill', unpack(zf))
+  end
+  if #zr > 0 then redis.call('ZADD', ik .. ':ready', unpack(zr)) end
+  if ctx.items > 0 then
+    local tokens = redis.call('HINCRBY', ik, 'tokens', ctx.tokens)
+    redis.call('HINCRBY', ik, 'items', ctx.items)
+    redis.call('HSET', ik, 'last_intake_ms', now)
+    if ctx.st == 'staged' or ctx.st == 'warming' then
+      redis.call('ZADD', base .. ':staged', tokens, ctx.inst)
+    end
+  end
+end

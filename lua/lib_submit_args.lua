@@ -1,0 +1,105 @@
+-- lib_submit_args.lua: submit.lua's checks of its items (seed 002's intake edge), before anything is
+-- written: each record decodes as the item record workers read (conductor/keys.py), each id,
+-- job, token count and prefix is well formed, and a new signature brings its prefix.
+-- Keys: M:shape:S (HEXISTS prefix) only. Invariant: reads only; every refusal is an 'ERR_ARG
+--   <field>: ... at item <i>' reply and nothing is written.
+--@include lib.lua
+
+-- Mirrors conductor/formats.py: the edge refuses first; the script refuses what other clients send.
+local MAX_TOKENS = 16777216
+local MAX_OUTPUT = 1048576
+local MAX_RECORD = 8388608 + 8192  -- a body of 8 MiB, and an id and job escaped at worst
+
+-- argv: submit.lua's ARGV (3 fields per item from argv[3]), n items, job the call's job.
+-- Returns call = {tokens (input tokens of the call), ids, toks (per item), sigs (set of the
+-- call's signatures), prefixes (per signature, the first prefix the call carries), depth (per
+-- signature, {tokens, items} the call brings)}, or nil and the error reply to return.
+local function check_items(argv, n, job)
+  local call_tokens = 0
+  -- Per item, from the decode that checks its record: its id and input tokens.
+  local ids, toks = {}, {}
+  -- A call's items nearly always share a few shapes: each distinct one is pattern-checked once.
+  local sigs_ok = {}
+  -- Per signature, the first prefix the call carries (stored once below) or nil.
+  local prefixes = {}
+  -- Per signature, what this call brings: the depth rule counts it before the first item is placed,
+  -- so a backlog sent in a few calls gets the lanes its whole depth deserves.
+  local call_depth = {}
+  local cjson_decode, byte = cjson.decode, string.byte
+  for i = 0, n - 1 do
+    local o = 3 + 3 * i
+    local sig, rec, prefix = argv[o], argv[o + 1], argv[o + 2]
+    if not sigs_ok[sig] then
+      if #sig ~= 16 or not string.match(sig, '^[0-9a-f]+$') then
+        return nil, redis.error_reply('ERR_ARG sig: must be 16 lowercase hex digits at item ' .. i)
+      end
+      sigs_ok[sig] = true
+    end
+    if #rec > MAX_RECORD or #prefix > MAX_RECORD then
+      return nil, redis.error_reply('ERR_ARG record: larger than ' .. MAX_RECORD .. ' bytes at item ' .. i)
+    end
+    -- Workers decode the record as it is stored: a malformed one would fail every delivery until
+    -- dead-lettered.
+    local ok, d = pcall(cjson_decode, rec)
+    if not ok or type(d) ~= 'table' or byte(rec, 1) ~= 91 or #d < 5 or #d > 6 then
+      return nil, redis.error_reply('ERR_ARG record: must be a JSON array [id, job, input_tokens, ' ..
+        'max_tokens, prompt, payload] at item ' .. i)
+    end
+    local id, tok = d[1], d[3]
+    if type(id) ~= 'string' or #id < 1 or #id > 512 then
+      return nil, redis.error_reply('ERR_ARG id: must be a string of 1..512 bytes at item ' .. i)
+    end
+    if d[2] ~= job then
+      return nil, redis.error_reply('ERR_ARG job: the record names another job than the call at item ' .. i)
+    end
+    if type(tok) ~= 'number' or not int_in(tok, 1, MAX_TOKENS) then
+      return nil, redis.error_reply('ERR_ARG input_tokens: must be an integer in 1..' .. MAX_TOKENS .. ' at item ' .. i)
+    end
+    if type(d[4]) ~= 'number' or not int_in(d[4], 1, MAX_OUTPUT) then
+      return nil, redis.error_reply('ERR_ARG max_tokens: must be an integer in 1..' .. MAX_OUTPUT .. ' at item ' .. i)
+    end
+    if type(d[5]) ~= 'string' then
+      return nil, redis.error_reply('ERR_ARG prompt: must be a string at item ' .. i)
+    end
+    if prefix ~= '' then
+      -- As conductor/formats.py: a list of at most 256 strings (workers pass it to the engine as is).
+      ok, d = pcall(cjson_decode, prefix)
+      local good = ok and type(d) == 'table' and string.find(prefix, '^%s*%[') ~= nil
+      if good then
+        local k = 0
+        for _, v in pairs(d) do
+          k = k + 1
+          if type(v) ~= 'string' then good = false break end
+        end
+        good = good and k == #d and k <= 256
+      end
+      if not good then
+        return nil, redis.error_reply('ERR_ARG prefix: must be a JSON list of at most 256 strings at item ' .. i)
+      end
+      if not prefixes[sig] then prefixes[sig] = prefix end
+    end
+    ids[i + 1], toks[i + 1] = id, tok
+    call_tokens = call_tokens + tok
+    local d = call_depth[sig]
+    if not d then
+      d = {tokens = 0, items = 0}
+      call_depth[sig] = d
+    end
+    d.tokens = d.tokens + tok
+    d.items = d.items + 1
+  end
+  return {tokens = call_tokens, ids = ids, toks = toks, sigs = sigs_ok, prefixes = prefixes, depth = call_depth}
+end
+
+-- A signature without a stored prefix (a new one) needs the call to carry it: workers read the
+-- shape's prefix from there.
+-- Returns the error reply to return, or nil.
+local function prefixes_missing(base, call)
+  for sig in pairs(call.sigs) do
+    if not call.prefixes[sig] and redis.call('HEXISTS', base .. ':shape:' .. sig, 'prefix') == 0 then
+      return redis.error_reply('ERR_ARG prefix: signature ' .. sig .. ' has no prefix yet: the call must carry ' ..
+        'its prefix (a JSON list of strings) on one of its items')
+    end
+  end
+  return nil
+end
