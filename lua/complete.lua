@@ -84,18 +84,6 @@ if refused then return refused end
 refused = paused(state_key)
 if refused then return refused end
 
--- Two valid stream ids compared: -1, 0 or 1 (the parts may pass 2^53: compared as digit strings).
-local function id_cmp(a, b)
-  local am, as = string.match(a, '^0*(%d-)%-0*(%d-)$')
-  local bm, bs = string.match(b, '^0*(%d-)%-0*(%d-)$')
-  for _, p in ipairs({{am, bm}, {as, bs}}) do
-    local x, y = p[1], p[2]
-    if #x ~= #y then return #x < #y and -1 or 1 end
-    if x ~= y then return x < y and -1 or 1 end
-  end
-  return 0
-end
-
 -- The batch and its items, read before any write.
 local entry = redis.call('XRANGE', batches_key, bid, bid)[1]
 if not entry then

@@ -147,3 +147,15 @@ local function stream_id_ok(id)
   local ms, seq = string.match(id, '^(%d+)%-(%d+)$')
   return ms ~= nil and u64_ok(ms) and u64_ok(seq)
 end
+
+-- Two valid stream ids compared: -1, 0 or 1 (the parts may pass 2^53: compared as digit strings).
+local function id_cmp(a, b)
+  local am, as = string.match(a, '^0*(%d-)%-0*(%d-)$')
+  local bm, bs = string.match(b, '^0*(%d-)%-0*(%d-)$')
+  for _, p in ipairs({{am, bm}, {as, bs}}) do
+    local x, y = p[1], p[2]
+    if #x ~= #y then return #x < #y and -1 or 1 end
+    if x ~= y then return x < y and -1 or 1 end
+  end
+  return 0
+end

@@ -28,6 +28,7 @@
 --   index_version) names the current config. Item records and token lists are never moved.
 -- While the model is paused (conductor pause) it refuses with 'PAUSED ...', nothing written.
 --@include lib.lua
+--@include lib_lane_truth.lua
 
 local base, cfg_key = KEYS[1], KEYS[2]
 local inst = ARGV[1]
@@ -74,25 +75,8 @@ end
 for i = 2, #ARGV do add(ARGV[i]) end
 
 -- Truth first, so an instance that cannot be repaired is refused before the first write.
-local truth, total_tok, total_items = {}, 0, 0
-for _, lane in ipairs(lanes) do
-  local lk = base .. ':lane:' .. inst .. ':' .. lane
-  local n = redis.call('LLEN', lk)
-  local toks = redis.call('LRANGE', base .. ':lanetok:' .. inst .. ':' .. lane, 0, -1)
-  if #toks ~= n then
-    return redis.error_reply('ERR_STATE lane: ' .. lk .. ' holds ' .. n .. ' items but its token list ' ..
-      #toks .. ' tokens')
-  end
-  local tok, mx = 0, 0
-  for _, v in ipairs(toks) do
-    local t = tonumber(v) or 0
-    tok = tok + t
-    if t > mx then mx = t end
-  end
-  truth[lane] = {n = n, tok = tok, mx = mx}
-  total_tok = total_tok + tok
-  total_items = total_items + n
-end
+local truth, total_tok, total_items = lane_truth(base, inst, lanes)
+if not truth then return total_tok end
 local exists = redis.call('EXISTS', ik) == 1
 if not exists and total_items > 0 then
   return redis.error_reply('ERR_STATE inst: ' .. inst .. ' is gone but its lanes hold ' .. total_items ..

@@ -77,3 +77,8 @@ def test_generated_refuses_a_default_lua_cannot_hold(monkeypatch):
     monkeypatch.setitem(config.DEFAULTS, "quiet_ms", [1])
     with pytest.raises(TypeError, match="Lua form"):
         scripts.generated()
+
+
+def test_no_script_is_over_200_lines_includes_apart():
+    long = {name: n for name in NAMES if (n := len((ROOT / "lua" / f"{name}.lua").read_text().splitlines())) > 200}
+    assert not long, long
