@@ -74,8 +74,9 @@ local now = now_ms()
 -- The model's state, read once: every redis.call costs several microseconds here, and this
 -- script runs once per batch. Only this script writes these counters while it runs (scripts
 -- are atomic), so deliver() writes them back from these values.
-local st = hmget_named(state_key, {'gate', 'tokens', 'last_intake_ms', 'cleanup', 'reclaimed_items',
-  'inflight_batches', 'inflight_items', 'batches', 'items', 'warming', 'sweep_ms', 'paused', 'active', 'sealed_ms'})
+local STATE = {'gate', 'tokens', 'last_intake_ms', 'cleanup', 'reclaimed_items', 'inflight_batches',
+  'inflight_items', 'batches', 'items', 'warming', 'sweep_ms', 'paused', 'active', 'sealed_ms'}
+local st = hmget_named(state_key, STATE)
 -- The claim context every include takes. Each worker warms its own next instance (M:warming), so
 -- in a fleet the shape a worker prepared is the one it switches to, not one another took first.
 local c = {base = base, state_key = state_key, batches_key = batches_key, reclaimed_key = reclaimed_key,

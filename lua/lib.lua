@@ -28,7 +28,7 @@ end
 local function hmget_named(key, names)
   local raw = redis.call('HMGET', key, unpack(names))
   local out = {}
-  for i, name in ipairs(names) do out[name] = raw[i] end
+  for i = 1, #names do out[names[i]] = raw[i] end
   return out
 end
 

@@ -28,10 +28,11 @@ end
 -- item: lanes only grow), so each lane keeps one padded length: its graph is built once, and
 -- ahead of time by the pre-warm signal, which names the lanes' padded reps.
 -- Returns the lane's part {lane, k, sum, meta, mk} or nil.
+local LANE_META = {'rep', 'last_ms', 'items', 'tokens'}
 local function plan_lane(c, inst, lane, acc)
   local disk, max_items, max_tokens = c.disk, c.max_items, c.max_tokens
   local mk = c.base .. ':lanemeta:' .. inst .. ':' .. lane
-  local meta = hmget_named(mk, {'rep', 'last_ms', 'items', 'tokens'})
+  local meta = hmget_named(mk, LANE_META)
   local room = max_items - acc.k
   if not disk then
     local plen = pad8(math.max(acc.maxlen, num(meta.rep)))
