@@ -7,7 +7,7 @@
 -- item records named by the entry's token; a requeued batch becomes one reclaimed entry, msgpack
 -- [sig, epoch, lane, deliveries, tokens, records]. Item records travel as they are (their bytes
 -- are never rebuilt), and all items of a batch share one delivery count.
--- Items that already have a result are dropped (effectively-once); items delivered 3 or more
+-- Invariants: items that already have a result are dropped (effectively-once); items delivered 3 or more
 -- times travel alone, so one poison item cannot take its batch down again. Blame: an item
 -- goes to the dead letter (with its reason and a failed result) once delivered max_deliveries
 -- times when the batch is blamed for the failure (the engine failed it, or it was the last

@@ -82,3 +82,11 @@ def test_generated_refuses_a_default_lua_cannot_hold(monkeypatch):
 def test_no_script_is_over_200_lines_includes_apart():
     long = {name: n for name in NAMES if (n := len((ROOT / "lua" / f"{name}.lua").read_text().splitlines())) > 200}
     assert not long, long
+
+
+def test_every_include_has_a_header_naming_it_its_keys_and_invariant():
+    for p in sorted((ROOT / "lua").glob("lib_*.lua")):
+        text = p.read_text()
+        assert text.startswith(f"-- {p.name}: "), p.name
+        head = text.split("\nlocal ", 1)[0]
+        assert "Keys:" in head and "Invariant" in head, p.name
