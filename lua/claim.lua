@@ -34,11 +34,10 @@
 --   number of lanes and at most SHAPE_VISITS instances are looked at), never with the queue.
 -- This file is the dispatch order; each step lives in an include: lib_claim_guard.lua (refusals
 --   before the first write), lib_deliver.lua (reclaimed work, moving and delivering a batch),
---   lib_lifecycle.lua (gate, picking, activating, warming, preempting, finishing instances),
---   lib_serve.lua (aging, lane hygiene, ready lanes, neighbour fill, draining), lib_lanes.lua
---   (planning a batch from lanes), lib_cleanup.lua (cleanup mode).
+--   lib_lifecycle.lua (gate, picking the next instance, activating, warming, preempting,
+--   finishing), lib_cleanup.lua (entering and leaving cleanup mode), lib_serve.lua (aging, lane
+--   hygiene, ready lanes, neighbour fill, draining), lib_lanes.lua (planning a batch from lanes).
 --@include lib.lua
---@include lib_cleanup.lua
 --@include lib_claim_guard.lua
 --@include lib_serve.lua
 
@@ -46,28 +45,15 @@ local base, cfg_key, state_key, batches_key, reclaimed_key = KEYS[1], KEYS[2], K
 local consumer = ARGV[1]
 local max_items, max_tokens = tonumber(ARGV[2]), tonumber(ARGV[3])
 local token = ARGV[5]
-if (not consumer) or #consumer < 1 or #consumer > 200 then
-  return redis.error_reply('ERR_ARG consumer: must be 1..200 bytes')
-end
-if not int_in(max_items, 1, 65536) then
-  return redis.error_reply('ERR_ARG max_batch_size: must be an integer in 1..65536')
-end
-if not int_in(max_tokens, 1, 1073741824) then
-  return redis.error_reply('ERR_ARG max_batch_tokens: must be an integer in 1..1073741824')
-end
-if (not token) or #token < 1 or #token > 64 or not string.match(token, '^[%w%._-]+$') then
-  return redis.error_reply('ERR_ARG token: must be 1..64 characters from A-Z a-z 0-9 . _ -')
-end
+local refused = claim_bad_args(base, consumer, max_items, max_tokens, token)
+if refused then return refused end
 local batch_items_key = base .. ':bat:' .. token
-if redis.call('EXISTS', batch_items_key) == 1 then
-  return redis.error_reply('ERR_ARG token: ' .. token .. ' is in use by a pending batch')
-end
 
 -- Every cfg field this script (and the includes it calls) reads; tests/test_keys.py checks.
 local CLAIM_CFG = {'mode', 'budget_tokens', 'budget_items', 'activate_batches', 'aging_ms', 'drain_batches',
   'hygiene_idle_ms', 'hygiene_items', 'lane_quiet_ms', 'prewarm_batches', 'quiet_ms', 'release_batches'}
 local cfg = load_cfg(cfg_key, CLAIM_CFG)
-local refused = claim_refused(base, state_key, batches_key, reclaimed_key, batch_items_key)
+refused = claim_refused(base, state_key, batches_key, reclaimed_key, batch_items_key)
 if refused then return refused end
 local now = now_ms()
 
@@ -118,19 +104,9 @@ if active then
 end
 for _ = 1, SHAPE_VISITS do
   if not active then
-    active = pick_next(c, c.cleanup)
-    if not active then
-      if quiet and waiting > 0 and not c.cleanup then
-        c.cleanup = true
-        enter_cleanup(state_key, now)
-        active = pick_next(c, true)
-      end
-      if not active then
-        if waiting > 0 then return {0, 'wait'} end
-        if c.cleanup then exit_cleanup(state_key, now) end
-        return {0, 'idle'}
-      end
-    end
+    local reason
+    active, reason = next_instance(c, quiet, waiting)
+    if not active then return reason end
     info = inst_info(c, active)
   end
   indexed(c, active, info)

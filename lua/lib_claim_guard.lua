@@ -1,10 +1,33 @@
--- lib_claim_guard.lua: what claim.lua refuses before its first write, nothing written: a command
--- the caller's ACL denies ('NOPERM', lib.lua acl_refused: every command claim.lua and its
--- includes may call, on each key or key pattern), and a batches stream without the consumer
--- group ('NOGROUP': XCLAIM would refuse it after the items moved).
--- Keys: reads only (XINFO GROUPS of M:batches). Invariant: a command added to claim.lua's
---   includes is added here too (tests/test_script_acl_atomicity.py denies each in turn).
+-- lib_claim_guard.lua: what claim.lua refuses before its first write, nothing written: malformed
+-- arguments and a batch token in use ('ERR_ARG'), a command the caller's ACL denies ('NOPERM',
+-- lib.lua acl_refused: every command claim.lua and its includes may call, on each key or key
+-- pattern), and a batches stream without the consumer group ('NOGROUP': XCLAIM would refuse it
+-- after the items moved).
+-- Keys: reads only (EXISTS M:bat:<token>, XINFO GROUPS of M:batches).
+-- Invariant: a command added to claim.lua's includes is added here too
+--   (tests/test_script_acl_atomicity.py denies each in turn).
 --@include lib.lua
+
+-- The arguments (claim.lua's header), and the batch token not in use by a pending batch. Returns
+-- the error reply to return ('ERR_ARG <field>: ...'), or nil.
+local function claim_bad_args(base, consumer, max_items, max_tokens, token)
+  if (not consumer) or #consumer < 1 or #consumer > 200 then
+    return redis.error_reply('ERR_ARG consumer: must be 1..200 bytes')
+  end
+  if not int_in(max_items, 1, 65536) then
+    return redis.error_reply('ERR_ARG max_batch_size: must be an integer in 1..65536')
+  end
+  if not int_in(max_tokens, 1, 1073741824) then
+    return redis.error_reply('ERR_ARG max_batch_tokens: must be an integer in 1..1073741824')
+  end
+  if (not token) or #token < 1 or #token > 64 or not string.match(token, '^[%w%._-]+$') then
+    return redis.error_reply('ERR_ARG token: must be 1..64 characters from A-Z a-z 0-9 . _ -')
+  end
+  if redis.call('EXISTS', base .. ':bat:' .. token) == 1 then
+    return redis.error_reply('ERR_ARG token: ' .. token .. ' is in use by a pending batch')
+  end
+  return nil
+end
 
 -- Returns the error reply to return, or nil.
 local function claim_refused(base, state_key, batches_key, reclaimed_key, batch_items_key)

@@ -3,13 +3,14 @@
 -- instance each worker serves (M:affinity) and which it warms next (M:warming); the release gate.
 -- Every function takes c, the claim context claim.lua builds (base, state_key, consumer, cfg,
 -- now, st, active_key, affinity_key, warming_key, and the mutable warming_now and cleanup).
--- Keys: M:state, M:active, M:affinity, M:warming, M:staged, M:staged_age, M:finished, M:hb:W,
+-- Keys: M:state (and its cleanup fields, lib_cleanup.lua), M:active, M:affinity, M:warming, M:staged, M:staged_age, M:finished, M:hb:W,
 --   M:inst:S:E and its lanes/fill/ready/free/touch sets, M:lane*/lanetok*/lanemeta* of a finished
 --   instance.
 -- Invariants: a worker serves one instance (its affinity) until it is empty or an aged shape
 --   preempts it; each worker warms at most one instance, its next; an instance is finished (its
 --   keys deleted) only once empty and served by no live worker.
 --@include lib.lua
+--@include lib_cleanup.lua
 
 local function inst_key(base, inst) return base .. ':inst:' .. inst end
 
@@ -197,4 +198,22 @@ local function gate_shut(c, waiting, quiet)
     return {0, 'gate'}
   end
   return {0, 'idle'}
+end
+
+-- The instance this worker serves next (pick_next); when there is none, nothing normal is ready
+-- and intake has gone quiet with work waiting, cleanup mode begins (activation threshold 0, any
+-- staged shape is next); when the model is empty, cleanup mode ends. Returns the instance, or nil
+-- and the reply ({0, 'wait'} while work waits, {0, 'idle'}).
+local function next_instance(c, quiet, waiting)
+  local inst = pick_next(c, c.cleanup)
+  if inst then return inst end
+  if quiet and waiting > 0 and not c.cleanup then
+    c.cleanup = true
+    enter_cleanup(c.state_key, c.now)
+    inst = pick_next(c, true)
+    if inst then return inst end
+  end
+  if waiting > 0 then return nil, {0, 'wait'} end
+  if c.cleanup then exit_cleanup(c.state_key, c.now) end
+  return nil, {0, 'idle'}
 end
