@@ -194,6 +194,7 @@ class Conductor:
         self.scripts = Scripts(client)
         check_schema(client, auto=migrate)
         self._models_ready: set[str] = set()
+        self._models_listed: set[str] = set()
         self._prefix_cache: dict[tuple[str, str], list[str]] = {}
         # the claim's own connection, per server (one, or one per cluster node that holds a model)
         # keyed by the pool itself, not id(): a pool dropped after a slot-map refresh stays
@@ -299,7 +300,7 @@ class Conductor:
         self.check_ids_across_models(job, by_model)
         for model, its in by_model.items():
             self._register_job(job, model)
-            mk = self.ensure_model(model)
+            mk = self._intake_model(model)
             report.models.add(model)
             self._submit_calls(mk, job, _grouped_by_shape(its), report, progress)
         if seal:
@@ -321,9 +322,9 @@ class Conductor:
             if n <= 0:
                 continue
             self._register_job(job, model)
-            mk = self.ensure_model(model)
+            mk = self._intake_model(model)
             try:
-                self._confirmed(self.scripts.declare, [mk.job(job), mk.state], [n])
+                self._confirmed(self.scripts.declare, [mk.job_intake(job), mk.state], [n])
             except redis.ResponseError as e:
                 _raise_script_error(e)
                 raise
@@ -334,7 +335,7 @@ class Conductor:
         known = self.job_models(job)
         for other in known:
             ids = [it.id for model, its in by_model.items() if model != other for it in its]
-            key = K.ModelKeys(other).job_items(job)
+            key = K.ModelKeys(other).job_sums(job)  # the job's id registry for that model
             for start in range(0, len(ids), 1000):
                 chunk = ids[start:start + 1000]
                 for iid, state in zip(chunk, self.r.hmget(key, chunk), strict=True):
@@ -370,7 +371,8 @@ class Conductor:
             for start in range(0, len(its), 5000):
                 chunk = its[start:start + 5000]
                 for it, had in zip(chunk, self.r.hmget(sums_key, [it.id for it in chunk]), strict=True):
-                    if had is not None and _s(had) != content_sum(head, it):
+                    # '-': an id registered before sums were kept (migrations/0003): not judged
+                    if had is not None and had != b"-" and _s(had) != content_sum(head, it):
                         conflicts += 1
                         example = example or it.id
         if conflicts:
@@ -380,10 +382,22 @@ class Conductor:
     def seal(self, model: str) -> int:
         """Declare the end of this producer's submission to ``model`` (seal.lua)."""
         try:
-            return int(self.scripts.seal(keys=[K.ModelKeys(model).state]))
+            mk = K.ModelKeys(model)
+            return int(self.scripts.seal(keys=[mk.state, mk.intake]))
         except redis.ResponseError as e:
             _raise_script_error(e)
             raise
+
+    def _intake_model(self, model: str) -> K.ModelKeys:
+        """A model as a producer needs it: in the models set. Its thresholds and consumer group
+        are the workers' to create (ensure_model, at registration): submit.lua reads the defaults
+        of an unset threshold, and deploy/redis/users.acl gives a producer no write on M:cfg."""
+        mk = K.ModelKeys(model)
+        if model not in self._models_ready and model not in self._models_listed:
+            if not self.r.sismember(K.MODELS_KEY, model):
+                self.r.sadd(K.MODELS_KEY, model)
+            self._models_listed.add(model)
+        return mk
 
     def _register_job(self, job: str, model: str) -> None:
         pipe = self.r.pipeline(transaction=False)
@@ -708,9 +722,15 @@ class Conductor:
         models = self.job_models(job) if models is None else models
         total = {"job": job, "submitted": 0, "completed": 0, "failed": 0, "pending": 0, "declared": 0, "lost": 0,
                  "models": {}}
+        pipe = self.r.pipeline(transaction=False)
         for model in models:
-            raw = self.r.hgetall(K.ModelKeys(model).job(job))
-            row = {k: int(raw.get(k.encode(), 0)) for k in ("submitted", "completed", "failed", "declared")}
+            pipe.hmget(K.ModelKeys(model).job_intake(job), "submitted", "declared")
+            pipe.hmget(K.ModelKeys(model).job(job), "completed", "failed")
+        got = pipe.execute() if models else []
+        for i, model in enumerate(models):
+            (sub, dec), (comp, fail) = got[2 * i], got[2 * i + 1]
+            row = {"submitted": int(sub or 0), "completed": int(comp or 0), "failed": int(fail or 0),
+                   "declared": int(dec or 0)}
             row["pending"] = row["submitted"] - row["completed"] - row["failed"]
             # Items the producer declared before sending them and Redis does not hold (declare.lua).
             row["lost"] = max(0, row["declared"] - row["submitted"])

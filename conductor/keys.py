@@ -14,7 +14,11 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     cdr:jobs                        zset     job -> creation time (ms)
     cdr:job:J:models                set      models a job submitted to
     M:cfg                           hash     per-model thresholds (conductor/config.py)
-    M:state                         hash     model counters: waiting tokens/items, gate, warming shape
+    M:state                         hash     the fleet's model state: gate, cleanup, in-flight and finished
+                                             counters, pause (workers write it; producers only read it)
+    M:intake                        hash     the producer's model counters: waiting tokens and items
+                                             (claim.lua takes them down), submitted, last_intake_ms,
+                                             sealed_ms
     M:active                        zset     active or draining shape instance "S:E" -> activation time (ms)
     M:affinity                      hash     worker -> the active instance it serves (it stays until empty)
     M:warming                       hash     worker -> the staged instance it warms, its next (pre-warm signal)
@@ -51,11 +55,19 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     M:hb:W                          string   heartbeat of worker W (TTL)
     M:lease:maint                   string   which worker runs the periodic sweep (TTL)
     M:workers                       hash     worker -> registered contract (JSON)
-    M:job:J                         hash     job counters for this model: submitted, completed, failed
-    M:job:J:items                   hash     item id -> q (queued) | d (done): idempotency of both ends
-    M:job:J:sums                    hash     item id -> its content's sum (16 hex digits of SHA-1(sig ||
-                                             record)): a re-submitted id must bring the same content
+    M:in:J                          hash     the producer's job counters for this model: declared,
+                                             submitted, submitted_tokens
+    M:in:J:sums                     hash     the job's id registry: item id -> its content's sum (16 hex
+                                             digits of SHA-1(sig || record); '-' for an id submitted before
+                                             sums were kept): a re-submitted id must bring the same content
+    M:job:J                         hash     the fleet's job counters for this model: completed, failed
+    M:job:J:items                   hash     item id -> d: the item has its result (effectively-once)
     M:job:J:results                 stream   result records of the job for this model, JSON
+
+Who may write what (deploy/redis/users.acl): a producer writes only M:intake, M:in:*, the shape,
+instance and lane keys (through submit.lua, seal.lua and declare.lua) and the global job and
+model registries; everything else, results and counters of finished work included, is the
+workers'. Schema 3 (migrations/0003) split the producer's keys from the workers'.
 
 An item record is the JSON array text ``[id, job, input_tokens, max_tokens, prompt, payload]``
 (``records.BatchItem`` decodes it as an array-like struct). The producer writes it
@@ -189,11 +201,18 @@ class ModelKeys:
     def job(self, job: str) -> str:
         return f"{self.base}:job:{job}"
 
+    @property
+    def intake(self) -> str:
+        return f"{self.base}:intake"
+
+    def job_intake(self, job: str) -> str:
+        return f"{self.base}:in:{job}"
+
     def job_items(self, job: str) -> str:
         return f"{self.base}:job:{job}:items"
 
     def job_sums(self, job: str) -> str:
-        return f"{self.base}:job:{job}:sums"
+        return f"{self.base}:in:{job}:sums"
 
     def job_results(self, job: str) -> str:
         return f"{self.base}:job:{job}:results"

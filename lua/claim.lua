@@ -70,6 +70,7 @@ do
   local ac, af, wm = base .. ':active', base .. ':affinity', base .. ':warming'
   local refused = acl_refused(function(ok)
     return ok('HMGET', st) and ok('HSET', st) and ok('HINCRBY', st) and ok('HDEL', st) and ok('HGET', st)
+      and ok('HMGET', base .. ':intake') and ok('HSET', base .. ':intake')
       and ok('ZADD', ac) and ok('ZREM', ac) and ok('ZRANGE', ac) and ok('HSET', af) and ok('HDEL', af)
       and ok('HGET', af) and ok('HGETALL', af) and ok('EXISTS', base .. ':hb:0') and ok('ZSCORE', sk)
       and ok('HGET', wm) and ok('HSET', wm) and ok('HDEL', wm)
@@ -113,9 +114,17 @@ end
 -- The model's state, read once: every redis.call costs several microseconds here, and this
 -- script runs once per batch. Only this script writes the counters below while it runs
 -- (scripts are atomic), so deliver() writes them back from these values.
-local st = redis.call('HMGET', state_key, 'gate', 'tokens', 'last_intake_ms', 'cleanup',
-  'reclaimed_items', 'inflight_batches', 'inflight_items', 'batches', 'items', 'warming', 'sweep_ms', 'paused',
-  'active', 'sealed_ms')
+local st = redis.call('HMGET', state_key, 'gate', 'cleanup_since_ms', '', 'cleanup',
+  'reclaimed_items', 'inflight_batches', 'inflight_items', 'batches', '', 'warming', 'sweep_ms', 'paused',
+  'active', '')
+-- The waiting counters and intake times live in the producer's hash (M:intake, which
+-- deploy/redis/users.acl lets a producer write; M:state it may only read).
+local intake_key = base .. ':intake'
+local cleanup_since = st[2]
+do
+  local it = redis.call('HMGET', intake_key, 'tokens', 'last_intake_ms', 'items', 'sealed_ms')
+  st[2], st[3], st[9], st[14] = it[1], it[2], it[3], it[4]
+end
 -- Each worker warms its own next instance (M:warming), so in a fleet the shape a worker
 -- prepared is the one it switches to, not one another worker took first.
 local warming_key = base .. ':warming'
@@ -123,6 +132,13 @@ local warming_now = redis.call('HGET', warming_key, consumer) or ''
 local cleanup = st[4] == '1'
 -- Paused (see lib.lua paused()): nothing has been written yet, and nothing is.
 if st[12] == '1' then return {0, 'paused'} end
+-- New work ends cleanup mode (seed 001: "until empty or new work arrives"); submit.lua may not
+-- write M:state, so the first claim after the intake ends it.
+if cleanup and num(st[3]) > num(cleanup_since) then
+  redis.call('HINCRBY', state_key, 'cleanup_ms', math.max(0, now - num(cleanup_since)))
+  redis.call('HSET', state_key, 'cleanup', 0)
+  cleanup = false
+end
 
 -- The batch's items are already in batch_items_key; this records the batch and hands it to the
 -- consumer through the group.
@@ -135,8 +151,10 @@ local function deliver(sig, ep, lane, maxlen, flags, dv, n, waiting_tok, waiting
   -- the consumer created if new) without reading it back; nothing reads the group with '>'.
   redis.call('XCLAIM', batches_key, 'workers', consumer, 0, bid, 'FORCE', 'JUSTID')
   redis.call('HSET', state_key, 'inflight_batches', num(st[6]) + 1, 'inflight_items', num(st[7]) + n,
-    'batches', num(st[8]) + 1, 'tokens', num(st[2]) - waiting_tok, 'items', num(st[9]) - waiting_items,
-    'reclaimed_items', num(st[5]) - reclaimed)
+    'batches', num(st[8]) + 1, 'reclaimed_items', num(st[5]) - reclaimed)
+  if waiting_items > 0 then
+    redis.call('HSET', intake_key, 'tokens', num(st[2]) - waiting_tok, 'items', num(st[9]) - waiting_items)
+  end
   if flags % 2 == 1 then
     redis.call('HINCRBY', state_key, 'cleanup_batches', 1)
     redis.call('HINCRBY', state_key, 'cleanup_items', n)

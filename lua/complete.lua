@@ -173,7 +173,7 @@ for _, job in ipairs(order) do
   local g, jk = jobs[job], base .. ':job:' .. job
   local marks, seen, ok_n, err_n = {}, {}, 0, 0
   for j, id in ipairs(g.ids) do
-    if g.state[j] == 'q' and not seen[id] then
+    if g.state[j] ~= 'd' and not seen[id] then
       seen[id] = true
       local o = g.at[j]
       marks[#marks + 1] = id

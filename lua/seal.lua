@@ -3,7 +3,8 @@
 -- the broker need not wait quiet_ms of silence before treating intake as quiet (seed 001's
 -- cleanup mode, the release gate, an active shape's drain): the tail of a backlog goes at once.
 --
--- KEYS[1] state  cdr:{model}:state
+-- KEYS[1] state   cdr:{model}:state   (read only: paused)
+-- KEYS[2] intake  cdr:{model}:intake  (field sealed_ms: the producer's key, deploy/redis/users.acl)
 -- ARGV: none
 -- Returns: the seal time (ms, the server's clock: the same clock submit.lua stamps
 --   last_intake_ms with, so "sealed at or after the last intake" is exact).
@@ -16,11 +17,11 @@
 -- While the model is paused (conductor pause) it refuses with 'PAUSED ...', nothing written.
 --@include lib.lua
 
-local state_key = KEYS[1]
-local refused = acl_refused(function(ok) return ok('HGET', state_key) and ok('HSET', state_key) and ok('TIME') end)
+local state_key, intake_key = KEYS[1], KEYS[2]
+local refused = acl_refused(function(ok) return ok('HGET', state_key) and ok('HSET', intake_key) and ok('TIME') end)
 if refused then return refused end
 refused = paused(state_key)
 if refused then return refused end
 local now = now_ms()
-redis.call('HSET', state_key, 'sealed_ms', now)
+redis.call('HSET', intake_key, 'sealed_ms', now)
 return now

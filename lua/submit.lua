@@ -5,7 +5,10 @@
 --
 -- KEYS[1] base    cdr:{model}            (per-shape, per-lane and per-job keys derive from it)
 -- KEYS[2] cfg     cdr:{model}:cfg
--- KEYS[3] state   cdr:{model}:state
+-- KEYS[3] state   cdr:{model}:state   (read only: paused)
+-- Writes only the producer's keys (deploy/redis/users.acl gives a producer nothing else):
+--   M:intake (waiting tokens and items, submitted, last intake), M:in:J and M:in:J:sums (the
+--   job's declared and submitted counts, and the id registry), the shape, instance and lane keys.
 -- ARGV[1] n       number of items that follow (1..5000)
 -- ARGV[2] job     the job every item of the call belongs to
 -- ARGV[3..]       3 fields per item: sig (16 hex), record, prefix (JSON list of at most 256
@@ -22,7 +25,7 @@
 --   'NOPERM ...' when the caller's ACL refuses a command this call may run (lib.lua acl_refused).
 --   'CONFLICT <n> ...' when n ids of the call are ids the job already has with other content
 --   (another shape or record: the first 16 hex digits of SHA-1(sig .. record) kept per id in
---   M:job:J:sums differ).
+--   M:in:J:sums differ).
 -- A re-sent id with the same content is a duplicate (-1); with other content it is another
 --   job's item under a reused job name, whose old results a reader would take for its own.
 -- Writes each record as sent to its lane list, and its input tokens to the lane's token list at
@@ -37,6 +40,7 @@
 --@include lib.lua
 
 local base, cfg_key, state_key = KEYS[1], KEYS[2], KEYS[3]
+local intake_key = base .. ':intake'
 local n = tonumber(ARGV[1])
 if not int_in(n, 1, 5000) then
   return redis.error_reply('ERR_ARG n: item count must be an integer in 1..5000')
@@ -139,7 +143,7 @@ local refused = paused(state_key)
 if refused then return refused end
 local cfg = load_cfg(cfg_key)
 if cfg.max_waiting_tokens > 0 then
-  local waiting = num(redis.call('HGET', state_key, 'tokens'))
+  local waiting = num(redis.call('HGET', intake_key, 'tokens'))
   if waiting + call_tokens > cfg.max_waiting_tokens then
     return redis.error_reply('FULL model queue holds ' .. waiting .. ' waiting tokens; ' .. call_tokens ..
       ' more would pass the ceiling of ' .. cfg.max_waiting_tokens)
@@ -149,11 +153,11 @@ end
 -- Every command this call may run, on each key or key pattern, before the first write (lib.lua
 -- acl_refused): a refusal halfway would leave the writes before it.
 do
-  local I, L, jk = base .. ':inst:0000000000000000:0', ':0000000000000000:0:0', base .. ':job:' .. job
-  local sh, st = base .. ':shape:0000000000000000', state_key
+  local I, L, jk = base .. ':inst:0000000000000000:0', ':0000000000000000:0:0', base .. ':in:' .. job
+  local sh, it = base .. ':shape:0000000000000000', intake_key
   local refused = acl_refused(function(ok)
-    return ok('HGET', st) and ok('HINCRBY', st) and ok('HSET', st) and ok('HMGET', jk .. ':items')
-      and ok('HSET', jk .. ':items') and ok('HMGET', jk .. ':sums') and ok('HSET', jk .. ':sums') and ok('HINCRBY', jk) and ok('HGET', sh) and ok('HSET', sh) and ok('HSETNX', sh)
+    return ok('HGET', state_key) and ok('HGET', it) and ok('HINCRBY', it) and ok('HSET', it) and ok('HMGET', jk .. ':sums')
+      and ok('HSET', jk .. ':sums') and ok('HINCRBY', jk) and ok('HGET', sh) and ok('HSET', sh) and ok('HSETNX', sh)
       and ok('HGET', I) and ok('HMGET', I) and ok('HSET', I) and ok('HINCRBY', I) and ok('ZADD', base .. ':staged_age')
       and ok('ZADD', base .. ':staged') and ok('ZRANGE', I .. ':lanes') and ok('ZADD', I .. ':lanes')
       and ok('SPOP', I .. ':free') and ok('ZADD', I .. ':touch') and ok('ZADD', I .. ':fill')
@@ -247,25 +251,21 @@ local function choose_lane(ctx, tok)
   return ids[best], reps[best]
 end
 
--- Which ids the job already has: one read for the call, one write of the new ones (a call
--- of 1,000 items would otherwise run 1,000 HSETNX).
-local job_items = base .. ':job:' .. job .. ':items'
-local known = redis.call('HMGET', job_items, unpack(ids))
-local job_sums = base .. ':job:' .. job .. ':sums'
-local first, fresh_sums, had = {}, {}, {}
-for i = 1, n do
-  if known[i] then had[#had + 1] = ids[i] end
-end
-if #had > 0 then had = redis.call('HMGET', job_sums, unpack(had)) end
-local conflicts, h = 0, 0
+-- Which ids the job already has, and their content sums: the sums hash is the job's id registry
+-- (one read for the call, one write of the new ones: a call of 1,000 items would otherwise run
+-- 1,000 HSETNX).
+local job_sums = base .. ':in:' .. job .. ':sums'
+local known = redis.call('HMGET', job_sums, unpack(ids))
+local first, fresh_sums = {}, {}
+local conflicts = 0
 for i = 1, n do
   local o = 3 * i
   local sum = string.sub(redis.sha1hex(ARGV[o] .. ARGV[o + 1]), 1, 16)
   local id = ids[i]
   if known[i] then
-    h = h + 1
-    -- an id stored before sums were kept has none: it cannot be judged, so it stays a duplicate
-    if had[h] and had[h] ~= sum then conflicts = conflicts + 1 end
+    -- '-': an id stored before sums were kept (migrations/0003): it cannot be judged, so it
+    -- stays a duplicate
+    if known[i] ~= '-' and known[i] ~= sum then conflicts = conflicts + 1 end
   elseif first[id] then
     if first[id] ~= sum then conflicts = conflicts + 1 end
   else
@@ -278,7 +278,7 @@ if conflicts > 0 then
   return redis.error_reply('CONFLICT ' .. conflicts .. ' ids of this call are ids job ' .. job ..
     ' already has with other content')
 end
-local out, seen, fresh = {}, {}, {}
+local out, seen = {}, {}
 local new_items, new_tokens = 0, 0
 for i = 0, n - 1 do
   local o = 3 + 3 * i
@@ -287,8 +287,6 @@ for i = 0, n - 1 do
     out[#out + 1] = -1
   else
     seen[id] = true
-    fresh[#fresh + 1] = id
-    fresh[#fresh + 1] = 'q'
     local sig, prefix = ARGV[o], ARGV[o + 2]
     local ctx = shape_ctx(sig)
     if prefixes[sig] then redis.call('HSETNX', base .. ':shape:' .. sig, 'prefix', prefixes[sig]); prefixes[sig] = false end
@@ -312,8 +310,7 @@ for i = 0, n - 1 do
   end
 end
 -- unpack() stops near 8,000 values: the new ids go in slices.
-for s = 1, #fresh, 2000 do
-  redis.call('HSET', job_items, unpack(fresh, s, math.min(s + 1999, #fresh)))
+for s = 1, #fresh_sums, 2000 do
   redis.call('HSET', job_sums, unpack(fresh_sums, s, math.min(s + 1999, #fresh_sums)))
 end
 
@@ -354,16 +351,12 @@ for sig, ctx in pairs(ctxs) do
   end
 end
 if new_items > 0 then
-  redis.call('HINCRBY', base .. ':job:' .. job, 'submitted', new_items)
-  redis.call('HINCRBY', base .. ':job:' .. job, 'submitted_tokens', new_tokens)
-  redis.call('HINCRBY', state_key, 'tokens', new_tokens)
-  redis.call('HINCRBY', state_key, 'items', new_items)
-  redis.call('HINCRBY', state_key, 'submitted', new_items)
-  redis.call('HSET', state_key, 'last_intake_ms', now)
-  if redis.call('HGET', state_key, 'cleanup') == '1' then
-    local since = num(redis.call('HGET', state_key, 'cleanup_since_ms'))
-    redis.call('HINCRBY', state_key, 'cleanup_ms', math.max(0, now - since))
-    redis.call('HSET', state_key, 'cleanup', 0)
-  end
+  redis.call('HINCRBY', base .. ':in:' .. job, 'submitted', new_items)
+  redis.call('HINCRBY', base .. ':in:' .. job, 'submitted_tokens', new_tokens)
+  redis.call('HINCRBY', intake_key, 'tokens', new_tokens)
+  redis.call('HINCRBY', intake_key, 'items', new_items)
+  redis.call('HINCRBY', intake_key, 'submitted', new_items)
+  -- claim.lua ends cleanup mode when it sees intake newer than the cleanup's start.
+  redis.call('HSET', intake_key, 'last_intake_ms', now)
 end
 return out

@@ -338,7 +338,8 @@ def trim_results(c: Conductor) -> Call:
     c.submit([item(i, 10) for i in range(2)], "j")
     b, _ = c.claim(contract(max_input_len=4096), "w")
     c.complete(b, results_for(b))
-    return Call("trim_results", [MK.job("j"), MK.job_results("j")], [int(time.time() * 1000) + 1000])
+    return Call("trim_results", [MK.job_intake("j"), MK.job("j"), MK.job_results("j")],
+                [int(time.time() * 1000) + 1000])
 
 
 def _items_call(*args: Any) -> Call:
@@ -401,13 +402,13 @@ def heartbeat(c: Conductor) -> Call:
 
 def seal(c: Conductor) -> Call:
     quick(c)
-    return Call("seal", [MK.state], [])
+    return Call("seal", [MK.state, MK.intake], [])
 
 
 def declare(c: Conductor) -> Call:
     quick(c)
-    c.r.hset(MK.job("j"), "declared", 3)
-    return Call("declare", [MK.job("j"), MK.state], [5])
+    c.r.hset(MK.job_intake("j"), "declared", 3)
+    return Call("declare", [MK.job_intake("j"), MK.state], [5])
 
 
 def lease_free(c: Conductor) -> Call:
