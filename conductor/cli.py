@@ -337,8 +337,12 @@ def cmd_config(args: argparse.Namespace) -> int:
             values[name] = parse_value(name, raw)
         except ValueError as e:
             raise ConductorError(str(e)) from None
-    c.set_config(args.model, values)
-    for k, v in sorted(c.config(args.model).items()):
+    if values:
+        c.set_config(args.model, values)
+    # Showing writes nothing (a reader or producer may look): an unset threshold shows its default.
+    from conductor.config import DEFAULTS
+    shown = {k: str(v) for k, v in DEFAULTS.items()} | c.config(args.model)
+    for k, v in sorted(shown.items()):
         print(f"{k} = {v}")
     return 0
 
