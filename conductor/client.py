@@ -741,13 +741,22 @@ class Conductor:
         return total
 
     def results(self, job: str, *, follow: bool = False, block_ms: int = 1000, count: int = 1000,
-                should_stop: Callable[[], bool] | None = None) -> Iterator[bytes]:
+                should_stop: Callable[[], bool] | None = None,
+                on_rewind: Callable[[Rewind], None] | None = None) -> Iterator[bytes]:
         """Result records (JSON bytes) of ``job``, from any process at any time.
 
         With ``follow`` it keeps reading until every submitted item has a result (or
         ``should_stop`` says so).
+
+        A stream that lost the entry at this reader's position without deleting it was rewound:
+        a failover promoted a replica that lacked results the old primary had acknowledged (and
+        this reader had read). Workers then produce those results again. ``on_rewind`` is told (a Rewind),
+        and results of items this reader already returned since the rewind point are skipped:
+        every id once, as far as the last REWIND_WINDOW results read per stream reach.
         """
         cursors: dict[str, str] = {}
+        recent: dict[str, deque[tuple[str, str]]] = {}  # stream -> (entry id, item id), newest last
+        skip: dict[str, set[str]] = {}
         while True:
             models = self.job_models(job)
             for m in models:
@@ -766,9 +775,29 @@ class Conductor:
                         time.sleep(min(block_ms, 200) / 1000)
                 else:
                     reply = _stream_reply(self.r.xread(cursors, count=count, block=block_ms if follow else None))
+                # Each read is checked against the reader's position, before anything it brought
+                # is returned: a reconnect to a promoted replica answers an XREAD with the results
+                # done again at once.
+                rewound = False
+                for stream in {st for st, _e in reply} | (set() if reply else set(cursors)):
+                    rw = self._rewound(stream, cursors[stream], recent.get(stream))
+                    if rw is not None:
+                        rewound = True
+                        cursors[stream] = rw.now_at
+                        skip.setdefault(stream, set()).update(rw.ids)
+                        if on_rewind is not None:
+                            on_rewind(rw)
+                if rewound:
+                    continue  # read again from the rewind point: the results after it are new
                 for stream, entries in reply:
+                    seen = recent.setdefault(stream, deque(maxlen=REWIND_WINDOW))
                     for eid, fields in entries:
                         cursors[stream] = _s(eid)
+                        iid = _s(fields.get(b"id", b""))
+                        if skip.get(stream) and iid in skip[stream]:
+                            skip[stream].discard(iid)
+                            continue
+                        seen.append((_s(eid), iid))
                         got += 1
                         yield fields[b"r"]
             if got:
@@ -778,9 +807,50 @@ class Conductor:
             if not cursors:
                 time.sleep(block_ms / 1000)
 
+    def _rewound(self, stream: str, cursor: str, recent: deque[tuple[str, str]] | None) -> Rewind | None:
+        """A Rewind when the entry at ``cursor`` (the last one this reader read) is gone without
+        having been deleted (see ``results``), else None. Retention's XTRIM and a purge's XDEL
+        raise the stream's max-deleted-entry-id past it; a promoted replica never had it."""
+        if cursor == "0-0":
+            return None
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xrange(stream, cursor, cursor, count=1)
+        pipe.xinfo_stream(stream)
+        pipe.xrevrange(stream, "(" + cursor, "-", count=1)
+        at, info, before = pipe.execute(raise_on_error=False)
+        if isinstance(at, list) and at:
+            return None
+        if isinstance(info, dict) and _id_key(_s(info.get("max-deleted-entry-id", "0-0"))) >= _id_key(cursor):
+            return None
+        kept = _s(before[0][0]) if isinstance(before, list) and before else "0-0"
+        ids = [iid for eid, iid in (recent or ()) if _id_key(eid) > _id_key(kept)]
+        covered = bool(recent) and _id_key(recent[0][0]) <= _id_key(kept)
+        return Rewind(stream=stream, read_up_to=cursor, now_at=kept, ids=ids, all_known=covered)
+
     def read_results(self, job: str) -> list[Result]:
         from conductor.records import result_decoder
         return [result_decoder.decode(r) for r in self.results(job)]
+
+
+# Results remembered per stream to skip their second copies after a rewind (a failover loses
+# what replication had not carried yet: seconds of results, far below this).
+REWIND_WINDOW = 100_000
+
+
+@dataclass
+class Rewind:
+    """A results stream found shorter than a reader had read it (``Conductor.results``)."""
+
+    stream: str
+    read_up_to: str  # the last entry id this reader had read
+    now_at: str  # the newest entry the stream still holds below it ("0-0": none)
+    ids: list[str]  # item ids read past now_at: their results will come again, and are skipped
+    all_known: bool  # False: the reader read more past now_at than it remembers (REWIND_WINDOW)
+
+
+def _id_key(eid: str) -> tuple[int, int]:
+    ms, _, seq = eid.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def _stream_reply(reply: Any) -> list[tuple[str, list]]:
