@@ -380,7 +380,8 @@ class Conductor:
     def seal(self, model: str) -> int:
         """Declare the end of this producer's submission to ``model`` (seal.lua)."""
         try:
-            return int(self.scripts.seal(keys=[K.ModelKeys(model).state]))
+            mk = K.ModelKeys(model)
+            return int(self.scripts.seal(keys=[mk.state, mk.doorbell]))  # the bell wakes a worker at once
         except redis.ResponseError as e:
             _raise_script_error(e)
             raise
