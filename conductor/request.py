@@ -334,12 +334,13 @@ class AsyncRequestClient:
                 fut.set_result(None)
 
     async def aclose(self) -> None:
-        """Close, then release the connections (after the waiters have woken)."""
+        """Close, then release the connections once the waiters have woken."""
         await self.close()
         await asyncio.sleep(0)
+        await self._r.aclose()
 
     async def __aenter__(self) -> AsyncRequestClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+        await self.aclose()
