@@ -192,3 +192,42 @@ def test_async_cancel_while_waiting_returns_the_permit(redis_url):
                 await rc.generate("p", max_tokens=4, timeout=0.2)
             assert rc.available_permits == 1
     asyncio.run(main())
+
+
+def test_a_request_survives_its_worker_killed_mid_run(redis_url):
+    """The worker running a request is SIGKILLed: the request still completes, once, on another."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+    r = connect(redis_url)
+    quick(Conductor(r))
+
+    def worker(name: str, scale: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "conductor", "--log-level", "warning", "worker", "--engine",
+                                 "sim", "--model", "m", "--name", name, "--max-batch-size", "8", "--max-batch-tokens",
+                                 "8192", "--max-input-len", "4096", "--heartbeat-ttl", "1", "--sim-time-scale", scale],
+                                env=dict(os.environ, CONDUCTOR_REDIS_URL=redis_url), cwd=str(ROOT))
+    slow = worker("slow", "20")  # 64 decode steps take seconds: killed while it runs
+    procs = [slow]
+    try:
+        wait_live(r, {"slow"})
+        with RequestClient(redis_url, model="m") as rc:
+            with ThreadPoolExecutor(1) as ex:
+                fut = ex.submit(rc.generate, "survive", max_tokens=64, timeout=60)
+                deadline = time.monotonic() + 10
+                while not r.xpending_range(MK.batches, "workers", "-", "+", 1, consumername="slow"):
+                    assert time.monotonic() < deadline, "the slow worker never claimed"
+                    time.sleep(0.01)
+                os.kill(slow.pid, signal.SIGKILL)
+                slow.wait(10)
+                procs = [worker("fast", "0")]
+                res = fut.result(60)
+            assert res.error is None and res.worker == "fast" and res.deliveries == 2
+            stored = Conductor(r).read_results(rc.job)
+            assert [x.id for x in stored] == [res.id]
+            assert rc.available_permits == 64
+    finally:
+        stop(procs)
