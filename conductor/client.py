@@ -383,7 +383,7 @@ class Conductor:
         """Declare the end of this producer's submission to ``model`` (seal.lua)."""
         try:
             mk = K.ModelKeys(model)
-            return int(self.scripts.seal(keys=[mk.state, mk.intake]))
+            return int(self.scripts.seal(keys=[mk.state, mk.intake, mk.doorbell]))  # the bell wakes a worker
         except redis.ResponseError as e:
             _raise_script_error(e)
             raise

@@ -63,6 +63,11 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     M:job:J                         hash     the fleet's job counters for this model: completed, failed
     M:job:J:items                   hash     item id -> d: the item has its result (effectively-once)
     M:job:J:results                 stream   result records of the job for this model, JSON
+    M:bell                          list     doorbell: submit.lua and seal.lua push a few entries (capped)
+                                             when work may have become claimable; idle workers BLPOP it
+    M:reply:J:I                     list     the result record of request item I of job J (a request job,
+                                             name starting "rq."), pushed by complete.lua with a short TTL;
+                                             the waiting RequestClient BLPOPs it (conductor/request.py)
 
 Who may write what (deploy/redis/users.acl): a producer writes only M:intake, M:in:*, the shape,
 instance and lane keys (through submit.lua, seal.lua and declare.lua) and the global job and
@@ -84,6 +89,9 @@ PREFIX = "cdr"
 SCHEMA_KEY = f"{PREFIX}:schema"
 MODELS_KEY = f"{PREFIX}:models"
 JOBS_KEY = f"{PREFIX}:jobs"
+# Jobs whose names start with this are request jobs (conductor/request.py): complete.lua also
+# hands each new result to the waiting caller on M:reply:J:I.
+REQUEST_JOB_PREFIX = "rq."
 GROUP = "workers"
 
 # Names end up inside key names and hash tags: keep them printable and free of the
@@ -216,3 +224,10 @@ class ModelKeys:
 
     def job_results(self, job: str) -> str:
         return f"{self.base}:job:{job}:results"
+
+    @property
+    def doorbell(self) -> str:
+        return f"{self.base}:bell"
+
+    def reply(self, job: str, item_id: str) -> str:
+        return f"{self.base}:reply:{job}:{item_id}"

@@ -37,6 +37,8 @@
 --   lanes only grow and are never merged; a draining or finished shape instance never takes
 --   a new item: the signature's next epoch (staged) does.
 -- While the model is paused (conductor pause) it refuses with 'PAUSED ...', nothing written.
+-- Rings the model's doorbell (cdr:{model}:bell, a list capped at 16 entries) when it adds items:
+--   one entry per full batch they make, so that many idle workers blocked on it wake.
 --@include lib.lua
 
 local base, cfg_key, state_key = KEYS[1], KEYS[2], KEYS[3]
@@ -163,6 +165,7 @@ do
       and ok('SPOP', I .. ':free') and ok('ZADD', I .. ':touch') and ok('ZADD', I .. ':fill')
       and ok('ZADD', I .. ':ready') and ok('RPUSH', base .. ':lane' .. L) and ok('RPUSH', base .. ':lanetok' .. L)
       and ok('HMGET', base .. ':lanemeta' .. L) and ok('HSET', base .. ':lanemeta' .. L) and ok('TIME')
+      and ok('LPUSH', base .. ':bell') and ok('LTRIM', base .. ':bell')
   end)
   if refused then return refused end
 end
@@ -358,5 +361,14 @@ if new_items > 0 then
   redis.call('HINCRBY', intake_key, 'submitted', new_items)
   -- claim.lua ends cleanup mode when it sees intake newer than the cleanup's start.
   redis.call('HSET', intake_key, 'last_intake_ms', now)
+  -- Doorbell: one entry per full batch the call brought (at least one, at most BELL_CAP), each
+  -- waking one idle worker blocked on BLPOP; trimmed to BELL_CAP, so unread rings cannot pile up.
+  local BELL_CAP = 16
+  local rings = math.min(BELL_CAP, math.max(1, math.ceil(math.max(new_tokens / cfg.budget_tokens,
+    new_items / cfg.budget_items))))
+  local bells = {}
+  for r = 1, rings do bells[r] = 1 end
+  redis.call('LPUSH', base .. ':bell', unpack(bells))
+  redis.call('LTRIM', base .. ':bell', 0, BELL_CAP - 1)
 end
 return out
