@@ -87,7 +87,7 @@ def run(quick: bool) -> str:
             for system in ("stream", "conductor"):
                 if system == "conductor":
                     rec = run_conductor(r, srv.url, wl, cfg, job=f"life-{arrival}")
-                    raw = r.hgetall(K.ModelKeys(spec.model).state)
+                    raw = {**r.hgetall(K.ModelKeys(spec.model).state), **r.hgetall(K.ModelKeys(spec.model).intake)}
                     state = {k.decode(): v.decode() for k, v in raw.items()}
                 else:
                     rec, state = run_peer(system, r, wl, cfg), {}

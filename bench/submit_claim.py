@@ -209,7 +209,7 @@ def bench_claim(r: redis.Redis, backlog: int, claims: int, batch: int) -> dict[s
     ev_usec, ev_calls = cmd_usec(stats, "evalsha")
     xr_usec, xr_calls = cmd_usec(stats, "xreadgroup")
     r.connection_pool.release(raw_conn)
-    left = int(r.hget(mk.state, "items") or 0)
+    left = int(r.hget(mk.intake, "items") or 0)
     return {"lat": lat, "sizes": sizes, "server_claim_us": ev_usec / max(1, ev_calls),
             "server_xread_us": xr_usec / max(1, xr_calls), "xread_calls": xr_calls, "claim_calls": ev_calls,
             "backlog_left": left, "total": total}

@@ -177,6 +177,7 @@ def _known_job(c, job: str) -> list[str]:  # noqa: ANN001
 
 
 def cmd_results(args: argparse.Namespace) -> int:
+    from conductor.client import REWIND_WINDOW, Rewind
     from conductor.fleet import NoWorkerHint
     c = _conductor(args)
     models = _known_job(c, args.job)
@@ -189,16 +190,25 @@ def cmd_results(args: argparse.Namespace) -> int:
 
     if args.follow:
         waiting()
+    rewinds = []
+
+    def rewound(rw: Rewind) -> None:
+        rewinds.append(rw)
+        lost = "" if rw.all_known else f" (more than the last {REWIND_WINDOW} it read: some may come twice)"
+        print(f"conductor: results stream {rw.stream} was rewound from {rw.read_up_to} to {rw.now_at}: a failover "
+              f"lost results Redis had acknowledged; {len(rw.ids)} results this reader printed past that point "
+              f"will be produced again and are skipped{lost}", file=sys.stderr, flush=True)
+
     out = open(args.output, "wb") if args.output else sys.stdout.buffer
     try:
-        for rec in c.results(args.job, follow=args.follow, should_stop=waiting):
+        for rec in c.results(args.job, follow=args.follow, should_stop=waiting, on_rewind=rewound):
             out.write(rec + b"\n")
             if args.follow:
                 out.flush()
     finally:
         if args.output:
             out.close()
-    return 0
+    return 1 if rewinds else 0
 
 
 def _status_line(st: dict[str, Any]) -> str:
@@ -337,8 +347,12 @@ def cmd_config(args: argparse.Namespace) -> int:
             values[name] = parse_value(name, raw)
         except ValueError as e:
             raise ConductorError(str(e)) from None
-    c.set_config(args.model, values)
-    for k, v in sorted(c.config(args.model).items()):
+    if values:
+        c.set_config(args.model, values)
+    # Showing writes nothing (a reader or producer may look): an unset threshold shows its default.
+    from conductor.config import DEFAULTS
+    shown = {k: str(v) for k, v in DEFAULTS.items()} | c.config(args.model)
+    for k, v in sorted(shown.items()):
         print(f"{k} = {v}")
     return 0
 

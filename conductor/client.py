@@ -194,6 +194,7 @@ class Conductor:
         self.scripts = Scripts(client)
         check_schema(client, auto=migrate)
         self._models_ready: set[str] = set()
+        self._models_listed: set[str] = set()
         self._prefix_cache: dict[tuple[str, str], list[str]] = {}
         # the claim's own connection, per server (one, or one per cluster node that holds a model)
         # keyed by the pool itself, not id(): a pool dropped after a slot-map refresh stays
@@ -299,7 +300,7 @@ class Conductor:
         self.check_ids_across_models(job, by_model)
         for model, its in by_model.items():
             self._register_job(job, model)
-            mk = self.ensure_model(model)
+            mk = self._intake_model(model)
             report.models.add(model)
             self._submit_calls(mk, job, _grouped_by_shape(its), report, progress)
         if seal:
@@ -321,9 +322,9 @@ class Conductor:
             if n <= 0:
                 continue
             self._register_job(job, model)
-            mk = self.ensure_model(model)
+            mk = self._intake_model(model)
             try:
-                self._confirmed(self.scripts.declare, [mk.job(job), mk.state], [n])
+                self._confirmed(self.scripts.declare, [mk.job_intake(job), mk.state], [n])
             except redis.ResponseError as e:
                 _raise_script_error(e)
                 raise
@@ -334,7 +335,7 @@ class Conductor:
         known = self.job_models(job)
         for other in known:
             ids = [it.id for model, its in by_model.items() if model != other for it in its]
-            key = K.ModelKeys(other).job_items(job)
+            key = K.ModelKeys(other).job_sums(job)  # the job's id registry for that model
             for start in range(0, len(ids), 1000):
                 chunk = ids[start:start + 1000]
                 for iid, state in zip(chunk, self.r.hmget(key, chunk), strict=True):
@@ -370,7 +371,8 @@ class Conductor:
             for start in range(0, len(its), 5000):
                 chunk = its[start:start + 5000]
                 for it, had in zip(chunk, self.r.hmget(sums_key, [it.id for it in chunk]), strict=True):
-                    if had is not None and _s(had) != content_sum(head, it):
+                    # '-': an id registered before sums were kept (migrations/0003): not judged
+                    if had is not None and had != b"-" and _s(had) != content_sum(head, it):
                         conflicts += 1
                         example = example or it.id
         if conflicts:
@@ -380,10 +382,22 @@ class Conductor:
     def seal(self, model: str) -> int:
         """Declare the end of this producer's submission to ``model`` (seal.lua)."""
         try:
-            return int(self.scripts.seal(keys=[K.ModelKeys(model).state]))
+            mk = K.ModelKeys(model)
+            return int(self.scripts.seal(keys=[mk.state, mk.intake, mk.doorbell]))  # the bell wakes a worker
         except redis.ResponseError as e:
             _raise_script_error(e)
             raise
+
+    def _intake_model(self, model: str) -> K.ModelKeys:
+        """A model as a producer needs it: in the models set. Its thresholds and consumer group
+        are the workers' to create (ensure_model, at registration): submit.lua reads the defaults
+        of an unset threshold, and deploy/redis/users.acl gives a producer no write on M:cfg."""
+        mk = K.ModelKeys(model)
+        if model not in self._models_ready and model not in self._models_listed:
+            if not self.r.sismember(K.MODELS_KEY, model):
+                self.r.sadd(K.MODELS_KEY, model)
+            self._models_listed.add(model)
+        return mk
 
     def _register_job(self, job: str, model: str) -> None:
         pipe = self.r.pipeline(transaction=False)
@@ -708,9 +722,15 @@ class Conductor:
         models = self.job_models(job) if models is None else models
         total = {"job": job, "submitted": 0, "completed": 0, "failed": 0, "pending": 0, "declared": 0, "lost": 0,
                  "models": {}}
+        pipe = self.r.pipeline(transaction=False)
         for model in models:
-            raw = self.r.hgetall(K.ModelKeys(model).job(job))
-            row = {k: int(raw.get(k.encode(), 0)) for k in ("submitted", "completed", "failed", "declared")}
+            pipe.hmget(K.ModelKeys(model).job_intake(job), "submitted", "declared")
+            pipe.hmget(K.ModelKeys(model).job(job), "completed", "failed")
+        got = pipe.execute() if models else []
+        for i, model in enumerate(models):
+            (sub, dec), (comp, fail) = got[2 * i], got[2 * i + 1]
+            row = {"submitted": int(sub or 0), "completed": int(comp or 0), "failed": int(fail or 0),
+                   "declared": int(dec or 0)}
             row["pending"] = row["submitted"] - row["completed"] - row["failed"]
             # Items the producer declared before sending them and Redis does not hold (declare.lua).
             row["lost"] = max(0, row["declared"] - row["submitted"])
@@ -721,13 +741,22 @@ class Conductor:
         return total
 
     def results(self, job: str, *, follow: bool = False, block_ms: int = 1000, count: int = 1000,
-                should_stop: Callable[[], bool] | None = None) -> Iterator[bytes]:
+                should_stop: Callable[[], bool] | None = None,
+                on_rewind: Callable[[Rewind], None] | None = None) -> Iterator[bytes]:
         """Result records (JSON bytes) of ``job``, from any process at any time.
 
         With ``follow`` it keeps reading until every submitted item has a result (or
         ``should_stop`` says so).
+
+        A stream that lost the entry at this reader's position without deleting it was rewound:
+        a failover promoted a replica that lacked results the old primary had acknowledged (and
+        this reader had read). Workers then produce those results again. ``on_rewind`` is told (a Rewind),
+        and results of items this reader already returned since the rewind point are skipped:
+        every id once, as far as the last REWIND_WINDOW results read per stream reach.
         """
         cursors: dict[str, str] = {}
+        recent: dict[str, deque[tuple[str, str]]] = {}  # stream -> (entry id, item id), newest last
+        skip: dict[str, set[str]] = {}
         while True:
             models = self.job_models(job)
             for m in models:
@@ -746,9 +775,29 @@ class Conductor:
                         time.sleep(min(block_ms, 200) / 1000)
                 else:
                     reply = _stream_reply(self.r.xread(cursors, count=count, block=block_ms if follow else None))
+                # Each read is checked against the reader's position, before anything it brought
+                # is returned: a reconnect to a promoted replica answers an XREAD with the results
+                # done again at once.
+                rewound = False
+                for stream in {st for st, _e in reply} | (set() if reply else set(cursors)):
+                    rw = self._rewound(stream, cursors[stream], recent.get(stream))
+                    if rw is not None:
+                        rewound = True
+                        cursors[stream] = rw.now_at
+                        skip.setdefault(stream, set()).update(rw.ids)
+                        if on_rewind is not None:
+                            on_rewind(rw)
+                if rewound:
+                    continue  # read again from the rewind point: the results after it are new
                 for stream, entries in reply:
+                    seen = recent.setdefault(stream, deque(maxlen=REWIND_WINDOW))
                     for eid, fields in entries:
                         cursors[stream] = _s(eid)
+                        iid = _s(fields.get(b"id", b""))
+                        if skip.get(stream) and iid in skip[stream]:
+                            skip[stream].discard(iid)
+                            continue
+                        seen.append((_s(eid), iid))
                         got += 1
                         yield fields[b"r"]
             if got:
@@ -758,9 +807,50 @@ class Conductor:
             if not cursors:
                 time.sleep(block_ms / 1000)
 
+    def _rewound(self, stream: str, cursor: str, recent: deque[tuple[str, str]] | None) -> Rewind | None:
+        """A Rewind when the entry at ``cursor`` (the last one this reader read) is gone without
+        having been deleted (see ``results``), else None. Retention's XTRIM and a purge's XDEL
+        raise the stream's max-deleted-entry-id past it; a promoted replica never had it."""
+        if cursor == "0-0":
+            return None
+        pipe = self.r.pipeline(transaction=False)
+        pipe.xrange(stream, cursor, cursor, count=1)
+        pipe.xinfo_stream(stream)
+        pipe.xrevrange(stream, "(" + cursor, "-", count=1)
+        at, info, before = pipe.execute(raise_on_error=False)
+        if isinstance(at, list) and at:
+            return None
+        if isinstance(info, dict) and _id_key(_s(info.get("max-deleted-entry-id", "0-0"))) >= _id_key(cursor):
+            return None
+        kept = _s(before[0][0]) if isinstance(before, list) and before else "0-0"
+        ids = [iid for eid, iid in (recent or ()) if _id_key(eid) > _id_key(kept)]
+        covered = bool(recent) and _id_key(recent[0][0]) <= _id_key(kept)
+        return Rewind(stream=stream, read_up_to=cursor, now_at=kept, ids=ids, all_known=covered)
+
     def read_results(self, job: str) -> list[Result]:
         from conductor.records import result_decoder
         return [result_decoder.decode(r) for r in self.results(job)]
+
+
+# Results remembered per stream to skip their second copies after a rewind (a failover loses
+# what replication had not carried yet: seconds of results, far below this).
+REWIND_WINDOW = 100_000
+
+
+@dataclass
+class Rewind:
+    """A results stream found shorter than a reader had read it (``Conductor.results``)."""
+
+    stream: str
+    read_up_to: str  # the last entry id this reader had read
+    now_at: str  # the newest entry the stream still holds below it ("0-0": none)
+    ids: list[str]  # item ids read past now_at: their results will come again, and are skipped
+    all_known: bool  # False: the reader read more past now_at than it remembers (REWIND_WINDOW)
+
+
+def _id_key(eid: str) -> tuple[int, int]:
+    ms, _, seq = eid.partition("-")
+    return int(ms), int(seq or 0)
 
 
 def _stream_reply(reply: Any) -> list[tuple[str, list]]:

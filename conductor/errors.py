@@ -31,8 +31,33 @@ class QueueFull(ConductorError):
     """Backpressure: the model's waiting-token ceiling or Redis maxmemory refused the submit.
 
     Nothing of the refused call was written; items accepted before it stay accepted, and a
-    re-run of the same job skips them (submission is idempotent on the item id).
+    re-run of the same job skips them (submission is idempotent on the item id). ``waiting``:
+    the tokens the model's queue held when it refused (None when Redis memory refused).
     """
+
+    def __init__(self, message: str, waiting: int | None = None) -> None:
+        self.waiting = waiting
+        super().__init__(message)
+
+
+class UnknownModel(ConductorError):
+    """No live registered worker serves the model a RequestClient was made for; ``served``
+    names the models that live workers do serve."""
+
+    def __init__(self, model: str, served: list[str]) -> None:
+        self.model = model
+        self.served = served
+        super().__init__(f"no live worker serves model {model!r}; models served now: "
+                         f"{', '.join(served) if served else 'none'}")
+
+
+class RequestTimeout(ConductorError):
+    """A request got no permit, or no result, within its timeout. Its item, if submitted, stays
+    queued and is run (a request is an item like any other); its late result is not delivered."""
+
+
+class ClientClosed(ConductorError):
+    """The RequestClient was closed: before this request, or while it waited."""
 
 
 class Paused(ConductorError):

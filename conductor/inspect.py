@@ -41,7 +41,8 @@ def instance_row(c, mk: K.ModelKeys, inst: str, lanes: bool = False) -> dict[str
 
 def model_overview(c, model: str, lanes: bool = False) -> dict[str, Any]:  # noqa: ANN001
     mk = K.ModelKeys(model)
-    state = _hash(c.r, mk.state)
+    # One view of both halves: the fleet's state and the producer's intake counters (keys.py).
+    state = {**_hash(c.r, mk.state), **_hash(c.r, mk.intake)}
     insts = [_s(i) for i in c.r.zrevrange(mk.staged, 0, -1)]
     active = [_s(i) for i in c.r.zrange(mk.active, 0, -1)] + ([state["active"]] if state.get("active") else [])
     for inst in reversed(active):

@@ -47,11 +47,13 @@ def list_jobs(c: Conductor, limit: int | None = None) -> list[JobRow]:
     pipe = c.r.pipeline(transaction=False)
     for row in rows:
         for m in row.models:
-            pipe.hmget(K.ModelKeys(m).job(row.job), "submitted", "completed", "failed")
+            pipe.hget(K.ModelKeys(m).job_intake(row.job), "submitted")
+            pipe.hmget(K.ModelKeys(m).job(row.job), "completed", "failed")
     counts = iter(pipe.execute())
     for row in rows:
         for _ in row.models:
-            sub, done, failed = (int(v or 0) for v in next(counts))
+            sub = int(next(counts) or 0)
+            done, failed = (int(v or 0) for v in next(counts))
             row.submitted += sub
             row.completed += done
             row.failed += failed

@@ -14,8 +14,12 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     cdr:jobs                        zset     job -> creation time (ms)
     cdr:job:J:models                set      models a job submitted to
     M:cfg                           hash     per-model thresholds (conductor/config.py)
-    M:state                         hash     model counters: waiting tokens/items, gate, warming shape
-                                             (every field in STATE_FIELDS below)
+    M:state                         hash     the fleet's model state: gate, cleanup, in-flight and finished
+                                             counters, pause (workers write it; producers only read it;
+                                             every field in STATE_FIELDS below)
+    M:intake                        hash     the producer's model counters: waiting tokens and items
+                                             (claim.lua takes them down), submitted, last_intake_ms,
+                                             sealed_ms
     M:active                        zset     active or draining shape instance "S:E" -> activation time (ms)
     M:affinity                      hash     worker -> the active instance it serves (it stays until empty)
     M:warming                       hash     worker -> the staged instance it warms, its next (pre-warm signal)
@@ -52,11 +56,24 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     M:hb:W                          string   heartbeat of worker W (TTL)
     M:lease:maint                   string   which worker runs the periodic sweep (TTL)
     M:workers                       hash     worker -> registered contract (JSON)
-    M:job:J                         hash     job counters for this model: submitted, completed, failed
-    M:job:J:items                   hash     item id -> q (queued) | d (done): idempotency of both ends
-    M:job:J:sums                    hash     item id -> its content's sum (16 hex digits of SHA-1(sig ||
-                                             record)): a re-submitted id must bring the same content
+    M:in:J                          hash     the producer's job counters for this model: declared,
+                                             submitted, submitted_tokens
+    M:in:J:sums                     hash     the job's id registry: item id -> its content's sum (16 hex
+                                             digits of SHA-1(sig || record); '-' for an id submitted before
+                                             sums were kept): a re-submitted id must bring the same content
+    M:job:J                         hash     the fleet's job counters for this model: completed, failed
+    M:job:J:items                   hash     item id -> d: the item has its result (effectively-once)
     M:job:J:results                 stream   result records of the job for this model, JSON
+    M:bell                          list     doorbell: submit.lua and seal.lua push a few entries (capped)
+                                             when work may have become claimable; idle workers BLPOP it
+    M:reply:J:I                     list     the result record of request item I of job J (a request job,
+                                             name starting "rq."), pushed by complete.lua with a short TTL;
+                                             the waiting RequestClient BLPOPs it (conductor/request.py)
+
+Who may write what (deploy/redis/users.acl): a producer writes only M:intake, M:in:*, the shape,
+instance and lane keys (through submit.lua, seal.lua and declare.lua) and the global job and
+model registries; everything else, results and counters of finished work included, is the
+workers'. Schema 3 (migrations/0003) split the producer's keys from the workers'.
 
 An item record is the JSON array text ``[id, job, input_tokens, max_tokens, prompt, payload]``
 (``records.BatchItem`` decodes it as an array-like struct). The producer writes it
@@ -73,21 +90,20 @@ PREFIX = "cdr"
 SCHEMA_KEY = f"{PREFIX}:schema"
 MODELS_KEY = f"{PREFIX}:models"
 JOBS_KEY = f"{PREFIX}:jobs"
+# Jobs whose names start with this are request jobs (conductor/request.py): complete.lua also
+# hands each new result to the waiting caller on M:reply:J:I.
+REQUEST_JOB_PREFIX = "rq."
 GROUP = "workers"
 
 # Every field of M:state, with what it holds; tests/test_keys.py checks that every field a script
-# of lua/ writes there is listed. Counters are whole numbers; *_ms fields are times in ms.
+# of lua/ writes there is listed. Counters are whole numbers; *_ms fields are times in ms. (The
+# waiting counters and intake times are the producer's, in M:intake: see the layout above.)
 STATE_FIELDS: dict[str, str] = {
-    "tokens": "input tokens waiting in lanes (submit.lua adds, claim.lua takes)",
-    "items": "items waiting in lanes",
-    "submitted": "items ever accepted by submit.lua",
     "completed": "items completed with a result (complete.lua)",
     "failed": "items completed with an error result, dead-lettered ones included",
-    "last_intake_ms": "when submit.lua last accepted an item (intake quiet: cleanup, gate, drain)",
-    "sealed_ms": "when a producer last sealed its submission (seal.lua): intake counts as quiet at once",
     "gate": "1 once the release gate opened (it stays open)",
     "gate_opened_ms": "when the release gate opened",
-    "cleanup": "1 while the model is in cleanup mode (lua/lib_cleanup.lua)",
+    "cleanup": "1 while the model is in cleanup mode (lua/lib_cleanup.lua; claim.lua ends it on new intake)",
     "cleanup_since_ms": "when the current cleanup period began",
     "cleanup_entries": "cleanup periods entered",
     "cleanup_ms": "time spent in cleanup periods that ended",
@@ -230,11 +246,25 @@ class ModelKeys:
     def job(self, job: str) -> str:
         return f"{self.base}:job:{job}"
 
+    @property
+    def intake(self) -> str:
+        return f"{self.base}:intake"
+
+    def job_intake(self, job: str) -> str:
+        return f"{self.base}:in:{job}"
+
     def job_items(self, job: str) -> str:
         return f"{self.base}:job:{job}:items"
 
     def job_sums(self, job: str) -> str:
-        return f"{self.base}:job:{job}:sums"
+        return f"{self.base}:in:{job}:sums"
 
     def job_results(self, job: str) -> str:
         return f"{self.base}:job:{job}:results"
+
+    @property
+    def doorbell(self) -> str:
+        return f"{self.base}:bell"
+
+    def reply(self, job: str, item_id: str) -> str:
+        return f"{self.base}:reply:{job}:{item_id}"

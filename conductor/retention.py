@@ -26,5 +26,5 @@ def trim_job_results(c: Conductor, job: str, before_ms: int) -> int:
     n = 0
     for model in c.job_models(job):
         mk = K.ModelKeys(model)
-        n += int(script(keys=[mk.job(job), mk.job_results(job)], args=[before_ms]))
+        n += int(script(keys=[mk.job_intake(job), mk.job(job), mk.job_results(job)], args=[before_ms]))
     return n

@@ -18,15 +18,17 @@ What is checked, for one model (``M`` = ``cdr:{model}``):
   a staged or warming instance is in ``M:staged`` scored with its tokens, no other one is; an
   instance whose indices follow an older config (``idx``, lib.lua) awaits re-derivation by the
   next claim: its fill scores and readiness are noted, not checked;
-- the model ``M:state``: tokens and items against the sum of its instances' counters;
+- the model (``M:intake``, the producer's counters, and ``M:state``, the fleet's): tokens and
+  items against the sum of its instances' counters;
   inflight_batches and inflight_items against the group's pending entries (XPENDING) and the
   ``n`` field of each; reclaimed_items against the item records inside the reclaimed list's
   entries, and each entry's token list as long as its records;
   submitted, completed and failed against the sum of its jobs' counters; batch entries that
   are not pending (leaked: nothing would ever retire them);
-- every job ``M:job:J``: submitted against the entries of ``M:job:J:items``; completed and
-  failed against the ok and error records of ``M:job:J:results`` (after retention trimmed
-  them, their sum against the done items); done items ('d') against the number of records.
+- every job: ``M:in:J`` submitted against the ids of its registry ``M:in:J:sums``;
+  ``M:job:J`` completed and failed against the ok and error records of ``M:job:J:results``
+  (after retention trimmed them, their sum against the done items); done marks ('d' in
+  ``M:job:J:items``) against the number of records.
 
 Each level is checked against the level below, so one wrong counter shows up next to both of
 its neighbours (an instance's tokens against its lanes, and the model's tokens against it).
@@ -78,6 +80,8 @@ log = logging.getLogger("conductor.verify")
 
 PAGE = 1000  # entries per SCAN / HSCAN / XRANGE / lane LRANGE step
 SNAPSHOT = 10_000  # entries an instance (or the in-flight set) may hold to be read in one MULTI
+# The model counters a producer writes (M:intake, keys.py); every other one is in M:state.
+INTAKE_FIELDS = frozenset({"tokens", "items", "submitted"})
 PENDING_PAGE = 500
 LIST_PAGE = 100
 EXAMPLES = 20  # item ids quoted per ledger finding
@@ -235,7 +239,7 @@ def _classify(r: redis.Redis, mk: K.ModelKeys) -> _Keys:
     b = re.escape(mk.base)
     inst_re = re.compile(rf"^{b}:inst:([0-9a-f]{{16}}:\d+)(?::[a-z_]+)?$")
     lane_re = re.compile(rf"^{b}:lane(?:meta|tok)?:([0-9a-f]{{16}}:\d+):(\d+)$")
-    job_re = re.compile(rf"^{b}:job:([^:]+)(?::(?:items|results))?$")
+    job_re = re.compile(rf"^{b}:(?:job|in):([^:]+)(?::(?:items|results|sums))?$")
     bat_re = re.compile(rf"^{b}:bat:(.+)$")
     shape_re = re.compile(rf"^{b}:shape:([0-9a-f]{{16}})$")
     out = _Keys()
@@ -563,12 +567,12 @@ def verify(r: redis.Redis, model: str, *, items: bool = False) -> Report:
     # ---- the model's waiting counters against the sum of its instances' counters, in one MULTI
     # (each instance's counters were checked against its lanes above).
     pipe = _Snapshot(r)
-    pipe.hmget(mk.state, ["tokens", "items"])
+    pipe.hmget(mk.intake, ["tokens", "items"])
     for inst in insts:
         pipe.hmget(mk.inst(inst), ["tokens", "items"])
     got = pipe.execute()
-    row(mk.state, "tokens", _i(got[0][0]), sum(_i(x[0]) for x in got[1:]), "state.tokens")
-    row(mk.state, "items", _i(got[0][1]), sum(_i(x[1]) for x in got[1:]), "state.items")
+    row(mk.intake, "tokens", _i(got[0][0]), sum(_i(x[0]) for x in got[1:]), "state.tokens")
+    row(mk.intake, "items", _i(got[0][1]), sum(_i(x[1]) for x in got[1:]), "state.items")
 
     # ---- in flight and reclaimed: pending entries and the n of each; items inside reclaimed batches
     fl = _read_inflight(r, mk, ledger)
@@ -595,7 +599,7 @@ def verify(r: redis.Redis, model: str, *, items: bool = False) -> Report:
     jobs = sorted(found.jobs)
     for job in jobs:
         truth = _job_truth(r, mk, job, ledger)
-        row(mk.job(job), "submitted", truth["rec_submitted"], truth["submitted"], "job.submitted")
+        row(mk.job_intake(job), "submitted", truth["rec_submitted"], truth["submitted"], "job.submitted")
         if truth["trimmed"]:
             # Retention dropped old records: only their sum is known (one 'd' per result written).
             row(mk.job(job), "completed+failed", truth["rec_completed"] + truth["rec_failed"], truth["done"],
@@ -607,14 +611,16 @@ def verify(r: redis.Redis, model: str, *, items: bool = False) -> Report:
         if truth["dup_results"]:
             rep.problems.append(f"{model}: job {job} has {truth['dup_results']} duplicated result record(s)")
     # ---- the model's job totals against the sum of its jobs' counters, in one MULTI
-    fields = ["submitted", "completed", "failed"]
     pipe = _Snapshot(r)
-    pipe.hmget(mk.state, fields)
+    pipe.hget(mk.intake, "submitted")
+    pipe.hmget(mk.state, ["completed", "failed"])
     for job in jobs:
-        pipe.hmget(mk.job(job), fields)
+        pipe.hget(mk.job_intake(job), "submitted")
+        pipe.hmget(mk.job(job), ["completed", "failed"])
     got = pipe.execute()
-    for i, fld in enumerate(fields):
-        row(mk.state, fld, _i(got[0][i]), sum(_i(x[i]) for x in got[1:]), f"state.{fld}")
+    row(mk.intake, "submitted", _i(got[0]), sum(_i(x) for x in got[2::2]), "state.submitted")
+    for i, fld in enumerate(("completed", "failed")):
+        row(mk.state, fld, _i(got[1][i]), sum(_i(x[i]) for x in got[3::2]), f"state.{fld}")
     if getattr(_oom, "on", False):
         rep.notes.append("Redis is over maxmemory and refuses MULTI: every read was a plain pipelined read, not "
                          "a snapshot (against a live system, re-check a differing row)")
@@ -788,36 +794,43 @@ def _reclaimed(r: redis.Redis, mk: K.ModelKeys, ledger: _Ledger | None) -> tuple
 def _job_truth(r: redis.Redis, mk: K.ModelKeys, job: str, ledger: _Ledger | None) -> dict[str, int]:
     """A job's counters and their truth. A job of at most SNAPSHOT items and results is read in one
     MULTI; a bigger one counts results up to the last id of a snapshot of its counters, so only
-    its items hash (the 'd' count) is read while it may move."""
-    fields = ["submitted", "completed", "failed"]
+    its id registry (M:in:J:sums) and done marks (M:job:J:items) are read while they may move."""
+    fields = ["completed", "failed"]
     pipe = _Snapshot(r)
+    pipe.hget(mk.job_intake(job), "submitted")
     pipe.hmget(mk.job(job), fields)
-    pipe.hlen(mk.job_items(job))
+    pipe.hlen(mk.job_sums(job))
     pipe.xlen(mk.job_results(job))
     pipe.xrevrange(mk.job_results(job), count=1)
-    rec, n_items, n_results, last = pipe.execute()
-    item_states: Any
+    rec_sub, rec, n_items, n_results, last = pipe.execute()
+    registry: Any
+    marks: Any
     records: Any
     if n_items <= SNAPSHOT and n_results <= SNAPSHOT:
         pipe = _Snapshot(r)
+        pipe.hget(mk.job_intake(job), "submitted")
         pipe.hmget(mk.job(job), fields)
+        pipe.hkeys(mk.job_sums(job))
         pipe.hgetall(mk.job_items(job))
         pipe.xrange(mk.job_results(job))
-        rec, item_states, records = pipe.execute()
-        item_states = _pairs(item_states)
+        rec_sub, rec, registry, marks, records = pipe.execute()
+        marks = _pairs(marks)
         # redis-py's cluster pipeline in a transaction leaves XRANGE's fields a flat list
         records = [(eid, dict(_pairs(f))) for eid, f in records]
     else:
-        item_states = r.hscan_iter(mk.job_items(job), count=PAGE)
+        registry = (k for k, _v in r.hscan_iter(mk.job_sums(job), count=PAGE))
+        marks = r.hscan_iter(mk.job_items(job), count=PAGE)
         records = _xrange(r, mk.job_results(job), upto=_s(last[0][0]) if last else None) if last else []
     submitted = done = 0
-    for iid, st in item_states:
+    for iid in registry:
         submitted += 1
-        s = _s(st)
-        if s == "d":
-            done += 1
         if ledger is not None:
-            ledger.state[(job, _s(iid))] = s
+            ledger.state[(job, _s(iid))] = "q"
+    for iid, st in marks:
+        if _s(st) == "d":
+            done += 1
+            if ledger is not None:
+                ledger.state[(job, _s(iid))] = "d"
     ok = err = results = 0
     seen: set[str] | None = set() if ledger is not None else None
     dup = 0
@@ -842,7 +855,7 @@ def _job_truth(r: redis.Redis, mk: K.ModelKeys, job: str, ledger: _Ledger | None
     # so the ok/error split of the trimmed ones is gone. (A lost record looks the same.)
     return {"submitted": submitted, "completed": ok, "failed": err, "done": done, "results": results,
             "dup_results": dup, "trimmed": results < done,
-            "rec_submitted": _i(rec[0]), "rec_completed": _i(rec[1]), "rec_failed": _i(rec[2])}
+            "rec_submitted": _i(rec_sub), "rec_completed": _i(rec[0]), "rec_failed": _i(rec[1])}
 
 
 def verify_confirmed(r: redis.Redis, model: str, *, items: bool = False, pause_s: float = 0.2) -> Report:
@@ -1008,12 +1021,13 @@ def _repair_model(r: redis.Redis, mk: K.ModelKeys) -> list[Change]:
     found = _classify(r, mk)
     jobs_sorted = sorted(found.jobs)
     with r.pipeline(transaction=True) as pipe:
-        watch = [mk.state, mk.batches, mk.reclaimed]
+        watch = [mk.state, mk.intake, mk.batches, mk.reclaimed]
         for job in jobs_sorted:
-            watch += [mk.job(job), mk.job_items(job), mk.job_results(job)]
+            watch += [mk.job_intake(job), mk.job_sums(job), mk.job(job), mk.job_items(job), mk.job_results(job)]
         pipe.watch(*watch)
         # Reads on the plain client: WATCH sees writes from every connection until EXEC.
         state = {_s(k): _s(v) for k, v in r.hgetall(mk.state).items()}
+        state.update({_s(k): _s(v) for k, v in r.hgetall(mk.intake).items()})
         truth: dict[str, int] = {"tokens": 0, "items": 0}
         for inst in sorted(found.insts):
             tok, n = r.hmget(mk.inst(inst), ["tokens", "items"])
@@ -1026,7 +1040,7 @@ def _repair_model(r: redis.Redis, mk: K.ModelKeys) -> list[Change]:
         job_rows: list[tuple[str, str, str, int]] = []
         for job in jobs_sorted:
             jt = _job_truth(r, mk, job, None)
-            cur = r.hmget(mk.job(job), ["submitted", "completed", "failed"])
+            cur = [r.hget(mk.job_intake(job), "submitted"), *r.hmget(mk.job(job), ["completed", "failed"])]
             for fld, v in zip(("submitted", "completed", "failed"), cur, strict=True):
                 sums[fld] += jt[fld]
                 if jt["trimmed"] and fld != "submitted":
@@ -1041,11 +1055,13 @@ def _repair_model(r: redis.Redis, mk: K.ModelKeys) -> list[Change]:
         pipe.multi()
         for fld, v in truth.items():
             if _i(state.get(fld)) != v:
-                pipe.hset(mk.state, fld, v)
-                changes.append(Change(mk.state, fld, state.get(fld, ""), str(v)))
+                key = mk.intake if fld in INTAKE_FIELDS else mk.state
+                pipe.hset(key, fld, v)
+                changes.append(Change(key, fld, state.get(fld, ""), str(v)))
         for job, fld, old, new in job_rows:
-            pipe.hset(mk.job(job), fld, new)
-            changes.append(Change(mk.job(job), fld, old, str(new)))
+            key = mk.job_intake(job) if fld == "submitted" else mk.job(job)
+            pipe.hset(key, fld, new)
+            changes.append(Change(key, fld, old, str(new)))
         pipe.execute()
     return changes
 

@@ -7,7 +7,7 @@
 --
 -- KEYS[1] base       cdr:{model}
 -- KEYS[2] cfg        cdr:{model}:cfg
--- KEYS[3] state      cdr:{model}:state
+-- KEYS[3] state      cdr:{model}:state     (and cdr:{model}:intake, the producer's counters)
 -- KEYS[4] batches    cdr:{model}:batches   (group "workers")
 -- KEYS[5] reclaimed  cdr:{model}:reclaimed
 -- ARGV[1] consumer, ARGV[2] max_batch_size, ARGV[3] max_batch_tokens, ARGV[4] max_input_len
@@ -60,20 +60,30 @@ local now = now_ms()
 -- The model's state, read once: every redis.call costs several microseconds here, and this
 -- script runs once per batch. Only this script writes these counters while it runs (scripts
 -- are atomic), so deliver() writes them back from these values.
-local STATE = {'gate', 'tokens', 'last_intake_ms', 'cleanup', 'reclaimed_items', 'inflight_batches',
-  'inflight_items', 'batches', 'items', 'warming', 'sweep_ms', 'paused', 'active', 'sealed_ms'}
+local STATE = {'gate', 'cleanup_since_ms', 'cleanup', 'reclaimed_items', 'inflight_batches', 'inflight_items',
+  'batches', 'warming', 'sweep_ms', 'paused', 'active'}
 local st = hmget_named(state_key, STATE)
+-- The waiting counters and intake times live in the producer's hash (M:intake, which
+-- deploy/redis/users.acl lets a producer write; M:state it may only read).
+local intake_key = base .. ':intake'
+local intake = hmget_named(intake_key, {'tokens', 'last_intake_ms', 'items', 'sealed_ms'})
 -- The claim context every include takes. Each worker warms its own next instance (M:warming), so
 -- in a fleet the shape a worker prepared is the one it switches to, not one another took first.
 local c = {base = base, state_key = state_key, batches_key = batches_key, reclaimed_key = reclaimed_key,
   batch_items_key = batch_items_key, consumer = consumer, token = token, max_items = max_items,
-  max_tokens = max_tokens, cfg = cfg, now = now, disk = cfg.mode == 'disk', st = st,
-  active_key = base .. ':active', affinity_key = base .. ':affinity', warming_key = base .. ':warming',
-  sealed = num(st.sealed_ms), sweep = now >= num(st.sweep_ms)}
+  max_tokens = max_tokens, cfg = cfg, now = now, disk = cfg.mode == 'disk', st = st, intake_key = intake_key,
+  intake = intake, active_key = base .. ':active', affinity_key = base .. ':affinity',
+  warming_key = base .. ':warming', sealed = num(intake.sealed_ms), sweep = now >= num(st.sweep_ms)}
 c.warming_now = redis.call('HGET', c.warming_key, consumer) or ''
 c.cleanup = st.cleanup == '1'
 -- Paused (see lib.lua paused()): nothing has been written yet, and nothing is.
 if st.paused == '1' then return {0, 'paused'} end
+-- New work ends cleanup mode (seed 001: "until empty or new work arrives"); submit.lua may not
+-- write M:state, so the first claim after the intake ends it.
+if c.cleanup and num(intake.last_intake_ms) > num(st.cleanup_since_ms) then
+  exit_cleanup(state_key, now, num(st.cleanup_since_ms))
+  c.cleanup = false
+end
 
 -- 1. Reclaimed work first (seed 001's assembly order).
 if num(st.reclaimed_items) > 0 then
@@ -81,8 +91,8 @@ if num(st.reclaimed_items) > 0 then
   if r then return r end
 end
 -- 2. The release gate.
-local waiting = num(st.tokens)
-local quiet = quiet_since(c, num(st.last_intake_ms))
+local waiting = num(intake.tokens)
+local quiet = quiet_since(c, num(intake.last_intake_ms))
 local shut = gate_shut(c, waiting, quiet)
 if shut then return shut end
 -- Before several instances could be active, the state hash named the one active instance.

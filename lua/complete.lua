@@ -25,7 +25,11 @@
 --   duplicates a result and never marks done an item that waits elsewhere; counters move with the
 --   writes. Every argument is checked, and the batch and its items are read, before the first write.
 -- While the model is paused (conductor pause) it refuses with 'PAUSED ...', nothing written.
+-- Request jobs (a name starting 'rq.', conductor/request.py): each newly written result is also
+--   pushed to cdr:{model}:reply:<job>:<id> (a list, expiring after 60 s) for the caller blocked on
+--   it; written once with the result, so a re-delivered item answers its caller once.
 --@include lib.lua
+--@include lib_batch_members.lua
 
 local base, state_key, batches_key = KEYS[1], KEYS[2], KEYS[3]
 local bid, final, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
@@ -59,6 +63,11 @@ for i = 0, n - 1 do
   end
 end
 
+-- A request job (conductor/keys.py REQUEST_JOB_PREFIX, conductor/request.py): its caller waits on a
+-- reply list of each item's own.
+local function is_request(job) return string.sub(job, 1, 3) == 'rq.' end
+local REPLY_TTL_MS = 60000
+
 -- Every command this call may run, on the keys it may run it on, before the first write.
 local refused = acl_refused(function(ok)
   if not (ok('HGET', state_key) and ok('HINCRBY', state_key) and ok('XRANGE', batches_key)
@@ -74,6 +83,9 @@ local refused = acl_refused(function(ok)
       local jk = base .. ':job:' .. job
       if not (ok('HMGET', jk .. ':items') and ok('HSET', jk .. ':items') and ok('XADD', jk .. ':results')
           and ok('HINCRBY', jk)) then
+        return false
+      end
+      if is_request(job) and not (ok('LPUSH', base .. ':reply:' .. job .. ':0') and ok('PEXPIRE', base .. ':reply:' .. job .. ':0')) then
         return false
       end
     end
@@ -106,22 +118,8 @@ for j = 1, #f, 2 do
   elseif f[j] == 'k' then token = f[j + 1] end
 end
 local items_key = token and (base .. ':bat:' .. token)
--- Which (job, id) the batch holds: read from the head of each record when it is plain compact
--- JSON (what conductor/client.py writes), decoded otherwise.
-local members = {}
-if items_key then
-  for _, rec in ipairs(redis.call('LRANGE', items_key, 0, -1)) do
-    local id, job = string.match(rec, '^%["([^"\\]*)","([^"\\]*)",')
-    if not id then
-      local ok, d = pcall(cjson.decode, rec)
-      if ok and type(d) == 'table' then id, job = d[1], d[2] end
-    end
-    if type(id) == 'string' and type(job) == 'string' then
-      members[job] = members[job] or {}
-      members[job][id] = true
-    end
-  end
-end
+-- Which (job, id) the batch holds (lib_batch_members.lua).
+local members = items_key and batch_members(items_key) or {}
 for i = 0, n - 1 do
   local o = 4 + 4 * i
   local job, id = ARGV[o], ARGV[o + 1]
@@ -161,12 +159,17 @@ for _, job in ipairs(order) do
   local g, jk = jobs[job], base .. ':job:' .. job
   local marks, seen, ok_n, err_n = {}, {}, 0, 0
   for j, id in ipairs(g.ids) do
-    if g.state[j] == 'q' and not seen[id] then
+    if g.state[j] ~= 'd' and not seen[id] then
       seen[id] = true
       local o = g.at[j]
       marks[#marks + 1] = id
       marks[#marks + 1] = 'd'
       redis.call('XADD', jk .. ':results', '*', 'id', id, 'r', ARGV[o + 3])
+      if is_request(job) then
+        local rk = base .. ':reply:' .. job .. ':' .. id
+        redis.call('LPUSH', rk, ARGV[o + 3])
+        redis.call('PEXPIRE', rk, REPLY_TTL_MS)
+      end
       if ARGV[o + 2] == 'ok' then ok_n = ok_n + 1 else err_n = err_n + 1 end
     end
   end

@@ -14,7 +14,7 @@
 --   caller's ACL refuses a command this call may run (lib.lua acl_refused); 'ERR_STATE ...' for an
 --   entry without a readable item; 'PAUSED ...'. Every entry is read before the first write.
 -- Invariants: per retried item, in one step: its dead-letter result leaves the job's results
---   stream, its state goes back d -> q, the job's and the model's failed counters go down by
+--   stream, its done mark goes (M:job:J:items, d -> none), the job's and the model's failed counters go down by
 --   one, and it joins the reclaimed queue (served first) alone with its deliveries reset to 1;
 --   so a job holds at most one result per item, and the item is delivered again at most
 --   max_deliveries times before it comes back here.
@@ -32,7 +32,7 @@ end
 local jp = base .. ':job:0'
 local refused = acl_refused(function(ok)
   return ok('HGET', state_key) and ok('HINCRBY', state_key) and ok('XRANGE', dead_key) and ok('XDEL', dead_key)
-    and ok('HGET', jp .. ':items') and ok('HSET', jp .. ':items') and ok('XRANGE', jp .. ':results')
+    and ok('HGET', jp .. ':items') and ok('HDEL', jp .. ':items') and ok('XRANGE', jp .. ':results')
     and ok('XDEL', jp .. ':results') and ok('HINCRBY', jp) and ok('RPUSH', reclaimed_key)
 end)
 if refused then return refused end
@@ -83,7 +83,7 @@ end
 
 for _, t in ipairs(todo) do
   redis.call('XDEL', t.jk .. ':results', t.rid)
-  redis.call('HSET', t.jk .. ':items', t.id, 'q')
+  redis.call('HDEL', t.jk .. ':items', t.id)
   redis.call('HINCRBY', t.jk, 'failed', -1)
   redis.call('HINCRBY', state_key, 'failed', -1)
   redis.call('HINCRBY', state_key, 'dead_retried', 1)

@@ -5,7 +5,7 @@
 -- model, so that a loss between the producer and the data (a failover to a replica that had not
 -- received them, an interrupted submit) shows as items missing instead of a finished, smaller job.
 --
--- KEYS[1] job    cdr:{model}:job:J   (field "declared" beside submitted, completed, failed)
+-- KEYS[1] job    cdr:{model}:in:J    (field "declared" beside submitted: the producer's job hash)
 -- KEYS[2] state  cdr:{model}:state
 -- ARGV[1] count  the items (distinct ids) the producer is sending for this model, 1..10^12
 -- Returns: the declared count now: the larger of the stored one and count. Errors, with nothing

@@ -38,6 +38,7 @@ local function claim_refused(base, state_key, batches_key, reclaimed_key, batch_
   local ac, af, wm = base .. ':active', base .. ':affinity', base .. ':warming'
   local refused = acl_refused(function(ok)
     return ok('HMGET', st) and ok('HSET', st) and ok('HINCRBY', st) and ok('HDEL', st) and ok('HGET', st)
+      and ok('HMGET', base .. ':intake') and ok('HSET', base .. ':intake')
       and ok('ZADD', ac) and ok('ZREM', ac) and ok('ZRANGE', ac) and ok('HSET', af) and ok('HDEL', af)
       and ok('HGET', af) and ok('HGETALL', af) and ok('EXISTS', base .. ':hb:0') and ok('ZSCORE', sk)
       and ok('HGET', wm) and ok('HSET', wm) and ok('HDEL', wm)

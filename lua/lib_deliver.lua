@@ -2,10 +2,10 @@
 -- into the batch list M:bat:<token>, and delivers it through the consumer group: its entry goes
 -- straight into the consumer's pending list (XCLAIM FORCE). Every function takes c, the claim
 -- context claim.lua builds (base, state_key, batches_key, reclaimed_key, batch_items_key,
--- consumer, token, cfg, now, st, cleanup, warming_now).
+-- consumer, token, cfg, now, st, intake_key, intake, cleanup, warming_now).
 -- Keys: M:bat:<token> (written), M:batches (XADD, XCLAIM), M:reclaimed, the taken lanes' three
---   keys, M:inst:S:E and its fill/ready sets, M:state counters (inflight_*, batches, tokens,
---   items, reclaimed_items, cleanup_*, neighbour_fills).
+--   keys, M:inst:S:E and its fill/ready sets, M:state counters (inflight_*, batches,
+--   reclaimed_items, cleanup_*, neighbour_fills), M:intake (waiting tokens and items).
 -- Invariants: what does not fit stays at the head of its lane (or reclaimed entry), in order; a
 --   lane list and its token list lose the same items; the model's counters are written once per
 --   batch from the values claim.lua read (scripts are atomic: nothing else moves them meanwhile).
@@ -34,8 +34,11 @@ local function deliver(c, sig, ep, lane, maxlen, flags, dv, n, waiting_tok, wait
   redis.call('XCLAIM', c.batches_key, GROUP, c.consumer, 0, bid, 'FORCE', 'JUSTID')
   redis.call('HSET', state_key, 'inflight_batches', num(st.inflight_batches) + 1,
     'inflight_items', num(st.inflight_items) + n, 'batches', num(st.batches) + 1,
-    'tokens', num(st.tokens) - waiting_tok, 'items', num(st.items) - waiting_items,
     'reclaimed_items', num(st.reclaimed_items) - reclaimed)
+  if waiting_items > 0 then
+    local it = c.intake
+    redis.call('HSET', c.intake_key, 'tokens', num(it.tokens) - waiting_tok, 'items', num(it.items) - waiting_items)
+  end
   if flags % 2 == 1 then
     redis.call('HINCRBY', state_key, 'cleanup_batches', 1)
     redis.call('HINCRBY', state_key, 'cleanup_items', n)

@@ -5,7 +5,7 @@
 -- writes, once per call and lane. s is the submit context submit.lua builds: base, cfg, now,
 -- depth (per signature, what the call brings), ctxs (per signature, its shape_ctx).
 -- Keys: M:shape:S (epoch), M:inst:S:E and its lanes/free/touch/fill/ready sets, M:staged,
---   M:staged_age, M:lane:S:E:L, M:lanetok:S:E:L, M:lanemeta:S:E:L.
+--   M:staged_age, M:lane:S:E:L, M:lanetok:S:E:L, M:lanemeta:S:E:L; M:bell (ring_doorbell).
 -- Invariants: a lane list and its token list always have the same length, in the same order;
 --   lanes only grow (a lane's rep never shrinks) and are never merged.
 --@include lib.lua
@@ -133,4 +133,16 @@ local function grow_lanes(s, ctx)
       redis.call('ZADD', base .. ':staged', tokens, ctx.inst)
     end
   end
+end
+
+-- Doorbell: one entry per full batch the call brought (at least one, at most BELL_CAP), each
+-- waking one idle worker blocked on BLPOP; trimmed to BELL_CAP, so unread rings cannot pile up.
+local function ring_doorbell(base, cfg, new_tokens, new_items)
+  local BELL_CAP = 16
+  local rings = math.min(BELL_CAP, math.max(1, math.ceil(math.max(new_tokens / cfg.budget_tokens,
+    new_items / cfg.budget_items))))
+  local bells = {}
+  for r = 1, rings do bells[r] = 1 end
+  redis.call('LPUSH', base .. ':bell', unpack(bells))
+  redis.call('LTRIM', base .. ':bell', 0, BELL_CAP - 1)
 end

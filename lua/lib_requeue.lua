@@ -52,7 +52,7 @@ local function requeue_plan(rq, bid, reason, blamed)
         'decode as [id, job, input_tokens, ...]: nothing written')
     end
     local jk = base .. ':job:' .. it[2]
-    if redis.call('HGET', jk .. ':items', it[1]) == 'q' then
+    if redis.call('HGET', jk .. ':items', it[1]) ~= 'd' then
       if dv >= limit then
         -- The failed result and the dead-letter entry, built here (cjson.encode can refuse).
         local res = cjson.encode({id = it[1], model = model, job = it[2], output = '', output_tokens = 0,

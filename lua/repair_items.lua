@@ -70,8 +70,8 @@ local refused = acl_refused(function(ok)
   local jk = base .. ':job:0'
   return ok('XPENDING', batches_key) and ok('XRANGE', batches_key) and ok('XDEL', batches_key)
     and ok('LRANGE', lk) and ok('DEL', lk) and ok('RPUSH', lk) and ok('LSET', lk) and ok('LREM', lk)
-    and ok('HGET', jk .. ':items') and ok('RPUSH', reclaimed_key) and ok('HGET', state_key)
-    and ok('HINCRBY', state_key) and (not ik or (ok('EXISTS', ik) and ok('HINCRBY', ik)
+    and ok('HGET', jk .. ':items') and ok('HGET', base .. ':in:0:sums') and ok('RPUSH', reclaimed_key)
+    and ok('HGET', state_key) and ok('HINCRBY', state_key) and ok('HINCRBY', base .. ':intake') and (not ik or (ok('EXISTS', ik) and ok('HINCRBY', ik)
       and ok('LRANGE', tk) and ok('LSET', tk) and ok('LREM', tk) and ok('DEL', tk, mk) and ok('HINCRBY', mk)))
 end)
 if refused then return refused end
@@ -118,11 +118,11 @@ for i, rec in ipairs(recs) do
       or type(it[3]) ~= 'number' then
     return redis.error_reply('ERR_STATE ' .. lk .. ' holds an item record that does not decode')
   end
-  local st = redis.call('HGET', base .. ':job:' .. it[2] .. ':items', it[1])
-  if st == 'd' then
+  local done = redis.call('HGET', base .. ':job:' .. it[2] .. ':items', it[1]) == 'd'
+  if done then
     drop[#drop + 1] = i
     drop_tokens = drop_tokens + (toks and (tonumber(toks[i]) or 0) or it[3])
-  elseif st == 'q' and kind ~= 'done' then
+  elseif kind ~= 'done' and redis.call('HGET', base .. ':in:' .. it[2] .. ':sums', it[1]) then
     keep[#keep + 1] = rec
     keep_toks[#keep_toks + 1] = it[3]
   else
@@ -143,8 +143,8 @@ if kind == 'done' then
     redis.call('HINCRBY', mk, 'tokens', -drop_tokens)
     redis.call('HINCRBY', ik, 'items', -#drop)
     redis.call('HINCRBY', ik, 'tokens', -drop_tokens)
-    redis.call('HINCRBY', state_key, 'items', -#drop)
-    redis.call('HINCRBY', state_key, 'tokens', -drop_tokens)
+    redis.call('HINCRBY', base .. ':intake', 'items', -#drop)
+    redis.call('HINCRBY', base .. ':intake', 'tokens', -drop_tokens)
   end
   return {0, #drop, #stay}
 end

@@ -5,7 +5,10 @@
 --
 -- KEYS[1] base    cdr:{model}            (per-shape, per-lane and per-job keys derive from it)
 -- KEYS[2] cfg     cdr:{model}:cfg
--- KEYS[3] state   cdr:{model}:state
+-- KEYS[3] state   cdr:{model}:state   (read only: paused)
+-- Writes only the producer's keys (deploy/redis/users.acl gives a producer nothing else):
+--   M:intake (waiting tokens and items, submitted, last intake), M:in:J and M:in:J:sums (the
+--   job's declared and submitted counts, and the id registry), the shape, instance and lane keys.
 -- ARGV[1] n       number of items that follow (1..5000)
 -- ARGV[2] job     the job every item of the call belongs to
 -- ARGV[3..]       3 fields per item: sig (16 hex), record, prefix (JSON list of at most 256
@@ -22,7 +25,7 @@
 --   'NOPERM ...' when the caller's ACL refuses a command this call may run (lib.lua acl_refused).
 --   'CONFLICT <n> ...' when n ids of the call are ids the job already has with other content
 --   (another shape or record: the first 16 hex digits of SHA-1(sig .. record) kept per id in
---   M:job:J:sums differ).
+--   M:in:J:sums differ).
 -- A re-sent id with the same content is a duplicate (-1); with other content it is another
 --   job's item under a reused job name, whose old results a reader would take for its own.
 -- Writes each record as sent to its lane list, and its input tokens to the lane's token list at
@@ -34,14 +37,16 @@
 --   lanes only grow and are never merged; a draining or finished shape instance never takes
 --   a new item: the signature's next epoch (staged) does.
 -- While the model is paused (conductor pause) it refuses with 'PAUSED ...', nothing written.
+-- Rings the model's doorbell (cdr:{model}:bell, a list capped at 16 entries) when it adds items:
+--   one entry per full batch they make, so that many idle workers blocked on it wake.
 --@include lib.lua
 --@include lib_submit_args.lua
 --@include lib_submit_guard.lua
 --@include lib_job_ids.lua
 --@include lib_intake.lua
---@include lib_cleanup.lua
 
 local base, cfg_key, state_key = KEYS[1], KEYS[2], KEYS[3]
+local intake_key = base .. ':intake'
 local n = tonumber(ARGV[1])
 if not int_in(n, 1, 5000) then
   return redis.error_reply('ERR_ARG n: item count must be an integer in 1..5000')
@@ -63,25 +68,25 @@ local refused = paused(state_key)
 if refused then return refused end
 local cfg = load_cfg(cfg_key)
 if cfg.max_waiting_tokens > 0 then
-  local waiting = num(redis.call('HGET', state_key, 'tokens'))
+  local waiting = num(redis.call('HGET', intake_key, 'tokens'))
   if waiting + call.tokens > cfg.max_waiting_tokens then
     return redis.error_reply('FULL model queue holds ' .. waiting .. ' waiting tokens; ' .. call.tokens ..
       ' more would pass the ceiling of ' .. cfg.max_waiting_tokens)
   end
 end
-refused = submit_refused(base, state_key, job)
+refused = submit_refused(base, state_key, intake_key, job)
 if refused then return refused end
 local now = now_ms()
 -- The submit context lib_intake.lua takes.
 local intake = {base = base, cfg = cfg, now = now, depth = call.depth, ctxs = {}}
 
-local job_items, job_sums = base .. ':job:' .. job .. ':items', base .. ':job:' .. job .. ':sums'
-local known, fresh_sums, conflicts = id_conflicts(job_items, job_sums, ARGV, ids, n)
+local job_sums = base .. ':in:' .. job .. ':sums'
+local known, fresh_sums, conflicts = id_conflicts(job_sums, ARGV, ids, n)
 if conflicts > 0 then
   return redis.error_reply('CONFLICT ' .. conflicts .. ' ids of this call are ids job ' .. job ..
     ' already has with other content')
 end
-local out, seen, fresh = {}, {}, {}
+local out, seen = {}, {}
 local new_items, new_tokens = 0, 0
 for i = 0, n - 1 do
   local o = 3 + 3 * i
@@ -90,8 +95,6 @@ for i = 0, n - 1 do
     out[#out + 1] = -1
   else
     seen[id] = true
-    fresh[#fresh + 1] = id
-    fresh[#fresh + 1] = 'q'
     local sig, prefix = ARGV[o], ARGV[o + 2]
     local ctx = shape_ctx(intake, sig)
     if prefixes[sig] then
@@ -117,20 +120,19 @@ for i = 0, n - 1 do
     out[#out + 1] = tonumber(lane)
   end
 end-- unpack() stops near 8,000 values: the new ids go in slices.
-for s = 1, #fresh, 2000 do
-  redis.call('HSET', job_items, unpack(fresh, s, math.min(s + 1999, #fresh)))
+for s = 1, #fresh_sums, 2000 do
   redis.call('HSET', job_sums, unpack(fresh_sums, s, math.min(s + 1999, #fresh_sums)))
 end
 -- Lanes grow and counters move once per call and lane, not once per item.
 for _, ctx in pairs(intake.ctxs) do grow_lanes(intake, ctx) end
 if new_items > 0 then
-  redis.call('HINCRBY', base .. ':job:' .. job, 'submitted', new_items)
-  redis.call('HINCRBY', base .. ':job:' .. job, 'submitted_tokens', new_tokens)
-  redis.call('HINCRBY', state_key, 'tokens', new_tokens)
-  redis.call('HINCRBY', state_key, 'items', new_items)
-  redis.call('HINCRBY', state_key, 'submitted', new_items)
-  redis.call('HSET', state_key, 'last_intake_ms', now)
-  -- New work ends cleanup mode (lib_cleanup.lua).
-  if redis.call('HGET', state_key, 'cleanup') == '1' then exit_cleanup(state_key, now) end
+  redis.call('HINCRBY', base .. ':in:' .. job, 'submitted', new_items)
+  redis.call('HINCRBY', base .. ':in:' .. job, 'submitted_tokens', new_tokens)
+  redis.call('HINCRBY', intake_key, 'tokens', new_tokens)
+  redis.call('HINCRBY', intake_key, 'items', new_items)
+  redis.call('HINCRBY', intake_key, 'submitted', new_items)
+  -- claim.lua ends cleanup mode when it sees intake newer than the cleanup's start.
+  redis.call('HSET', intake_key, 'last_intake_ms', now)
+  ring_doorbell(base, cfg, new_tokens, new_items)
 end
 return out

@@ -60,6 +60,17 @@ class ReplyDroppingProxy:
                 pass
             s.close()
 
+    def retarget(self, port: int) -> None:
+        """Send new connections to another server and cut the open ones: a failover behind one
+        address (a Sentinel-managed name, a virtual IP), as a client sees it."""
+        self.target_port = port
+        for s in self._open:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._open = []
+
     def close(self) -> None:
         self._listen.close()
         for s in self._open:

@@ -240,6 +240,16 @@ def complete_retired(c: Conductor) -> Call:
     return complete_call(b, results_for(b))
 
 
+def complete_request(c: Conductor) -> Call:
+    """A request job's results also go to each item's reply list (conductor/request.py)."""
+    quick(c)
+    c.submit([item(i, 10) for i in range(3)], "rq.client1")
+    b, _ = c.claim(contract(max_input_len=4096), "w")
+    call = complete_call(b, results_for(b))
+    call.check = lambda r: r.llen(MK.reply("rq.client1", "0")) == 1 and 0 < r.pttl(MK.reply("rq.client1", "2"))
+    return call
+
+
 # ------------------------------------------------------------------ reclaim, fail, dead letter
 
 def reclaim_dead_consumer(c: Conductor) -> Call:
@@ -339,7 +349,8 @@ def trim_results(c: Conductor) -> Call:
     c.submit([item(i, 10) for i in range(2)], "j")
     b, _ = c.claim(contract(max_input_len=4096), "w")
     c.complete(b, results_for(b))
-    return Call("trim_results", [MK.job("j"), MK.job_results("j")], [int(time.time() * 1000) + 1000])
+    return Call("trim_results", [MK.job_intake("j"), MK.job("j"), MK.job_results("j")],
+                [int(time.time() * 1000) + 1000])
 
 
 def _items_call(*args: Any) -> Call:
@@ -402,13 +413,18 @@ def heartbeat(c: Conductor) -> Call:
 
 def seal(c: Conductor) -> Call:
     quick(c)
-    return Call("seal", [MK.state], [])
+    return Call("seal", [MK.state, MK.intake], [])
+
+
+def seal_rings(c: Conductor) -> Call:
+    quick(c)
+    return Call("seal", [MK.state, MK.intake, MK.doorbell], [], check=lambda r: r.llen(MK.doorbell) == 1)
 
 
 def declare(c: Conductor) -> Call:
     quick(c)
-    c.r.hset(MK.job("j"), "declared", 3)
-    return Call("declare", [MK.job("j"), MK.state], [5])
+    c.r.hset(MK.job_intake("j"), "declared", 3)
+    return Call("declare", [MK.job_intake("j"), MK.state], [5])
 
 
 def lease_free(c: Conductor) -> Call:
@@ -430,7 +446,7 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
               claim_finish_and_next, claim_aging_preempts, claim_hygiene_drains, claim_hygiene_retires_empty,
               claim_hygiene_big_lane, claim_reindexes, claim_enters_cleanup, claim_leaves_cleanup],
     "submit": [submit_new_shapes, submit_leaves_cleanup_reuses_lane, submit_known_shape_without_prefix],
-    "complete": [complete_final, complete_retired],
+    "complete": [complete_final, complete_retired, complete_request],
     "reclaim": [reclaim_dead_consumer],
     "fail": [fail_requeues, fail_dead_letters],
     "dead_retry": [dead_retry],
@@ -442,7 +458,7 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "ensure_model": [ensure_model_new, ensure_model_known],
     "register": [register],
     "heartbeat": [heartbeat],
-    "seal": [seal],
+    "seal": [seal, seal_rings],
     "declare": [declare],
     "lease": [lease_free, lease_mine, lease_taken],
 }

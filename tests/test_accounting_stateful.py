@@ -185,7 +185,7 @@ class Accounting(RuleBasedStateMachine):
         assert n["submitted"] == n["waiting"] + n["inflight"] + n["reclaimed"] + n["done"], n
         assert n["submitted"] == sum(len(v) for v in self.ids.values())
         for job, ids in self.ids.items():
-            stored = {k.decode() for k in self.r.hkeys(MK.job_items(job))}
+            stored = {k.decode() for k in self.r.hkeys(MK.job_sums(job))}
             assert stored == ids, job
 
     def teardown(self) -> None:
@@ -203,7 +203,7 @@ class Accounting(RuleBasedStateMachine):
                     self.c.complete(b, results_for(b, "drainer"))
                     continue
                 # A gate that never opened answers 'gate' rather than 'idle' while nothing waits.
-                if why == "idle" or (why == "gate" and int(self.r.hget(MK.state, "items") or 0) == 0):
+                if why == "idle" or (why == "gate" and int(self.r.hget(MK.intake, "items") or 0) == 0):
                     break
                 time.sleep(0.01)
             rep = verify(self.r, MODEL, items=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from conductor import keys as K
 from conductor.client import Conductor, connect
 from conductor.embedded import free_port
 from conductor.errors import RedisUnavailable
@@ -24,7 +25,7 @@ ACL = ROOT / "deploy" / "redis" / "users.acl"
 ROLES = ("producer", "worker", "reader", "admin")
 C = Contract(model="m", max_batch_size=8, max_batch_tokens=8192, max_input_len=4096)
 # a refused command, and one refused inside a script
-NOPERM = r"(?i)noperm|no permissions|can't run this command"
+NOPERM = r"(?i)noperm|no permissions|can't run this command|can't access"
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,7 @@ def test_no_credentials_no_access(urls):
 
 def test_producer_submits_and_cannot_delete_flush_or_claim(urls):
     prod = Conductor.from_url(urls["producer"])
-    quick(prod)
+    quick(Conductor.from_url(urls["admin"]))
     assert prod.submit([item(i, 10) for i in range(20)], "j").accepted == 20
     assert prod.status("j")["pending"] == 20
     before = snapshot(urls)
@@ -95,7 +96,7 @@ def test_producer_submits_and_cannot_delete_flush_or_claim(urls):
 
 def test_worker_runs_a_job_and_cannot_flush_or_reconfigure(urls, tmp_path):
     prod = Conductor.from_url(urls["producer"])
-    quick(prod)
+    quick(Conductor.from_url(urls["admin"]))
     prod.submit([item(i, 10 + i % 30) for i in range(300)], "j")
     # a real worker process under the worker user: register, heartbeat, maintenance, claim, complete
     p = subprocess.run([sys.executable, "-m", "conductor", "--redis", urls["worker"], "--log-level", "warning",
@@ -131,7 +132,7 @@ def test_worker_runs_a_job_and_cannot_flush_or_reconfigure(urls, tmp_path):
 
 def test_reader_reads_and_cannot_submit_or_write(urls, tmp_path):
     prod = Conductor.from_url(urls["producer"])
-    quick(prod)
+    quick(Conductor.from_url(urls["admin"]))
     prod.submit([item(i, 10) for i in range(5)], "j")
     w = Conductor.from_url(urls["worker"])
     b, _ = w.claim(C, "w")
@@ -165,7 +166,8 @@ def test_worker_claim_that_starts_a_warming_shape(urls):
     """Issue 13: claim.lua published a 'warming' event after its writes, which the shipped ACL
     (resetchannels) refused: the claim failed halfway and its items were lost."""
     prod = Conductor.from_url(urls["producer"])
-    quick(prod, budget_tokens=64, budget_items=4, activate_batches=1, prewarm_batches=2, quiet_ms=60000)
+    quick(Conductor.from_url(urls["admin"]), budget_tokens=64, budget_items=4, activate_batches=1, prewarm_batches=2,
+          quiet_ms=60000)
     prod.submit([item(f"a{i}", 10, prefix=("A",)) for i in range(12)], "j")
     prod.submit([item(f"b{i}", 10, prefix=("B",)) for i in range(10)], "j")
     w = Conductor.from_url(urls["worker"])
@@ -173,3 +175,127 @@ def test_worker_claim_that_starts_a_warming_shape(urls):
     assert why == "batch" and len(b.items) == 4 and b.warming
     from conductor.verify import verify
     assert verify(redis.Redis.from_url(urls["admin"]), "m", items=True).ok
+
+
+def test_producer_cannot_falsify_counters_results_config_or_reclaimed(urls):
+    """Issue 13: every one of these succeeded as `producer` under the schema-2 users.acl."""
+    quick(Conductor.from_url(urls["admin"]))
+    prod = Conductor.from_url(urls["producer"])
+    prod.submit([item(i, 10) for i in range(6)], "j")
+    w = Conductor.from_url(urls["worker"])
+    b, _ = w.claim(C, "w")
+    w.complete(b, results_for(b)[:2], final=False)
+    before = snapshot(urls)
+    r = prod.r
+    denied(r.hset, MK.state, "completed", 999)
+    denied(r.hset, MK.state, "paused", 1)
+    denied(r.hset, MK.cfg, "max_deliveries", 0)
+    denied(r.hincrby, MK.job("j"), "completed", 5)
+    denied(r.hset, MK.job_items("j"), "3", "d")
+    denied(r.xadd, MK.job_results("j"), {"id": "3", "r": "{}"})
+    denied(r.rpush, MK.reclaimed, "junk")
+    denied(r.xadd, MK.batches, {"n": 1})
+    denied(r.xadd, MK.dead, {"id": "x"})
+    denied(r.hset, MK.affinity, "w", "x:1")
+    denied(r.hset, MK.workers, "w", "{}")
+    denied(r.spop, K.MODELS_KEY)
+    denied(r.srem, K.MODELS_KEY, "m")
+    denied(r.delete, MK.lane("x:1", 0))
+    denied(r.set, MK.heartbeat("w"), 1)
+    # a script runs its commands as the caller: one that marks an item done is refused too
+    with pytest.raises(redis.ResponseError, match=NOPERM):
+        r.eval("return redis.call('HSET', KEYS[1], '3', 'd')", 1, MK.job_items("j"))
+    with pytest.raises(redis.ResponseError, match=NOPERM):
+        r.eval("return redis.call('HINCRBY', KEYS[1], 'completed', 5)", 1, MK.state)
+    # the worker-side scripts stop at their ACL pre-check, nothing written
+    for call in (lambda: prod.complete(b, results_for(b)), lambda: prod.fail(b, "w", "x"),
+                 lambda: prod.reclaim_dead("m")):
+        with pytest.raises(Exception, match=NOPERM):
+            call()
+    with pytest.raises(Exception, match=NOPERM):
+        prod.set_config("m", {"max_deliveries": 0})
+    assert snapshot(urls) == before
+    st = prod.status("j")
+    assert (st["submitted"], st["completed"], st["pending"]) == (6, 2, 4)
+
+
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    return path
+
+
+def test_a_whole_job_with_producer_worker_and_reader_users(urls, tmp_path):
+    """Issue 13's end-to-end run under users.acl: the producer submits from the CLI (two shapes, so
+    one warms), a worker user dead-letters an item, reclaims a dead consumer's batch, and a real
+    worker process drains the rest; the reader follows it all; nothing lost, nothing twice."""
+    admin = Conductor.from_url(urls["admin"])
+    quick(admin, budget_tokens=64, budget_items=4, activate_batches=1, prewarm_batches=2, max_deliveries=1)
+    rows = [{"id": f"a{i}", "model": "m", "prefix": ["A"], "prompt": "x", "input_tokens": 10, "max_tokens": 4}
+            for i in range(12)]
+    rows += [{"id": f"b{i}", "model": "m", "prefix": ["B"], "prompt": "y", "input_tokens": 10, "max_tokens": 4}
+             for i in range(10)]
+    src = _jsonl(tmp_path / "in.jsonl", rows)
+    p = cli("submit", str(src), "--job", "e2e", url=urls["producer"], check=False)
+    assert p.returncode == 0, p.stderr.decode()
+    w = Conductor.from_url(urls["worker"])
+    c4 = Contract(model="m", max_batch_size=4, max_batch_tokens=64, max_input_len=4096)
+    b, why = w.claim(c4, "w1")
+    assert why == "batch" and b.warming  # the second shape warms
+    # blamed failure at max_deliveries=1: its items go to the dead letter with a failed result
+    assert w.fail(b, "w1", "engine error") == (0, len(b.items))
+    # a consumer that dies holding a batch (no heartbeat): its batch is reclaimed (not blamed
+    # for the death once max_deliveries is back above 1)
+    admin.set_config("m", {"max_deliveries": 5})
+    b2, _ = w.claim(c4, "ghost")
+    assert b2 is not None and w.reclaim_dead("m")["items"] == len(b2.items)
+    p = subprocess.run([sys.executable, "-m", "conductor", "--redis", urls["worker"], "--log-level", "warning",
+                        "worker", "--engine", "sim", "--model", "m", "--name", "w2", "--idle-exit", "1.5",
+                        "--max-batch-size", "4", "--max-batch-tokens", "64", "--heartbeat-ttl", "1"],
+                       cwd=str(ROOT), capture_output=True, timeout=120)
+    assert p.returncode == 0, p.stderr.decode()[-2000:]
+    assert not re.search(NOPERM.encode(), p.stderr), p.stderr.decode()[-2000:]
+    st = json.loads(cli("status", "e2e", "--json", url=urls["reader"]).stdout)
+    assert (st["submitted"], st["failed"], st["pending"]) == (22, len(b.items), 0)
+    assert st["completed"] == 22 - len(b.items)
+    out = tmp_path / "out.jsonl"
+    cli("results", "e2e", "-o", str(out), url=urls["reader"])
+    ids = [json.loads(x)["id"] for x in out.read_text().splitlines()]
+    assert sorted(ids) == sorted(r["id"] for r in rows)  # every item once
+    assert cli("inspect", "m", "--verify", url=urls["reader"], check=False).returncode == 0
+    dead = cli("dead-letter", "list", url=urls["reader"]).stdout.decode()
+    assert all(it.id in dead for it in b.items)
+
+
+READS = (("status", "J"), ("status", "J", "--json"), ("results", "J"), ("jobs",), ("jobs", "--json"),
+         ("inspect", "m"), ("inspect", "m", "--lanes"), ("inspect", "m", "--verify"), ("inspect", "--verify"),
+         ("dead-letter", "list"), ("config", "m"))
+
+
+def test_each_documented_command_as_each_role(urls, tmp_path):
+    """deploy/redis/README.md's table: each role runs what it is given there, and a command it
+    is not given fails in one line with exit 2 and writes nothing."""
+    quick(Conductor.from_url(urls["admin"]))
+    src = _jsonl(tmp_path / "in.jsonl", [{"id": str(i), "model": "m", "prompt": "p", "input_tokens": 8,
+                                          "max_tokens": 4} for i in range(6)])
+    assert cli("submit", str(src), "--job", "J", url=urls["producer"], check=False).returncode == 0
+    w = Conductor.from_url(urls["worker"])
+    b, _ = w.claim(C, "w")
+    w.complete(b, results_for(b))
+    for role in ("producer", "worker", "reader", "admin"):
+        for args in READS:
+            p = cli(*args, url=urls[role], check=False)
+            assert p.returncode == 0, (role, args, p.stderr.decode()[-500:])
+    cli("reclaim", "m", url=urls["worker"])
+    cli("trim-results", "J", "--older-than-s", "86400", url=urls["worker"])
+    before = snapshot(urls)
+    refused = {"reader": [("submit", str(src), "--job", "J2"), ("config", "m", "quiet_ms=1"), ("pause", "m"),
+                          ("trim-results", "J", "--older-than-s", "0")],
+               "producer": [("config", "m", "quiet_ms=1"), ("pause", "m"),
+                            ("trim-results", "J", "--older-than-s", "0")]}
+    for role, cmds in refused.items():
+        for args in cmds:
+            p = cli(*args, url=urls[role], check=False)
+            err = p.stderr.decode()
+            assert p.returncode == 2, (role, args, p.returncode, err[-500:])
+            assert "Traceback" not in err and len(err.strip().splitlines()) == 1, (role, args, err)
+    assert snapshot(urls) == before

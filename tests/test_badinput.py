@@ -253,7 +253,7 @@ def test_maintenance_scripts_refuse_malformed_arguments_and_write_nothing(busy, 
         call_expecting(cdr, script, [MK.batches, MK.finished], [data.draw(not_an_int_in(0, 10_000_000))],
                        "finished_keep")
     elif which == "trim_results":
-        call_expecting(cdr, script, [MK.job("j"), MK.job_results("j")],
+        call_expecting(cdr, script, [MK.job_intake("j"), MK.job("j"), MK.job_results("j")],
                        [data.draw(not_an_int_in(0, 253402300799999))], "before_ms")
     else:
         entry = cdr.r.xrange(MK.dead)[0][0].decode()

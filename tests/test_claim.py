@@ -245,7 +245,7 @@ def test_neighbour_fill_takes_the_shortest_lanes_first_and_leaves_the_rest_in_or
     assert b.padded_len == 400 and {it.id for it in b.items} <= {f"i{n}" for n in range(9)}
     assert _lane_heads(cdr, inst) == {400: [380]}  # the leftover stays at its lane's head
     st = cdr.r.hgetall(K.ModelKeys("m").state)
-    assert int(st[b"neighbour_fills"]) == 1 and int(st[b"items"]) == 1
+    assert int(st[b"neighbour_fills"]) == 1 and int(cdr.r.hget(K.ModelKeys("m").intake, "items")) == 1
 
 
 def test_neighbour_fill_stops_at_the_token_budget_padded_to_the_longest_lane(cdr):
@@ -289,4 +289,4 @@ def test_a_batch_of_ten_thousand_items_from_neighbouring_lanes_moves_whole(cdr):
     cdr.submit([item(f"a{n}", 8) for n in range(100)] + [item(f"b{n}", 200) for n in range(9900)], "j")
     b, _ = cdr.claim(contract(size=20_000, tokens=10_000_000), "w")
     assert len(b.items) == 10_000 and len({it.id for it in b.items}) == 10_000
-    assert b.padded_len == 200 and int(cdr.r.hget(K.ModelKeys("m").state, "items")) == 0
+    assert b.padded_len == 200 and int(cdr.r.hget(K.ModelKeys("m").intake, "items")) == 0

@@ -53,7 +53,8 @@ def test_counters_return_to_zero(cdr):
     cdr.submit([item(i, 10 + i) for i in range(100)], "j")
     from tests.helpers import drain
     drain(cdr, C)
-    st = {k.decode(): v.decode() for k, v in cdr.r.hgetall(K.ModelKeys("m").state).items()}
+    mk = K.ModelKeys("m")
+    st = {k.decode(): v.decode() for k, v in {**cdr.r.hgetall(mk.state), **cdr.r.hgetall(mk.intake)}.items()}
     assert st["tokens"] == "0" and st["items"] == "0"
     assert st["inflight_items"] == "0" and st["inflight_batches"] == "0"
     assert st["completed"] == "100"

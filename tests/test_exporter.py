@@ -74,7 +74,7 @@ def test_the_exporter_serves_every_models_figures_from_redis(redis_url, cdr):
         got = scrape(port)
         waiting = 13 - len(held.items) - len(doomed.items)
         assert got[("conductor_waiting_items", m(model="m"))] == waiting
-        assert got[("conductor_waiting_tokens", m(model="m"))] == int(cdr.r.hget("cdr:{m}:state", "tokens"))
+        assert got[("conductor_waiting_tokens", m(model="m"))] == int(cdr.r.hget("cdr:{m}:intake", "tokens"))
         assert got[("conductor_waiting_items", m(model="n"))] == 1
         assert got[("conductor_inflight_batches", m(model="m"))] == 1
         assert got[("conductor_inflight_items", m(model="m"))] == len(held.items)

@@ -37,14 +37,14 @@ def test_items_a_failover_lost_are_reported_and_a_resubmit_brings_them_back(tmp_
         # the declaration and then loses its link (its user switched off, it cannot reconnect)
         # before the items: what a primary dying a moment too early looks like.
         Conductor(p).declare("j", {"m": 300})
-        _wait(lambda: r.hget(MK.job("j"), "declared") == b"300", "the declaration never replicated")
+        _wait(lambda: r.hget(MK.job_intake("j"), "declared") == b"300", "the declaration never replicated")
         p.acl_setuser("repl", enabled=False)
         p.client_kill_filter(user="repl")
         _wait(lambda: r.info("replication").get("master_link_status") == "down", "the link stayed up")
         cli("submit", str(src), "--job", "j", url=primary.url)
-        assert p.hget(MK.job("j"), "submitted") == b"300"  # the producer saw all 300 accepted
+        assert p.hget(MK.job_intake("j"), "submitted") == b"300"  # the producer saw all 300 accepted
         time.sleep(0.3)
-        assert r.hget(MK.job("j"), "submitted") is None  # the replica got none of them
+        assert r.hget(MK.job_intake("j"), "submitted") is None  # the replica got none of them
         primary.kill()
         r.replicaof("NO", "ONE")
         st = cli("status", "j", url=replica.url, check=False)

@@ -89,7 +89,7 @@ def _hammer_and_kill(srv: EmbeddedRedis, seconds: float) -> tuple[set[str], set[
     stop.set()
     t.join()
     srv.start()
-    found = {k.decode() for k in redis.Redis(port=srv.port).hkeys(K.ModelKeys("m").job_items("j"))}
+    found = {k.decode() for k in redis.Redis(port=srv.port).hkeys(K.ModelKeys("m").job_sums("j"))}
     return acked, found
 
 

@@ -93,7 +93,7 @@ def test_maxmemory_refuses_a_submit_with_queue_full_and_writes_nothing(tmp_path)
         assert model_dump(cdr.r) == before  # the refused call left every key of the model as it was
         st = cdr.status("j")
         assert (st["submitted"], st["pending"]) == (n, n)
-        assert cdr.r.hlen(MK.job_items("j")) == n
+        assert cdr.r.hlen(MK.job_sums("j")) == n
         # still full: workers keep draining (claim, complete, reclaim and fail are allow-oom scripts),
         # so a full Redis empties instead of jamming
         drain(cdr, C)

@@ -278,7 +278,7 @@ def test_drain_threshold_is_exact(cdr):
     # eight lanes of two items each (at most 2 x 312 padded < 800): no lane ready, 3280 tokens;
     # a worker taking 64 items cannot fill a batch from the neighbours either
     cdr.submit([item(f"a{i}", 100 + 30 * (i % 8)) for i in range(16)], "j")
-    tokens = int(cdr.r.hget(MK.state, "tokens"))
+    tokens = int(cdr.r.hget(MK.intake, "tokens"))
     assert tokens >= 1600
     assert cdr.claim(contract(64, 100000), "w") == (None, "wait")
     assert state(cdr, inst("sys")) == "active"

@@ -25,8 +25,8 @@ def half_claimed(cdr, consumer: str = "w"):
     n, tok = len(b.items), sum(i.input_tokens for i in b.items)
     cdr.r.hincrby(MK.state, "inflight_batches", -1)
     cdr.r.hincrby(MK.state, "inflight_items", -n)
-    cdr.r.hincrby(MK.state, "tokens", tok)
-    cdr.r.hincrby(MK.state, "items", n)
+    cdr.r.hincrby(MK.intake, "tokens", tok)
+    cdr.r.hincrby(MK.intake, "items", n)
     return b
 
 

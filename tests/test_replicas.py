@@ -40,7 +40,7 @@ def test_a_confirmed_submit_and_complete_are_on_the_replica_when_they_return(pai
     quick(c)
     c.submit([item(i, 10) for i in range(40)], "j")
     on_replica = connect(replica.url)
-    assert on_replica.hget("cdr:{m}:job:j", "submitted") == b"40"  # no polling: WAIT saw to it
+    assert on_replica.hget("cdr:{m}:in:j", "submitted") == b"40"  # no polling: WAIT saw to it
     w = worker(c, engine=sim())
     run_until_done(w)
     assert on_replica.hget("cdr:{m}:job:j", "completed") == b"40"
@@ -60,7 +60,7 @@ def test_without_a_replica_the_write_is_reported_and_sending_it_again_is_safe(pa
     _link_up(replica)
     rep = c.submit([item(i, 10) for i in range(20, 30)], "j")  # the producer's re-run
     assert (rep.accepted, rep.duplicates) == (0, 10)
-    assert connect(replica.url).hget("cdr:{m}:job:j", "submitted") == b"30"
+    assert connect(replica.url).hget("cdr:{m}:in:j", "submitted") == b"30"
 
 
 def test_a_worker_keeps_its_results_until_a_replica_confirms_them(pair):

@@ -80,7 +80,7 @@ def test_resubmit_is_idempotent(cdr):
     rep = cdr.submit(items, "j")  # an interrupted submit re-run: the first 200 are skipped
     assert (rep.accepted, rep.duplicates) == (100, 200)
     assert cdr.status("j")["submitted"] == 300
-    assert int(cdr.r.hget(K.ModelKeys("m").state, "items")) == 300
+    assert int(cdr.r.hget(K.ModelKeys("m").intake, "items")) == 300
 
 
 def _dump(c):

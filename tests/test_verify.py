@@ -27,7 +27,7 @@ def test_fresh_queue_has_no_drift_and_counts_what_waits(cdr):
     _submit_mix(cdr)
     rep = verify(cdr.r, "m", items=True)
     assert rep.ok, (_drift(rep), rep.problems)
-    st = {r.field: (r.recorded, r.truth) for r in rep.rows if r.key == K.ModelKeys("m").state}
+    st = {r.field: (r.recorded, r.truth) for r in rep.rows if r.key == K.ModelKeys("m").intake}
     assert st["items"] == (40, 40) and st["submitted"] == (40, 40)
     assert st["tokens"][1] == sum(10 + (i * 37) % 300 for i in range(40))
     kinds = {r.kind for r in rep.rows}
@@ -71,7 +71,7 @@ def test_corrupted_counters_are_caught_and_repaired(cdr):
     inst = f"{b.shape}:{b.epoch}"
     other = next(i for i in (x.decode() for x in cdr.r.zrange(mk.staged, 0, -1)) if i != inst)
     lane0 = next(x.decode() for x in cdr.r.zrange(mk.inst_fill(other), 0, 0))
-    cdr.r.hincrby(mk.state, "tokens", 7)
+    cdr.r.hincrby(mk.intake, "tokens", 7)
     cdr.r.hincrby(mk.state, "inflight_items", -1)
     cdr.r.hincrby(mk.inst(other), "items", 3)
     cdr.r.hincrby(mk.lanemeta(other, lane0), "tokens", 5)
@@ -80,7 +80,7 @@ def test_corrupted_counters_are_caught_and_repaired(cdr):
     cdr.r.hincrby(mk.job("j"), "completed", 1)
     drift = {(r.key, r.field): r.diff for r in verify(cdr.r, "m").drift}
     assert drift == {
-        (mk.state, "tokens"): 7,
+        (mk.intake, "tokens"): 7,
         (mk.state, "inflight_items"): -1,
         (mk.inst(other), "items"): 3,
         (mk.lanemeta(other, lane0), "tokens"): 5,
@@ -88,13 +88,13 @@ def test_corrupted_counters_are_caught_and_repaired(cdr):
         (mk.inst_fill(other), f"lane {lane0} member"): -1,
         (mk.job("j"), "completed"): 1,
         # the model's totals are checked against the sum of the next level's counters
-        (mk.state, "items"): -3,
+        (mk.intake, "items"): -3,
         (mk.state, "completed"): -1,
     }
     changes, failed = repair(cdr.r, "m")
     assert not failed
     changed = {(c.key, c.field) for c in changes}
-    assert (mk.state, "tokens") in changed and (mk.lanemeta(other, lane0), "tokens") in changed
+    assert (mk.intake, "tokens") in changed and (mk.lanemeta(other, lane0), "tokens") in changed
     assert (mk.job("j"), "completed") in changed and (mk.state, "completed") not in changed
     rep = verify(cdr.r, "m", items=True)
     assert rep.ok, (_drift(rep), rep.problems)

@@ -32,7 +32,7 @@ def test_verify_after_an_end_to_end_run_reports_zero_difference(redis_url, tmp_p
     assert doc["differ"] == 0 and doc["checked"] == len(doc["rows"]) > 10
     rows = {(r["key"], r["field"]): r for r in doc["rows"]}
     assert rows[("cdr:{vm}:state", "completed")]["truth"] == 600
-    assert rows[("cdr:{vm}:job:e2e", "submitted")]["recorded"] == 600
+    assert rows[("cdr:{vm}:in:e2e", "submitted")]["recorded"] == 600
 
 
 def test_a_corrupted_counter_is_caught_then_repaired(redis_url, tmp_path):
@@ -44,18 +44,18 @@ def test_a_corrupted_counter_is_caught_then_repaired(redis_url, tmp_path):
     mk = K.ModelKeys("vm")
     inst = r.zrange(mk.staged, 0, 0)[0].decode()
     r.hincrby(mk.inst(inst), "tokens", 1000)
-    r.hincrby(mk.state, "items", -3)
+    r.hincrby(mk.intake, "items", -3)
     p = cli("inspect", "vm", "--verify", url=redis_url, check=False)
     text = p.stdout.decode()
     assert p.returncode == 1
     lines = {tuple(ln.split()[:2]): ln.split()[-3] for ln in text.splitlines() if "<-- differs" in ln}
     # the instance against its lanes, and the model and staged score against the instance
-    assert lines == {(mk.inst(inst), "tokens"): "+1000", (mk.state, "tokens"): "-1000",
-                     (mk.staged, inst): "-1000", (mk.state, "items"): "-3"}
+    assert lines == {(mk.inst(inst), "tokens"): "+1000", (mk.intake, "tokens"): "-1000",
+                     (mk.staged, inst): "-1000", (mk.intake, "items"): "-3"}
     p = cli("inspect", "vm", "--verify", "--repair", url=redis_url, check=False)
     text = p.stdout.decode()
     assert p.returncode == 0, text
-    assert f"{mk.inst(inst)}  tokens:" in text and f"{mk.state}  items:" in text
+    assert f"{mk.inst(inst)}  tokens:" in text and f"{mk.intake}  items:" in text
     assert "after repair: 0 counter(s) differ" in text
     assert cli("inspect", "vm", "--verify", url=redis_url, check=False).returncode == 0
 

@@ -38,8 +38,8 @@ def test_drift_gauge_and_critical_line_follow_the_truth(cdr, caplog):
     assert not [r for r in caplog.records if r.levelno == logging.CRITICAL]
 
     mk = K.ModelKeys("dm")
-    cdr.r.hincrby(mk.state, "tokens", -42)
-    cdr.r.hincrby(mk.job("dj"), "submitted", 2)
+    cdr.r.hincrby(mk.intake, "tokens", -42)
+    cdr.r.hincrby(mk.job_intake("dj"), "submitted", 2)
     caplog.clear()
     with caplog.at_level(logging.CRITICAL, logger="conductor.verify"):
         _check(m)
@@ -47,12 +47,13 @@ def test_drift_gauge_and_critical_line_follow_the_truth(cdr, caplog):
     assert _gauge("dm", "inst.tokens") == 0
     crit = [json.loads(r.getMessage()) for r in caplog.records if r.levelno == logging.CRITICAL]
     assert len(crit) == 1 and crit[0]["event"] == "counter_drift" and crit[0]["model"] == "dm"
-    assert [mk.state, "tokens", int(cdr.r.hget(mk.state, "tokens")), int(cdr.r.hget(mk.state, "tokens")) + 42] \
+    assert [mk.intake, "tokens", int(cdr.r.hget(mk.intake, "tokens")), int(cdr.r.hget(mk.intake, "tokens")) + 42] \
         in crit[0]["rows"]
     assert "--repair" in crit[0]["fix"]
 
     changes, failed = repair(cdr.r, "dm")
-    assert not failed and {(c.key, c.field) for c in changes} == {(mk.state, "tokens"), (mk.job("dj"), "submitted")}
+    assert not failed
+    assert {(c.key, c.field) for c in changes} == {(mk.intake, "tokens"), (mk.job_intake("dj"), "submitted")}
     _check(m)
     assert _gauge("dm", "state.tokens") == 0 and _gauge("dm", "job.submitted") == 0
 

@@ -106,7 +106,7 @@ def test_worker_processes_and_steady_intake_show_no_confirmed_drift(redis_url, t
             k += 1
             rep = verify_confirmed(c.r, MODEL, pause_s=0.1)
             assert rep.ok, [(r.key, r.field, r.recorded, r.truth) for r in rep.drift]
-        while int(c.r.hget(f"cdr:{{{MODEL}}}:state", "items") or 0) or \
+        while int(c.r.hget(f"cdr:{{{MODEL}}}:intake", "items") or 0) or \
                 int(c.r.hget(f"cdr:{{{MODEL}}}:state", "inflight_items") or 0):
             assert time.monotonic() < deadline + 120
             time.sleep(0.2)

@@ -49,6 +49,10 @@ class Maintenance:
         self._per_shape = metrics.BATCHES_PER_SHAPE.labels(model, owner)
         self._thrashing = metrics.THRASHING_SHAPES.labels(model, owner)
 
+    def due_in(self) -> float:
+        """Seconds until the next tick does its work (an idle worker blocks at most this long)."""
+        return max(0.0, self._next - time.monotonic())
+
     def tick(self) -> dict | None:
         now = time.monotonic()
         if now < self._next:

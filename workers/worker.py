@@ -9,7 +9,9 @@ The loop, once per turn:
    ceiling; the pull asks for at most that many items. Continuing decodes are outside the
    token budget: only new prefills count against it.
 4. With nothing new, a progress-only step still advances the active sequences; an idle
-   worker waits outside Redis (Lua cannot block), backing off up to ``poll_max_s``.
+   worker blocks on the model's doorbell (workers/doorbell.py: BLPOP, rung by submit.lua and
+   seal.lua) until new work or its next timed duty (maintenance, quiet intake), instead of
+   polling claim.lua (``wake="poll"``: the old back-off up to ``poll_max_s``).
 
 A heartbeat thread renews the worker's heartbeat key and extends the lease on its in-flight
 batches (XCLAIM to itself with JUSTID resets idle time without counting a delivery), so a
@@ -33,6 +35,7 @@ from conductor import keys as K
 from conductor.client import Conductor
 from conductor.errors import ConductorError, Paused
 from conductor.records import Batch, Contract, Result, ResultError
+from conductor.workers.doorbell import Doorbell, poll_sleep
 from conductor.workers.engines.base import Engine, Finished
 from conductor.workers.identity import default_worker_name
 from conductor.workers.latch import AdmissionLatch
@@ -56,6 +59,7 @@ class WorkerOptions:
     pending_ceiling: int | None = None
     heartbeat_ttl_s: float = 10.0
     poll_max_s: float = 0.05
+    wake: str = "bell"  # "bell": block on the model's doorbell when idle; "poll": back off up to poll_max_s
     drain_s: float = 30.0
     max_batches: int | None = None  # stop after this many claimed batches (tests, benchmarks)
     idle_exit_s: float | None = None  # exit after this long with nothing to do
@@ -352,13 +356,20 @@ class Worker:
         ttl_ms = int(self.opts.heartbeat_ttl_s * 1000)
         maint = Maintenance(self.c, self.contract.model, self.name, lease_ms=max(1000, min(5000, 3 * ttl_ms)),
                             stale_idle_ms=max(3000, 10 * ttl_ms))
+        bell = Doorbell(self.c, self.contract.model) if self.opts.wake == "bell" else None
+        rung = False
         try:
             while not self.stopping.is_set():
                 maint.tick()
+                claimed = self.batches_claimed
                 if self.turn():
+                    if rung and self.batches_claimed > claimed and bell is not None:
+                        self._pass_on(bell)
+                    rung = False
                     idle_since = time.monotonic()
                     sleep = 0.001
                     continue
+                rung = False
                 if self.opts.max_batches is not None and self.batches_claimed >= self.opts.max_batches \
                         and not self.inflight and not self.retry:
                     break
@@ -366,13 +377,29 @@ class Worker:
                     idle_since = time.monotonic()  # a paused model is not a finished one
                 if self.opts.idle_exit_s is not None and time.monotonic() - idle_since > self.opts.idle_exit_s:
                     break
-                time.sleep(sleep)
-                sleep = min(sleep * 2, self.opts.poll_max_s)
+                if bell is None or self.retry:  # polling, or results waiting for Redis to come back
+                    sleep = poll_sleep(sleep, self.opts.poll_max_s)
+                    continue
+                limit = maint.due_in()
+                if self.opts.idle_exit_s is not None:
+                    limit = min(limit, self.opts.idle_exit_s - (time.monotonic() - idle_since) + 0.01)
+                try:
+                    rung = bell.wait(limit, self.last_claim)
+                except RIDE_OUT as e:
+                    if not is_transient(e):
+                        raise
+                    sleep = poll_sleep(sleep, self.opts.poll_max_s)
             self.drain()
         finally:
             self.stopping.set()
             self._stop_heartbeat()
             self.deregister()
+
+    def _pass_on(self, bell: Doorbell) -> None:
+        try:
+            bell.pass_on()
+        except RIDE_OUT as e:  # a hint only: the next worker's timed claim finds the work anyway
+            event("bell_failed", worker=self.name, error=str(e))
 
     def _stop_heartbeat(self) -> None:
         """Before deregistering, so the thread cannot write the heartbeat key back after it is deleted."""

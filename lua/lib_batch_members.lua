@@ -1,0 +1,23 @@
+-- lib_batch_members.lua: which (job, id) an in-flight batch holds, for complete.lua's check that
+-- every result it is given belongs to the batch.
+-- Keys: M:bat:<token> (LRANGE), read only.
+-- Invariant: an item record is read from its head when it is plain compact JSON (what
+--   conductor/client.py writes), decoded otherwise; a record that is neither adds nothing, so a
+--   result for it is refused rather than taken.
+
+-- items_key: the batch's items list (M:bat:<token>). Returns members[job][id] = true.
+local function batch_members(items_key)
+  local members = {}
+  for _, rec in ipairs(redis.call('LRANGE', items_key, 0, -1)) do
+    local id, job = string.match(rec, '^%["([^"\\]*)","([^"\\]*)",')
+    if not id then
+      local ok, d = pcall(cjson.decode, rec)
+      if ok and type(d) == 'table' then id, job = d[1], d[2] end
+    end
+    if type(id) == 'string' and type(job) == 'string' then
+      members[job] = members[job] or {}
+      members[job][id] = true
+    end
+  end
+  return members
+end

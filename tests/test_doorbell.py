@@ -1,0 +1,105 @@
+"""An idle worker blocks on the model's doorbell instead of polling claim.lua, and wakes on a submit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conductor.client import Conductor, connect
+from conductor.fleet import live_workers
+from tests.conftest import ROOT, item
+from tests.helpers import MK, quick
+
+
+def start_worker(url: str, name: str, model: str = "m") -> subprocess.Popen:
+    env = dict(os.environ, CONDUCTOR_REDIS_URL=url)
+    return subprocess.Popen([sys.executable, "-m", "conductor", "--log-level", "warning", "worker", "--engine", "sim",
+                             "--model", model, "--name", name, "--max-batch-size", "8", "--max-batch-tokens", "8192",
+                             "--max-input-len", "4096"], env=env, cwd=str(ROOT))
+
+
+def wait_live(r, names: set[str], model: str = "m", timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while set(live_workers(r, model)) < names:
+        assert time.monotonic() < deadline, "workers did not register"
+        time.sleep(0.05)
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        assert p.wait(30) == 0
+
+
+def test_submit_and_seal_ring_the_bell_capped(cdr: Conductor):
+    quick(cdr, budget_tokens=100, budget_items=4)
+    cdr.submit([item(i, 10) for i in range(6)], "j")  # 60 tokens, 6 items: two full batches by items
+    assert cdr.r.llen(MK.doorbell) == 2
+    cdr.submit([item(f"b{i}", 10) for i in range(400)], "j")
+    assert cdr.r.llen(MK.doorbell) == 16  # capped: unread rings cannot pile up
+    cdr.r.delete(MK.doorbell)
+    cdr.submit([item(i, 10) for i in range(6)], "j")  # all duplicates: nothing new, no ring
+    assert cdr.r.llen(MK.doorbell) == 0
+    cdr.seal("m")
+    assert cdr.r.llen(MK.doorbell) == 1
+
+
+def test_idle_workers_block_and_wake_on_a_submit(redis_url):
+    """Two idle worker processes send a few commands a second, not the ~20 claims/s each of the
+    old back-off to 50 ms (fails on the polling loop), and a submit is claimed within a bound far
+    under the worker's 1 s timed wake (so the ring woke it, not the timer)."""
+    r = connect(redis_url)
+    c = Conductor(r)
+    quick(c)
+    procs = [start_worker(redis_url, f"w{i}") for i in range(2)]
+    try:
+        wait_live(r, {"w0", "w1"})
+        time.sleep(1.5)  # past start-up: both blocked idle
+        r.config_resetstat()
+        t0 = time.monotonic()
+        time.sleep(3.0)
+        stats = r.info("commandstats")
+        took = time.monotonic() - t0
+        # Claims, lease renewals and heartbeats are all scripts: about 2.3/s per idle worker now
+        # (plus the lease holder's sweep, its own timer), about 20 claims/s under the old polling.
+        scripts_per_worker_s = stats["cmdstat_evalsha"]["calls"] / took / 2
+        assert scripts_per_worker_s <= 5, stats
+        assert stats.get("cmdstat_blpop", {}).get("calls", 0) >= 2
+        lat = []
+        for k in range(5):
+            now_s, now_us = r.time()
+            sent_ms = now_s * 1000 + now_us // 1000
+            c.submit([item(f"x{k}", 10)], "j", seal=True)
+            deadline = time.monotonic() + 10
+            while not (rows := c.read_results("j")[k:]):
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+            lat.append(rows[0].claimed_at - sent_ms)
+            time.sleep(0.3)  # idle again
+        lat.sort()
+        assert lat[2] <= 150, lat  # generous; the figure itself is in bench/RESULTS.md
+    finally:
+        stop(procs)
+
+
+@pytest.mark.parametrize("reason", ["gate"])
+def test_a_gated_worker_waits_quiet_ms_not_the_full_period(cdr: Conductor, reason):
+    """After a claim that answered 'gate' the wait is bounded by quiet_ms (the moment the gate may
+    open without a ring), not by the 1 s maintenance period."""
+    from conductor.workers.doorbell import Doorbell
+    quick(cdr, quiet_ms=100)
+    bell = Doorbell(cdr, "m")
+    t = time.monotonic()
+    assert bell.wait(1.0, reason) is False
+    assert 0.08 <= time.monotonic() - t < 0.5
+    t = time.monotonic()
+    assert bell.wait(0.3, "idle") is False
+    assert time.monotonic() - t >= 0.25
+    cdr.r.lpush(MK.doorbell, 1)
+    t = time.monotonic()
+    assert bell.wait(1.0, "idle") is True and time.monotonic() - t < 0.1

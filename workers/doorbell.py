@@ -1,0 +1,80 @@
+"""An idle worker's wait: block on the model's doorbell instead of polling claim.lua.
+
+submit.lua pushes one entry to ``cdr:{model}:bell`` per full batch a call adds (at most 16, the
+list is trimmed to 16) and seal.lua one; an idle worker BLPOPs it, so it wakes within a
+millisecond of new work and sends nothing while there is none. A blocked client costs Redis
+nothing: 20 idle workers that polled with a back-off up to 50 ms sent about 2,400 commands/s
+(bench/RESULTS.md, "Idle fleet").
+
+The wait is bounded by the next moment something could change without a ring: the maintenance
+tick (reclaim sweep: a dead worker's batches come back), and, when the claim answered 'gate' or
+'wait' (the release gate or the active shape waiting for quiet intake or a full batch), the
+model's quiet_ms, after which a claim may dispatch what it held back. Aging and lane hygiene are
+time-driven too; the maintenance period (1 s) bounds their delay.
+"""
+
+from __future__ import annotations
+
+import time
+
+from conductor.client import Conductor
+from conductor.config import DEFAULTS
+from conductor.keys import ModelKeys
+
+BELL_CAP = 16  # as submit.lua and seal.lua trim it
+# Claim answers after which the next change is time-driven (quiet intake), not only a ring.
+_TIMED = ("gate", "wait")
+_CFG_REFRESH_S = 5.0
+
+
+class Doorbell:
+    def __init__(self, conductor: Conductor, model: str) -> None:
+        self.r = conductor.r
+        self.keys = ModelKeys(model)
+        self._quiet_s = float(DEFAULTS.get("quiet_ms", 1000)) / 1000
+        self._quiet_read = 0.0
+        self.rings = 0  # wake-ups by a ring, not by the timeout (tests, metrics)
+
+    def quiet_s(self) -> float:
+        """The model's quiet_ms in seconds, read at most every few seconds (one HGET)."""
+        now = time.monotonic()
+        if now - self._quiet_read > _CFG_REFRESH_S:
+            self._quiet_read = now
+            raw = self.r.hget(self.keys.cfg, "quiet_ms")
+            try:
+                self._quiet_s = max(0.0, float(raw) / 1000) if raw is not None else self._quiet_s
+            except ValueError:
+                pass
+        return self._quiet_s
+
+    def wait(self, limit_s: float, last_claim: str) -> bool:
+        """Block until a ring or ``limit_s`` (shorter after 'gate'/'wait'); True when rung.
+        Redis errors propagate: the caller rides them out as it does a failed claim."""
+        timeout = limit_s
+        if last_claim in _TIMED:
+            timeout = min(timeout, self.quiet_s())
+        # BLPOP takes a decimal timeout in seconds (Redis 6+); 0 would block for ever
+        timeout = max(0.001, round(timeout, 3))
+        got = self.r.blpop([self.keys.doorbell], timeout=timeout)
+        if got is not None:
+            self.rings += 1
+            return True
+        return False
+
+    def pass_on(self) -> None:
+        """A worker that a ring woke and that found work rings once more: if work is left, the next
+        idle worker wakes too (submit.lua rings once per full batch, seal.lua once); if not, that
+        worker's claim finds nothing and it blocks again."""
+        pipe = self.r.pipeline(transaction=False)
+        pipe.lpush(self.keys.doorbell, 1)
+        pipe.ltrim(self.keys.doorbell, 0, BELL_CAP - 1)
+        pipe.execute()
+
+
+def poll_sleep(sleep: float, poll_max_s: float) -> float:
+    """The old idle wait (``WorkerOptions(wake="poll")``, kept for the benchmark's before/after and
+    as the fallback while Redis is away): sleep, then double up to ``poll_max_s``."""
+    time.sleep(sleep)
+    return min(sleep * 2, poll_max_s)
+
+
