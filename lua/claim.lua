@@ -34,11 +34,13 @@
 --   number of lanes and at most SHAPE_VISITS instances are looked at), never with the queue.
 -- This file is the dispatch order; each step lives in an include: lib_claim_guard.lua (refusals
 --   before the first write), lib_deliver.lua (reclaimed work, moving and delivering a batch),
---   lib_lifecycle.lua (gate, picking the next instance, activating, warming, preempting,
---   finishing), lib_cleanup.lua (entering and leaving cleanup mode), lib_serve.lua (aging, lane
---   hygiene, ready lanes, neighbour fill, draining), lib_lanes.lua (planning a batch from lanes).
+--   lib_gate.lua (the release gate, quiet intake), lib_lifecycle.lua (picking the next instance,
+--   activating, warming, preempting, finishing), lib_cleanup.lua (entering and leaving cleanup
+--   mode), lib_serve.lua (aging, lane hygiene, ready lanes, neighbour fill, draining),
+--   lib_lanes.lua (planning a batch from lanes).
 --@include lib.lua
 --@include lib_claim_guard.lua
+--@include lib_gate.lua
 --@include lib_serve.lua
 
 local base, cfg_key, state_key, batches_key, reclaimed_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]

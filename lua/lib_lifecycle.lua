@@ -1,6 +1,6 @@
 -- lib_lifecycle.lua: a shape instance's life as claim.lua moves it (seeds 001, 003): staged ->
 -- warming -> active -> draining -> finished, and back to staged when aging preempts it; which
--- instance each worker serves (M:affinity) and which it warms next (M:warming); the release gate.
+-- instance each worker serves (M:affinity) and which it warms next (M:warming).
 -- Every function takes c, the claim context claim.lua builds (base, state_key, consumer, cfg,
 -- now, st, active_key, affinity_key, warming_key, and the mutable warming_now and cleanup).
 -- Keys: M:state (and its cleanup fields, lib_cleanup.lua), M:active, M:affinity, M:warming, M:staged, M:staged_age, M:finished, M:hb:W,
@@ -179,25 +179,6 @@ local function preempt(c, inst)
   redis.call('ZADD', c.base .. ':staged_age', c.now, inst)
   redis.call('ZREM', c.active_key, inst)
   redis.call('HINCRBY', c.state_key, 'preemptions', 1)
-end
-
--- Intake is quiet after quiet_ms of silence, or at once when a producer sealed its submission
--- after the last item arrived (seal.lua).
-local function quiet_since(c, last) return c.now - last >= c.cfg.quiet_ms or c.sealed >= last end
-
--- Release gate: memory mode dispatches nothing until enough is waiting to make good first
--- batches; once open it stays open. Quiet intake opens it too, so a small job still runs.
--- Returns the reply while it stays shut ({0, 'gate'} or {0, 'idle'}), or nil.
-local function gate_shut(c, waiting, quiet)
-  if c.st.gate == '1' then return nil end
-  local cfg = c.cfg
-  if c.disk or waiting >= cfg.release_batches * cfg.budget_tokens or (quiet and waiting > 0) then
-    redis.call('HSET', c.state_key, 'gate', 1, 'gate_opened_ms', c.now)
-    return nil
-  elseif waiting > 0 then
-    return {0, 'gate'}
-  end
-  return {0, 'idle'}
 end
 
 -- The instance this worker serves next (pick_next); when there is none, nothing normal is ready

@@ -8,6 +8,7 @@
 --   a small lane nobody assigned to for hygiene_idle_ms is force-drained (flag 4), so no item
 --   waits for ever behind busier lanes; the work grows with the batch, never with the queue.
 --@include lib.lua
+--@include lib_gate.lua
 --@include lib_lifecycle.lua
 --@include lib_deliver.lua
 

@@ -45,7 +45,8 @@ def test_every_script_inlines_each_of_its_includes_once():
             assert text.count(f"-- {lib}:") <= 1, (name, lib)
         assert text.count("-- lib_generated.lua:") == 1, name
     claim = source("claim")
-    for lib in ("lib.lua", "lib_cleanup.lua", "lib_lifecycle.lua", "lib_lanes.lua", "lib_deliver.lua", "lib_serve.lua"):
+    for lib in ("lib.lua", "lib_cleanup.lua", "lib_gate.lua", "lib_lifecycle.lua", "lib_lanes.lua", "lib_deliver.lua",
+                "lib_serve.lua", "lib_claim_guard.lua"):
         assert claim.count(f"-- {lib}:") == 1, lib
 
 
