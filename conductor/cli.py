@@ -44,7 +44,7 @@ def _conductor(args: argparse.Namespace):  # noqa: ANN202
 
 
 def read_items(path: str, *, skip_invalid: bool, rejects: str | None,
-               lines: dict[str, int] | None = None) -> list[PreparedItem]:
+               lines: dict[str, int] | None = None, default_max_tokens: Any = None) -> list[PreparedItem]:
     """Validate every line first: by default a file with a bad line submits nothing. ``lines``, when
     given, gets each item's line number by id."""
     items: list[PreparedItem] = []
@@ -56,7 +56,7 @@ def read_items(path: str, *, skip_invalid: bool, rejects: str | None,
             if not line.strip():
                 continue
             try:
-                it = parse_line(line, n)
+                it = parse_line(line, n, default_max_tokens)
                 first, model = seen.setdefault(it.id, (n, it.model))
                 if first != n:
                     across = f" (there for model {model}: an id names one item of a job, across its models)" \
@@ -107,10 +107,19 @@ LARGE_SUBMIT = 10_000  # items from which a submit on a terminal shows its live 
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    from conductor.config import ModelDefaults
     from conductor.progress import ProgressLine
     lines: dict[str, int] = {}
-    items = read_items(args.file, skip_invalid=args.skip_invalid, rejects=args.rejects, lines=lines)
-    c = _conductor(args)
+    conductors: list[Any] = []  # connected only when a line needs a model's default (or to submit)
+
+    def redis_client() -> Any:
+        if not conductors:
+            conductors.append(_conductor(args))
+        return conductors[0].r
+    items = read_items(args.file, skip_invalid=args.skip_invalid, rejects=args.rejects, lines=lines,
+                       default_max_tokens=ModelDefaults(redis_client).max_tokens)
+    redis_client()
+    c = conductors[0]
     job = args.job or default_job(args.file)
     c.check_submit(items, job)  # the whole file: nothing is written when any part would be refused
     declare_file(c, job, items, lines)
