@@ -198,9 +198,17 @@ def cmd_results(args: argparse.Namespace) -> int:
 
     if args.follow:
         waiting()
+    if args.errors and args.format != "openai":
+        raise ConductorError("--errors goes with --format openai")
     out = open(args.output, "wb") if args.output else sys.stdout.buffer
     try:
-        for rec in c.results(args.job, follow=args.follow, should_stop=waiting):
+        records = c.results(args.job, follow=args.follow, should_stop=waiting)
+        if args.format == "openai":
+            from conductor.openai_format import write_openai
+            with open(args.errors, "wb") if args.errors else _no_file() as errors:
+                write_openai(records, out, errors)
+            return 0
+        for rec in records:
             out.write(rec + b"\n")
             if args.follow:
                 out.flush()
@@ -208,6 +216,11 @@ def cmd_results(args: argparse.Namespace) -> int:
         if args.output:
             out.close()
     return 0
+
+
+def _no_file() -> Any:
+    import contextlib
+    return contextlib.nullcontext(None)
 
 
 def _status_line(st: dict[str, Any]) -> str:
@@ -554,6 +567,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("job", help="job id (conductor jobs lists them)")
     r.add_argument("--follow", action="store_true", help="keep reading until every item has a result")
     r.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+    r.add_argument("--format", choices=("native", "openai"), default="native",
+                   help="native result lines (README: Result lines) or OpenAI batch output lines")
+    r.add_argument("--errors", metavar="FILE", help="with --format openai: failed lines go to FILE (OpenAI's "
+                                                    "error file) instead of the output")
 
     st = command("status", "a job's submitted, completed, failed and pending items", cmd_status)
     st.add_argument("job", help="job id (conductor jobs lists them)")
