@@ -123,6 +123,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     job = args.job or default_job(args.file)
     c.check_submit(items, job)  # the whole file: nothing is written when any part would be refused
     declare_file(c, job, items, lines)
+    from conductor.cli_batch import start_job
+    start_job(c, job, args)
     step = 20_000  # items per Conductor.submit: each call groups its items by shape (client.py)
     accepted = dupes = 0
     live = sys.stderr.isatty() and len(items) >= LARGE_SUBMIT and not args.quiet
@@ -234,6 +236,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     c = _conductor(args)
     models = _known_job(c, args.job)
     st = c.status(args.job, models)
+    if not args.watch and not args.json:
+        from conductor.lifecycle import describe, render
+        print(render(describe(c, args.job, advance=False)), flush=True)  # read only: a reader may not write
     if not args.watch or args.json:
         while True:
             print(json.dumps(st) if args.json else _status_line(st), flush=True)
@@ -539,6 +544,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--skip-invalid", action="store_true", help="submit the valid lines, reject the others")
     s.add_argument("--rejects", metavar="FILE", help="write rejected lines here (JSON lines with line, field, error)")
     s.add_argument("--quiet", action="store_true", help="print only the job id")
+    from conductor.cli_batch import add_commands, add_submit_flags
+    add_submit_flags(s)
 
     w = command("worker", "run one worker (one per GPU)", cmd_worker)
     _engine_flags(w)
@@ -558,6 +565,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--max-batches", type=positive_int, help="exit after claiming this many batches (default: no "
                                                            "limit)")
     w.add_argument("--metrics-port", type=port, help="serve Prometheus metrics on this port (default: none)")
+
+    add_commands(command)
 
     jb = command("jobs", "list jobs: created, models, submitted, completed, failed, pending, state", cmd_jobs)
     jb.add_argument("--json", action="store_true", help="one JSON list of job objects")

@@ -13,6 +13,13 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     cdr:models                      set      models that have ever received items
     cdr:jobs                        zset     job -> creation time (ms)
     cdr:job:J:models                set      models a job submitted to
+    cdr:job:J:meta                  hash     the job's lifecycle (conductor/lifecycle.py): status, its
+                                             timestamps (s), completion window, metadata, and for a
+                                             batch made by conductor serve its input file and endpoint
+    cdr:jobs:deadlines              zset     job -> expires_at (s), jobs with a completion window
+    cdr:files                       zset     file id -> created_at (s), files uploaded to conductor serve
+    cdr:file:F                      hash     an uploaded file's object (conductor/serve_store.py); its
+                                             bytes live in the store directory, not in Redis
     M:cfg                           hash     per-model thresholds (conductor/config.py)
     M:state                         hash     model counters: waiting tokens/items, gate, warming shape
     M:active                        zset     active or draining shape instance "S:E" -> activation time (ms)
@@ -89,6 +96,18 @@ def check_name(kind: str, value: str) -> str:
 
 def job_models_key(job: str) -> str:
     return f"{PREFIX}:job:{job}:models"
+
+
+def job_meta_key(job: str) -> str:
+    return f"{PREFIX}:job:{job}:meta"
+
+
+JOB_DEADLINES_KEY = f"{PREFIX}:jobs:deadlines"
+FILES_KEY = f"{PREFIX}:files"
+
+
+def file_key(file_id: str) -> str:
+    return f"{PREFIX}:file:{file_id}"
 
 
 class ModelKeys:
