@@ -17,6 +17,7 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
                                              timestamps (s), completion window, metadata, and for a
                                              batch made by conductor serve its input file and endpoint
     cdr:jobs:deadlines              zset     job -> expires_at (s), jobs with a completion window
+    cdr:batches                     zset     job -> created_at (s), the batches conductor serve made
     cdr:files                       zset     file id -> created_at (s), files uploaded to conductor serve
     cdr:file:F                      hash     an uploaded file's object (conductor/serve_store.py); its
                                              bytes live in the store directory, not in Redis
@@ -104,6 +105,7 @@ def job_meta_key(job: str) -> str:
 
 JOB_DEADLINES_KEY = f"{PREFIX}:jobs:deadlines"
 FILES_KEY = f"{PREFIX}:files"
+BATCHES_KEY = f"{PREFIX}:batches"
 
 
 def file_key(file_id: str) -> str:
