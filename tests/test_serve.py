@@ -198,3 +198,27 @@ def test_status_page_shows_a_running_job(serve, redis_url):
     assert status == 200
     assert f'<tr id="job-{b.id}"><td>{b.id}</td><td>in_progress</td>' in page
     assert "<h2>Models</h2>" in page and "<td>m</td><td>30</td>" in page
+
+
+def _chromium() -> str | None:
+    import shutil
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(_chromium() is None, reason="needs Debian's chromium package")
+def test_status_page_in_headless_chromium(serve, tmp_path):
+    """The page as a browser renders it: a screenshot is taken, and the DOM Chromium built holds the
+    running job's row."""
+    client = OpenAI(base_url=serve + "/v1", api_key=KEY)
+    f = client.files.create(file=("in.jsonl", io.BytesIO(jsonl([request(i) for i in range(12)]))), purpose="batch")
+    b = follow(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                             completion_window="24h").id, {"in_progress"})
+    url = f"{serve}/?key={KEY}"
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", f"--user-data-dir={tmp_path}/ud"]
+    shot = tmp_path / "status.png"
+    subprocess.run([_chromium(), *flags, f"--screenshot={shot}", "--window-size=1200,800", url],
+                   capture_output=True, timeout=90, check=True)
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 5000
+    dom = subprocess.run([_chromium(), *flags, "--dump-dom", url], capture_output=True, timeout=90, check=True)
+    page = dom.stdout.decode()
+    assert f'id="job-{b.id}"' in page and "in_progress" in page.split(f'id="job-{b.id}"', 1)[1][:200]
