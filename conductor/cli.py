@@ -44,7 +44,7 @@ def _conductor(args: argparse.Namespace):  # noqa: ANN202
 
 
 def read_items(path: str, *, skip_invalid: bool, rejects: str | None,
-               lines: dict[str, int] | None = None) -> list[PreparedItem]:
+               lines: dict[str, int] | None = None, default_max_tokens: Any = None) -> list[PreparedItem]:
     """Validate every line first: by default a file with a bad line submits nothing. ``lines``, when
     given, gets each item's line number by id."""
     items: list[PreparedItem] = []
@@ -56,7 +56,7 @@ def read_items(path: str, *, skip_invalid: bool, rejects: str | None,
             if not line.strip():
                 continue
             try:
-                it = parse_line(line, n)
+                it = parse_line(line, n, default_max_tokens)
                 first, model = seen.setdefault(it.id, (n, it.model))
                 if first != n:
                     across = f" (there for model {model}: an id names one item of a job, across its models)" \
@@ -107,13 +107,24 @@ LARGE_SUBMIT = 10_000  # items from which a submit on a terminal shows its live 
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
+    from conductor.config import ModelDefaults
     from conductor.progress import ProgressLine
     lines: dict[str, int] = {}
-    items = read_items(args.file, skip_invalid=args.skip_invalid, rejects=args.rejects, lines=lines)
-    c = _conductor(args)
+    conductors: list[Any] = []  # connected only when a line needs a model's default (or to submit)
+
+    def redis_client() -> Any:
+        if not conductors:
+            conductors.append(_conductor(args))
+        return conductors[0].r
+    items = read_items(args.file, skip_invalid=args.skip_invalid, rejects=args.rejects, lines=lines,
+                       default_max_tokens=ModelDefaults(redis_client).max_tokens)
+    redis_client()
+    c = conductors[0]
     job = args.job or default_job(args.file)
     c.check_submit(items, job)  # the whole file: nothing is written when any part would be refused
     declare_file(c, job, items, lines)
+    from conductor.cli_batch import start_job
+    start_job(c, job, args)
     step = 20_000  # items per Conductor.submit: each call groups its items by shape (client.py)
     accepted = dupes = 0
     live = sys.stderr.isatty() and len(items) >= LARGE_SUBMIT and not args.quiet
@@ -199,9 +210,17 @@ def cmd_results(args: argparse.Namespace) -> int:
               f"lost results Redis had acknowledged; {len(rw.ids)} results this reader printed past that point "
               f"will be produced again and are skipped{lost}", file=sys.stderr, flush=True)
 
+    if args.errors and args.format != "openai":
+        raise ConductorError("--errors goes with --format openai")
     out = open(args.output, "wb") if args.output else sys.stdout.buffer
     try:
-        for rec in c.results(args.job, follow=args.follow, should_stop=waiting, on_rewind=rewound):
+        records = c.results(args.job, follow=args.follow, should_stop=waiting, on_rewind=rewound)
+        if args.format == "openai":
+            from conductor.openai_format import write_openai
+            with open(args.errors, "wb") if args.errors else _no_file() as errors:
+                write_openai(records, out, errors)
+            return 1 if rewinds else 0
+        for rec in records:
             out.write(rec + b"\n")
             if args.follow:
                 out.flush()
@@ -209,6 +228,11 @@ def cmd_results(args: argparse.Namespace) -> int:
         if args.output:
             out.close()
     return 1 if rewinds else 0
+
+
+def _no_file() -> Any:
+    import contextlib
+    return contextlib.nullcontext(None)
 
 
 def _status_line(st: dict[str, Any]) -> str:
@@ -222,6 +246,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     c = _conductor(args)
     models = _known_job(c, args.job)
     st = c.status(args.job, models)
+    if not args.watch and not args.json:
+        from conductor.lifecycle import describe, render
+        print(render(describe(c, args.job, advance=False)), flush=True)  # read only: a reader may not write
     if not args.watch or args.json:
         while True:
             print(json.dumps(st) if args.json else _status_line(st), flush=True)
@@ -531,6 +558,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--skip-invalid", action="store_true", help="submit the valid lines, reject the others")
     s.add_argument("--rejects", metavar="FILE", help="write rejected lines here (JSON lines with line, field, error)")
     s.add_argument("--quiet", action="store_true", help="print only the job id")
+    from conductor.cli_batch import add_commands, add_submit_flags
+    add_submit_flags(s)
 
     w = command("worker", "run one worker (one per GPU)", cmd_worker)
     _engine_flags(w)
@@ -551,6 +580,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                            "limit)")
     w.add_argument("--metrics-port", type=port, help="serve Prometheus metrics on this port (default: none)")
 
+    add_commands(command)
+
     jb = command("jobs", "list jobs: created, models, submitted, completed, failed, pending, state", cmd_jobs)
     jb.add_argument("--json", action="store_true", help="one JSON list of job objects")
     jb.add_argument("--limit", type=non_negative_int, default=100, help="the newest this many jobs (0: all)")
@@ -559,6 +590,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("job", help="job id (conductor jobs lists them)")
     r.add_argument("--follow", action="store_true", help="keep reading until every item has a result")
     r.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
+    r.add_argument("--format", choices=("native", "openai"), default="native",
+                   help="native result lines (README: Result lines) or OpenAI batch output lines")
+    r.add_argument("--errors", metavar="FILE", help="with --format openai: failed lines go to FILE (OpenAI's "
+                                                    "error file) instead of the output")
 
     st = command("status", "a job's submitted, completed, failed and pending items", cmd_status)
     st.add_argument("job", help="job id (conductor jobs lists them)")

@@ -7,6 +7,7 @@ with HMGET and fall back to the same defaults (``lua/lib.lua`` must agree; tests
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 # name -> (default, description); lua/lib.lua's CFG_NAMES and CFG_DEFAULTS mirror them.
@@ -34,6 +35,8 @@ FIELDS: dict[str, tuple[Any, str]] = {
     "prewarm_batches": (2, "below this many budgets pending on the active shape, the next shape starts warming"),
     "hygiene_items": (4, "a lane with fewer items than this and no assignment for hygiene_idle_ms is force-drained"),
     "hygiene_idle_ms": (5000, "see hygiene_items"),
+    "default_max_tokens": (1024, "output cap of an OpenAI batch line that gives neither max_tokens nor "
+                                 "max_completion_tokens (read at the edge: conductor submit, conductor serve)"),
 }
 
 DEFAULTS: dict[str, Any] = {k: v[0] for k, v in FIELDS.items()}
@@ -63,3 +66,23 @@ def help_table() -> str:
         shown = "the first worker's contract" if name in ("budget_tokens", "budget_items") else default
         rows.append(f"  {name} (default: {shown}): {text}")
     return "\n".join(rows)
+
+
+class ModelDefaults:
+    """Per-model settings the edge reads while it validates input (one HGET per model, cached):
+    ``default_max_tokens`` for an OpenAI line without a cap."""
+
+    def __init__(self, client: Callable[[], Any]) -> None:
+        self.client = client  # a function returning the Redis client: connect only when needed
+        self._cache: dict[str, int] = {}
+
+    def max_tokens(self, model: str) -> int:
+        if model not in self._cache:
+            from conductor.keys import ModelKeys
+            raw = self.client().hget(ModelKeys(model).cfg, "default_max_tokens")
+            try:
+                value = int(raw) if raw is not None else DEFAULTS["default_max_tokens"]
+            except ValueError:
+                value = DEFAULTS["default_max_tokens"]
+            self._cache[model] = value if value >= 1 else DEFAULTS["default_max_tokens"]
+        return self._cache[model]

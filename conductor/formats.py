@@ -5,8 +5,12 @@ Two formats are accepted, detected per line:
 * native: ``{"id", "model", "prefix": [cacheable parts, in order], "prompt", "input_tokens"
   (optional), "max_tokens", "payload" (optional, any JSON)}``
 * OpenAI batch input: ``{"custom_id", "method", "url", "body": {"model", "messages",
-  "max_tokens" | "max_completion_tokens"}}``; every message but the last is a cacheable prefix
-  component (``"role: content"``), the last message's content is the prompt.
+  "max_tokens" | "max_completion_tokens" (optional: the model's ``default_max_tokens``)}}``; every
+  message but the last is a cacheable prefix component (``"role: content"``), the last message's
+  content is the prompt; a content is a string or a list of text parts. ``url`` is one of the
+  endpoints served: ``/v1/chat/completions`` (messages) or ``/v1/completions`` (``body.prompt``, no
+  prefix). The payload of such an item is ``{"custom_id"}`` (plus ``"url"`` for a completion), which
+  the OpenAI output format (conductor/openai_format.py) reads back.
 
 When ``input_tokens`` is absent it is estimated as ``ceil(utf8_bytes(prefix + prompt) / 4)``
 (at least 1), a common rule of thumb for English BPE vocabularies; producers that know their
@@ -16,6 +20,7 @@ tokenizer should send the real count.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -123,30 +128,96 @@ def from_native(obj: dict, line: int | None = None) -> PreparedItem:
     return _prepare(id_, model, prefix, prompt, tokens, max_tokens, obj.get("payload"), line)
 
 
-def from_openai(obj: dict, line: int | None = None) -> PreparedItem:
+# The endpoints served: a line naming another is refused (an embeddings line is not a completion).
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
+_OPENAI_FIELDS = {"custom_id", "method", "url", "body"}
+DEFAULT_MAX_TOKENS = 1024  # config.py's default_max_tokens, for a parse without a Redis to ask
+
+MaxTokensDefault = Callable[[str], int]
+
+
+def _content(v: Any, line: int | None, name: str) -> str:
+    """A message's content: a string, or a list of text parts ({"type": "text", "text": ...}) joined."""
+    if isinstance(v, str):
+        return v
+    if not isinstance(v, list) or not v:
+        raise BadInput(name, f"must be a string or a non-empty list of text parts, got {type(v).__name__}", line)
+    texts = []
+    for i, part in enumerate(v):
+        if not isinstance(part, dict) or part.get("type") != "text":
+            raise BadInput(f"{name}[{i}]", "must be a text part {\"type\": \"text\", \"text\": ...} "
+                           "(images, audio and files are not served)", line)
+        texts.append(_str(part, "text", line, f"{name}[{i}].text"))
+    return "\n".join(texts)
+
+
+def _max_tokens(body: dict, model: str, line: int | None, default: MaxTokensDefault | None) -> int:
+    given = [f for f in ("max_completion_tokens", "max_tokens") if body.get(f) is not None]
+    if not given:
+        return default(model) if default else DEFAULT_MAX_TOKENS
+    if len(given) == 2 and body["max_tokens"] != body["max_completion_tokens"]:
+        raise BadInput("body.max_tokens", "differs from body.max_completion_tokens: give one", line)
+    return _int(body, given[0], 1, MAX_OUTPUT_TOKENS, line, f"body.{given[0]}")
+
+
+def from_openai(obj: dict, line: int | None = None, default_max_tokens: MaxTokensDefault | None = None) -> PreparedItem:
+    unknown = set(obj) - _OPENAI_FIELDS
+    if unknown:
+        raise BadInput(sorted(unknown)[0], "unknown field (OpenAI batch line fields: "
+                       + ", ".join(sorted(_OPENAI_FIELDS)) + ")", line)
     id_ = _check_id(_str(obj, "custom_id", line), line, "custom_id")
+    if obj.get("method", "POST") != "POST":
+        raise BadInput("method", f"must be POST, got {obj.get('method')!r}", line)
+    url = obj.get("url", CHAT_URL)
+    if url not in ENDPOINTS:
+        raise BadInput("url", f"{url!r} is not served (served: {', '.join(ENDPOINTS)})", line)
     body = obj.get("body")
     if not isinstance(body, dict):
         raise BadInput("body", "must be an object", line)
     model = _check_model(_str(body, "model", line, "body.model"), line, "body.model")
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise BadInput("body.messages", "must be a non-empty list", line)
-    parts = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict):
-            raise BadInput(f"body.messages[{i}]", "must be an object", line)
-        role = _str(m, "role", line, f"body.messages[{i}].role")
-        content = _str(m, "content", line, f"body.messages[{i}].content")
-        parts.append((role, content))
-    field = "max_tokens" if "max_tokens" in body else "max_completion_tokens"
-    max_tokens = _int(body, field, 1, MAX_OUTPUT_TOKENS, line, f"body.{field}")
-    prefix = [f"{r}: {c}" for r, c in parts[:-1]]
-    return _prepare(id_, model, prefix, parts[-1][1], None, max_tokens,
-                    {"custom_id": id_}, line)
+    if body.get("n", 1) != 1:
+        raise BadInput("body.n", "only n=1 is served", line)
+    if body.get("stream"):
+        raise BadInput("body.stream", "a batch line does not stream", line)
+    if url == COMPLETIONS_URL:
+        if "messages" in body:
+            raise BadInput("body.messages", f"{COMPLETIONS_URL} takes body.prompt, not messages", line)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1:
+            prompt = prompt[0]  # OpenAI accepts a one-string list
+        if not isinstance(prompt, str):
+            raise BadInput("body.prompt", f"must be a string, got {type(prompt).__name__}", line)
+        prefix: list[str] = []
+    else:
+        if "prompt" in body:
+            raise BadInput("body.prompt", f"{CHAT_URL} takes body.messages, not prompt", line)
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise BadInput("body.messages", "must be a non-empty list", line)
+        if len(msgs) > MAX_PREFIX_PARTS + 1:
+            raise BadInput("body.messages", f"more than {MAX_PREFIX_PARTS + 1} messages", line)
+        parts = []
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict):
+                raise BadInput(f"body.messages[{i}]", "must be an object", line)
+            role = _str(m, "role", line, f"body.messages[{i}].role")
+            parts.append((role, _content(m.get("content"), line, f"body.messages[{i}].content")))
+        prefix = [f"{r}: {c}" for r, c in parts[:-1]]
+        prompt = parts[-1][1]
+    max_tokens = _max_tokens(body, model, line, default_max_tokens)
+    # The payload travels with the item to its result: what the OpenAI output format needs.
+    payload: dict[str, Any] = {"custom_id": id_}
+    if url == COMPLETIONS_URL:
+        payload["url"] = url
+    return _prepare(id_, model, prefix, prompt, None, max_tokens, payload, line)
 
 
-def parse_line(raw: bytes | str, line: int | None = None) -> PreparedItem:
+def parse_line(raw: bytes | str, line: int | None = None,
+               default_max_tokens: MaxTokensDefault | None = None) -> PreparedItem:
+    """One input line as an item. ``default_max_tokens(model)`` gives the output cap of an OpenAI line
+    without one (the model's ``default_max_tokens`` setting; DEFAULT_MAX_TOKENS when None)."""
     if isinstance(raw, str):
         raw = raw.encode("utf-8")
     if len(raw) > MAX_LINE_BYTES:
@@ -162,7 +233,7 @@ def parse_line(raw: bytes | str, line: int | None = None) -> PreparedItem:
     if not isinstance(obj, dict):
         raise BadInput("line", f"must be a JSON object, got {type(obj).__name__}", line)
     if "custom_id" in obj:
-        return from_openai(obj, line)
+        return from_openai(obj, line, default_max_tokens)
     if "id" in obj:
         return from_native(obj, line)
     raise BadInput("format", "unknown format: expected a native item (with \"id\") or an OpenAI batch "

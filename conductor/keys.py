@@ -13,6 +13,14 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     cdr:models                      set      models that have ever received items
     cdr:jobs                        zset     job -> creation time (ms)
     cdr:job:J:models                set      models a job submitted to
+    cdr:job:J:meta                  hash     the job's lifecycle (conductor/lifecycle.py): status, its
+                                             timestamps (s), completion window, metadata, and for a
+                                             batch made by conductor serve its input file and endpoint
+    cdr:jobs:deadlines              zset     job -> expires_at (s), jobs with a completion window
+    cdr:batches                     zset     job -> created_at (s), the batches conductor serve made
+    cdr:files                       zset     file id -> created_at (s), files uploaded to conductor serve
+    cdr:file:F                      hash     an uploaded file's object (conductor/serve_store.py); its
+                                             bytes live in the store directory, not in Redis
     M:cfg                           hash     per-model thresholds (conductor/config.py)
     M:state                         hash     the fleet's model state: gate, cleanup, in-flight and finished
                                              counters, pause (workers write it; producers only read it;
@@ -146,6 +154,19 @@ def check_name(kind: str, value: str) -> str:
 
 def job_models_key(job: str) -> str:
     return f"{PREFIX}:job:{job}:models"
+
+
+def job_meta_key(job: str) -> str:
+    return f"{PREFIX}:job:{job}:meta"
+
+
+JOB_DEADLINES_KEY = f"{PREFIX}:jobs:deadlines"
+FILES_KEY = f"{PREFIX}:files"
+BATCHES_KEY = f"{PREFIX}:batches"
+
+
+def file_key(file_id: str) -> str:
+    return f"{PREFIX}:file:{file_id}"
 
 
 class ModelKeys:

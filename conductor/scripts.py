@@ -24,7 +24,8 @@ _INCLUDE = re.compile(r"^--@include\s+(\S+)\s*$", re.M)
 GENERATED = "lib_generated.lua"
 # Every script of lua/ that is run (lib*.lua are includes); tests/test_scripts.py holds the two to each other.
 NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex", "seal", "ensure_model", "register",
-         "heartbeat", "declare", "dead_retry", "repair_items", "trim", "trim_results", "lease")
+         "heartbeat", "declare", "dead_retry", "repair_items", "trim", "trim_results", "lease",
+         "cancel")
 
 
 def _lua_value(v: object) -> str:
@@ -109,3 +110,4 @@ class Scripts:
     trim: redis.commands.core.Script
     trim_results: redis.commands.core.Script
     lease: redis.commands.core.Script
+    cancel: redis.commands.core.Script

@@ -353,6 +353,17 @@ def trim_results(c: Conductor) -> Call:
                 [int(time.time() * 1000) + 1000])
 
 
+def cancel_waiting(c: Conductor) -> Call:
+    """Waiting items of job j answered 'cancelled', the in-flight batch's items left alone."""
+    quick(c)
+    c.submit([item(i, 10) for i in range(12)], "j")
+    assert len(c.claim(contract(4, max_input_len=4096), "w")[0].items) == 4
+    keys = [MK.base, MK.state, MK.batches, MK.job("j"), MK.job_items("j"), MK.job_results("j"), MK.job_sums("j")]
+    call = Call("cancel", keys, ["j", "m", "0", 1000, "cancelled", "the batch was cancelled"])
+    call.check = lambda r: r.hget(MK.job("j"), "failed") == b"8" and r.xlen(MK.job_results("j")) == 8
+    return call
+
+
 def _items_call(*args: Any) -> Call:
     return Call("repair_items", [MK.base, MK.state, MK.batches, MK.reclaimed], list(args))
 
@@ -461,6 +472,7 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "seal": [seal, seal_rings],
     "declare": [declare],
     "lease": [lease_free, lease_mine, lease_taken],
+    "cancel": [cancel_waiting],
 }
 
 

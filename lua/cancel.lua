@@ -1,0 +1,124 @@
+#!lua flags=allow-oom
+-- allow-oom: cancelling frees work and must run on a full Redis, which drains.
+-- cancel.lua: one bounded step of cancelling (or expiring) a job on one model (conductor cancel;
+-- conductor/lifecycle.py). Each call walks at most about `count` entries of the job's id registry
+-- from `cursor` (HSCAN) and gives every waiting item of them an error result; the caller loops until
+-- the cursor comes back '0'. Items in flight (in a pending batch's items list) are left alone: their
+-- batch finishes and its results are kept (complete.lua). The items stay in their lanes, answered;
+-- lua/repair_items.lua ('done') then takes them out of the lanes (lifecycle.withdraw).
+--
+-- KEYS[1] base     cdr:{model}             (pending batches' items lists: base .. ':bat:' .. token)
+-- KEYS[2] state    cdr:{model}:state
+-- KEYS[3] batches  cdr:{model}:batches     (group "workers")
+-- KEYS[4] job      the job's counters for this model (keys.py ModelKeys.job)
+-- KEYS[5] items    the job's done marks (keys.py ModelKeys.job_items): id -> d
+-- KEYS[6] results  the job's results stream (keys.py ModelKeys.job_results)
+-- KEYS[7] registry the job's id registry (keys.py ModelKeys.job_sums): every id submitted
+-- ARGV[1] job      the job name (written into each result)
+-- ARGV[2] model    the model name (written into each result)
+-- ARGV[3] cursor   HSCAN cursor ('0' to start)
+-- ARGV[4] count    HSCAN COUNT, 1..10000
+-- ARGV[5] code     the results' error code: 'cancelled' or 'expired'
+-- ARGV[6] message  the results' error message, at most 1,000 bytes
+-- Returns: {next cursor, items answered now, items skipped because in flight}.
+-- Errors, with nothing written: 'ERR_ARG <field>: ...'; 'NOPERM ...' when the caller's ACL refuses
+--   a command this call may run (lib.lua acl_refused); 'PAUSED ...'.
+-- Invariant: as complete.lua: an item gets its done mark at most once, together with one result
+--   record and one count in the job's and the model's 'failed' counters, so submitted = completed +
+--   failed + pending holds after every call; an item in a pending batch is never answered here.
+--   Every read (the pending batches and their items, the HSCAN page) comes before the first write.
+--@include lib.lua
+
+local base, state_key, batches_key, job_key, items_key, results_key, registry_key =
+  KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
+local job, model, cursor, count, code, message = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], ARGV[6]
+if #ARGV ~= 6 then return redis.error_reply('ERR_ARG argv: expected 6 arguments, got ' .. #ARGV) end
+if not job or #job < 1 or #job > 128 or not string.match(job, '^[%w%._/@+=-]+$') then
+  return redis.error_reply('ERR_ARG job: invalid job name')
+end
+if not model or #model < 1 or #model > 128 or not string.match(model, '^[%w%._/@+=-]+$') then
+  return redis.error_reply('ERR_ARG model: invalid model name')
+end
+if not cursor or #cursor > 20 or not string.match(cursor, '^%d+$') or not u64_ok(cursor) then
+  return redis.error_reply('ERR_ARG cursor: must be an HSCAN cursor (a whole number below 2^64)')
+end
+if not int_in(count, 1, 10000) then return redis.error_reply('ERR_ARG count: must be an integer in 1..10000') end
+if code ~= 'cancelled' and code ~= 'expired' then
+  return redis.error_reply('ERR_ARG code: must be cancelled or expired')
+end
+if #message > 1000 then return redis.error_reply('ERR_ARG message: longer than 1000 bytes') end
+
+local refused = acl_refused(function(ok)
+  return ok('HGET', state_key) and ok('HINCRBY', state_key) and ok('XPENDING', batches_key)
+    and ok('XRANGE', batches_key) and ok('LRANGE', base .. ':bat:0') and ok('HSCAN', registry_key)
+    and ok('HMGET', items_key) and ok('HSET', items_key) and ok('XADD', results_key) and ok('HINCRBY', job_key) and ok('TIME')
+end)
+if refused then return refused end
+refused = paused(state_key)
+if refused then return refused end
+
+-- Items of this job in flight: every pending batch's items list (bounded by what is in flight,
+-- never by the queue).
+local inflight = {}
+-- No group yet (no worker ever registered: submit leaves that to workers): nothing is in flight.
+local pending = redis.pcall('XPENDING', batches_key, GROUP, '-', '+', 100000)
+if type(pending) == 'table' and pending.err then
+  if not string.find(pending.err, 'NOGROUP') then return pending end
+  pending = {}
+end
+for _, p in ipairs(pending) do
+  local entry = redis.call('XRANGE', batches_key, p[1], p[1])[1]
+  local token = nil
+  if entry then
+    local f = entry[2]
+    for j = 1, #f, 2 do
+      if f[j] == 'k' then token = f[j + 1] end
+    end
+  end
+  if token then
+    for _, rec in ipairs(redis.call('LRANGE', base .. ':bat:' .. token, 0, -1)) do
+      local id, rjob = string.match(rec, '^%["([^"\\]*)","([^"\\]*)",')
+      if not id then
+        local okd, d = pcall(cjson.decode, rec)
+        if okd and type(d) == 'table' then id, rjob = d[1], d[2] end
+      end
+      if rjob == job and type(id) == 'string' then inflight[id] = true end
+    end
+  end
+end
+
+local page = redis.call('HSCAN', registry_key, cursor, 'COUNT', count)
+local ids, skipped = {}, 0
+local flat, page_ids = page[2], {}
+for j = 1, #flat, 2 do page_ids[#page_ids + 1] = flat[j] end
+for s = 1, #page_ids, 2000 do
+  local marks = redis.call('HMGET', items_key, unpack(page_ids, s, math.min(s + 1999, #page_ids)))
+  for j = 1, #marks do
+    local id = page_ids[s + j - 1]
+    if marks[j] ~= 'd' then
+      if inflight[id] then skipped = skipped + 1 else ids[#ids + 1] = id end
+    end
+  end
+end
+
+-- The writes: one result, one done mark and one failed count per item, as complete.lua writes them
+-- (kept in this one block so that a move of the worker-owned keys re-points it in one place).
+local now = now_ms()
+local head = ',"model":' .. json_str(model) .. ',"job":' .. json_str(job) ..
+  ',"output":"","output_tokens":0,"error":{"code":' .. json_str(code) .. ',"message":' .. json_str(message) ..
+  '},"shape":"","epoch":0,"lane":0,"batch":"","batch_size":0,"batch_padded_len":0,"input_tokens":0,' ..
+  '"worker":"","claimed_at":0,"finished_at":' .. now .. ',"deliveries":0,"payload":null}'
+local marks = {}
+for _, id in ipairs(ids) do
+  redis.call('XADD', results_key, '*', 'id', id, 'r', '{"id":' .. json_str(id) .. head)
+  marks[#marks + 1] = id
+  marks[#marks + 1] = 'd'
+end
+for s = 1, #marks, 2000 do
+  redis.call('HSET', items_key, unpack(marks, s, math.min(s + 1999, #marks)))
+end
+if #ids > 0 then
+  redis.call('HINCRBY', job_key, 'failed', #ids)
+  redis.call('HINCRBY', state_key, 'failed', #ids)
+end
+return {page[1], #ids, skipped}

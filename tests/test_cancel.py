@@ -1,0 +1,103 @@
+"""Job lifecycle (issue 17): status and timestamps, cancel in bounded steps with in-flight batches
+kept, expiry; counts that add up and a verify that finds nothing after either."""
+
+import json
+import time
+
+from conductor import keys as K
+from conductor import lifecycle
+from conductor.client import Conductor
+from conductor.verify import verify
+from tests.conftest import cli, item
+from tests.helpers import MK, contract, drain, quick, results_for
+
+
+def submitted(c: Conductor, n: int, job: str = "j", **kw) -> None:
+    quick(c)
+    c.submit([item(f"i{k}", 10 + k % 7 * 20) for k in range(n)], job)
+    lifecycle.start(c.r, job, **kw)
+
+
+def results_by_id(c: Conductor, job: str) -> dict[str, dict]:
+    rows = [json.loads(r) for r in c.results(job)]
+    ids = [r["id"] for r in rows]
+    assert len(ids) == len(set(ids)), "an item answered twice"
+    return {r["id"]: r for r in rows}
+
+
+def test_cancel_answers_waiting_items_keeps_in_flight_ones_and_ends_cancelled(cdr, monkeypatch):
+    monkeypatch.setattr(lifecycle, "STEP", 7)  # many bounded steps over the items hash
+    submitted(cdr, 300)
+    batch, _ = cdr.claim(contract(16), "w")
+    assert batch is not None and len(batch.items) == 16
+    d = lifecycle.cancel(cdr, "j")
+    assert d["status"] == "cancelling" and d["cancelling_at"] and d["pending"] == 16
+    assert d["request_counts"] == {"total": 300, "completed": 0, "failed": 284}
+    # the answered items left the lanes: nothing waits, no claim finds work
+    assert int(cdr.r.hget(MK.state, "items") or 0) == 0
+    assert cdr.claim(contract(16), "w2")[0] is None
+    # the in-flight batch finishes and its results are kept
+    assert cdr.complete(batch, results_for(batch)) == (16, 1)
+    d = lifecycle.describe(cdr, "j")
+    assert d["status"] == "cancelled" and d["cancelled_at"] >= d["cancelling_at"]
+    assert d["request_counts"] == {"total": 300, "completed": 16, "failed": 284} and d["pending"] == 0
+    res = results_by_id(cdr, "j")
+    assert len(res) == 300
+    in_batch = {i.id for i in batch.items}
+    for rid, r in res.items():
+        if rid in in_batch:
+            assert r["error"] is None and r["output"] == "out"
+        else:
+            assert r["error"]["code"] == "cancelled" and r["job"] == "j" and r["model"] == "m"
+    rep = verify(cdr.r, "m", items=True)
+    assert rep.ok, (rep.drift, rep.problems)
+    # cancelling again changes nothing; a completed job cannot be cancelled
+    assert lifecycle.cancel(cdr, "j")["request_counts"]["failed"] == 284
+
+
+def test_a_job_left_alone_completes_with_its_timestamps(cdr):
+    submitted(cdr, 20, metadata={"team": "a"})
+    assert lifecycle.describe(cdr, "j")["status"] == "in_progress"
+    drain(cdr, contract(8))
+    d = lifecycle.describe(cdr, "j")
+    assert d["status"] == "completed" and d["metadata"] == {"team": "a"}
+    assert d["created_at"] <= d["in_progress_at"] <= d["finalizing_at"] <= d["completed_at"]
+    try:
+        lifecycle.cancel(cdr, "j")
+    except Exception as e:  # noqa: BLE001
+        assert "completed: nothing to cancel" in str(e)
+    else:
+        raise AssertionError("a completed job was cancelled")
+
+
+def test_a_job_past_its_window_expires_keeping_what_finished(cdr):
+    submitted(cdr, 100, window_s=1, window="1s")
+    batch, _ = cdr.claim(contract(10), "w")
+    cdr.complete(batch, results_for(batch))
+    assert lifecycle.expire_due(cdr) == []
+    assert lifecycle.expire_due(cdr, now=time.time() + 2) == ["j"]
+    d = lifecycle.describe(cdr, "j")
+    assert d["status"] == "expired" and d["expired_at"] and d["completion_window"] == "1s"
+    assert d["request_counts"] == {"total": 100, "completed": 10, "failed": 90}
+    res = results_by_id(cdr, "j")
+    assert sum(r["error"] is not None and r["error"]["code"] == "expired" for r in res.values()) == 90
+    assert cdr.r.zscore(K.JOB_DEADLINES_KEY, "j") is None
+    assert verify(cdr.r, "m", items=True).ok
+
+
+def test_cancel_on_the_command_line(redis_url, tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": f"a{i}", "model": "m", "prompt": "hi", "max_tokens": 4}) + "\n"
+                           for i in range(50)))
+    cli("submit", str(src), "--job", "cj", "--completion-window", "24h", "--metadata", "team=x", url=redis_url)
+    out = cli("status", "cj", url=redis_url).stdout.decode()
+    assert out.startswith("job cj: in_progress | total 50") and "window 24h" in out and '{"team":"x"}' in out
+    d = json.loads(cli("cancel", "cj", "--json", url=redis_url).stdout)
+    assert d["status"] == "cancelled" and d["request_counts"] == {"total": 50, "completed": 0, "failed": 50}
+    assert cli("status", "cj", url=redis_url).stdout.decode().startswith("job cj: cancelled")
+    p = cli("cancel", "nope", url=redis_url, check=False)
+    assert p.returncode == 2 and b"unknown" in p.stderr and b"Traceback" not in p.stderr
+    p = cli("submit", str(src), "--job", "x", "--completion-window", "soon", url=redis_url, check=False)
+    assert p.returncode == 2 and b"--completion-window" in p.stderr
+    p = cli("inspect", "m", "--verify", url=redis_url, check=False)
+    assert p.returncode == 0, p.stdout.decode() + p.stderr.decode()
