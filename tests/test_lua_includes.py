@@ -91,3 +91,14 @@ def test_every_include_has_a_header_naming_it_its_keys_and_invariant():
         assert text.startswith(f"-- {p.name}: "), p.name
         head = text.split("\nlocal ", 1)[0]
         assert "Keys:" in head and "Invariant" in head, p.name
+
+
+def test_the_acl_harness_sees_the_commands_of_nested_includes():
+    # tests/script_harness.py script_commands: what each script may call, through its includes
+    # (nested ones too), is what the atomicity harness requires a scenario to reach
+    from tests.script_harness import script_commands
+    # lib_deliver, lib_serve, lib_lifecycle
+    assert {"xclaim", "sort", "xadd", "ltrim", "zrangebyscore", "hgetall"} <= script_commands("claim")
+    assert {"time", "hmget", "xack", "rpush"} <= script_commands("fail")  # lib_requeue_prologue -> lib_requeue
+    assert {"lpush", "ltrim", "spop"} <= script_commands("submit")  # lib_intake
+    assert "xclaim" not in script_commands("submit")
