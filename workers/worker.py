@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import redis
 
 from conductor import keys as K
+from conductor import script_calls as calls
 from conductor.client import Conductor
 from conductor.errors import ConductorError, Paused
 from conductor.records import Batch, Contract, Result, ResultError
@@ -101,13 +102,10 @@ class Worker:
         # One allow-oom script (lua/register.lua): it works on a Redis over maxmemory, which a fresh
         # worker may be started to drain. The first consumer's contract becomes the model's
         # reference for "a full batch".
-        set_tokens, set_items = self.c.scripts.register(
-            keys=[self.keys.workers, self.keys.cfg, self.keys.heartbeat(self.name)],
-            args=[self.name, json.dumps({"max_batch_size": c.max_batch_size, "max_batch_tokens": c.max_batch_tokens,
-                                         "max_input_len": c.max_input_len, "engine": self.engine.kind,
-                                         "pid": os.getpid()}),
-                  c.max_batch_tokens, c.max_batch_size, int(time.time() * 1000),
-                  max(1, int(self.opts.heartbeat_ttl_s * 1000))])
+        shown = json.dumps({"max_batch_size": c.max_batch_size, "max_batch_tokens": c.max_batch_tokens,
+                            "max_input_len": c.max_input_len, "engine": self.engine.kind, "pid": os.getpid()})
+        set_tokens, set_items = calls.register(self.keys, self.name, shown, c, int(time.time() * 1000),
+                                               max(1, int(self.opts.heartbeat_ttl_s * 1000))).run(self.c.scripts)
         if set_tokens or set_items:
             # Lanes that waited for this first worker were judged under the default budget.
             try:
@@ -162,10 +160,9 @@ class Worker:
             try:
                 # lua/heartbeat.lua, allow-oom: a heartbeat refused over maxmemory would let a
                 # live worker's batches be reclaimed and run twice.
-                self.c.scripts.heartbeat(keys=[self.keys.heartbeat(self.name), self.keys.batches],
-                                         args=[self.name, int(time.time() * 1000),
-                                               max(1, int(self.opts.heartbeat_ttl_s * 1000)), *self.leased_ids()])
-            except (redis.RedisError, OSError) as e:
+                calls.heartbeat(self.keys, self.name, int(time.time() * 1000),
+                                max(1, int(self.opts.heartbeat_ttl_s * 1000)), self.leased_ids()).run(self.c.scripts)
+            except (redis.RedisError, OSError, ConductorError) as e:
                 event("heartbeat_failed", worker=self.name, error=str(e))
 
     def _watchdog_loop(self, every: float) -> None:
