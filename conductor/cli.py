@@ -114,7 +114,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     job = args.job or default_job(args.file)
     c.check_submit(items, job)  # the whole file: nothing is written when any part would be refused
     declare_file(c, job, items, lines)
-    step = 20_000  # items per Conductor.submit: each call groups its items by shape (client.py)
+    step = 20_000  # items per Conductor.submit: each call groups its items by shape (conductor/submit_stream.py)
     accepted = dupes = 0
     live = sys.stderr.isatty() and len(items) >= LARGE_SUBMIT and not args.quiet
     with ProgressLine(f"submit {job}", len(items), sys.stderr, live=live) as line:

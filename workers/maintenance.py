@@ -37,7 +37,7 @@ class Maintenance:
         self._next = 0.0
         self._finished_cursor = "$"
         self.batches_per_shape: list[int] = []
-        # Counter drift check (conductor/verify.py): reads every waiting entry in bounded steps,
+        # Counter drift check (conductor/verify/): reads every waiting entry in bounded steps,
         # so it runs seldom and in a thread of its own; 0 turns it off.
         if verify_interval_s is None:
             verify_interval_s = float(os.environ.get("CONDUCTOR_VERIFY_INTERVAL_S", "60"))
