@@ -37,40 +37,15 @@ class Claiming(ConductorCore):
             found = self._recover_lost_claim(contract.model, consumer)
             if found is not None:
                 return found, "recovered"
-        script = self.scripts.claim
-        for _attempt in range(3):
+        for attempt in range(3):
             token = secrets.token_hex(8)
             call = calls.claim(mk, contract, consumer, token)
-            try:
-                reply, raw = self._send_two(call.command(script.sha), ("LRANGE", mk.batch_items(token), 0, -1))
-            except (redis.ConnectionError, redis.TimeoutError, OSError):
-                # The script may have run and only its reply been lost: its batch would then sit
-                # in this consumer's pending list, unknown to it, until the stale sweep (minutes).
-                # The token names it: the next claim looks it up first.
-                lost = self._lost_claims.setdefault((contract.model, consumer), [])
-                lost.append(token)
-                del lost[:-16]
-                raise
-            if isinstance(reply, redis.exceptions.NoScriptError):
-                self.r.script_load(script.script)  # a restart or SCRIPT FLUSH emptied the cache
-                continue
-            if isinstance(reply, CLUSTER_REFUSALS):
-                # Refused before it ran (the LRANGE read nothing): a cluster restarting, or the
-                # model's slot moved to another node (resharding), whose pool the next try uses.
-                if isinstance(self.r, redis.RedisCluster) and isinstance(reply, redis.exceptions.MovedError):
-                    self.r.nodes_manager.initialize()
-                time.sleep(0.05 * (_attempt + 1))
-                continue
-            if isinstance(reply, redis.ResponseError):
-                if "NOGROUP" in str(reply):
-                    self.ensure_model(contract.model, force=True)
-                    return None, "nogroup"
-                if "is in use by a pending batch" in str(reply):
-                    continue
-                calls.raise_script_error(reply)
-            if isinstance(raw, Exception):
-                raise raw
-            break
+            reply, raw = self._round_trip(call, mk, consumer, token)
+            verdict = self._verdict(reply, raw, attempt, contract.model)
+            if verdict == "nogroup":
+                return None, "nogroup"
+            if verdict == "ran":
+                break
         else:
             if isinstance(reply, CLUSTER_REFUSALS):
                 raise reply  # still refused: the worker rides it out (workers/transient.py)
@@ -83,6 +58,43 @@ class Claiming(ConductorCore):
             # the items are then in the reclaimed queue, nothing is lost.
             return None, "raced"
         return self._batch(contract.model, got, raw), "batch"
+
+    def _round_trip(self, call: calls.Call[Any], mk: K.ModelKeys, consumer: str, token: str) -> tuple[Any, Any]:
+        """claim.lua and the LRANGE of its batch list, replies undecoded."""
+        try:
+            return self._send_two(call.command(self.scripts.claim.sha), ("LRANGE", mk.batch_items(token), 0, -1))
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            # The script may have run and only its reply been lost: its batch would then sit
+            # in this consumer's pending list, unknown to it, until the stale sweep (minutes).
+            # The token names it: the next claim looks it up first.
+            lost = self._lost_claims.setdefault((mk.model, consumer), [])
+            lost.append(token)
+            del lost[:-16]
+            raise
+
+    def _verdict(self, reply: Any, raw: Any, attempt: int, model: str) -> str:
+        """'ran' (reply and items usable), 'again' (refused before it ran: try once more) or
+        'nogroup'; an error reply the claim cannot ride out raises, mapped like every script's."""
+        if isinstance(reply, redis.exceptions.NoScriptError):
+            self.r.script_load(self.scripts.claim.script)  # a restart or SCRIPT FLUSH emptied the cache
+            return "again"
+        if isinstance(reply, CLUSTER_REFUSALS):
+            # Refused before it ran (the LRANGE read nothing): a cluster restarting, or the
+            # model's slot moved to another node (resharding), whose pool the next try uses.
+            if isinstance(self.r, redis.RedisCluster) and isinstance(reply, redis.exceptions.MovedError):
+                self.r.nodes_manager.initialize()
+            time.sleep(0.05 * (attempt + 1))
+            return "again"
+        if isinstance(reply, redis.ResponseError):
+            if "NOGROUP" in str(reply):
+                self.ensure_model(model, force=True)
+                return "nogroup"
+            if "is in use by a pending batch" in str(reply):
+                return "again"
+            calls.raise_script_error(reply)
+        if isinstance(raw, Exception):
+            raise raw
+        return "ran"
 
     def _batch(self, model: str, c: calls.Claimed, raw: list[bytes]) -> Batch:
         items = decode_items(raw)
@@ -116,7 +128,7 @@ class Claiming(ConductorCore):
         bid, f = found
         token = as_str(f[b"k"])
         lost.remove(token)
-        raw = self.r.lrange(mk.batch_items(token), 0, -1)
+        raw: list[bytes] = self.r.lrange(mk.batch_items(token), 0, -1)  # type: ignore[assignment]  # bytes replies
         if len(raw) != int(f[b"n"]):
             return None  # reclaimed meanwhile: its items are in the reclaimed queue
         claimed = calls.Claimed(as_str(bid), as_str(f[b"sig"]), int(f[b"ep"]), int(f[b"lane"]), int(f[b"plen"]),
@@ -163,7 +175,7 @@ class Claiming(ConductorCore):
         """(shape, epoch, padded lengths of its lanes) of a warming instance, for engine.prewarm."""
         mk = K.ModelKeys(model)
         sig, _, ep = inst.partition(":")
-        reps = self.r.zrange(mk.inst_lanes(inst), 0, -1, withscores=True)
+        reps: Any = self.r.zrange(mk.inst_lanes(inst), 0, -1, withscores=True)  # [(member, score)]
         return sig, int(ep), sorted({pad8(int(rep)) for _, rep in reps})
 
     def prefix(self, model: str, sig: str) -> list[str]:

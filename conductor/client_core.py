@@ -74,7 +74,7 @@ class ConductorCore:
     def set_config(self, model: str, values: dict[str, Any]) -> None:
         mk = self.ensure_model(model)
         if values:
-            self.r.hset(mk.cfg, mapping=values)
+            self.r.hset(mk.cfg, mapping=values)  # type: ignore[arg-type]  # config values: str, int, float
             if {"budget_tokens", "budget_items", "mode"} & set(values):
                 self.reindex(model)
 

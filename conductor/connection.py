@@ -94,6 +94,11 @@ def pool_for(r: redis.Redis, key: str) -> redis.ConnectionPool:
     return r.connection_pool
 
 
+# A stream entry as redis-py returns it on a client without decode_responses: (id, fields). redis-py's
+# annotations say bytes | str for every reply; the conductor's clients always get bytes.
+StreamEntry = tuple[bytes, dict[bytes, bytes]]
+
+
 def as_str(v: Any) -> str:
     """A Redis reply value (bytes under decode_responses=False) as text."""
     return v.decode() if isinstance(v, bytes) else str(v)

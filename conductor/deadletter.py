@@ -15,6 +15,7 @@ from typing import Any
 from conductor import keys as K
 from conductor import script_calls as calls
 from conductor.client import Conductor
+from conductor.connection import StreamEntry as Entry
 
 _CHUNK = 500
 
@@ -51,7 +52,7 @@ class DeadLetter:
             key = K.ModelKeys(m).dead
             cursor = "-"
             while True:
-                rows = self.c.r.xrange(key, min=cursor, count=_CHUNK)
+                rows: list[Entry] = self.c.r.xrange(key, min=cursor, count=_CHUNK)  # type: ignore[assignment]
                 for eid, f in rows:
                     if job is not None and _s(f[b"job"]) != job:
                         continue

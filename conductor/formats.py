@@ -54,7 +54,7 @@ def estimate_tokens(prefix: list[str] | tuple[str, ...], prompt: str) -> int:
     return max(1, math.ceil(n / 4))
 
 
-def _int(obj: dict, field: str, lo: int, hi: int, line: int | None, name: str | None = None) -> int:
+def _int(obj: dict[str, Any], field: str, lo: int, hi: int, line: int | None, name: str | None = None) -> int:
     v = obj.get(field)
     name = name or field
     if isinstance(v, bool) or not isinstance(v, int):
@@ -64,7 +64,7 @@ def _int(obj: dict, field: str, lo: int, hi: int, line: int | None, name: str | 
     return v
 
 
-def _str(obj: dict, field: str, line: int | None, name: str | None = None, allow_empty: bool = True) -> str:
+def _str(obj: dict[str, Any], field: str, line: int | None, name: str | None = None, allow_empty: bool = True) -> str:
     v = obj.get(field)
     name = name or field
     if not isinstance(v, str):
@@ -100,7 +100,7 @@ def _prepare(id_: str, model: str, prefix: list[str], prompt: str, input_tokens:
                         max_tokens=max_tokens, body=body, prefix=tuple(prefix))
 
 
-def from_native(obj: dict, line: int | None = None) -> PreparedItem:
+def from_native(obj: dict[str, Any], line: int | None = None) -> PreparedItem:
     unknown = set(obj) - _NATIVE_FIELDS
     if unknown:
         raise BadInput(sorted(unknown)[0], "unknown field (native format fields: "
@@ -123,7 +123,7 @@ def from_native(obj: dict, line: int | None = None) -> PreparedItem:
     return _prepare(id_, model, prefix, prompt, tokens, max_tokens, obj.get("payload"), line)
 
 
-def from_openai(obj: dict, line: int | None = None) -> PreparedItem:
+def from_openai(obj: dict[str, Any], line: int | None = None) -> PreparedItem:
     id_ = _check_id(_str(obj, "custom_id", line), line, "custom_id")
     body = obj.get("body")
     if not isinstance(body, dict):

@@ -6,20 +6,25 @@ come from each instance's lane ZSET (at most lane_max of them).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import redis
 
 from conductor import keys as K
+
+if TYPE_CHECKING:
+    from conductor.client import Conductor
 
 
 def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
-def _hash(r, key: str) -> dict[str, str]:  # noqa: ANN001
+def _hash(r: redis.Redis, key: str) -> dict[str, str]:
     return {_s(k): _s(v) for k, v in r.hgetall(key).items()}
 
 
-def instance_row(c, mk: K.ModelKeys, inst: str, lanes: bool = False) -> dict[str, Any]:  # noqa: ANN001
+def instance_row(c: Conductor, mk: K.ModelKeys, inst: str, lanes: bool = False) -> dict[str, Any]:
     h = _hash(c.r, mk.inst(inst))
     sig, _, ep = inst.partition(":")
     row: dict[str, Any] = {
@@ -30,7 +35,8 @@ def instance_row(c, mk: K.ModelKeys, inst: str, lanes: bool = False) -> dict[str
     }
     if lanes:
         rows = []
-        for lane, rep in c.r.zrange(mk.inst_lanes(inst), 0, -1, withscores=True):
+        reps: Any = c.r.zrange(mk.inst_lanes(inst), 0, -1, withscores=True)  # [(member, score)]
+        for lane, rep in reps:
             meta = _hash(c.r, mk.lanemeta(inst, _s(lane)))
             rows.append({"lane": int(_s(lane)), "rep": int(rep), "items": int(meta.get("items", 0)),
                          "tokens": int(meta.get("tokens", 0)), "since_ms": int(meta.get("since_ms", 0) or 0),
@@ -39,7 +45,7 @@ def instance_row(c, mk: K.ModelKeys, inst: str, lanes: bool = False) -> dict[str
     return row
 
 
-def model_overview(c, model: str, lanes: bool = False) -> dict[str, Any]:  # noqa: ANN001
+def model_overview(c: Conductor, model: str, lanes: bool = False) -> dict[str, Any]:
     mk = K.ModelKeys(model)
     state = _hash(c.r, mk.state)
     insts = [_s(i) for i in c.r.zrevrange(mk.staged, 0, -1)]

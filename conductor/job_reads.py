@@ -39,7 +39,7 @@ class JobReads(ConductorCore):
         With ``follow`` it keeps reading until every submitted item has a result (or
         ``should_stop`` says so).
         """
-        cursors: dict[str, str] = {}
+        cursors: dict[Any, Any] = {}  # stream key -> last id read
         while True:
             models = self.job_models(job)
             for m in models:

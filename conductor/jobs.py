@@ -37,7 +37,7 @@ class JobRow:
 def list_jobs(c: Conductor, limit: int | None = None) -> list[JobRow]:
     """The newest ``limit`` jobs (all when None), oldest first; two pipelined reads in all."""
     stop = -1 if limit is None else limit - 1
-    newest = c.r.zrevrange(K.JOBS_KEY, 0, stop, withscores=True)
+    newest: Any = c.r.zrevrange(K.JOBS_KEY, 0, stop, withscores=True)  # [(member, score)]
     rows = [JobRow(job=_s(j), created_ms=int(ms)) for j, ms in reversed(newest)]
     pipe = c.r.pipeline(transaction=False)
     for row in rows:

@@ -168,33 +168,16 @@ class Submitting(ConductorCore):
         is raised. A NOSCRIPT reply (script cache flushed mid-run) wrote nothing: that chunk is
         sent again through the Script object, which reloads the script.
         """
-        script = self.scripts.submit
         pool = self._pool_for(mk.base)
-        inflight: deque[Sequence[PreparedItem]] = deque()
         again: list[Sequence[PreparedItem]] = []
-        error: Exception | None = None
         try:
-            self.r.script_load(script.script)
+            self.r.script_load(self.scripts.submit.script)
             conn = pool.get_connection()
         except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
             raise RedisUnavailable(f"lost Redis during submit: {e}") from None
         clean = False
         try:
-            for start in range(0, len(its), SUBMIT_CHUNK):
-                if error is not None:
-                    break
-                chunk = its[start:start + SUBMIT_CHUNK]
-                conn.send_packed_command(conn.pack_command(*calls.submit(mk, job, chunk).command(script.sha)),
-                                         check_health=False)
-                inflight.append(chunk)
-                if len(inflight) >= SUBMIT_WINDOW:
-                    error = _read_submit_reply(conn, inflight.popleft(), report, again) or error
-                    if progress:
-                        progress(report.accepted + report.duplicates)
-            while inflight:
-                error = _read_submit_reply(conn, inflight.popleft(), report, again) or error
-                if progress:
-                    progress(report.accepted + report.duplicates)
+            error = self._stream(conn, mk, job, its, report, again, progress)
             if self.wait_replicas:
                 # Also when every item was a duplicate: a re-run after NotReplicated must not
                 # return before the replicas have caught up (the pool hands a single producer
@@ -211,14 +194,35 @@ class Submitting(ConductorCore):
         for chunk in again:
             try:
                 count_submit_reply(self._confirmed(calls.submit(mk, job, chunk)), report)
-            except ConductorError as e:  # mapped by the call; the first error is raised below
+            except (ConductorError, redis.ResponseError) as e:  # the first error is raised below
                 error = error or e
-            except redis.ResponseError as e:
-                error = error or e
-        if isinstance(error, ConductorError):
-            raise error
-        if error is not None:
+        if isinstance(error, redis.ResponseError):
             calls.raise_script_error(error)
+        if error is not None:
+            raise error
+
+    def _stream(self, conn: Any, mk: K.ModelKeys, job: str, its: Sequence[PreparedItem], report: SubmitReport,
+                again: list[Sequence[PreparedItem]], progress: Callable[[int], None] | None) -> Exception | None:
+        """The chunks sent SUBMIT_WINDOW ahead of their replies; returns the first error reply (the
+        sending stops there, the calls already sent are read)."""
+        sha = self.scripts.submit.sha
+        inflight: deque[Sequence[PreparedItem]] = deque()
+        error: Exception | None = None
+        for start in range(0, len(its), SUBMIT_CHUNK):
+            if error is not None:
+                break
+            chunk = its[start:start + SUBMIT_CHUNK]
+            conn.send_packed_command(conn.pack_command(*calls.submit(mk, job, chunk).command(sha)), check_health=False)
+            inflight.append(chunk)
+            if len(inflight) >= SUBMIT_WINDOW:
+                error = _read_submit_reply(conn, inflight.popleft(), report, again) or error
+                if progress:
+                    progress(report.accepted + report.duplicates)
+        while inflight:
+            error = _read_submit_reply(conn, inflight.popleft(), report, again) or error
+            if progress:
+                progress(report.accepted + report.duplicates)
+        return error
 
 
 def grouped_by_shape(its: list[PreparedItem]) -> list[PreparedItem]:

@@ -57,41 +57,39 @@ class Ledger:
                 for p in self.places.get(key, []) if p.startswith("lane ")}
 
     def problems(self, model: str) -> list[str]:
-        lost, dup, phantom, done_waiting, orphaned = [], [], [], [], []
+        """One finding per kind of misplaced item, quoting the first EXAMPLES of them."""
+        found = self._misplaced()
+        texts = {
+            "lost": "queued item(s) are in no lane, pending batch or reclaimed batch (lost)",
+            "orphaned": "queued item(s) wait in a batch list that no pending batch names (orphaned; --repair puts "
+                        "them back)",
+            "dup": "queued item(s) are in more than one place (duplicated)",
+            "done_waiting": "item(s) with a result still wait in a lane or an orphaned batch list (--repair clears "
+                            "them)",
+            "phantom": "item(s) wait that no job submitted",
+        }
+        return [f"{model}: {len(found[kind])} {text}: {_show(found[kind])}" for kind, text in texts.items()
+                if found[kind]]
+
+    def _misplaced(self) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {"lost": [], "orphaned": [], "dup": [], "done_waiting": [], "phantom": []}
         for key, st in self.state.items():
             places = self.places.get(key, [])
             if st == "q":
                 if not places:
-                    lost.append(key)
+                    out["lost"].append(key)
                 elif len(places) > 1:
-                    dup.append((key, places))
+                    out["dup"].append((key, places))
                 elif places[0].startswith("orphan "):
-                    orphaned.append((key, places[0].split(" ", 1)[1]))
+                    out["orphaned"].append((key, places[0].split(" ", 1)[1]))
             elif any(p.startswith(("lane ", "orphan ")) for p in places):
-                done_waiting.append((key, places))
-        for key, places in self.places.items():
-            if key not in self.state:
-                phantom.append((key, places))
-        out = []
-
-        def show(xs: list) -> str:
-            return ", ".join(str(x) for x in xs[:EXAMPLES]) + (" ..." if len(xs) > EXAMPLES else "")
-
-        if lost:
-            out.append(f"{model}: {len(lost)} queued item(s) are in no lane, pending batch or reclaimed batch "
-                       f"(lost): {show(lost)}")
-        if orphaned:
-            out.append(f"{model}: {len(orphaned)} queued item(s) wait in a batch list that no pending batch names "
-                       f"(orphaned; --repair puts them back): {show(orphaned)}")
-        if dup:
-            out.append(f"{model}: {len(dup)} queued item(s) are in more than one place (duplicated): {show(dup)}")
-        if done_waiting:
-            out.append(f"{model}: {len(done_waiting)} item(s) with a result still wait in a lane or an orphaned "
-                       f"batch list (--repair clears them): {show(done_waiting)}")
-        if phantom:
-            out.append(f"{model}: {len(phantom)} item(s) wait that no job submitted: {show(phantom)}")
+                out["done_waiting"].append((key, places))
+        out["phantom"] = [(key, places) for key, places in self.places.items() if key not in self.state]
         return out
 
+
+def _show(xs: list[Any]) -> str:
+    return ", ".join(str(x) for x in xs[:EXAMPLES]) + (" ..." if len(xs) > EXAMPLES else "")
 
 
 def ledger_records(recs: Any, place: str, ledger: Ledger) -> int:

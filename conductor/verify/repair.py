@@ -93,13 +93,8 @@ def repair_items(r: redis.Redis, model: str) -> tuple[list[Change], list[str]]:
                           f"{len(found.shapes)} shapes: which shape its items belong to is unknown")
             continue
         run(mk.batch_items(token), "batch", *place)
-    # leaked batches entries (not pending) without a list: deleted by the same call
-    _b, _n, pending, _bad = read_pending(r, mk, None)
-    for eid, f in xrange_pages(r, mk.batches):
-        token = as_str(f.get(b"k", b""))
-        if as_str(eid) not in pending and token and token not in orphans and re.fullmatch(r"[\w.-]{1,64}", token):
-            run(f"{mk.batches} {as_str(eid)}", "batch", token, as_str(f.get(b"sig", b"0" * 16)),
-                as_int(f.get(b"ep")), as_int(f.get(b"lane")), 1, as_str(eid))
+    for where, place in _leaked_entries(r, mk, set(orphans)):
+        run(where, "batch", *place)
     for inst, lanes in sorted(found.lanes.items()):
         if not r.exists(mk.inst(inst)):
             for lane in sorted(lanes, key=int):
@@ -109,6 +104,19 @@ def repair_items(r: redis.Redis, model: str) -> tuple[list[Change], list[str]]:
         if r.exists(mk.inst(inst)):
             run(mk.lane(inst, lane), "done", where)
     return changes, failed
+
+
+def _leaked_entries(r: redis.Redis, mk: K.ModelKeys, orphans: set[str]) -> list[tuple[str, list[Any]]]:
+    """Batches entries that are not pending and whose list is gone: repair_items.lua's 'batch' call
+    deletes them (nothing to move)."""
+    _b, _n, pending, _bad = read_pending(r, mk, None)
+    out: list[tuple[str, list[Any]]] = []
+    for eid, f in xrange_pages(r, mk.batches):
+        token = as_str(f.get(b"k", b""))
+        if as_str(eid) not in pending and token and token not in orphans and re.fullmatch(r"[\w.-]{1,64}", token):
+            out.append((f"{mk.batches} {as_str(eid)}", [token, as_str(f.get(b"sig", b"0" * 16)), as_int(f.get(b"ep")),
+                                                       as_int(f.get(b"lane")), 1, as_str(eid)]))
+    return out
 
 
 def _orphan_place(r: redis.Redis, mk: K.ModelKeys, found: FoundKeys, token: str,
@@ -166,10 +174,10 @@ def _repair_model(r: redis.Redis, mk: K.ModelKeys) -> list[Change]:
         truth.update(sums)
         changes: list[Change] = []
         pipe.multi()
-        for fld, v in truth.items():
-            if as_int(state.get(fld)) != v:
-                pipe.hset(mk.state, fld, v)
-                changes.append(Change(mk.state, fld, state.get(fld, ""), str(v)))
+        for fld, value in truth.items():
+            if as_int(state.get(fld)) != value:
+                pipe.hset(mk.state, fld, value)
+                changes.append(Change(mk.state, fld, state.get(fld, ""), str(value)))
         for job, fld, old, new in job_rows:
             pipe.hset(mk.job(job), fld, new)
             changes.append(Change(mk.job(job), fld, old, str(new)))

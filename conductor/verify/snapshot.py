@@ -13,6 +13,7 @@ import redis
 
 from conductor import keys as K
 from conductor.config import DEFAULTS
+from conductor.connection import StreamEntry as Entry
 from conductor.connection import as_str
 from conductor.packing import lane_ready
 
@@ -106,7 +107,7 @@ class Snapshot:
 
     def __init__(self, r: redis.Redis) -> None:
         self.r = r
-        self.calls: list[tuple[str, tuple, dict]] = []
+        self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
 
     def __getattr__(self, name: str) -> Any:
         def queue(*args: Any, **kw: Any) -> Snapshot:
@@ -114,13 +115,14 @@ class Snapshot:
             return self
         return queue
 
-    def _run(self, transaction: bool, raise_on_error: bool) -> list:
+    def _run(self, transaction: bool, raise_on_error: bool) -> list[Any]:
         pipe = self.r.pipeline(transaction=transaction)
         for name, args, kw in self.calls:
             getattr(pipe, name)(*args, **kw)
-        return pipe.execute(raise_on_error=raise_on_error)
+        out: list[Any] = pipe.execute(raise_on_error=raise_on_error)
+        return out
 
-    def execute(self, raise_on_error: bool = True) -> list:
+    def execute(self, raise_on_error: bool = True) -> list[Any]:
         if not getattr(oom, "on", False):
             try:
                 return self._run(True, raise_on_error)
@@ -135,10 +137,10 @@ def pairs(v: Any) -> Any:
     return v.items() if isinstance(v, dict) else zip(v[::2], v[1::2], strict=True)
 
 
-def xrange_pages(r: redis.Redis, key: str, upto: str | None = None) -> Iterator[tuple[bytes, dict]]:
+def xrange_pages(r: redis.Redis, key: str, upto: str | None = None) -> Iterator[Entry]:
     start = "-"
     while True:
-        page = r.xrange(key, min=start, max=upto or "+", count=PAGE)
+        page: Any = r.xrange(key, min=start, max=upto or "+", count=PAGE)
         yield from page
         if len(page) < PAGE:
             return
@@ -149,14 +151,14 @@ def list_pages(r: redis.Redis, key: str) -> Iterator[bytes]:
     """A list in bounded LRANGE pages (not one snapshot: see the module docstring)."""
     i = 0
     while True:
-        page = r.lrange(key, i, i + PAGE - 1)
+        page: Any = r.lrange(key, i, i + PAGE - 1)
         yield from page
         if len(page) < PAGE:
             return
         i += PAGE
 
 
-def lane_pages(r: redis.Redis, mk: K.ModelKeys, inst: str, lane: str) -> Iterator[tuple[list, list]]:
+def lane_pages(r: redis.Redis, mk: K.ModelKeys, inst: str, lane: str) -> Iterator[tuple[list[bytes], list[bytes]]]:
     """A lane and its token list in bounded pages; each page of both is read in one MULTI, so a
     page's records and tokens are compared at one moment."""
     i = 0

@@ -111,19 +111,19 @@ def read_instance(r: redis.Redis, mk: K.ModelKeys, inst: str, scanned: set[str],
             pipe.llen(mk.lane_tok(inst, lane))
         if sum(pipe.execute()) > 2 * SNAPSHOT:
             break
-        pipe = Snapshot(r)
-        pipe.hgetall(ik)
+        snap = Snapshot(r)
+        snap.hgetall(ik)
         for z in (mk.inst_lanes(inst), mk.inst_fill(inst), mk.inst_ready(inst)):
-            pipe.zrange(z, 0, -1, withscores=True)
-        pipe.smembers(mk.inst_free(inst))
-        pipe.zscore(mk.staged, inst)
+            snap.zrange(z, 0, -1, withscores=True)
+        snap.smembers(mk.inst_free(inst))
+        snap.zscore(mk.staged, inst)
         for lane in ids:
             # Bounded even if the lanes grew since LLEN: a lane cut at SNAPSHOT + 1 entries
             # pushes the sum over the limit below, and the instance is read again.
-            pipe.lrange(mk.lane(inst, lane), 0, SNAPSHOT)
-            pipe.lrange(mk.lane_tok(inst, lane), 0, SNAPSHOT)
-            pipe.hmget(mk.lanemeta(inst, lane), ["items", "tokens", "rep"])
-        res = pipe.execute()
+            snap.lrange(mk.lane(inst, lane), 0, SNAPSHOT)
+            snap.lrange(mk.lane_tok(inst, lane), 0, SNAPSHOT)
+            snap.hmget(mk.lanemeta(inst, lane), ["items", "tokens", "rep"])
+        res = snap.execute()
         lanes_z, fill, ready = ({as_str(m): float(sc) for m, sc in z} for z in res[1:4])
         if not (set(lanes_z) | set(fill) | set(ready)) <= set(ids):
             continue  # a lane opened between the two reads: read again
@@ -150,18 +150,18 @@ def read_instance(r: redis.Redis, mk: K.ModelKeys, inst: str, scanned: set[str],
 
 
 
-def find_orphans(r: redis.Redis, mk: K.ModelKeys, tokens: set[str]) -> dict[str, tuple[str, dict] | None]:
+def find_orphans(r: redis.Redis, mk: K.ModelKeys, tokens: set[str]) -> dict[str, tuple[str, dict[bytes, bytes]] | None]:
     """Batch item lists (of the tokens a SCAN found) that no pending batch names, each with the
     batches entry that names its token when one is left (not pending: leaked), else None. The
     pending list is read after the SCAN, and a list a completion deleted meanwhile is skipped."""
     if not tokens:
         return {}
     _b, _n, pending, _bad = read_pending(r, mk, None)
-    by_token: dict[str, tuple[str, dict]] = {}
+    by_token: dict[str, tuple[str, dict[bytes, bytes]]] = {}
     for eid, f in xrange_pages(r, mk.batches):
         if f.get(b"k"):
             by_token[as_str(f[b"k"])] = (as_str(eid), f)
-    out: dict[str, tuple[str, dict] | None] = {}
+    out: dict[str, tuple[str, dict[bytes, bytes]] | None] = {}
     for token in sorted(tokens):
         named = by_token.get(token)
         if named is not None and named[0] in pending:
@@ -200,28 +200,15 @@ def read_inflight(r: redis.Redis, mk: K.ModelKeys, ledger: Ledger | None) -> dic
         pipe.lrange(mk.reclaimed, 0, SNAPSHOT)
         for k in known:
             pipe.lrange(mk.batch_items(k), 0, SNAPSHOT)
-        res = pipe.execute(raise_on_error=False)
+        res = _replies(pipe.execute(raise_on_error=False))
         st, pend, entries, blobs = res[:4]
-        if isinstance(pend, Exception):
-            if "NOGROUP" not in str(pend):
-                raise pend
-            pend = []
-        for x in (st, entries, blobs, *res[4:]):
-            if isinstance(x, Exception):
-                raise x
         out = {"recorded_batches": as_int(st[0]), "recorded_items": as_int(st[1]), "recorded_reclaimed": as_int(st[2])}
         if len(pend) > SNAPSHOT or len(entries) > SNAPSHOT or len(blobs) > SNAPSHOT:
             break
         pending = {as_str(p["message_id"]) for p in pend}
-        items = 0
-        ks: list[tuple[str, str]] = []
-        for eid, f in entries:
-            bid = as_str(eid)
-            if bid not in pending:
-                continue
-            items += as_int(f.get(b"n"))
-            if f.get(b"k"):
-                ks.append((bid, as_str(f[b"k"])))
+        items = sum(as_int(f.get(b"n")) for eid, f in entries if as_str(eid) in pending)
+        # (batch id, k) of each pending batch that names its item list
+        ks = [(as_str(eid), as_str(f[b"k"])) for eid, f in entries if as_str(eid) in pending and f.get(b"k")]
         bad = 0
         if ledger is not None:
             if items > SNAPSHOT:
@@ -247,6 +234,18 @@ def read_inflight(r: redis.Redis, mk: K.ModelKeys, ledger: Ledger | None) -> dic
                unreadable=bad + bad_r,
                leaked=sum(1 for eid, _f in xrange_pages(r, mk.batches) if as_str(eid) not in pending))
     return out
+
+
+def _replies(res: list[Any]) -> list[Any]:
+    """The in-flight MULTI's replies; a missing group reads as no pending entry, any other error raises."""
+    if isinstance(res[1], Exception):
+        if "NOGROUP" not in str(res[1]):
+            raise res[1]
+        res[1] = []
+    for x in (res[0], *res[2:]):
+        if isinstance(x, Exception):
+            raise x
+    return res
 
 
 def read_pending(r: redis.Redis, mk: K.ModelKeys, ledger: Ledger | None) -> tuple[int, int, set[str], int]:
@@ -286,7 +285,7 @@ def read_reclaimed(r: redis.Redis, mk: K.ModelKeys, ledger: Ledger | None) -> tu
     n = n_tok = bad = 0
     i = 0
     while True:
-        page = r.lrange(mk.reclaimed, i, i + LIST_PAGE - 1)
+        page: Any = r.lrange(mk.reclaimed, i, i + LIST_PAGE - 1)
         for blob in page:
             n_rec, t, b = reclaimed_entry(blob, ledger)
             n += n_rec
