@@ -60,7 +60,6 @@ class Report:
         return out
 
 
-
 class _Check:
     """One verify pass over one model: each level's rows, in the order the report shows them."""
 

@@ -53,7 +53,6 @@ class LaneTruth:
     unreadable: int = 0
 
 
-
 @dataclass
 class InstRead:
     """What one shape instance holds; ``atomic`` when it was read in one MULTI (a snapshot)."""
@@ -147,7 +146,6 @@ def read_instance(r: redis.Redis, mk: K.ModelKeys, inst: str, scanned: set[str],
     staged_score = r.zscore(mk.staged, inst)
     return InstRead(ih, lanes_z, fill, ready, free, None if staged_score is None else float(staged_score),
                      lanes, False)
-
 
 
 def find_orphans(r: redis.Redis, mk: K.ModelKeys, tokens: set[str]) -> dict[str, tuple[str, dict[bytes, bytes]] | None]:
