@@ -45,7 +45,7 @@ def raise_script_error(e: Exception) -> NoReturn:
     raise e
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen dataclass's __init__ costs a few us, and the claim makes one per call
 class Call(Generic[R]):
     """One script call: the script's name in scripts.NAMES, its KEYS and ARGV, and how its reply reads."""
 
