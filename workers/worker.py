@@ -37,6 +37,7 @@ from conductor.records import Batch, Contract, Result, ResultError
 from conductor.workers.engines.base import Engine, Finished
 from conductor.workers.identity import default_worker_name
 from conductor.workers.latch import AdmissionLatch
+from conductor.workers.prewarm import Prewarm
 from conductor.workers.sdnotify import Notifier
 from conductor.workers.transient import RIDE_OUT, is_transient
 from conductor.workers.worker_metrics import WorkerMetrics
@@ -92,8 +93,7 @@ class Worker:
         self._wd_thread: threading.Thread | None = None
         self.notifier = Notifier()
         self.metrics = WorkerMetrics(self.contract.model, self.name, self.contract.max_batch_tokens)
-        self._warm_lens: dict[str, frozenset[int]] = {}  # instance -> padded lengths prewarmed
-        self._serving = ""
+        self.prewarm = Prewarm(conductor, engine, self.contract.model, self.name)
 
     # ------------------------------------------------------------------ lifecycle
     def register(self) -> None:
@@ -266,25 +266,8 @@ class Worker:
             self._give_back_failed(batch, e)
             return True
         self._collect(refused)
-        serving = f"{batch.shape}:{batch.epoch}"
-        # A switch (or a shape shared with other workers), or a batch at a padded length this
-        # worker has not prepared (a lane opened or grew since): the instance's lanes' graphs are
-        # built while this batch runs, not one per batch as they come.
-        if serving != self._serving or batch.padded_len not in self._warm_lens.get(serving, ()):
-            self._serving = serving
-            self._prewarm(serving)
-        if batch.warming and batch.warming not in self._warm_lens:
-            self._prewarm(batch.warming)
+        self.prewarm.after_claim(batch)
         return True
-
-    def _prewarm(self, inst: str) -> None:
-        """The pre-warm signal rides on claim replies: build the next shape's graphs before the switch."""
-        shape, epoch, lanes = self.c.prewarm_info(self.contract.model, inst)
-        # The instances prepared last (the one served, the warming one): their padded lengths.
-        self._warm_lens = {k: v for k, v in self._warm_lens.items() if k in (self._serving, inst)}
-        self._warm_lens[inst] = frozenset(lanes)
-        self.engine.prewarm(shape, lanes, epoch)
-        event("prewarm", worker=self.name, shape=shape, epoch=epoch, lanes=len(lanes))
 
     def _give_back_failed(self, batch: Batch, err: Exception) -> None:
         """The engine could not take a batch: requeue it (fail.lua counts deliveries, dead-letters at N)."""
