@@ -59,7 +59,7 @@ def estimate_tokens(prefix: list[str] | tuple[str, ...], prompt: str) -> int:
     return max(1, math.ceil(n / 4))
 
 
-def _int(obj: dict, field: str, lo: int, hi: int, line: int | None, name: str | None = None) -> int:
+def _int(obj: dict[str, Any], field: str, lo: int, hi: int, line: int | None, name: str | None = None) -> int:
     v = obj.get(field)
     name = name or field
     if isinstance(v, bool) or not isinstance(v, int):
@@ -69,7 +69,7 @@ def _int(obj: dict, field: str, lo: int, hi: int, line: int | None, name: str | 
     return v
 
 
-def _str(obj: dict, field: str, line: int | None, name: str | None = None, allow_empty: bool = True) -> str:
+def _str(obj: dict[str, Any], field: str, line: int | None, name: str | None = None, allow_empty: bool = True) -> str:
     v = obj.get(field)
     name = name or field
     if not isinstance(v, str):
@@ -105,7 +105,7 @@ def _prepare(id_: str, model: str, prefix: list[str], prompt: str, input_tokens:
                         max_tokens=max_tokens, body=body, prefix=tuple(prefix))
 
 
-def from_native(obj: dict, line: int | None = None) -> PreparedItem:
+def from_native(obj: dict[str, Any], line: int | None = None) -> PreparedItem:
     unknown = set(obj) - _NATIVE_FIELDS
     if unknown:
         raise BadInput(sorted(unknown)[0], "unknown field (native format fields: "
@@ -153,7 +153,7 @@ def _content(v: Any, line: int | None, name: str) -> str:
     return "\n".join(texts)
 
 
-def _max_tokens(body: dict, model: str, line: int | None, default: MaxTokensDefault | None) -> int:
+def _max_tokens(body: dict[str, Any], model: str, line: int | None, default: MaxTokensDefault | None) -> int:
     given = [f for f in ("max_completion_tokens", "max_tokens") if body.get(f) is not None]
     if not given:
         return default(model) if default else DEFAULT_MAX_TOKENS
@@ -162,7 +162,8 @@ def _max_tokens(body: dict, model: str, line: int | None, default: MaxTokensDefa
     return _int(body, given[0], 1, MAX_OUTPUT_TOKENS, line, f"body.{given[0]}")
 
 
-def from_openai(obj: dict, line: int | None = None, default_max_tokens: MaxTokensDefault | None = None) -> PreparedItem:
+def from_openai(obj: dict[str, Any], line: int | None = None,
+                default_max_tokens: MaxTokensDefault | None = None) -> PreparedItem:
     unknown = set(obj) - _OPENAI_FIELDS
     if unknown:
         raise BadInput(sorted(unknown)[0], "unknown field (OpenAI batch line fields: "
