@@ -182,37 +182,43 @@ def from_openai(obj: dict[str, Any], line: int | None = None,
         raise BadInput("body.n", "only n=1 is served", line)
     if body.get("stream"):
         raise BadInput("body.stream", "a batch line does not stream", line)
-    if url == COMPLETIONS_URL:
-        if "messages" in body:
-            raise BadInput("body.messages", f"{COMPLETIONS_URL} takes body.prompt, not messages", line)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]  # OpenAI accepts a one-string list
-        if not isinstance(prompt, str):
-            raise BadInput("body.prompt", f"must be a string, got {type(prompt).__name__}", line)
-        prefix: list[str] = []
-    else:
-        if "prompt" in body:
-            raise BadInput("body.prompt", f"{CHAT_URL} takes body.messages, not prompt", line)
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise BadInput("body.messages", "must be a non-empty list", line)
-        if len(msgs) > MAX_PREFIX_PARTS + 1:
-            raise BadInput("body.messages", f"more than {MAX_PREFIX_PARTS + 1} messages", line)
-        parts = []
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict):
-                raise BadInput(f"body.messages[{i}]", "must be an object", line)
-            role = _str(m, "role", line, f"body.messages[{i}].role")
-            parts.append((role, _content(m.get("content"), line, f"body.messages[{i}].content")))
-        prefix = [f"{r}: {c}" for r, c in parts[:-1]]
-        prompt = parts[-1][1]
+    prefix, prompt = _completion_prompt(body, line) if url == COMPLETIONS_URL else _chat_prompt(body, line)
     max_tokens = _max_tokens(body, model, line, default_max_tokens)
     # The payload travels with the item to its result: what the OpenAI output format needs.
     payload: dict[str, Any] = {"custom_id": id_}
     if url == COMPLETIONS_URL:
         payload["url"] = url
     return _prepare(id_, model, prefix, prompt, None, max_tokens, payload, line)
+
+
+def _completion_prompt(body: dict[str, Any], line: int | None) -> tuple[list[str], str]:
+    """/v1/completions: body.prompt, a string (or a one-string list); no prefix."""
+    if "messages" in body:
+        raise BadInput("body.messages", f"{COMPLETIONS_URL} takes body.prompt, not messages", line)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]  # OpenAI accepts a one-string list
+    if not isinstance(prompt, str):
+        raise BadInput("body.prompt", f"must be a string, got {type(prompt).__name__}", line)
+    return [], prompt
+
+
+def _chat_prompt(body: dict[str, Any], line: int | None) -> tuple[list[str], str]:
+    """/v1/chat/completions: every message but the last is a prefix component, the last the prompt."""
+    if "prompt" in body:
+        raise BadInput("body.prompt", f"{CHAT_URL} takes body.messages, not prompt", line)
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadInput("body.messages", "must be a non-empty list", line)
+    if len(msgs) > MAX_PREFIX_PARTS + 1:
+        raise BadInput("body.messages", f"more than {MAX_PREFIX_PARTS + 1} messages", line)
+    parts = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise BadInput(f"body.messages[{i}]", "must be an object", line)
+        role = _str(m, "role", line, f"body.messages[{i}].role")
+        parts.append((role, _content(m.get("content"), line, f"body.messages[{i}].content")))
+    return [f"{r}: {c}" for r, c in parts[:-1]], parts[-1][1]
 
 
 def parse_line(raw: bytes | str, line: int | None = None,

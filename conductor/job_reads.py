@@ -75,17 +75,9 @@ class JobReads(ConductorCore):
                 # returned: a reconnect to a promoted replica answers an XREAD with results done again.
                 if self._rewound(reply, cursors, recent, skip, on_rewind):
                     continue  # read again from the rewind point: the results after it are new
-                for stream, entries in reply:
-                    seen = recent.setdefault(stream, deque(maxlen=REWIND_WINDOW))
-                    for eid, fields in entries:
-                        cursors[stream] = as_str(eid)
-                        iid = as_str(fields.get(b"id", b""))
-                        if iid in skip.get(stream, ()):
-                            skip[stream].discard(iid)
-                            continue
-                        seen.append((as_str(eid), iid))
-                        got += 1
-                        yield fields[b"r"]
+                for rec in _new_records(reply, cursors, recent, skip):
+                    got += 1
+                    yield rec
             if got:
                 continue
             if not follow or done or (should_stop and should_stop()):
@@ -110,6 +102,22 @@ class JobReads(ConductorCore):
 
     def read_results(self, job: str) -> list[Result]:
         return [result_decoder.decode(r) for r in self.results(job)]
+
+
+def _new_records(reply: list[tuple[str, list[Any]]], cursors: dict[Any, Any],
+                 recent: dict[str, deque[tuple[str, str]]], skip: dict[str, set[str]]) -> Iterator[bytes]:
+    """The records of one read, each stream's cursor moved past them; a second copy of a result
+    already returned before a rewind (``skip``) is left out."""
+    for stream, entries in reply:
+        seen = recent.setdefault(stream, deque(maxlen=REWIND_WINDOW))
+        for eid, fields in entries:
+            cursors[stream] = as_str(eid)
+            iid = as_str(fields.get(b"id", b""))
+            if iid in skip.get(stream, ()):
+                skip[stream].discard(iid)
+                continue
+            seen.append((as_str(eid), iid))
+            yield fields[b"r"]
 
 
 def stream_reply(reply: Any) -> list[tuple[str, list[Any]]]:

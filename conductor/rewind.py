@@ -55,5 +55,5 @@ def find_rewind(r: Any, stream: str, cursor: str, recent: deque[tuple[str, str]]
         return None
     kept = as_str(before[0][0]) if isinstance(before, list) and before else "0-0"
     ids = [iid for eid, iid in (recent or ()) if id_key(eid) > id_key(kept)]
-    covered = bool(recent) and id_key(recent[0][0]) <= id_key(kept)
+    covered = recent is not None and len(recent) > 0 and id_key(recent[0][0]) <= id_key(kept)
     return Rewind(stream=stream, read_up_to=cursor, now_at=kept, ids=ids, all_known=covered)

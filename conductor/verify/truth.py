@@ -334,9 +334,20 @@ def job_truth(r: redis.Redis, mk: K.ModelKeys, job: str, ledger: Ledger | None) 
             done += 1
             if ledger is not None:
                 ledger.state[(job, as_str(iid))] = "d"
-    ok = err = results = 0
-    seen: set[str] | None = set() if ledger is not None else None
-    dup = 0
+    ok, err, results, dup = _count_records(records, ledger is not None)
+    if n_items > SNAPSHOT or n_results > SNAPSHOT:
+        submitted = n_items  # the snapshot's count, not the pages'
+    # Fewer records than done items: retention trimmed the job's results (conductor/retention.py),
+    # so the ok/error split of the trimmed ones is gone. (A lost record looks the same.)
+    return {"submitted": submitted, "completed": ok, "failed": err, "done": done, "results": results,
+            "dup_results": dup, "trimmed": results < done,
+            "rec_submitted": as_int(rec_sub), "rec_completed": as_int(rec[0]), "rec_failed": as_int(rec[1])}
+
+
+def _count_records(records: Any, find_dups: bool) -> tuple[int, int, int, int]:
+    """A job's result records counted: (ok, error, all, duplicated ids when ``find_dups``)."""
+    ok = err = results = dup = 0
+    seen: set[str] = set()
     for _eid, f in records:
         results += 1
         try:
@@ -348,14 +359,8 @@ def job_truth(r: redis.Redis, mk: K.ModelKeys, job: str, ledger: Ledger | None) 
             ok += 1
         else:
             err += 1
-        if seen is not None:
+        if find_dups:
             if res.id in seen:
                 dup += 1
             seen.add(res.id)
-    if n_items > SNAPSHOT or n_results > SNAPSHOT:
-        submitted = n_items  # the snapshot's count, not the pages'
-    # Fewer records than done items: retention trimmed the job's results (conductor/retention.py),
-    # so the ok/error split of the trimmed ones is gone. (A lost record looks the same.)
-    return {"submitted": submitted, "completed": ok, "failed": err, "done": done, "results": results,
-            "dup_results": dup, "trimmed": results < done,
-            "rec_submitted": as_int(rec_sub), "rec_completed": as_int(rec[0]), "rec_failed": as_int(rec[1])}
+    return ok, err, results, dup
