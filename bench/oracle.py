@@ -44,20 +44,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from conductor.packing import fits, pad8
 from conductor.workers.engines.sim import SimParams, output_len
-
-
-def pad8(n: int) -> int:
-    return -(-n // 8) * 8
-
-
-def fits(k: int, maxlen: int, tok: int, size: int, budget: int) -> bool:
-    """Whether an item of ``tok`` tokens joins a batch of ``k`` items whose longest has ``maxlen``."""
-    if k == 0:
-        return True
-    if k >= size:
-        return False
-    return (k + 1) * pad8(max(maxlen, tok)) <= budget
 
 
 @dataclass(slots=True)

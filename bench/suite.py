@@ -50,13 +50,14 @@ if __package__ in (None, ""):
 import redis  # noqa: E402
 
 from bench.common import command_line, git_rev, machine, median, now_utc, pct, table, write_section  # noqa: E402
-from bench.oracle import Item, OracleClock, OracleSource, Plan, fits, pad8, sim_work  # noqa: E402
+from bench.oracle import Item, OracleClock, OracleSource, Plan, sim_work  # noqa: E402
 from bench.oracle import plan as oracle_plan  # noqa: E402
 from bench.workload import Workload, WorkloadSpec, generate  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.config import parse_value  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
 from conductor.formats import PreparedItem  # noqa: E402
+from conductor.packing import fits, pad8  # noqa: E402
 from conductor.records import Batch, BatchItem, result_decoder  # noqa: E402
 from conductor.workers.engines.sim import SimEngine  # noqa: E402
 from conductor.workers.latch import AdmissionLatch  # noqa: E402
@@ -276,7 +277,7 @@ class Releaser:
         self.next = end
 
 
-def run_peer(system: str, r: redis.Redis, wl: Workload, cfg: SuiteConfig) -> Record:
+def run_peer(system: str, r: redis.Redis, wl: Workload, cfg: SuiteConfig) -> Record:  # noqa: C901 - one branch per peer system, side by side
     if system == "oracle":
         return run_oracle(wl, cfg)
     rec = Record(system, items=len(wl.items))

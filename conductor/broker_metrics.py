@@ -55,7 +55,7 @@ class ModelStateCollector(Collector):
     def __init__(self, source: Conductor | Callable[[], Conductor | None], starving_s: float = 30.0,
                  top_shapes: int = 10, jobs: int = 500) -> None:
         self.c: Conductor | None = source if isinstance(source, Conductor) else None
-        self._source: Callable[[], Conductor | None] | None = None if self.c else source
+        self._source: Callable[[], Conductor | None] | None = None if isinstance(source, Conductor) else source
         self.starving_ms = starving_s * 1000
         self.top_shapes = top_shapes
         self.jobs = jobs
@@ -65,7 +65,7 @@ class ModelStateCollector(Collector):
         try:
             if self.c is None and self._source is not None:
                 self.c = self._source()
-            families = self._families() if self.c is not None else []
+            families = self._families(self.c) if self.c is not None else []
         except (redis.RedisError, ConductorError, OSError) as e:
             log.warning("scrape failed: %s", e)
             up.add_metric([], 0)
@@ -75,7 +75,7 @@ class ModelStateCollector(Collector):
         yield up
         yield from families
 
-    def _families(self) -> list[Metric]:
+    def _families(self, c: Conductor) -> list[Metric]:
         from conductor.fleet import live_workers
         from conductor.inspect import model_overview
         from conductor.jobs import list_jobs
@@ -100,13 +100,13 @@ class ModelStateCollector(Collector):
         shape_items = gauge("conductor_shape_waiting_items", f"Waiting items of the {self.top_shapes} largest "
                             "shape instances", shape_lbl)
         now = time.time() * 1000
-        for model in self.c.models():
-            ov = model_overview(self.c, model, lanes=True)
+        for model in c.models():
+            ov = model_overview(c, model, lanes=True)
             st = ov["state"]
             for k, fam in gauges.items():
                 fam.add_metric([model], _num(st.get(k)))
-            for k, fam in counters.items():
-                fam.add_metric([model], _num(st.get(k)))
+            for k, cfam in counters.items():
+                cfam.add_metric([model], _num(st.get(k)))
             cleanup_ms = _num(st.get("cleanup_ms"))
             if st.get("cleanup") == "1":
                 cleanup_ms += now - float(st.get("cleanup_since_ms", now))
@@ -123,14 +123,14 @@ class ModelStateCollector(Collector):
             for row in consumers:
                 per_consumer.add_metric([model, row["name"]], float(row.get("pending", 0)))
             dead.add_metric([model], float(ov["dead_letter"]))
-            alive.add_metric([model], float(len(live_workers(self.c.r, model))))
+            alive.add_metric([model], float(len(live_workers(c.r, model))))
             for s in sorted(ov["shapes"], key=lambda s: -s["tokens"])[:self.top_shapes]:
                 labels = [model, s["shape"], str(s["epoch"]), s["state"]]
                 shape_tokens.add_metric(labels, float(s["tokens"]))
                 shape_items.add_metric(labels, float(s["items"]))
         job_items = gauge("conductor_job_items", "Items of each job still running (submitted, completed, failed, "
                           "pending), over its models", ["job", "status"])
-        for row in list_jobs(self.c, limit=self.jobs):
+        for row in list_jobs(c, limit=self.jobs):
             if row.pending > 0:
                 for status in ("submitted", "completed", "failed", "pending"):
                     job_items.add_metric([row.job, status], float(getattr(row, status)))

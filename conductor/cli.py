@@ -11,8 +11,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conductor import keys as K
 from conductor.cli_args import (
@@ -29,6 +30,9 @@ from conductor.cli_args import (
 from conductor.errors import BadInput, ConductorError, DuplicateId
 from conductor.formats import PreparedItem, parse_line
 
+if TYPE_CHECKING:
+    from conductor.client import Conductor
+
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 
 
@@ -36,7 +40,7 @@ def _url(args: argparse.Namespace) -> str:
     return args.redis or os.environ.get("CONDUCTOR_REDIS_URL") or DEFAULT_URL
 
 
-def _conductor(args: argparse.Namespace):  # noqa: ANN202
+def _conductor(args: argparse.Namespace) -> Conductor:
     from conductor.client import Conductor
     wait = args.wait_replicas if getattr(args, "wait_replicas", None) is not None else \
         int(os.environ.get("CONDUCTOR_WAIT_REPLICAS", "0") or 0)
@@ -68,21 +72,26 @@ def read_items(path: str, *, skip_invalid: bool, rejects: str | None,
             except BadInput as e:
                 errors.append((n, line, e))
     if errors:
-        if rejects:
-            with open(rejects, "wb") as f:
-                for n, line, e in errors:
-                    f.write(json.dumps({"line": n, "field": e.field, "error": str(e),
-                                        "raw": line.decode("utf-8", "replace")}).encode() + b"\n")
-        for _, _, e in errors[:20]:
-            print(f"error: {e}", file=sys.stderr)
-        if len(errors) > 20:
-            print(f"error: ... and {len(errors) - 20} more", file=sys.stderr)
+        _show_bad_lines(errors, rejects)
         if not skip_invalid:
             raise ConductorError(f"{len(errors)} invalid line(s) in {path}; nothing submitted "
                                  "(--skip-invalid submits the valid ones)")
     if not items:
         raise ConductorError(f"{path} holds no {'valid ' if errors else ''}items: no job made")
     return items
+
+
+def _show_bad_lines(errors: list[tuple[int, bytes, BadInput]], rejects: str | None) -> None:
+    """The first 20 refusals on stderr; every refused line, with why, to ``rejects`` when given."""
+    if rejects:
+        with open(rejects, "wb") as f:
+            for n, line, err in errors:
+                f.write(json.dumps({"line": n, "field": err.field, "error": str(err),
+                                    "raw": line.decode("utf-8", "replace")}).encode() + b"\n")
+    for _, _, err in errors[:20]:
+        print(f"error: {err}", file=sys.stderr)
+    if len(errors) > 20:
+        print(f"error: ... and {len(errors) - 20} more", file=sys.stderr)
 
 
 def default_job(path: str) -> str:
@@ -125,14 +134,16 @@ def cmd_submit(args: argparse.Namespace) -> int:
     declare_file(c, job, items, lines)
     from conductor.cli_batch import start_job
     start_job(c, job, args)
-    step = 20_000  # items per Conductor.submit: each call groups its items by shape (client.py)
+    step = 20_000  # items per Conductor.submit: each call groups its items by shape (conductor/submit_stream.py)
     accepted = dupes = 0
     live = sys.stderr.isatty() and len(items) >= LARGE_SUBMIT and not args.quiet
     with ProgressLine(f"submit {job}", len(items), sys.stderr, live=live) as line:
         for start in range(0, len(items), step):
+            def shown(k: int, base: int = start) -> None:
+                line.update(base + k)
+
             try:
-                rep = c.submit(items[start:start + step], job,
-                               progress=None if args.quiet else (lambda k, base=start: line.update(base + k)))
+                rep = c.submit(items[start:start + step], job, progress=None if args.quiet else shown)
             except DuplicateId as e:  # the job has the id under another model (an earlier run)
                 raise DuplicateId(e.item_id, e.detail, lines.get(e.item_id)) from None
             accepted += rep.accepted
@@ -145,7 +156,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_engine(args: argparse.Namespace):  # noqa: ANN202
+def build_engine(args: argparse.Namespace) -> Any:  # an engine (conductor.workers.engines.base.Engine)
     from conductor.workers.engines import make_engine
     kw: dict[str, Any] = {"model": args.model}
     if args.engine == "sim":
@@ -178,7 +189,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _known_job(c, job: str) -> list[str]:  # noqa: ANN001
+def _known_job(c: Conductor, job: str) -> list[str]:
     """The job's models; an unknown job is an error (a typo would otherwise read nothing, or
     follow forever)."""
     models = c.job_models(job)
@@ -188,8 +199,8 @@ def _known_job(c, job: str) -> list[str]:  # noqa: ANN001
 
 
 def cmd_results(args: argparse.Namespace) -> int:
-    from conductor.client import REWIND_WINDOW, Rewind
     from conductor.fleet import NoWorkerHint
+    from conductor.rewind import REWIND_WINDOW, Rewind
     c = _conductor(args)
     models = _known_job(c, args.job)
     hint = NoWorkerHint(c.r, models) if args.follow else None
@@ -338,7 +349,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _known_model(c, model: str, create: bool = False) -> None:  # noqa: ANN001
+def _known_model(c: Conductor, model: str, create: bool = False) -> None:
     """A typo would otherwise register a model for good (cdr:models, its config and group)."""
     if create or c.r.sismember(K.MODELS_KEY, model):
         return
@@ -431,7 +442,7 @@ def cmd_trim_results(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_run(args: argparse.Namespace) -> int:
+def cmd_run(args: argparse.Namespace) -> int:  # noqa: C901 - the whole `conductor run` lifecycle: start, submit, watch, stop, in order
     """The main job in one command: submit, work with N workers per model, collect results."""
     from conductor.embedded import EmbeddedRedis, free_port
     from conductor.progress import ProgressLine
@@ -446,7 +457,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         url = server.url
         print(f"using an embedded redis-server on {url} for this run (pass --redis URL to use yours)",
               file=sys.stderr)
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen[bytes]] = []
     ports: list[int] = []  # each worker's metrics endpoint: the engines' prefix-cache hits are read there
     try:
         from conductor.client import Conductor
@@ -547,7 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"one of {', '.join(LOG_LEVELS)}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
-    def command(name: str, help: str, fn, **kw: Any) -> argparse.ArgumentParser:  # noqa: ANN001
+    def command(name: str, help: str, fn: Callable[[argparse.Namespace], int], **kw: Any) -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help, description=help, formatter_class=DefaultsFormatter, **kw)
         c.set_defaults(fn=fn)
         return c
@@ -693,7 +704,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level if isinstance(args.log_level, int) else logging.INFO,
                         format="%(message)s", stream=sys.stderr)
     try:
-        return args.fn(args)
+        status: int = args.fn(args)
+        return status
     except BrokenPipeError:
         return _reader_went_away()
     except ConductorError as e:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -33,10 +34,10 @@ class DefaultsFormatter(argparse.HelpFormatter):
         return text
 
 
-def _number(kind: type, low: float | None, strict: bool, what: str):  # noqa: ANN202
+def _number(kind: type[int] | type[float], low: float | None, strict: bool, what: str) -> Callable[[str], int | float]:
     def parse(raw: str) -> int | float:
         try:
-            value = kind(raw)
+            value: int | float = kind(raw)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{raw!r} is not {what}") from None
         if kind is float and value != value:  # NaN passes every comparison
@@ -70,4 +71,5 @@ def log_level(raw: str) -> int:
     name = raw.strip().lower()
     if name not in LOG_LEVELS:
         raise argparse.ArgumentTypeError(f"{raw!r} is not a log level (one of {', '.join(LOG_LEVELS)})")
-    return getattr(logging, name.upper())
+    level: int = getattr(logging, name.upper())
+    return level

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import redis
-
 from conductor import keys as K
-from conductor.client import Conductor, _raise_script_error
+from conductor import script_calls as calls
+from conductor.client import Conductor
+from conductor.connection import StreamEntry as Entry
 
 _CHUNK = 500
 
@@ -42,7 +42,6 @@ def _s(v: bytes | str) -> str:
 class DeadLetter:
     def __init__(self, conductor: Conductor) -> None:
         self.c = conductor
-        self._retry = conductor.scripts.dead_retry
 
     def _models(self, model: str | None) -> list[str]:
         return [model] if model else self.c.models()
@@ -53,7 +52,7 @@ class DeadLetter:
             key = K.ModelKeys(m).dead
             cursor = "-"
             while True:
-                rows = self.c.r.xrange(key, min=cursor, count=_CHUNK)
+                rows: list[Entry] = self.c.r.xrange(key, min=cursor, count=_CHUNK)  # type: ignore[assignment]
                 for eid, f in rows:
                     if job is not None and _s(f[b"job"]) != job:
                         continue
@@ -75,13 +74,9 @@ class DeadLetter:
         for m, entries in self._by_model(model, job).items():
             mk = K.ModelKeys(m)
             for start in range(0, len(entries), _CHUNK):
-                try:
-                    done, skipped = self._retry(keys=[mk.base, mk.state, mk.dead, mk.reclaimed],
-                                                args=entries[start:start + _CHUNK])
-                except redis.ResponseError as e:
-                    _raise_script_error(e)
-                total["retried"] += int(done)
-                total["skipped"] += int(skipped)
+                done, skipped = calls.dead_retry(mk, entries[start:start + _CHUNK]).run(self.c.scripts)
+                total["retried"] += done
+                total["skipped"] += skipped
         return total
 
     def purge(self, *, model: str | None = None, job: str | None = None) -> int:

@@ -24,7 +24,8 @@ from conductor.errors import RedisUnavailable
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def find_server() -> str:
@@ -53,7 +54,7 @@ class EmbeddedRedis:
         self.extra = extra or []
         self._own_dir = dir is None
         self.dir = Path(dir or tempfile.mkdtemp(prefix="conductor-redis-"))
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:

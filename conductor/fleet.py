@@ -8,10 +8,12 @@ import time
 from collections.abc import Iterable
 from typing import IO
 
+import redis
+
 from conductor import keys as K
 
 
-def live_workers(r, model: str) -> list[str]:  # noqa: ANN001
+def live_workers(r: redis.Redis, model: str) -> list[str]:
     mk = K.ModelKeys(model)
     names = sorted(n.decode() if isinstance(n, bytes) else n for n in r.hkeys(mk.workers))
     if not names:
@@ -26,7 +28,8 @@ class NoWorkerHint:
     """Says once per model, on stderr, when nothing serves one of a job's models: a follow or
     watch would otherwise wait in silence. Looks again every ``every_s`` seconds."""
 
-    def __init__(self, r, models: Iterable[str], stream: IO[str] = sys.stderr, every_s: float = 10.0) -> None:  # noqa: ANN001
+    def __init__(self, r: redis.Redis, models: Iterable[str], stream: IO[str] = sys.stderr,
+                 every_s: float = 10.0) -> None:
         self.r = r
         self.models = list(models)
         self.stream = stream

@@ -59,7 +59,7 @@ def estimate_tokens(prefix: list[str] | tuple[str, ...], prompt: str) -> int:
     return max(1, math.ceil(n / 4))
 
 
-def _int(obj: dict, field: str, lo: int, hi: int, line: int | None, name: str | None = None) -> int:
+def _int(obj: dict[str, Any], field: str, lo: int, hi: int, line: int | None, name: str | None = None) -> int:
     v = obj.get(field)
     name = name or field
     if isinstance(v, bool) or not isinstance(v, int):
@@ -69,7 +69,7 @@ def _int(obj: dict, field: str, lo: int, hi: int, line: int | None, name: str | 
     return v
 
 
-def _str(obj: dict, field: str, line: int | None, name: str | None = None, allow_empty: bool = True) -> str:
+def _str(obj: dict[str, Any], field: str, line: int | None, name: str | None = None, allow_empty: bool = True) -> str:
     v = obj.get(field)
     name = name or field
     if not isinstance(v, str):
@@ -105,7 +105,7 @@ def _prepare(id_: str, model: str, prefix: list[str], prompt: str, input_tokens:
                         max_tokens=max_tokens, body=body, prefix=tuple(prefix))
 
 
-def from_native(obj: dict, line: int | None = None) -> PreparedItem:
+def from_native(obj: dict[str, Any], line: int | None = None) -> PreparedItem:
     unknown = set(obj) - _NATIVE_FIELDS
     if unknown:
         raise BadInput(sorted(unknown)[0], "unknown field (native format fields: "
@@ -153,7 +153,7 @@ def _content(v: Any, line: int | None, name: str) -> str:
     return "\n".join(texts)
 
 
-def _max_tokens(body: dict, model: str, line: int | None, default: MaxTokensDefault | None) -> int:
+def _max_tokens(body: dict[str, Any], model: str, line: int | None, default: MaxTokensDefault | None) -> int:
     given = [f for f in ("max_completion_tokens", "max_tokens") if body.get(f) is not None]
     if not given:
         return default(model) if default else DEFAULT_MAX_TOKENS
@@ -162,7 +162,8 @@ def _max_tokens(body: dict, model: str, line: int | None, default: MaxTokensDefa
     return _int(body, given[0], 1, MAX_OUTPUT_TOKENS, line, f"body.{given[0]}")
 
 
-def from_openai(obj: dict, line: int | None = None, default_max_tokens: MaxTokensDefault | None = None) -> PreparedItem:
+def from_openai(obj: dict[str, Any], line: int | None = None,
+                default_max_tokens: MaxTokensDefault | None = None) -> PreparedItem:
     unknown = set(obj) - _OPENAI_FIELDS
     if unknown:
         raise BadInput(sorted(unknown)[0], "unknown field (OpenAI batch line fields: "
@@ -181,37 +182,43 @@ def from_openai(obj: dict, line: int | None = None, default_max_tokens: MaxToken
         raise BadInput("body.n", "only n=1 is served", line)
     if body.get("stream"):
         raise BadInput("body.stream", "a batch line does not stream", line)
-    if url == COMPLETIONS_URL:
-        if "messages" in body:
-            raise BadInput("body.messages", f"{COMPLETIONS_URL} takes body.prompt, not messages", line)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]  # OpenAI accepts a one-string list
-        if not isinstance(prompt, str):
-            raise BadInput("body.prompt", f"must be a string, got {type(prompt).__name__}", line)
-        prefix: list[str] = []
-    else:
-        if "prompt" in body:
-            raise BadInput("body.prompt", f"{CHAT_URL} takes body.messages, not prompt", line)
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise BadInput("body.messages", "must be a non-empty list", line)
-        if len(msgs) > MAX_PREFIX_PARTS + 1:
-            raise BadInput("body.messages", f"more than {MAX_PREFIX_PARTS + 1} messages", line)
-        parts = []
-        for i, m in enumerate(msgs):
-            if not isinstance(m, dict):
-                raise BadInput(f"body.messages[{i}]", "must be an object", line)
-            role = _str(m, "role", line, f"body.messages[{i}].role")
-            parts.append((role, _content(m.get("content"), line, f"body.messages[{i}].content")))
-        prefix = [f"{r}: {c}" for r, c in parts[:-1]]
-        prompt = parts[-1][1]
+    prefix, prompt = _completion_prompt(body, line) if url == COMPLETIONS_URL else _chat_prompt(body, line)
     max_tokens = _max_tokens(body, model, line, default_max_tokens)
     # The payload travels with the item to its result: what the OpenAI output format needs.
     payload: dict[str, Any] = {"custom_id": id_}
     if url == COMPLETIONS_URL:
         payload["url"] = url
     return _prepare(id_, model, prefix, prompt, None, max_tokens, payload, line)
+
+
+def _completion_prompt(body: dict[str, Any], line: int | None) -> tuple[list[str], str]:
+    """/v1/completions: body.prompt, a string (or a one-string list); no prefix."""
+    if "messages" in body:
+        raise BadInput("body.messages", f"{COMPLETIONS_URL} takes body.prompt, not messages", line)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]  # OpenAI accepts a one-string list
+    if not isinstance(prompt, str):
+        raise BadInput("body.prompt", f"must be a string, got {type(prompt).__name__}", line)
+    return [], prompt
+
+
+def _chat_prompt(body: dict[str, Any], line: int | None) -> tuple[list[str], str]:
+    """/v1/chat/completions: every message but the last is a prefix component, the last the prompt."""
+    if "prompt" in body:
+        raise BadInput("body.prompt", f"{CHAT_URL} takes body.messages, not prompt", line)
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadInput("body.messages", "must be a non-empty list", line)
+    if len(msgs) > MAX_PREFIX_PARTS + 1:
+        raise BadInput("body.messages", f"more than {MAX_PREFIX_PARTS + 1} messages", line)
+    parts = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise BadInput(f"body.messages[{i}]", "must be an object", line)
+        role = _str(m, "role", line, f"body.messages[{i}].role")
+        parts.append((role, _content(m.get("content"), line, f"body.messages[{i}].content")))
+    return [f"{r}: {c}" for r, c in parts[:-1]], parts[-1][1]
 
 
 def parse_line(raw: bytes | str, line: int | None = None,

@@ -6,20 +6,22 @@ come from each instance's lane ZSET (at most lane_max of them).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import redis
 
 from conductor import keys as K
+from conductor.connection import as_str
+
+if TYPE_CHECKING:
+    from conductor.client import Conductor
 
 
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+def _hash(r: redis.Redis, key: str) -> dict[str, str]:
+    return {as_str(k): as_str(v) for k, v in r.hgetall(key).items()}
 
 
-def _hash(r, key: str) -> dict[str, str]:  # noqa: ANN001
-    return {_s(k): _s(v) for k, v in r.hgetall(key).items()}
-
-
-def instance_row(c, mk: K.ModelKeys, inst: str, lanes: bool = False) -> dict[str, Any]:  # noqa: ANN001
+def instance_row(c: Conductor, mk: K.ModelKeys, inst: str, lanes: bool = False) -> dict[str, Any]:
     h = _hash(c.r, mk.inst(inst))
     sig, _, ep = inst.partition(":")
     row: dict[str, Any] = {
@@ -30,21 +32,22 @@ def instance_row(c, mk: K.ModelKeys, inst: str, lanes: bool = False) -> dict[str
     }
     if lanes:
         rows = []
-        for lane, rep in c.r.zrange(mk.inst_lanes(inst), 0, -1, withscores=True):
-            meta = _hash(c.r, mk.lanemeta(inst, _s(lane)))
-            rows.append({"lane": int(_s(lane)), "rep": int(rep), "items": int(meta.get("items", 0)),
+        reps: Any = c.r.zrange(mk.inst_lanes(inst), 0, -1, withscores=True)  # [(member, score)]
+        for lane, rep in reps:
+            meta = _hash(c.r, mk.lanemeta(inst, as_str(lane)))
+            rows.append({"lane": int(as_str(lane)), "rep": int(rep), "items": int(meta.get("items", 0)),
                          "tokens": int(meta.get("tokens", 0)), "since_ms": int(meta.get("since_ms", 0) or 0),
                          "last_ms": int(meta.get("last_ms", 0) or 0)})
         row["lane_rows"] = rows
     return row
 
 
-def model_overview(c, model: str, lanes: bool = False) -> dict[str, Any]:  # noqa: ANN001
+def model_overview(c: Conductor, model: str, lanes: bool = False) -> dict[str, Any]:
     mk = K.ModelKeys(model)
     # One view of both halves: the fleet's state and the producer's intake counters (keys.py).
     state = {**_hash(c.r, mk.state), **_hash(c.r, mk.intake)}
-    insts = [_s(i) for i in c.r.zrevrange(mk.staged, 0, -1)]
-    active = [_s(i) for i in c.r.zrange(mk.active, 0, -1)] + ([state["active"]] if state.get("active") else [])
+    insts = [as_str(i) for i in c.r.zrevrange(mk.staged, 0, -1)]
+    active = [as_str(i) for i in c.r.zrange(mk.active, 0, -1)] + ([state["active"]] if state.get("active") else [])
     for inst in reversed(active):
         if inst not in insts:
             insts.insert(0, inst)
@@ -57,7 +60,7 @@ def model_overview(c, model: str, lanes: bool = False) -> dict[str, Any]:  # noq
         "config": c.config(model),
         "shapes": shapes,
         "active": active,
-        "affinity": {_s(k): _s(v) for k, v in c.r.hgetall(mk.affinity).items()},
+        "affinity": {as_str(k): as_str(v) for k, v in c.r.hgetall(mk.affinity).items()},
         "reclaimed_batches": c.r.llen(mk.reclaimed),
         "dead_letter": c.r.xlen(mk.dead) if c.r.exists(mk.dead) else 0,
         "consumers": c.consumers(model),

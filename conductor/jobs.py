@@ -8,6 +8,7 @@ from typing import Any
 
 from conductor import keys as K
 from conductor.client import Conductor
+from conductor.connection import as_str
 
 
 @dataclass
@@ -37,13 +38,13 @@ class JobRow:
 def list_jobs(c: Conductor, limit: int | None = None) -> list[JobRow]:
     """The newest ``limit`` jobs (all when None), oldest first; two pipelined reads in all."""
     stop = -1 if limit is None else limit - 1
-    newest = c.r.zrevrange(K.JOBS_KEY, 0, stop, withscores=True)
-    rows = [JobRow(job=_s(j), created_ms=int(ms)) for j, ms in reversed(newest)]
+    newest: Any = c.r.zrevrange(K.JOBS_KEY, 0, stop, withscores=True)  # [(member, score)]
+    rows = [JobRow(job=as_str(j), created_ms=int(ms)) for j, ms in reversed(newest)]
     pipe = c.r.pipeline(transaction=False)
     for row in rows:
         pipe.smembers(K.job_models_key(row.job))
     for row, models in zip(rows, pipe.execute(), strict=True):
-        row.models = sorted(_s(m) for m in models)
+        row.models = sorted(as_str(m) for m in models)
     pipe = c.r.pipeline(transaction=False)
     for row in rows:
         for m in row.models:
@@ -73,6 +74,3 @@ def render(rows: list[JobRow]) -> str:
                    f"{r.failed:>7} {r.pending:>7}  {r.state}")
     return "\n".join(out)
 
-
-def _s(v: bytes | str) -> str:
-    return v.decode() if isinstance(v, bytes) else v

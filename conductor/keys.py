@@ -85,7 +85,7 @@ workers'. Schema 3 (migrations/0003) split the producer's keys from the workers'
 
 An item record is the JSON array text ``[id, job, input_tokens, max_tokens, prompt, payload]``
 (``records.BatchItem`` decodes it as an array-like struct). The producer writes it
-(``client._submit_args``); submit.lua decodes it to check every field and stores the bytes as
+(``script_calls.submit_args``); submit.lua decodes it to check every field and stores the bytes as
 sent; dead_retry.lua rebuilds one with lib.lua's ``item_record``. Schema 2 (migrations/0002)
 moved lanes from streams of fields to these lists.
 """

@@ -89,7 +89,9 @@ def set_status(r: redis.Redis, job: str, status: str, **fields: Any) -> None:
         return
     now = int(time.time())
     pipe = r.pipeline(transaction=True)
-    pipe.hset(key, mapping={"status": status, **fields})
+    pipe.hset(key, "status", status)
+    for k, v in fields.items():
+        pipe.hset(key, k, v)
     pipe.hsetnx(key, f"{status}_at", now)
     if status in TERMINAL:
         pipe.zrem(K.JOB_DEADLINES_KEY, job)

@@ -41,7 +41,7 @@ BATCHES_PER_SHAPE = Histogram("conductor_batches_per_shape", "Batches a shape in
 THRASHING_SHAPES = Counter("conductor_thrashing_shapes", "Shapes that ran in more than twice the batches their "
                            "items could fill, under 100 batches", LW)
 
-# The worker this thread works for: code that knows only the model (conductor/verify.py's drift
+# The worker this thread works for: code that knows only the model (conductor/verify/'s drift
 # check, run by the maintenance lease holder) still labels its series with the worker's name.
 WORKER: contextvars.ContextVar[str] = contextvars.ContextVar("conductor_worker", default="")
 
@@ -57,5 +57,5 @@ class _WorkerBound:
 
 
 DRIFT = _WorkerBound(Gauge("conductor_counter_drift", "Sum of |counter - the truth it counts| over the counters "
-                           "of one kind (conductor/verify.py; 0 = exact), set by the maintenance lease holder",
+                           "of one kind (conductor/verify/; 0 = exact), set by the maintenance lease holder",
                            ["model", "counter", "worker"]))

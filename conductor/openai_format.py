@@ -30,12 +30,13 @@ def _hid(*parts: str) -> str:
 def custom_id(res: dict[str, Any]) -> str:
     payload = res.get("payload")
     if isinstance(payload, dict) and isinstance(payload.get("custom_id"), str):
-        return payload["custom_id"]
-    return res["id"]  # a native line: its id plays the part
+        return str(payload["custom_id"])
+    return str(res["id"])  # a native line: its id plays the part
 
 
 def _body(res: dict[str, Any], req: str) -> dict[str, Any]:
-    payload = res.get("payload") if isinstance(res.get("payload"), dict) else {}
+    raw = res.get("payload")
+    payload: dict[str, Any] = raw if isinstance(raw, dict) else {}
     created = int(res.get("finished_at") or 0) // 1000
     prompt_t, out_t = int(res.get("input_tokens") or 0), int(res.get("output_tokens") or 0)
     usage = {"prompt_tokens": prompt_t, "completion_tokens": out_t, "total_tokens": prompt_t + out_t}

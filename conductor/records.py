@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import msgspec
@@ -91,3 +92,64 @@ class Result(msgspec.Struct, omit_defaults=False):
 
 json_encoder = msgspec.json.Encoder()
 result_decoder = msgspec.json.Decoder(Result)
+
+
+# ---------------------------------------------------------------- item records read by workers
+
+_items_decoder = msgspec.json.Decoder(list[BatchItem])
+_item_decoder = msgspec.json.Decoder(BatchItem)
+
+
+def decode_items(records: list[bytes]) -> list[BatchItem]:
+    """Item records (JSON arrays, conductor/keys.py) to BatchItems: one decode call per batch."""
+    try:
+        return _items_decoder.decode(b"[" + b",".join(records) + b"]")
+    except msgspec.DecodeError:
+        pass
+    # submit.lua checked each body with cjson, which takes a few forms msgspec refuses (NaN,
+    # Infinity, hex numbers, leading zeros): the standard library reads the first two; a record
+    # neither reads becomes an unreadable item, which the worker answers with an error.
+    out = []
+    for rec in records:
+        try:
+            out.append(_item_decoder.decode(rec))
+        except msgspec.DecodeError:
+            try:
+                out.append(msgspec.convert(json.loads(rec), BatchItem))
+            except (ValueError, msgspec.ValidationError) as e:
+                out.append(_unreadable_item(rec, e))
+    return out
+
+
+def _unreadable_item(rec: bytes, err: Exception) -> BatchItem:
+    """An item no decoder reads, still answerable: submit.lua checked with cjson that id and job
+    are strings and input_tokens and max_tokens whole numbers, but a producer may write those
+    numbers in forms only cjson takes (leading zeros, hex), which are read here the same way."""
+    text = rec.decode("utf-8", errors="replace")
+    dec = json.JSONDecoder(strict=False)
+    head: list[Any] = []
+    pos = 1
+    for k in range(4):
+        pos = len(text) - len(text[pos:].lstrip())
+        if k < 2:
+            value, pos = dec.raw_decode(text, pos)
+        else:
+            end = text.index(",", pos)
+            value, pos = _lenient_int(text[pos:end]), end
+        head.append(value)
+        pos = text.index(",", pos) + 1
+    iid, job, tok, mt = head
+    return BatchItem(id=iid, job=job, input_tokens=tok, max_tokens=mt, prompt="",
+                     unreadable=f"the item's record is not JSON this worker can read: {err}")
+
+
+def _lenient_int(text: str) -> int:
+    """A whole number as cjson reads it (strtod: decimal with leading zeros, fraction, exponent,
+    hex); 0 when even that fails, so the item is still answered."""
+    t = text.strip()
+    for conv in (int, lambda x: int(x, 16), float):
+        try:
+            return int(conv(t))
+        except (ValueError, OverflowError):
+            continue
+    return 0

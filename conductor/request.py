@@ -60,7 +60,8 @@ class Capacity:
 
 
 def served_models(r: redis.Redis) -> list[str]:
-    return [m for m in sorted(x.decode() for x in r.smembers(K.MODELS_KEY)) if live_workers(r, m)]
+    return [m for m in sorted(x.decode() if isinstance(x, bytes) else x for x in r.smembers(K.MODELS_KEY))
+            if live_workers(r, m)]
 
 
 def _check_timeout(timeout: float) -> float:
@@ -105,17 +106,17 @@ class _Core:
         return from_native({"id": secrets.token_hex(12), "model": self.model, "prefix": list(prefix),
                             "prompt": prompt, "max_tokens": max_tokens, "payload": payload})
 
-    def commands(self, it: PreparedItem) -> list[tuple]:
+    def commands(self, it: PreparedItem) -> list[tuple[Any, ...]]:
         mk = self.mk
         return [("EVALSHA", self.submit_sha, 3, mk.base, mk.cfg, mk.state, *_submit_args(self.job, [it])),
                 ("EVALSHA", self.seal_sha, 3, mk.state, mk.intake, mk.doorbell)]
 
-    def result(self, raw: bytes) -> Result:
+    def result(self, raw: bytes | str) -> Result:
         if raw == _CLOSED:
             raise ClientClosed("the request client was closed while this request waited")
         return result_decoder.decode(raw)
 
-    def capacity(self, state: Any, cfg_max: Any, contracts: dict, alive: list[str]) -> Capacity:
+    def capacity(self, state: Any, cfg_max: Any, contracts: dict[Any, Any], alive: list[str]) -> Capacity:
         import json
         budget = 0
         for name in alive:
@@ -228,7 +229,7 @@ class AsyncRequestClient:
         self._core = _Core(url, model, max_in_flight)
         self.model, self.job = model, self._core.job
         self._r = aioredis.Redis.from_url(url, socket_timeout=None, socket_connect_timeout=10)
-        self._waiters: deque[asyncio.Future] = deque()
+        self._waiters: deque[asyncio.Future[Any]] = deque()
 
     @property
     def available_permits(self) -> int:

@@ -35,7 +35,7 @@ def default_dir() -> Path:
 
 
 class FileStore:
-    def __init__(self, r: redis.Redis, root: str | os.PathLike | None = None) -> None:
+    def __init__(self, r: redis.Redis, root: str | os.PathLike[str] | None = None) -> None:
         self.r = r
         self.root = Path(root) if root else default_dir()
         self.root.mkdir(parents=True, exist_ok=True)
@@ -60,7 +60,7 @@ class FileStore:
             os.replace(tmp, self.path(file_id))
         finally:
             tmp.unlink(missing_ok=True)
-        obj = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()),
+        obj: dict[str, Any] = {"id": file_id, "object": "file", "bytes": size, "created_at": int(time.time()),
                "filename": (filename or "upload.jsonl")[:255], "purpose": purpose, "status": "processed"}
         pipe = self.r.pipeline(transaction=False)
         pipe.hset(K.file_key(file_id), mapping={k: str(v) for k, v in obj.items()})
@@ -84,7 +84,7 @@ class FileStore:
         start = 0
         if after:
             rank = self.r.zrevrank(K.FILES_KEY, after)
-            start = 0 if rank is None else rank + 1
+            start = 0 if rank is None else int(rank) + 1  # type: ignore[arg-type]  # an int without WITHSCORE
         ids = [_s(x) for x in self.r.zrevrange(K.FILES_KEY, start, start + limit)]
         objs = [o for o in (self.get(i) for i in ids[:limit]) if o]
         return objs, len(ids) > limit

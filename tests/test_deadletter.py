@@ -110,7 +110,7 @@ def test_retry_is_atomic_per_item_and_refuses_bad_ids(cdr):
     cdr.reclaim_dead("m")
     dl = DeadLetter(cdr)
     entries = [d.entry for d in dl.items()]
-    script = dl._retry
+    script = cdr.scripts.dead_retry
     keys = [MK.base, MK.state, MK.dead, MK.reclaimed]
     with pytest.raises(Exception, match="ERR_ARG ids"):
         script(keys=keys, args=[entries[0], "not-an-id"])

@@ -107,7 +107,7 @@ def test_worker_prewarms_the_sim_engine_graphs(cdr):
     assert eng.counters.graph_rebuilds == 1
 
 
-def test_draining_instance_never_takes_a_new_item_under_concurrency(cdr):
+def test_draining_instance_never_takes_a_new_item_under_concurrency(cdr):  # noqa: C901 - one scenario, threads inline
     # an instance without a full lane drains under 10 budgets: frequent drains while producers write
     setup(cdr, activate_batches=0, drain_batches=10, prewarm_batches=0)
     stop = threading.Event()

@@ -47,3 +47,12 @@ def test_nothing_imports_top_level_workers():
                 offenders += [f"{path.relative_to(ROOT)}:{node.lineno}" for n in names
                               if n == "workers" or n.startswith("workers.")]
     assert not offenders, offenders
+
+
+def test_every_package_folder_is_installed():
+    # pyproject lists packages by name: a subpackage left out installs nothing of it (an editable
+    # install still finds it, so only a real install would fail).
+    packages = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    for init in (ROOT / "conductor").rglob("__init__.py"):
+        rel = init.parent.relative_to(ROOT)
+        assert ".".join(rel.parts) in packages, rel

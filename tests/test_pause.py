@@ -40,7 +40,7 @@ def test_a_paused_model_refuses_every_write_and_resume_finishes_the_job(cdr, red
                                (cdr.scripts.reclaim, keys5, ["gone", 1, 0, 10]),
                                (cdr.scripts.reindex, [MK.base, MK.cfg, MK.state], [f"{inflight.shape}:1"]),
                                (cdr.scripts.repair, [MK.base, MK.cfg, MK.state], [f"{inflight.shape}:1"]),
-                               (DeadLetter(cdr)._retry, [MK.base, MK.state, MK.dead, MK.reclaimed], dead_ids)]:
+                               (cdr.scripts.dead_retry, [MK.base, MK.state, MK.dead, MK.reclaimed], dead_ids)]:
         with pytest.raises(redis.ResponseError, match="^PAUSED"):
             script(keys=keys, args=args)
     assert dump(cdr.r) == before  # nothing written by any of them

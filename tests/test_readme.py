@@ -17,3 +17,13 @@ def test_ci_lints_with_ruff_and_fails_on_lint_errors():
     ci = (ROOT / ".ci" / "run").read_text()
     assert "set -euo pipefail" in ci
     assert "if ! .venv/bin/ruff check .; then" in ci and "exit 1" in ci.split("ruff check .", 1)[1]
+
+
+def test_ci_type_checks_the_package_with_mypy_strict():
+    import tomllib
+
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "if ! .venv/bin/mypy; then" in ci and "exit 1" in ci.split(".venv/bin/mypy;", 1)[1]
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert cfg["tool"]["mypy"]["strict"] is True and cfg["tool"]["mypy"]["files"] == ["conductor"]
+    assert any(dep.startswith("mypy==") for dep in cfg["project"]["optional-dependencies"]["test"])

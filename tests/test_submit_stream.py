@@ -2,7 +2,8 @@
 
 import pytest
 
-from conductor import client as client_mod
+from conductor import script_calls
+from conductor import submit_stream as client_mod
 from conductor.errors import BadInput
 from tests.conftest import item
 
@@ -23,7 +24,7 @@ def test_many_calls_in_flight_submit_everything_once(cdr, small_chunks):
 def test_error_reply_stops_sending_and_earlier_calls_stay(cdr, small_chunks, monkeypatch):
     # The third call (items 20..29) carries a malformed job name; submit.lua refuses the whole call.
     good = [item(i, 10) for i in range(50)]
-    monkeypatch.setattr(client_mod, "_submit_args", _poison_third_call(client_mod._submit_args))
+    monkeypatch.setattr(script_calls, "submit_args", _poison_third_call(script_calls.submit_args))
     with pytest.raises(BadInput, match="job"):
         cdr.submit(good, "j")
     # Calls 1 and 2 were applied; call 3 wrote nothing; at most SUBMIT_WINDOW - 1 later calls ran.

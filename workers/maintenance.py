@@ -13,6 +13,7 @@ import threading
 import time
 
 from conductor import metrics
+from conductor import script_calls as calls
 from conductor.client import Conductor
 from conductor.keys import ModelKeys
 from conductor.retention import trim_model
@@ -33,11 +34,10 @@ class Maintenance:
         self.lease_ms = lease_ms
         self.stale_idle_ms = stale_idle_ms
         self.thrash_batches = thrash_batches
-        self._renew = conductor.scripts.lease  # lua/lease.lua
         self._next = 0.0
         self._finished_cursor = "$"
         self.batches_per_shape: list[int] = []
-        # Counter drift check (conductor/verify.py): reads every waiting entry in bounded steps,
+        # Counter drift check (conductor/verify/): reads every waiting entry in bounded steps,
         # so it runs seldom and in a thread of its own; 0 turns it off.
         if verify_interval_s is None:
             verify_interval_s = float(os.environ.get("CONDUCTOR_VERIFY_INTERVAL_S", "60"))
@@ -59,7 +59,7 @@ class Maintenance:
             return None
         self._next = now + self.interval_s
         try:
-            if not int(self._renew(keys=[self.keys.maint_lease], args=[self.owner, self.lease_ms])):
+            if not calls.lease(self.keys, self.owner, self.lease_ms).run(self.c.scripts):
                 return None
             # Live consumers lose only entries idle past stale_idle_ms: their heartbeat extends
             # every lease it knows of, so such an entry is one whose claim reply never arrived

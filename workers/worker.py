@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import redis
 
 from conductor import keys as K
+from conductor import script_calls as calls
 from conductor.client import Conductor
 from conductor.errors import ConductorError, Paused
 from conductor.records import Batch, Contract, Result, ResultError
@@ -39,6 +40,7 @@ from conductor.workers.doorbell import Doorbell, poll_sleep
 from conductor.workers.engines.base import Engine, Finished
 from conductor.workers.identity import default_worker_name
 from conductor.workers.latch import AdmissionLatch
+from conductor.workers.prewarm import Prewarm
 from conductor.workers.sdnotify import Notifier
 from conductor.workers.transient import RIDE_OUT, is_transient
 from conductor.workers.worker_metrics import WorkerMetrics
@@ -95,8 +97,7 @@ class Worker:
         self._wd_thread: threading.Thread | None = None
         self.notifier = Notifier()
         self.metrics = WorkerMetrics(self.contract.model, self.name, self.contract.max_batch_tokens)
-        self._warm_lens: dict[str, frozenset[int]] = {}  # instance -> padded lengths prewarmed
-        self._serving = ""
+        self.prewarm = Prewarm(conductor, engine, self.contract.model, self.name)
 
     # ------------------------------------------------------------------ lifecycle
     def register(self) -> None:
@@ -105,13 +106,10 @@ class Worker:
         # One allow-oom script (lua/register.lua): it works on a Redis over maxmemory, which a fresh
         # worker may be started to drain. The first consumer's contract becomes the model's
         # reference for "a full batch".
-        set_tokens, set_items = self.c.scripts.register(
-            keys=[self.keys.workers, self.keys.cfg, self.keys.heartbeat(self.name)],
-            args=[self.name, json.dumps({"max_batch_size": c.max_batch_size, "max_batch_tokens": c.max_batch_tokens,
-                                         "max_input_len": c.max_input_len, "engine": self.engine.kind,
-                                         "pid": os.getpid()}),
-                  c.max_batch_tokens, c.max_batch_size, int(time.time() * 1000),
-                  max(1, int(self.opts.heartbeat_ttl_s * 1000))])
+        shown = json.dumps({"max_batch_size": c.max_batch_size, "max_batch_tokens": c.max_batch_tokens,
+                            "max_input_len": c.max_input_len, "engine": self.engine.kind, "pid": os.getpid()})
+        set_tokens, set_items = calls.register(self.keys, self.name, shown, c, int(time.time() * 1000),
+                                               max(1, int(self.opts.heartbeat_ttl_s * 1000))).run(self.c.scripts)
         if set_tokens or set_items:
             # Lanes that waited for this first worker were judged under the default budget.
             try:
@@ -166,10 +164,9 @@ class Worker:
             try:
                 # lua/heartbeat.lua, allow-oom: a heartbeat refused over maxmemory would let a
                 # live worker's batches be reclaimed and run twice.
-                self.c.scripts.heartbeat(keys=[self.keys.heartbeat(self.name), self.keys.batches],
-                                         args=[self.name, int(time.time() * 1000),
-                                               max(1, int(self.opts.heartbeat_ttl_s * 1000)), *self.leased_ids()])
-            except (redis.RedisError, OSError) as e:
+                calls.heartbeat(self.keys, self.name, int(time.time() * 1000),
+                                max(1, int(self.opts.heartbeat_ttl_s * 1000)), self.leased_ids()).run(self.c.scripts)
+            except (redis.RedisError, OSError, ConductorError) as e:
                 event("heartbeat_failed", worker=self.name, error=str(e))
 
     def _watchdog_loop(self, every: float) -> None:
@@ -273,25 +270,8 @@ class Worker:
             self._give_back_failed(batch, e)
             return True
         self._collect(refused)
-        serving = f"{batch.shape}:{batch.epoch}"
-        # A switch (or a shape shared with other workers), or a batch at a padded length this
-        # worker has not prepared (a lane opened or grew since): the instance's lanes' graphs are
-        # built while this batch runs, not one per batch as they come.
-        if serving != self._serving or batch.padded_len not in self._warm_lens.get(serving, ()):
-            self._serving = serving
-            self._prewarm(serving)
-        if batch.warming and batch.warming not in self._warm_lens:
-            self._prewarm(batch.warming)
+        self.prewarm.after_claim(batch)
         return True
-
-    def _prewarm(self, inst: str) -> None:
-        """The pre-warm signal rides on claim replies: build the next shape's graphs before the switch."""
-        shape, epoch, lanes = self.c.prewarm_info(self.contract.model, inst)
-        # The instances prepared last (the one served, the warming one): their padded lengths.
-        self._warm_lens = {k: v for k, v in self._warm_lens.items() if k in (self._serving, inst)}
-        self._warm_lens[inst] = frozenset(lanes)
-        self.engine.prewarm(shape, lanes, epoch)
-        event("prewarm", worker=self.name, shape=shape, epoch=epoch, lanes=len(lanes))
 
     def _give_back_failed(self, batch: Batch, err: Exception) -> None:
         """The engine could not take a batch: requeue it (fail.lua counts deliveries, dead-letters at N)."""
