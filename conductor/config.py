@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-# name -> (default, description); lua/lib.lua's CFG_NAMES and CFG_DEFAULTS mirror them.
+# name -> (default, description); the Lua scripts get them as lib_generated.lua, written from here
+# when conductor/scripts.py loads a script (no copy to keep in sync).
 FIELDS: dict[str, tuple[Any, str]] = {
     "mode": ("memory", "memory: pad to the longest item rounded up to 8 and count padded tokens; "
                        "disk: count actual tokens and keep the release gate open"),
