@@ -34,7 +34,7 @@ def test_cancel_answers_waiting_items_keeps_in_flight_ones_and_ends_cancelled(cd
     assert d["status"] == "cancelling" and d["cancelling_at"] and d["pending"] == 16
     assert d["request_counts"] == {"total": 300, "completed": 0, "failed": 284}
     # the answered items left the lanes: nothing waits, no claim finds work
-    assert int(cdr.r.hget(MK.state, "items") or 0) == 0
+    assert int(cdr.r.hget(MK.intake, "items") or 0) == 0
     assert cdr.claim(contract(16), "w2")[0] is None
     # the in-flight batch finishes and its results are kept
     assert cdr.complete(batch, results_for(batch)) == (16, 1)
@@ -101,3 +101,16 @@ def test_cancel_on_the_command_line(redis_url, tmp_path):
     assert p.returncode == 2 and b"--completion-window" in p.stderr
     p = cli("inspect", "m", "--verify", url=redis_url, check=False)
     assert p.returncode == 0, p.stdout.decode() + p.stderr.decode()
+
+
+def test_verify_finds_an_ended_job_whose_counts_do_not_add_up(cdr):
+    """inspect --verify checks the lifecycle against the counts: a job recorded as cancelled (or
+    completed, expired) with items here that have no result is a finding."""
+    submitted(cdr, 20)
+    assert verify(cdr.r, "m", items=True).ok
+    cdr.r.hset(K.job_meta_key("j"), "status", "cancelled")  # as a sweep that died before answering
+    rep = verify(cdr.r, "m", items=True)
+    assert not rep.ok and any("is cancelled but 20 of its 20 items here have no result" in p for p in rep.problems)
+    cdr.r.hset(K.job_meta_key("j"), "status", "in_progress")
+    lifecycle.cancel(cdr, "j")  # a real cancel answers every item: the counts add up
+    assert verify(cdr.r, "m", items=True).ok

@@ -11,6 +11,7 @@ from typing import Any
 import redis
 
 from conductor import keys as K
+from conductor.connection import as_str
 from conductor.verify.ledger import Ledger, ledger_records
 from conductor.verify.snapshot import Snapshot, as_int, classify, list_pages, oom, read_cfg, read_zset
 from conductor.verify.truth import InstRead, LaneTruth, find_orphans, job_truth, read_inflight, read_instance
@@ -193,6 +194,17 @@ class _Check:
             self.row(mk.job_items(job), "done (d)", truth["done"], truth["results"], "job.done")
         if truth["dup_results"]:
             self.rep.problems.append(f"{self.model}: job {job} has {truth['dup_results']} duplicated result record(s)")
+        self.job_lifecycle(job, truth)
+
+    def job_lifecycle(self, job: str, truth: dict[str, int]) -> None:
+        """A job its lifecycle calls ended (completed, cancelled, expired: conductor/lifecycle.py)
+        must have a result for every item it holds here: its counts add up."""
+        from conductor.lifecycle import TERMINAL
+        status = as_str(self.r.hget(K.job_meta_key(job), "status") or b"")
+        left = truth["submitted"] - truth["done"]
+        if status in TERMINAL and left:
+            self.rep.problems.append(f"{self.model}: job {job} is {status} but {left} of its {truth['submitted']} "
+                                     "items here have no result")
 
     def model_jobs(self, jobs: list[str]) -> None:
         """The model's job totals against the sum of its jobs' counters, in one MULTI."""
