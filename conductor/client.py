@@ -350,6 +350,11 @@ class Conductor:
             by_model.setdefault(it.model, []).append(it)
         self._refuse_before_writing(job, by_model)
 
+    def check_paused(self, models: Iterable[str]) -> None:
+        """Raise Paused when one of ``models`` is paused: all a new job's submission can be refused
+        for before its first write."""
+        self._refuse_before_writing("", {m: [] for m in models})
+
     def _refuse_before_writing(self, job: str, by_model: dict[str, list[PreparedItem]]) -> None:
         """Refusals submit.lua would give one call at a time, asked for the whole submission
         first, so a refused file leaves nothing behind (not even an empty job): a paused model,
