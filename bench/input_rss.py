@@ -1,8 +1,8 @@
 """Peak memory (RSS) of ``conductor submit`` for a large generated file, JSONL against Parquet.
 
 Generates ``--rows`` native items (prompts of ``--prompt-bytes``), submits each file to a fresh
-embedded redis-server with ``conductor submit`` as a child process, and reads the child's peak
-RSS from wait4(). ``--old-tree DIR`` also runs a source tree of an earlier commit (``git archive
+embedded redis-server with ``conductor submit`` as a child process of a small launcher, which
+reads its peak RSS from wait4(). ``--old-tree DIR`` also runs a source tree of an earlier commit (``git archive
 REV | tar -x -C DIR``) on the JSONL file, for the figure before streaming input.
 
     .venv/bin/python -m bench.input_rss --rows 200000 --old-tree /tmp/cdr-old
@@ -49,42 +49,52 @@ def write_files(d: Path, n: int, prompt_bytes: int) -> tuple[Path, Path]:
     return jl, pqf
 
 
-def submit_rss(path: Path, env: dict[str, str]) -> tuple[float, int, float]:
+# A small launcher process runs the submit and reports its peak RSS: a child forked from this
+# process would start with this process's pages (the generated rows) in its high-water mark.
+_LAUNCH = ("import os, subprocess, sys\n"
+           "p = subprocess.Popen(sys.argv[1:], stdout=subprocess.DEVNULL)\n"
+           "_, status, usage = os.wait4(p.pid, 0)\n"
+           "print(usage.ru_maxrss, os.waitstatus_to_exitcode(status))\n")
+
+
+def submit_rss(path: Path, env: dict[str, str], cwd: Path) -> tuple[float, int, float]:
     """(peak RSS MiB, exit status, seconds) of one ``conductor submit``."""
     with EmbeddedRedis() as server:
         t0 = time.monotonic()
-        p = subprocess.Popen([sys.executable, "-m", "conductor", "--redis", server.url, "submit", str(path),
-                              "--job", "j", "--quiet"], env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL)
-        _, status, usage = os.wait4(p.pid, 0)
-        p.returncode = os.waitstatus_to_exitcode(status)
-        return usage.ru_maxrss / 1024, p.returncode, time.monotonic() - t0
+        out = subprocess.run([sys.executable, "-c", _LAUNCH, sys.executable, "-m", "conductor", "--redis", server.url,
+                              "submit", str(path), "--job", "j", "--quiet"], env=env, cwd=str(cwd),
+                             capture_output=True, text=True, check=True).stdout.split()
+        return int(out[0]) / 1024, int(out[1]), time.monotonic() - t0
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", type=int, default=200_000)
+    ap.add_argument("--rows", type=int, nargs="+", default=[200_000])
     ap.add_argument("--prompt-bytes", type=int, default=500)
     ap.add_argument("--old-tree", help="source tree of an earlier commit, run on the JSONL file too")
     ap.add_argument("--no-write", action="store_true")
     a = ap.parse_args()
-    with tempfile.TemporaryDirectory() as d:
-        jl, pqf = write_files(Path(d), a.rows, a.prompt_bytes)
-        env = dict(os.environ)
-        runs = [("JSONL", jl, env, "this tree"), ("Parquet", pqf, env, "this tree")]
-        if a.old_tree:
-            runs.insert(0, ("JSONL", jl, dict(env, PYTHONPATH=a.old_tree), f"before streaming ({a.old_tree})"))
-        out = []
-        for fmt, path, e, code in runs:
-            mib, rc, dt = submit_rss(path, e)
-            assert rc == 0, f"submit of {path} exited {rc}"
-            out.append((fmt, code, f"{path.stat().st_size / 2**20:.0f}", f"{mib:.0f}", f"{dt:.1f}",
-                        f"{a.rows / dt:,.0f}"))
-            print(out[-1], flush=True)
+    out = []
+    for n in a.rows:
+        with tempfile.TemporaryDirectory() as d:
+            jl, pqf = write_files(Path(d), n, a.prompt_bytes)
+            env = dict(os.environ)
+            runs = [("JSONL", jl, env, ROOT, "this tree"), ("Parquet", pqf, env, ROOT, "this tree")]
+            if a.old_tree:
+                # python -m puts the working directory first on sys.path: the old tree's package wins
+                runs.insert(0, ("JSONL", jl, env, Path(a.old_tree), "before streaming (commit 9954f5d)"))
+            for fmt, path, e, cwd, code in runs:
+                mib, rc, dt = submit_rss(path, e, cwd)
+                assert rc == 0, f"submit of {path} exited {rc}"
+                out.append((f"{n:,}", fmt, code, f"{path.stat().st_size / 2**20:.0f}", f"{mib:.0f}", f"{dt:.1f}",
+                            f"{n / dt:,.0f}"))
+                print(out[-1], flush=True)
     body = (f"## Input files: peak RSS of `conductor submit` (issue 18)\n\n{now_utc()}, commit {git_rev()}, "
-            f"{machine()}.\n\n`{command_line()}`\n\n{a.rows:,} native rows, prompts of {a.prompt_bytes} bytes; "
-            "each submit to a fresh embedded redis-server; peak RSS of the submit process from wait4().\n\n"
-            + table(["format", "code", "file MiB", "peak RSS MiB", "seconds", "items/s"], out)
-            + "\n\nThe file is read in passes (check, then send in chunks of 20,000): memory holds one chunk "
+            f"{machine()}.\n\n`{command_line()}`\n\nNative rows, prompts of {a.prompt_bytes} bytes; "
+            "each submit to a fresh embedded redis-server; peak RSS of the submit process from wait4() in a "
+            "small launcher process.\n\n"
+            + table(["rows", "format", "code", "file MiB", "peak RSS MiB", "seconds", "items/s"], out)
+            + "\n\nThe file is read in passes (check, then send in chunks of 5,000): memory holds one chunk "
               "and an 8-byte digest per id, not the file.\n")
     if not a.no_write:
         write_section("input-rss", body)

@@ -39,7 +39,8 @@ def _conductor(args: argparse.Namespace):  # noqa: ANN202
     from conductor.client import Conductor
     wait = args.wait_replicas if getattr(args, "wait_replicas", None) is not None else \
         int(os.environ.get("CONDUCTOR_WAIT_REPLICAS", "0") or 0)
-    return Conductor.from_url(_url(args), wait_replicas=wait)
+    from conductor.store import store_from
+    return Conductor.from_url(_url(args), wait_replicas=wait, store=store_from(getattr(args, "store", None)))
 
 
 def default_job(path: str) -> str:
@@ -441,6 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis", metavar="URL",
                    help=f"Redis URL; rediss:// for TLS, ?cluster=1 for Redis Cluster "
                         f"(default: env CONDUCTOR_REDIS_URL, else {DEFAULT_URL})")
+    p.add_argument("--store", metavar="URL",
+                   help="disk tier: a directory or fsspec URL (s3://bucket/prefix with s3fs) for store segments; "
+                        "used for models with a resident_tokens ceiling (env CONDUCTOR_STORE; README: Disk tier)")
     p.add_argument("--wait-replicas", type=non_negative_int, default=None, metavar="N",
                    help="submit and complete wait until N replicas hold their writes "
                         "(default: env CONDUCTOR_WAIT_REPLICAS, else 0)")

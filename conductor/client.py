@@ -32,6 +32,8 @@ from conductor.formats import PreparedItem
 from conductor.records import Batch, BatchItem, Contract, Result, json_encoder
 from conductor.schema import check as check_schema
 from conductor.scripts import Scripts
+from conductor.store import Store
+from conductor.tier import Tier
 
 # One submit.lua call blocks Redis for a time per item, so the chunk bounds every other client's
 # wait; two calls in flight let the client encode the next call while Redis runs the last one
@@ -184,11 +186,13 @@ class Conductor:
     """One client of one Redis; cheap to create, safe to use from one thread at a time."""
 
     def __init__(self, client: redis.Redis, *, migrate: bool = True, wait_replicas: int = 0,
-                 wait_timeout_ms: int = 1000) -> None:
+                 wait_timeout_ms: int = 1000, store: Store | None = None) -> None:
         """``wait_replicas``: submit and complete return only once that many replicas hold
         their writes (WAIT), else raise NotReplicated: with asynchronous replication a failover
-        may otherwise lose writes the old primary acknowledged."""
+        may otherwise lose writes the old primary acknowledged. ``store``: the disk tier's
+        (conductor/tier.py), used for models with a resident_tokens ceiling."""
         self.r = client
+        self.tier = Tier(self, store) if store is not None else None
         self.wait_replicas = wait_replicas
         self.wait_timeout_ms = wait_timeout_ms
         self.scripts = Scripts(client)
@@ -302,7 +306,10 @@ class Conductor:
             self._register_job(job, model)
             mk = self._intake_model(model)
             report.models.add(model)
-            self._submit_calls(mk, job, _grouped_by_shape(its), report, progress)
+            if self.tier is not None:
+                self.tier.submit_model(mk, job, _grouped_by_shape(its), report, progress)
+            else:
+                self._submit_calls(mk, job, _grouped_by_shape(its), report, progress)
         if seal:
             for model in by_model:
                 self.seal(model)
@@ -376,8 +383,9 @@ class Conductor:
             for start in range(0, len(its), 5000):
                 chunk = its[start:start + 5000]
                 for it, had in zip(chunk, self.r.hmget(sums_key, [it.id for it in chunk]), strict=True):
-                    # '-': an id registered before sums were kept (migrations/0003): not judged
-                    if had is not None and had != b"-" and _s(had) != content_sum(head, it):
+                    # '-': an id registered before sums were kept (migrations/0003): not judged;
+                    # 's<seq>:<sum>': an id waiting in a store segment (lua/register_segment.lua)
+                    if had is not None and had != b"-" and _s(had)[-16:] != content_sum(head, it):
                         conflicts += 1
                         example = example or it.id
         if conflicts:

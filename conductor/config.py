@@ -34,6 +34,9 @@ FIELDS: dict[str, tuple[Any, str]] = {
     "prewarm_batches": (2, "below this many budgets pending on the active shape, the next shape starts warming"),
     "hygiene_items": (4, "a lane with fewer items than this and no assignment for hygiene_idle_ms is force-drained"),
     "hygiene_idle_ms": (5000, "see hygiene_items"),
+    "resident_tokens": (0, "disk tier (with a store: --store, CONDUCTOR_STORE): input tokens that wait in Redis at "
+                           "most; beyond them submit writes items to store segments, which workers feed back as "
+                           "lanes drain. 0: no ceiling, every item waits in Redis"),
 }
 
 DEFAULTS: dict[str, Any] = {k: v[0] for k, v in FIELDS.items()}

@@ -15,7 +15,8 @@ import redis
 _INCLUDE = re.compile(r"^--@include\s+(\S+)\s*$", re.M)
 # Every script of lua/ that is run (lib*.lua are includes); tests/test_scripts.py holds the two to each other.
 NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex", "seal", "ensure_model", "register",
-         "heartbeat", "declare", "dead_retry", "repair_items", "trim", "trim_results", "lease")
+         "heartbeat", "declare", "dead_retry", "repair_items", "trim", "trim_results", "lease",
+         "register_segment")
 
 
 @functools.cache
@@ -49,3 +50,4 @@ class Scripts:
     trim: redis.commands.core.Script
     trim_results: redis.commands.core.Script
     lease: redis.commands.core.Script
+    register_segment: redis.commands.core.Script

@@ -22,7 +22,9 @@ from conductor.errors import ConductorError, DuplicateId
 from conductor.formats import PreparedItem
 from conductor.input_files import FileScan, chunks, scan
 
-SEND_CHUNK = 20_000  # items per Conductor.submit: each call groups its items by shape (client.py)
+# items per Conductor.submit (each call groups its items by shape, client.py): a chunk of 2 KB
+# prompts is some 20 MB of Python objects, a few round trips of checks per chunk cost nothing
+SEND_CHUNK = 5_000
 LARGE_SUBMIT = 10_000  # items from which a submit on a terminal shows its live line
 
 

@@ -122,8 +122,8 @@ local st = redis.call('HMGET', state_key, 'gate', 'cleanup_since_ms', '', 'clean
 local intake_key = base .. ':intake'
 local cleanup_since = st[2]
 do
-  local it = redis.call('HMGET', intake_key, 'tokens', 'last_intake_ms', 'items', 'sealed_ms')
-  st[2], st[3], st[9], st[14] = it[1], it[2], it[3], it[4]
+  local it = redis.call('HMGET', intake_key, 'tokens', 'last_intake_ms', 'items', 'sealed_ms', 'stored_tokens')
+  st[2], st[3], st[9], st[14], st[15] = it[1], it[2], it[3], it[4], it[5]
 end
 -- Each worker warms its own next instance (M:warming), so in a fleet the shape a worker
 -- prepared is the one it switches to, not one another worker took first.
@@ -202,15 +202,18 @@ end
 -- 2. Release gate: memory mode dispatches nothing until enough is waiting to make good first
 --    batches; once open it stays open. Quiet intake opens it too, so a small job still runs.
 local waiting, last_intake = num(st[2]), num(st[3])
+-- The disk tier's store segments (conductor/tier.py) wait too: the gate counts them, and a model
+-- whose lanes are empty while they wait is not idle (the feeder is loading them).
+local stored = num(st[15])
 -- Intake is quiet after quiet_ms of silence, or at once when a producer sealed its submission
 -- after the last item arrived (seal.lua).
 local sealed = num(st[14])
 local function quiet_since(last) return now - last >= cfg.quiet_ms or sealed >= last end
 local quiet = quiet_since(last_intake)
 if st[1] ~= '1' then
-  if disk or waiting >= cfg.release_batches * cfg.budget_tokens or (quiet and waiting > 0) then
+  if disk or waiting + stored >= cfg.release_batches * cfg.budget_tokens or (quiet and waiting > 0) then
     redis.call('HSET', state_key, 'gate', 1, 'gate_opened_ms', now)
-  elseif waiting > 0 then
+  elseif waiting + stored > 0 then
     return {0, 'gate'}
   else
     return {0, 'idle'}
@@ -562,7 +565,7 @@ for _ = 1, 4 do
         active = pick_next(true)
       end
       if not active then
-        if waiting > 0 then return {0, 'wait'} end
+        if waiting + stored > 0 then return {0, 'wait'} end
         if cleanup then
           local since = num(redis.call('HGET', state_key, 'cleanup_since_ms'))
           redis.call('HINCRBY', state_key, 'cleanup_ms', math.max(0, now - since))

@@ -19,7 +19,9 @@
 --                 standard JSON: a form only cjson takes (NaN, hex, leading zeros) passes this
 --                 check, and the worker answers that item with a bad_record error.
 -- Returns: one integer per item: the lane id it joined, or -1 when this job already has an
---   item with this id (an interrupted submit re-run neither loses nor duplicates).
+--   item with this id (an interrupted submit re-run neither loses nor duplicates). An id that
+--   waits in a store segment (registry mark 's<seq>:<sum>', register_segment.lua) joins a lane
+--   once, counted then as waiting instead of stored (the disk tier's feeder loads segments so).
 --   Errors, with nothing written: 'ERR_ARG <field>: ...' for a malformed argument,
 --   'FULL ...' when the model's waiting-token ceiling (cfg max_waiting_tokens) would be passed,
 --   'NOPERM ...' when the caller's ACL refuses a command this call may run (lib.lua acl_refused).
@@ -258,10 +260,18 @@ local job_sums = base .. ':in:' .. job .. ':sums'
 local known = redis.call('HMGET', job_sums, unpack(ids))
 local first, fresh_sums = {}, {}
 local conflicts = 0
+-- Ids registered by register_segment.lua ('s<seq>:<sum>') wait in a store segment: this call
+-- places them (the feeder loading the segment, or a producer sending the item again), once: the
+-- registry then holds the plain sum, and the stored counters move to the waiting ones.
+local from_store = {}
 for i = 1, n do
   local o = 3 * i
   local sum = string.sub(redis.sha1hex(ARGV[o] .. ARGV[o + 1]), 1, 16)
   local id = ids[i]
+  local had = known[i]
+  if had and byte(had, 1) == 115 and string.sub(had, -16) == sum then
+    from_store[i], known[i] = true, false  -- another content under the id is a conflict below
+  end
   if known[i] then
     -- '-': an id stored before sums were kept (migrations/0003): it cannot be judged, so it
     -- stays a duplicate
@@ -280,6 +290,7 @@ if conflicts > 0 then
 end
 local out, seen = {}, {}
 local new_items, new_tokens = 0, 0
+local fed_items, fed_tokens = 0, 0
 for i = 0, n - 1 do
   local o = 3 + 3 * i
   local id, tok = ids[i + 1], toks[i + 1]
@@ -304,8 +315,11 @@ for i = 0, n - 1 do
     t.rep = rep
     ctx.tokens = ctx.tokens + tok
     ctx.items = ctx.items + 1
-    new_items = new_items + 1
-    new_tokens = new_tokens + tok
+    if from_store[i + 1] then
+      fed_items, fed_tokens = fed_items + 1, fed_tokens + tok
+    else
+      new_items, new_tokens = new_items + 1, new_tokens + tok
+    end
     out[#out + 1] = tonumber(lane)
   end
 end
@@ -353,9 +367,15 @@ end
 if new_items > 0 then
   redis.call('HINCRBY', base .. ':in:' .. job, 'submitted', new_items)
   redis.call('HINCRBY', base .. ':in:' .. job, 'submitted_tokens', new_tokens)
-  redis.call('HINCRBY', intake_key, 'tokens', new_tokens)
-  redis.call('HINCRBY', intake_key, 'items', new_items)
   redis.call('HINCRBY', intake_key, 'submitted', new_items)
+end
+if fed_items > 0 then
+  redis.call('HINCRBY', intake_key, 'stored_tokens', -fed_tokens)
+  redis.call('HINCRBY', intake_key, 'stored_items', -fed_items)
+end
+if new_items + fed_items > 0 then
+  redis.call('HINCRBY', intake_key, 'tokens', new_tokens + fed_tokens)
+  redis.call('HINCRBY', intake_key, 'items', new_items + fed_items)
   -- claim.lua ends cleanup mode when it sees intake newer than the cleanup's start.
   redis.call('HSET', intake_key, 'last_intake_ms', now)
 end

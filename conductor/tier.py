@@ -1,0 +1,256 @@
+"""The disk tier (issue 18, seed 002's disk mode): backlogs beyond Redis memory.
+
+With a store (``conductor/store.py``) and a model's ``resident_tokens`` ceiling above 0, at most
+that many input tokens wait in Redis lanes. Beyond it ``Conductor.submit`` writes the items to
+store segments (``conductor/segments.py``: one model, job and shape signature each) and registers
+each with lua/register_segment.lua, atomically with the counts. The worker that holds the
+maintenance lease feeds segments back through submit.lua as the lanes drain (``Feeder``), under
+the ceiling, oldest first with the active shapes' segments before the others.
+
+Segments are per signature, not per lane and epoch: lanes and shape instances are assigned when a
+segment is loaded, by submit.lua's own rule, because the lane a new item should join depends on
+what is waiting in Redis then (lanes retire, epochs finish, the depth rule counts what waits) and
+a segment may wait for hours. Purity is kept: one segment, one shape; a batch is taken from one
+instance's lanes as always.
+
+Crash safety: a segment is written whole (the store) and then registered (one script). Died
+between the two, the producer's re-run finds the ids unregistered, makes the same segment (its
+name derives from its content) and registers it; died after, the re-run finds the ids registered
+and leaves them out. A feeder that died between loading a segment and dropping its index record
+loads it again: submit.lua places each stored id once, so the second load places nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import redis
+
+from conductor import keys as K
+from conductor import segments as S
+from conductor.errors import ConductorError
+from conductor.formats import PreparedItem
+from conductor.store import Store
+
+if TYPE_CHECKING:
+    from conductor.client import Conductor, SubmitReport
+
+log = logging.getLogger("conductor.tier")
+
+SEGMENT_ITEMS = 5000  # one submit.lua call loads a whole segment
+MIN_SEGMENT_TOKENS = 1
+
+
+def segment_tokens(ceiling: int) -> int:
+    """A segment's token size: a quarter of the ceiling, so the feeder tops the lanes up in steps
+    and Redis holds at most the ceiling (a single item larger than that travels alone)."""
+    return max(MIN_SEGMENT_TOKENS, ceiling // 4)
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class Tier:
+    """The producer's side: which items wait in Redis and which go to the store."""
+
+    def __init__(self, conductor: Conductor, store: Store) -> None:
+        self.c = conductor
+        self.store = store
+        self._writable = False
+
+    def ceiling(self, mk: K.ModelKeys) -> int:
+        raw = self.c.r.hget(mk.cfg, "resident_tokens")
+        try:
+            return max(0, int(_s(raw))) if raw is not None else 0
+        except ValueError:
+            return 0
+
+    def submit_model(self, mk: K.ModelKeys, job: str, its: Sequence[PreparedItem], report: SubmitReport,
+                     progress: Callable[[int], None] | None = None) -> None:
+        """``its`` (grouped by shape) into Redis lanes up to the ceiling, the rest into segments.
+        Once anything of the model waits in the store, everything new goes there too: fed items
+        keep their order behind the ones already stored."""
+        ceiling = self.ceiling(mk)
+        if ceiling <= 0:
+            self.c._submit_calls(mk, job, its, report, progress)
+            return
+        if not self._writable:
+            self.store.check_writable()  # StoreError before anything of the call is written
+            self._writable = True
+        waiting, stored = (int(_s(v or 0)) for v in self.c.r.hmget(mk.intake, "tokens", "stored_tokens"))
+        k = 0
+        if stored == 0:
+            room = ceiling - waiting
+            while k < len(its) and its[k].input_tokens <= room:
+                room -= its[k].input_tokens
+                k += 1
+        if k:
+            self.c._submit_calls(mk, job, its[:k], report, progress)
+        if k < len(its):
+            self.write_segments(mk, job, its[k:], report, segment_tokens(ceiling),
+                                progress and (lambda n, base=report.accepted + report.duplicates: progress(base + n)))
+
+    def write_segments(self, mk: K.ModelKeys, job: str, its: Sequence[PreparedItem], report: SubmitReport,
+                       max_tokens: int, progress: Callable[[int], None] | None = None) -> None:
+        done = 0
+        for piece in _pieces(its, max_tokens):
+            self._write_one(mk, job, piece, report)
+            done += len(piece)
+            if progress:
+                progress(done)
+
+    def _write_one(self, mk: K.ModelKeys, job: str, piece: Sequence[PreparedItem], report: SubmitReport) -> None:
+        from conductor.client import _raise_script_error, _record_head, content_sum
+        head = _record_head(job)
+        sums_key = mk.job_sums(job)
+        for _ in range(5):
+            known = self.c.r.hmget(sums_key, [it.id for it in piece])
+            # an id the job has: the same content (other content was refused before, in submit)
+            fresh = [it for it, had in zip(piece, known, strict=True) if had is None]
+            dups = len(piece) - len(fresh)
+            if not fresh:
+                report.duplicates += dups
+                return
+            seg = S.build(mk.model, job, fresh)
+            data = S.encode(seg)
+            self.store.put(seg.file_name, data)  # StoreError: nothing registered
+            toks = seg.tokens
+            args: list[Any] = [seg.name, job, seg.sig, seg.file_name, S.file_sum(data), sum(toks), min(toks),
+                               max(toks)]
+            for it in fresh:
+                args += [it.id, content_sum(head, it)]
+            try:
+                reply = self.c._confirmed(self.c.scripts.register_segment,
+                                          [mk.intake, mk.job_intake(job), sums_key, mk.segs, mk.seg(seg.name),
+                                           mk.state], args)
+            except redis.ResponseError as e:
+                if str(e).startswith("KNOWN"):
+                    continue  # another producer registered some of these meanwhile: look again
+                _raise_script_error(e)
+                raise
+            report.duplicates += dups
+            if int(reply) == 1:
+                report.accepted += len(fresh)
+            else:
+                report.duplicates += len(fresh)
+            return
+        raise ConductorError(f"job {job}: ids kept moving under other producers; nothing more written")
+
+
+def _pieces(its: Sequence[PreparedItem], max_tokens: int) -> list[Sequence[PreparedItem]]:
+    """Runs of one shape, cut at SEGMENT_ITEMS items or ``max_tokens`` tokens."""
+    out: list[Sequence[PreparedItem]] = []
+    start, tokens = 0, 0
+    for i, it in enumerate(its):
+        if i > start and (it.sig != its[start].sig or i - start >= SEGMENT_ITEMS
+                          or tokens + it.input_tokens > max_tokens):
+            out.append(its[start:i])
+            start, tokens = i, 0
+        tokens += it.input_tokens
+    if start < len(its):
+        out.append(its[start:])
+    return out
+
+
+class Feeder:
+    """The worker's side (the maintenance lease holder): segments back into lanes as they drain."""
+
+    def __init__(self, conductor: Conductor, store: Store, model: str) -> None:
+        self.c = conductor
+        self.store = store
+        self.mk = K.ModelKeys(model)
+        self.loaded_segments = 0
+        self.loaded_items = 0
+
+    def feed(self, max_segments: int = 64) -> int:
+        """Load segments while the lanes have room under the ceiling; the items placed."""
+        mk, r = self.mk, self.c.r
+        placed = 0
+        for _ in range(max_segments):
+            ceiling = Tier(self.c, self.store).ceiling(mk)
+            waiting = int(_s(r.hget(mk.intake, "tokens") or 0))
+            if ceiling > 0 and waiting >= ceiling:
+                break
+            pick = self.next_segment()
+            if pick is None:
+                break
+            name, rec = pick
+            # Under the ceiling, or one segment when the lanes are empty (a segment is at most a
+            # quarter of the ceiling it was cut for; a lowered ceiling must not stall the backlog).
+            if ceiling > 0 and waiting > 0 and waiting + int(rec["tokens"]) > ceiling:
+                break
+            n = self.load(name, rec)
+            if n < 0:
+                continue  # a bad segment, marked; the next one
+            placed += n
+        return placed
+
+    def next_segment(self) -> tuple[str, dict[str, str]] | None:
+        """The oldest good segment of an active shape, else of a warming one, else the oldest."""
+        mk, r = self.mk, self.c.r
+        names = [_s(n) for n in r.zrange(mk.segs, 0, 255)]
+        if not names:
+            return None
+        pipe = r.pipeline(transaction=False)
+        for n in names:
+            pipe.hgetall(mk.seg(n))
+        pipe.zrange(mk.active, 0, -1)
+        pipe.hvals(mk.warming)
+        *recs, active, warming = pipe.execute()
+        active_sigs = {_s(i).split(":")[0] for i in active}
+        warming_sigs = {_s(i).split(":")[0] for i in warming}
+        good = [(n, {_s(k): _s(v) for k, v in rec.items()}) for n, rec in zip(names, recs, strict=True)
+                if rec and b"bad" not in rec]
+        for sigs in (active_sigs, warming_sigs):
+            for n, rec in good:
+                if rec["sig"] in sigs:
+                    return n, rec
+        return good[0] if good else None
+
+    def load(self, name: str, rec: dict[str, str]) -> int:
+        """One segment into its shape's lanes; the items placed, or -1 when it is missing or
+        damaged (then marked bad for `inspect --verify`, and left registered). A store that does
+        not answer raises StoreError: nothing is marked."""
+        mk = self.mk
+        try:
+            seg = read_segment(self.store, rec)
+        except (FileNotFoundError, S.BadSegment) as e:  # a store that fails to answer raises StoreError
+            why = "missing" if isinstance(e, FileNotFoundError) else f"{e}"
+            self.c.r.hset(mk.seg(name), "bad", why[:500])
+            log.error(json.dumps({"event": "segment_bad", "model": mk.model, "segment": name, "error": why}))
+            return -1
+        args: list[Any] = [len(seg.records), seg.job]
+        prefix = json.dumps(list(seg.prefix)).encode()
+        for i, (recb, _tok) in enumerate(zip(seg.records, seg.tokens, strict=True)):
+            args += [seg.sig, recb, prefix if i == 0 else b""]
+        try:
+            reply = self.c.scripts.submit(keys=[mk.base, mk.cfg, mk.state], args=args)
+        except redis.ResponseError as e:
+            from conductor.client import _raise_script_error
+            _raise_script_error(e)  # paused, or Redis full: the worker's maintenance rides it out
+            raise
+        placed = sum(1 for lane in reply if int(lane) >= 0)
+        pipe = self.c.r.pipeline(transaction=True)
+        pipe.zrem(mk.segs, name)
+        pipe.delete(mk.seg(name))
+        pipe.execute()
+        self.store.delete(rec["path"])
+        self.loaded_segments += 1
+        self.loaded_items += placed
+        return placed
+
+
+def read_segment(store: Store, rec: dict[str, str]) -> S.Segment:
+    """The segment an index record names, checked against the record (sum, count, tokens)."""
+    data = store.get(rec["path"])
+    if S.file_sum(data) != rec["sum"]:
+        raise S.BadSegment(f"segment {rec['path']} is damaged: its SHA-1 is not the registered one")
+    seg = S.decode(data)
+    if len(seg.records) != int(rec["items"]) or sum(seg.tokens) != int(rec["tokens"]) or seg.job != rec["job"] \
+            or seg.sig != rec["sig"]:
+        raise S.BadSegment(f"segment {rec['path']} does not hold what its index record says")
+    return seg
