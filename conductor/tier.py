@@ -33,6 +33,7 @@ from conductor import keys as K
 from conductor import segments as S
 from conductor.errors import ConductorError
 from conductor.formats import PreparedItem
+from conductor.records import json_encoder
 from conductor.store import Store
 
 if TYPE_CHECKING:
@@ -118,15 +119,9 @@ class Tier:
             seg = S.build(mk.model, job, fresh)
             data = S.encode(seg)
             self.store.put(seg.file_name, data)  # StoreError: nothing registered
-            toks = seg.tokens
-            args: list[Any] = [seg.name, job, seg.sig, seg.file_name, S.file_sum(data), sum(toks), min(toks),
-                               max(toks)]
-            for it in fresh:
-                args += [it.id, content_sum(head, it)]
+            keys, args = register_call(mk, seg, data, [content_sum(head, it) for it in fresh], [it.id for it in fresh])
             try:
-                reply = self.c._confirmed(self.c.scripts.register_segment,
-                                          [mk.intake, mk.job_intake(job), sums_key, mk.segs, mk.seg(seg.name),
-                                           mk.state], args)
+                reply = self.c._confirmed(self.c.scripts.register_segment, keys, args)
             except redis.ResponseError as e:
                 if str(e).startswith("KNOWN"):
                     continue  # another producer registered some of these meanwhile: look again
@@ -139,6 +134,25 @@ class Tier:
                 report.duplicates += len(fresh)
             return
         raise ConductorError(f"job {job}: ids kept moving under other producers; nothing more written")
+
+
+def register_call(mk: K.ModelKeys, seg: S.Segment, data: bytes, sums: Sequence[str],
+                  ids: Sequence[str]) -> tuple[list[str], list[Any]]:
+    """register_segment.lua's KEYS and ARGV for ``seg`` (written as ``data``)."""
+    toks = seg.tokens
+    args: list[Any] = [seg.name, seg.job, seg.sig, seg.file_name, S.file_sum(data), sum(toks), min(toks), max(toks)]
+    for iid, sm in zip(ids, sums, strict=True):
+        args += [iid, sm]
+    return [mk.intake, mk.job_intake(seg.job), mk.job_sums(seg.job), mk.segs, mk.seg(seg.name), mk.state], args
+
+
+def load_args(seg: S.Segment) -> list[Any]:
+    """submit.lua's ARGV that loads ``seg``: its records as stored, its prefix once."""
+    args: list[Any] = [len(seg.records), seg.job]
+    prefix = json_encoder.encode(list(seg.prefix))  # as client._submit_args sends it
+    for i, rec in enumerate(seg.records):
+        args += [seg.sig, rec, prefix if i == 0 else b""]
+    return args
 
 
 def _pieces(its: Sequence[PreparedItem], max_tokens: int) -> list[Sequence[PreparedItem]]:
@@ -223,12 +237,8 @@ class Feeder:
             self.c.r.hset(mk.seg(name), "bad", why[:500])
             log.error(json.dumps({"event": "segment_bad", "model": mk.model, "segment": name, "error": why}))
             return -1
-        args: list[Any] = [len(seg.records), seg.job]
-        prefix = json.dumps(list(seg.prefix)).encode()
-        for i, (recb, _tok) in enumerate(zip(seg.records, seg.tokens, strict=True)):
-            args += [seg.sig, recb, prefix if i == 0 else b""]
         try:
-            reply = self.c.scripts.submit(keys=[mk.base, mk.cfg, mk.state], args=args)
+            reply = self.c.scripts.submit(keys=[mk.base, mk.cfg, mk.state], args=load_args(seg))
         except redis.ResponseError as e:
             from conductor.client import _raise_script_error
             _raise_script_error(e)  # paused, or Redis full: the worker's maintenance rides it out

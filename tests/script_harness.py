@@ -219,6 +219,36 @@ def submit_known_shape_without_prefix(c: Conductor) -> Call:
     return call
 
 
+def _stored(c: Conductor, n: int, job: str = "j") -> tuple[Any, Any]:
+    """n items of model m written to a segment in a memory store (not registered): the segment,
+    its file bytes, and the registry sums."""
+    from conductor import segments as S
+    from conductor.client import _record_head, content_sum
+    items = [item(f"s{i}", 10 + i) for i in range(n)]
+    seg = S.build("m", job, items)
+    return seg, S.encode(seg), [content_sum(_record_head(job), it) for it in items]
+
+
+def register_segment_new(c: Conductor) -> Call:
+    from conductor.tier import register_call
+    quick(c)
+    c.submit([item("a", 10)], "j")
+    seg, data, sums = _stored(c, 5)
+    keys, args = register_call(MK, seg, data, sums, [f"s{i}" for i in range(5)])
+    return Call("register_segment", keys, args, check=lambda r: r.zcard(MK.segs) == 1)
+
+
+def submit_from_store(c: Conductor) -> Call:
+    """The feeder's load: ids registered in a segment join lanes, stored counters move to waiting."""
+    from conductor.tier import load_args, register_call
+    quick(c)
+    seg, data, sums = _stored(c, 5)
+    keys, args = register_call(MK, seg, data, sums, [f"s{i}" for i in range(5)])
+    c.scripts.register_segment(keys=keys, args=args)
+    return Call("submit", [MK.base, MK.cfg, MK.state], load_args(seg),
+                check=lambda r: r.hget(MK.intake, "stored_items") == b"0" and r.hget(MK.intake, "items") == b"5")
+
+
 # ------------------------------------------------------------------ complete
 
 def complete_final(c: Conductor) -> Call:
@@ -429,7 +459,9 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "claim": [claim_warming, claim_warmed_shape_activates, claim_reclaimed_part, claim_reclaimed_whole,
               claim_finish_and_next, claim_aging_preempts, claim_hygiene_drains, claim_hygiene_retires_empty,
               claim_hygiene_big_lane, claim_reindexes, claim_enters_cleanup, claim_leaves_cleanup],
-    "submit": [submit_new_shapes, submit_leaves_cleanup_reuses_lane, submit_known_shape_without_prefix],
+    "submit": [submit_new_shapes, submit_leaves_cleanup_reuses_lane, submit_known_shape_without_prefix,
+               submit_from_store],
+    "register_segment": [register_segment_new],
     "complete": [complete_final, complete_retired],
     "reclaim": [reclaim_dead_consumer],
     "fail": [fail_requeues, fail_dead_letters],
