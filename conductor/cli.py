@@ -222,7 +222,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.verify or args.repair:
         from conductor.verify import cli_verify
         return cli_verify(c.r, models, do_repair=args.repair, show_all=args.all, ledger=not args.no_ledger,
-                          as_json=args.json)
+                          as_json=args.json, store=c.tier.store if c.tier else None, scripts=c.scripts)
     views = [model_overview(c, m, lanes=args.lanes) for m in models]
     if args.json:
         print(json.dumps(views, default=str))
@@ -353,7 +353,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     ports: list[int] = []  # each worker's metrics endpoint: the engines' prefix-cache hits are read there
     try:
         from conductor.client import Conductor
-        c = Conductor.from_url(url)
+        from conductor.store import store_from
+        c = Conductor.from_url(url, store=store_from(args.store))
         job = args.job or default_job(args.file)
         prepare_job(c, found, job)
         t0 = time.monotonic()
@@ -364,7 +365,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         for m in models:
             for i in range(args.workers):
                 ports.append(free_port())
-                cmd = [sys.executable, "-m", "conductor", "--redis", url, "--log-level", "warning", "worker",
+                store = ["--store", args.store] if args.store else []  # else CONDUCTOR_STORE, inherited
+                cmd = [sys.executable, "-m", "conductor", "--redis", url, *store, "--log-level", "warning", "worker",
                        "--engine", args.engine, "--model", m, "--name", f"run-{m}-{i}",
                        "--max-batch-size", str(args.max_batch_size),
                        "--max-batch-tokens", str(args.max_batch_tokens),

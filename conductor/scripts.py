@@ -16,7 +16,7 @@ _INCLUDE = re.compile(r"^--@include\s+(\S+)\s*$", re.M)
 # Every script of lua/ that is run (lib*.lua are includes); tests/test_scripts.py holds the two to each other.
 NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex", "seal", "ensure_model", "register",
          "heartbeat", "declare", "dead_retry", "repair_items", "trim", "trim_results", "lease",
-         "register_segment")
+         "register_segment", "fail_stored")
 
 
 @functools.cache
@@ -51,3 +51,4 @@ class Scripts:
     trim_results: redis.commands.core.Script
     lease: redis.commands.core.Script
     register_segment: redis.commands.core.Script
+    fail_stored: redis.commands.core.Script

@@ -349,8 +349,9 @@ class _Ledger:
         self.places.setdefault((_s(job), _s(iid)), []).append(place)
 
     def counts(self) -> dict[str, int]:
-        out = {"submitted": len(self.state), "done": 0, "waiting": 0, "inflight": 0, "reclaimed": 0, "orphaned": 0}
-        kinds = {"lane": "waiting", "batch": "inflight", "orphan": "orphaned"}
+        out = {"submitted": len(self.state), "done": 0, "waiting": 0, "inflight": 0, "reclaimed": 0, "orphaned": 0,
+               "stored": 0}
+        kinds = {"lane": "waiting", "batch": "inflight", "orphan": "orphaned", "store": "stored"}
         for key, st in self.state.items():
             if st != "q":
                 out["done"] += 1
@@ -496,8 +497,9 @@ def _read_instance(r: redis.Redis, mk: K.ModelKeys, inst: str, scanned: set[str]
                      lanes, False)
 
 
-def verify(r: redis.Redis, model: str, *, items: bool = False) -> Report:
-    """Every counter of ``model`` next to its truth (see the module docstring)."""
+def verify(r: redis.Redis, model: str, *, items: bool = False, store: Any = None) -> Report:
+    """Every counter of ``model`` next to its truth (see the module docstring); the disk tier's
+    segments and stored counters too (conductor/verify_store.py; their files when ``store``)."""
     mk = K.ModelKeys(model)
     rep = Report(model)
     rows = rep.rows
@@ -625,6 +627,8 @@ def verify(r: redis.Redis, model: str, *, items: bool = False) -> Report:
         rep.notes.append("Redis is over maxmemory and refuses MULTI: every read was a plain pipelined read, not "
                          "a snapshot (against a live system, re-check a differing row)")
         _oom.on = False
+    from conductor.verify_store import check_store
+    check_store(r, mk, jobs, rep, ledger, store)
     if ledger is not None:
         rep.problems.extend(ledger.problems(model))
         rep.ledger = ledger.counts()
@@ -1093,7 +1097,7 @@ def render(report: Report, *, show_all: bool = False) -> str:
 
 
 def cli_verify(r: redis.Redis, models: list[str], *, do_repair: bool = False, show_all: bool = False,
-               ledger: bool = True, as_json: bool = False) -> int:
+               ledger: bool = True, as_json: bool = False, store: Any = None, scripts: Any = None) -> int:
     """``conductor inspect --verify [--repair]``: 0 when every counter equals its truth, else 1.
 
     With ``do_repair`` the counters that differ are rewritten, the changes printed, and the
@@ -1104,7 +1108,7 @@ def cli_verify(r: redis.Redis, models: list[str], *, do_repair: bool = False, sh
     status = 0
     docs = []
     for model in models:
-        report = verify(r, model, items=ledger)
+        report = verify(r, model, items=ledger, store=store)
         doc: dict[str, Any] = {"model": model, "rows": [dict(key=x.key, field=x.field, recorded=x.recorded,
                                                              truth=x.truth, diff=x.diff, kind=x.kind)
                                                         for x in report.rows if show_all or x.diff],
@@ -1113,8 +1117,14 @@ def cli_verify(r: redis.Redis, models: list[str], *, do_repair: bool = False, sh
         if not as_json:
             print(render(report, show_all=show_all))
         if do_repair and not report.ok:
+            from conductor.verify_store import repair_store
+            answered = repair_store(r, model, store, scripts=scripts) if scripts is not None else []
             changes, failed = repair(r, model)
-            after = verify(r, model, items=ledger)
+            after = verify(r, model, items=ledger, store=store)
+            doc.update(store_repairs=answered)
+            if not as_json:
+                for line in answered:
+                    print(f"repair of {model}: {line}")
             doc.update(changes=[c.__dict__ for c in changes], repair_failed=failed, after_differ=len(after.drift),
                        after_problems=after.problems)
             if not as_json:

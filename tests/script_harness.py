@@ -249,6 +249,25 @@ def submit_from_store(c: Conductor) -> Call:
                 check=lambda r: r.hget(MK.intake, "stored_items") == b"0" and r.hget(MK.intake, "items") == b"5")
 
 
+def fail_stored(c: Conductor) -> Call:
+    """A lost segment's items answered with error results."""
+    from conductor.records import Result, ResultError, json_encoder
+    from conductor.tier import register_call
+    quick(c)
+    seg, data, sums = _stored(c, 3)
+    keys, args = register_call(MK, seg, data, sums, [f"s{i}" for i in range(3)])
+    c.scripts.register_segment(keys=keys, args=args)
+    out: list[Any] = [seg.name]
+    for i in range(3):
+        res = Result(id=f"s{i}", model="m", job="j", output="", output_tokens=0, error=ResultError("x", "y"),
+                     shape=seg.sig, epoch=0, lane=-1, batch="", batch_size=0, batch_padded_len=0, input_tokens=0,
+                     worker="repair", claimed_at=0, finished_at=0)
+        out += [f"s{i}", json_encoder.encode(res)]
+    return Call("fail_stored", [MK.intake, MK.state, MK.segs, MK.seg(seg.name), MK.job_sums("j"), MK.job("j"),
+                                MK.job_items("j"), MK.job_results("j")], out,
+                check=lambda r: r.xlen(MK.job_results("j")) == 3)
+
+
 # ------------------------------------------------------------------ complete
 
 def complete_final(c: Conductor) -> Call:
@@ -462,6 +481,7 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "submit": [submit_new_shapes, submit_leaves_cleanup_reuses_lane, submit_known_shape_without_prefix,
                submit_from_store],
     "register_segment": [register_segment_new],
+    "fail_stored": [fail_stored],
     "complete": [complete_final, complete_retired],
     "reclaim": [reclaim_dead_consumer],
     "fail": [fail_requeues, fail_dead_letters],
