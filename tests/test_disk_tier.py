@@ -318,3 +318,34 @@ def test_verify_places_stored_items_in_the_ledger(redis_url, tmp_path):
     c.r.hincrby(MK.intake, "stored_items", 3)  # drift in the tier's counters is found
     v = cli("--store", store, "inspect", "m", "--verify", url=redis_url, check=False)
     assert v.returncode == 1 and "stored_items" in v.stdout.decode()
+
+
+def test_a_fresh_worker_drains_a_backlog_larger_than_maxmemory(tmp_path, monkeypatch):
+    """6 MB of prompts through a Redis of 5 MB: without the tier the submit is refused (QueueFull);
+    with it, Redis holds the ceiling's worth and a worker process started afterwards drains it all."""
+    from conductor.embedded import EmbeddedRedis
+    from conductor.errors import QueueFull
+    store = tmp_path / "store"
+    monkeypatch.setenv("CONDUCTOR_STORE", str(store))
+    n = 2400
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": f"r{i}", "model": "m", "prefix": ["sys"], "prompt": f"{i} " + "x" * 2500,
+                                       "max_tokens": 2}) + "\n" for i in range(n)))
+    extra = ["--maxmemory", "5mb", "--maxmemory-policy", "noeviction"]
+    with EmbeddedRedis(extra=extra) as srv:
+        plain = Conductor.from_url(srv.url)
+        plain.ensure_model("m")
+        quick(plain)
+        with pytest.raises(QueueFull):  # the old way: the backlog does not fit
+            plain.submit([item(f"p{i}", 600, payload="x" * 2500) for i in range(n)], "plain")
+    with EmbeddedRedis(extra=extra) as srv:
+        c = Conductor.from_url(srv.url)
+        c.ensure_model("m")
+        quick(c, resident_tokens=40_000)  # some 64 items of 626 tokens
+        cli("submit", str(src), "--job", "big", url=srv.url)
+        assert int(c.r.hget(MK.intake, "stored_items")) > n - 100
+        rows = follow_with_workers(srv.url, "big", tmp_path / "out.jsonl", [("m", "fresh")], batch_size=32,
+                                   batch_tokens=32 * 640)
+        ids = [r["id"] for r in rows]
+        assert len(ids) == n and len(set(ids)) == n and not any(r["error"] for r in rows)
+        assert c.r.info("memory")["used_memory_peak"] < 5 * 2**20
