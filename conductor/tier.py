@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -179,6 +180,7 @@ class Feeder:
         self.mk = K.ModelKeys(model)
         self.loaded_segments = 0
         self.loaded_items = 0
+        self.load_s = 0.0  # time spent in load(), for the feed rate (bench/disk_tier.py)
 
     def feed(self, max_segments: int = 64) -> int:
         """Load segments while the lanes have room under the ceiling; the items placed."""
@@ -229,6 +231,13 @@ class Feeder:
         """One segment into its shape's lanes; the items placed, or -1 when it is missing or
         damaged (then marked bad for `inspect --verify`, and left registered). A store that does
         not answer raises StoreError: nothing is marked."""
+        t0 = time.perf_counter()
+        try:
+            return self._load(name, rec)
+        finally:
+            self.load_s += time.perf_counter() - t0
+
+    def _load(self, name: str, rec: dict[str, str]) -> int:
         mk = self.mk
         try:
             seg = read_segment(self.store, rec)
