@@ -349,3 +349,20 @@ def test_a_fresh_worker_drains_a_backlog_larger_than_maxmemory(tmp_path, monkeyp
         ids = [r["id"] for r in rows]
         assert len(ids) == n and len(set(ids)) == n and not any(r["error"] for r in rows)
         assert c.r.info("memory")["used_memory_peak"] < 5 * 2**20
+
+
+def test_the_release_gate_counts_stored_tokens_and_stored_work_is_not_idle(redis_url, tmp_path):
+    """Memory mode: the gate opens at release_batches budgets waiting; tokens in the store count
+    (claim.lua), so a backlog mostly in segments is dispatched without waiting for quiet intake."""
+    c = _tiered(redis_url, str(tmp_path / "store"), 2000)
+    c.set_config("m", {"release_batches": 3, "budget_tokens": 1000, "quiet_ms": 600_000})
+    c.submit(_items(60, shapes=1), "j")  # 3,000 tokens: 2,000 in lanes, 1,000 stored
+    assert _intake(c)["stored_tokens"] == 1000
+    b, why = c.claim(contract(size=8, tokens=1000), "w")
+    assert b is not None, why  # 2,000 in lanes alone would keep the gate shut
+    c.complete(b, results_for(b))
+    while (b := c.claim(contract(size=64, tokens=100_000), "w")[0]) is not None:
+        c.complete(b, results_for(b))
+    assert c.claim(contract(), "w")[1] == "wait"  # lanes empty, segments waiting: not idle
+    inspect = cli("inspect", "m", url=redis_url).stdout.decode()
+    assert "in store segments 20 items / 1000 tokens" in inspect
