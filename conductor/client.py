@@ -767,13 +767,19 @@ class Conductor:
         and results of items this reader already returned since the rewind point are skipped:
         every id once, as far as the last REWIND_WINDOW results read per stream reach.
         """
+        from conductor.results_store import ResultSegments
         cursors: dict[str, str] = {}
         recent: dict[str, deque[tuple[str, str]]] = {}  # stream -> (entry id, item id), newest last
         skip: dict[str, set[str]] = {}
+        segs: dict[str, ResultSegments] = {}  # stream -> its results moved to the store (disk tier)
         while True:
             models = self.job_models(job)
             for m in models:
-                cursors.setdefault(K.ModelKeys(m).job_results(job), "0-0")
+                key = K.ModelKeys(m).job_results(job)
+                cursors.setdefault(key, "0-0")
+                if key not in segs:
+                    segs[key] = ResultSegments(self.r, self.tier.store if self.tier else None,
+                                               K.ModelKeys(m).job_rsegs(job))
             # Asked before the read: complete.lua writes a result and counts it in one step, so
             # when the job was done before a read that finds nothing, nothing is left to read.
             # Asked after, a batch completed between the two would be missed.
@@ -802,6 +808,11 @@ class Conductor:
                             on_rewind(rw)
                 if rewound:
                     continue  # read again from the rewind point: the results after it are new
+                # Results that left the stream for store segments before it was read come first,
+                # in stream order (conductor/results_store.py): every record once, from either.
+                read = dict(reply)
+                reply = [(st, segs[st].between(cursors[st], _s(read[st][0][0]) if read.get(st) else None)
+                          + list(read.get(st, []))) for st in cursors]
                 for stream, entries in reply:
                     seen = recent.setdefault(stream, deque(maxlen=REWIND_WINDOW))
                     for eid, fields in entries:

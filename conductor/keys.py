@@ -70,6 +70,9 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     M:job:J                         hash     the fleet's job counters for this model: completed, failed
     M:job:J:items                   hash     item id -> d: the item has its result (effectively-once)
     M:job:J:results                 stream   result records of the job for this model, JSON
+    M:job:J:rsegs                   list     result segments in the store (disk tier,
+                                             conductor/results_store.py), in stream order: JSON
+                                             {path, first, last, n, sum}
 
 Who may write what (deploy/redis/users.acl): a producer writes only M:intake, M:in:*, the shape,
 instance and lane keys (through submit.lua, seal.lua and declare.lua) and the global job and
@@ -230,3 +233,6 @@ class ModelKeys:
 
     def job_results(self, job: str) -> str:
         return f"{self.base}:job:{job}:results"
+
+    def job_rsegs(self, job: str) -> str:
+        return f"{self.base}:job:{job}:rsegs"

@@ -16,7 +16,7 @@ _INCLUDE = re.compile(r"^--@include\s+(\S+)\s*$", re.M)
 # Every script of lua/ that is run (lib*.lua are includes); tests/test_scripts.py holds the two to each other.
 NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex", "seal", "ensure_model", "register",
          "heartbeat", "declare", "dead_retry", "repair_items", "trim", "trim_results", "lease",
-         "register_segment", "fail_stored")
+         "register_segment", "fail_stored", "offload_results")
 
 
 @functools.cache
@@ -52,3 +52,4 @@ class Scripts:
     lease: redis.commands.core.Script
     register_segment: redis.commands.core.Script
     fail_stored: redis.commands.core.Script
+    offload_results: redis.commands.core.Script

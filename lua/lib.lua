@@ -6,12 +6,12 @@
 local CFG_NAMES = {'mode', 'budget_tokens', 'budget_items', 'lane_max', 'lane_thr_min',
   'lane_thr_max', 'lane_floor', 'lane_depth', 'lane_cap', 'lane_quiet_ms', 'activate_batches', 'drain_batches',
   'release_batches', 'quiet_ms', 'max_waiting_tokens', 'max_deliveries', 'aging_ms', 'prewarm_batches',
-  'hygiene_items', 'hygiene_idle_ms', 'resident_tokens'}
+  'hygiene_items', 'hygiene_idle_ms', 'resident_tokens', 'results_window'}
 local CFG_DEFAULTS = {mode = 'memory', budget_tokens = 8192, budget_items = 64, lane_max = 2048,
   lane_thr_min = 0.003, lane_thr_max = 0.3, lane_floor = 0, lane_depth = 8, lane_cap = 256, lane_quiet_ms = 3000,
   activate_batches = 4, drain_batches = 1, release_batches = 8, quiet_ms = 1000,
   max_waiting_tokens = 0, max_deliveries = 5, aging_ms = 300000, prewarm_batches = 2, hygiene_items = 4,
-  hygiene_idle_ms = 5000, resident_tokens = 0}
+  hygiene_idle_ms = 5000, resident_tokens = 0, results_window = 0}
 
 -- names: the fields a script uses (every field when nil); each field read costs, and claim.lua
 -- runs once per batch.

@@ -9,6 +9,7 @@ STREAM FULL of every stream), and a snapshot that restores the database to the b
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Callable
@@ -268,6 +269,18 @@ def fail_stored(c: Conductor) -> Call:
                 check=lambda r: r.xlen(MK.job_results("j")) == 3)
 
 
+def offload_results(c: Conductor) -> Call:
+    """The oldest results of a job leave its stream as their segment is registered."""
+    quick(c)
+    c.submit([item(f"o{i}", 10) for i in range(4)], "j")
+    b, _ = c.claim(contract(), "w")
+    c.complete(b, results_for(b))
+    eids = [e.decode() for e, _f in c.r.xrange(MK.job_results("j"), count=3)]
+    record = json.dumps({"path": "results/x.parquet", "first": eids[0], "last": eids[-1], "n": 3, "sum": "0"})
+    return Call("offload_results", [MK.job_results("j"), MK.job_rsegs("j"), MK.state], [record, *eids],
+                check=lambda r: r.xlen(MK.job_results("j")) == 1 and r.llen(MK.job_rsegs("j")) == 1)
+
+
 # ------------------------------------------------------------------ complete
 
 def complete_final(c: Conductor) -> Call:
@@ -482,6 +495,7 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
                submit_from_store],
     "register_segment": [register_segment_new],
     "fail_stored": [fail_stored],
+    "offload_results": [offload_results],
     "complete": [complete_final, complete_retired],
     "reclaim": [reclaim_dead_consumer],
     "fail": [fail_requeues, fail_dead_letters],

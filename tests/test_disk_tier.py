@@ -236,7 +236,7 @@ def test_a_worker_process_drains_a_backlog_ten_times_the_ceiling(redis_url, tmp_
                                        "input_tokens": tokens, "max_tokens": 4}) + "\n" for i in range(n)))
     c = Conductor.from_url(redis_url)
     c.ensure_model("m")
-    quick(c, resident_tokens=ceiling)
+    quick(c, resident_tokens=ceiling, results_window=100)
     cli("submit", str(src), "--job", "big", url=redis_url)
     assert int(c.r.hget(MK.intake, "stored_tokens")) == n * tokens - ceiling
     samples: list[int] = []
@@ -260,6 +260,8 @@ def test_a_worker_process_drains_a_backlog_ten_times_the_ceiling(redis_url, tmp_
     assert max(samples) <= ceiling + ceiling // 4 and len(samples) > 20
     st = {k.decode(): v.decode() for k, v in c.r.hgetall(MK.intake).items()}
     assert st["stored_tokens"] == "0" and st["tokens"] == "0" and c.r.zcard(MK.segs) == 0
+    # the lease holder moved results past the window to the store while the reader followed
+    assert c.r.llen(MK.job_rsegs("big")) > 0
     v = cli("inspect", "m", "--verify", url=redis_url, check=False)
     assert v.returncode == 0, v.stdout.decode() + v.stderr.decode()
 
@@ -366,3 +368,35 @@ def test_the_release_gate_counts_stored_tokens_and_stored_work_is_not_idle(redis
     assert c.claim(contract(), "w")[1] == "wait"  # lanes empty, segments waiting: not idle
     inspect = cli("inspect", "m", url=redis_url).stdout.decode()
     assert "in store segments 20 items / 1000 tokens" in inspect
+
+
+def test_results_past_the_window_move_to_the_store_and_are_read_once(redis_url, tmp_path):
+    from conductor.results_store import offload_job, offload_model
+    store = str(tmp_path / "store")
+    c = _tiered(redis_url, store, 0)
+    c.set_config("m", {"results_window": 50})
+    its = _items(300, shapes=1)
+    c.submit(its, "j")
+    reader = Conductor.from_url(redis_url, store=Store(store))
+    follow = reader.results("j", follow=True, block_ms=50, count=40)
+    first: list[bytes] = []
+    done = 0
+    while (b := c.claim(contract(size=32, tokens=100_000), "w")[0]) is not None:
+        c.complete(b, results_for(b))
+        done += len(b.items)
+        if done % 64 == 0:
+            first.append(next(follow))  # a following reader, part way, while results move out
+        offload_model(c, c.tier.store, "m")
+    assert c.r.xlen(MK.job_results("j")) <= 50 and c.r.llen(MK.job_rsegs("j")) > 0
+    assert first and c.r.xlen(MK.job_results("j")) + len(first) < 300  # it must read from segments
+    rest = list(follow)
+    ids = [json.loads(x)["id"] for x in first + rest]
+    assert sorted(ids) == sorted(it.id for it in its)  # every id once, across store and Redis
+    again = [json.loads(x)["id"] for x in reader.results("j")]  # a fresh reader, from the start
+    assert sorted(again) == sorted(it.id for it in its)
+    cli_rows = [json.loads(x)["id"] for x in cli("--store", store, "results", "j", url=redis_url).stdout.splitlines()]
+    assert cli_rows == again  # the same lines, in the same order
+    p = cli("results", "j", url=redis_url, check=False)  # without the store: one clear line
+    assert p.returncode != 0 and b"--store" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert offload_job(c.r, c.scripts, c.tier.store, "m", "j", 50) == 0  # nothing more to move
+    assert cli("--store", store, "inspect", "m", "--verify", url=redis_url, check=False).returncode == 0

@@ -15,6 +15,7 @@ import time
 from conductor import metrics
 from conductor.client import Conductor
 from conductor.keys import ModelKeys
+from conductor.results_store import offload_model
 from conductor.retention import trim_model
 from conductor.store import StoreError
 from conductor.tier import Feeder
@@ -78,8 +79,11 @@ class Maintenance:
             self._thrash_alarm()
             self._drift_check()
             trim_model(self.c, self.model)
+            if self.feeder is not None:  # the disk tier: results past the window go to the store
+                offload_model(self.c, self.feeder.store, self.model)
             return res
-        except RIDE_OUT as e:  # a Redis failure, a paused model (Paused), memory full (QueueFull)
+        except (*RIDE_OUT, StoreError) as e:  # a Redis failure, a paused model (Paused), memory full
+            # (QueueFull), a store that does not answer
             log.warning(json.dumps({"event": "maintenance_failed", "model": self.model, "error": str(e)}))
             return None
 
