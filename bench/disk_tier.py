@@ -38,6 +38,7 @@ from conductor.client import Conductor
 from conductor.embedded import EmbeddedRedis
 from conductor.formats import PreparedItem, parse_line
 from conductor.records import Contract, Result
+from conductor.results_store import offload_model
 from conductor.store import Store
 from conductor.tier import Feeder
 
@@ -45,6 +46,7 @@ MODEL = "bench"
 # resident_tokens for the per-item figures: items of ~150 tokens, so segments (a quarter of the
 # ceiling) of some 300 items, and nearly all of 20,000 items in the store
 TIER_CEILING = 200_000
+RESULTS_WINDOW = 10_000  # result records kept in Redis for the backlog run; older ones move to the store
 
 
 def _quick_cfg(c: Conductor, **extra: int) -> None:
@@ -104,7 +106,7 @@ def backlog(total_tokens: int, item_tokens: int, ceiling: int, store_dir: Path) 
     with EmbeddedRedis(extra=["--maxmemory", "256mb", "--maxmemory-policy", "noeviction"]) as srv:
         store = Store(str(store_dir / "backlog"))
         c = Conductor.from_url(srv.url, store=store)
-        _quick_cfg(c, resident_tokens=ceiling)
+        _quick_cfg(c, resident_tokens=ceiling, results_window=RESULTS_WINDOW)
         mk = K.ModelKeys(MODEL)
         t0 = time.perf_counter()
         for s in range(0, len(items), 5000):
@@ -118,7 +120,12 @@ def backlog(total_tokens: int, item_tokens: int, ceiling: int, store_dir: Path) 
         feeder = Feeder(feeder_c, store, MODEL)
 
         def feed() -> None:
+            # as the maintenance lease holder does: feed often, move results past the window seldom
+            next_offload = 0.0
             while not done.is_set():
+                if time.monotonic() >= next_offload:
+                    offload_model(feeder_c, store, MODEL)
+                    next_offload = time.monotonic() + 1.0
                 if feeder.feed() == 0:
                     time.sleep(0.001)
 
@@ -169,6 +176,12 @@ def backlog(total_tokens: int, item_tokens: int, ceiling: int, store_dir: Path) 
                    used_after_drain=c.r.info("memory")["used_memory"])
         st = c.status("big")
         res["status"] = (st["completed"], st["failed"], st["pending"])
+        res["result_segments"] = c.r.llen(mk.job_rsegs("big"))
+        res["results_in_redis"] = c.r.xlen(mk.job_results("big"))
+        t0 = time.perf_counter()
+        read = [json.loads(x)["id"] for x in c.results("big")]
+        res["read_results"], res["read_s"] = len(read), time.perf_counter() - t0
+        res["read_distinct"] = len(set(read))
     return res
 
 
@@ -197,13 +210,18 @@ def main() -> None:
             f"{machine()}.\n\n`{command_line()}`\n\n"
             f"**Backlog**: {big['items']:,} items declaring {big['tokens']:,} input tokens (about "
             f"{a.item_tokens:,} each, short texts), 4 shapes, resident_tokens {a.ceiling:,}, a Redis with "
-            f"maxmemory 256mb, a local directory as the store; drained by one claimer (claim and complete, no "
-            f"engine) while a feeder thread feeds.\n\n"
+            f"maxmemory 256mb, a local directory as the store, results_window {RESULTS_WINDOW:,}; drained by one "
+            f"claimer (claim and complete, no engine) while a feeder thread feeds and moves results past the window "
+            f"(as the maintenance lease holder does).\n\n"
             + table(["figure", "value"], [
                 ("used_memory_peak through submit", f"{big['peak_after_submit'] / mib:.1f} MiB"),
                 ("used_memory_peak through submit and drain", f"{big['peak_after_drain'] / mib:.1f} MiB"),
-                ("used_memory after the drain (results, done marks, id registry)",
+                ("used_memory after the drain (done marks, id registry, the results window)",
                  f"{big['used_after_drain'] / mib:.1f} MiB"),
+                ("results: in Redis (results_window), in store segments",
+                 f"{big['results_in_redis']:,}, {big['result_segments']:,} segments"),
+                ("`Conductor.results` over store and Redis: records, time",
+                 f"{big['read_results']:,} ({big['read_distinct']:,} distinct ids), {big['read_s']:.1f} s"),
                 ("store: segments, bytes", f"{big['segments']:,}, {big['store_bytes'] / mib:.1f} MiB"),
                 ("submit (to Redis up to the ceiling, the rest to segments)",
                  f"{big['submit_s']:.1f} s, {big['items'] / big['submit_s']:,.0f} items/s"),
