@@ -364,18 +364,22 @@ for sig, ctx in pairs(ctxs) do
     end
   end
 end
+-- The job's and the model's counters, in the order they were always written (a hash keeps its
+-- fields in insertion order; migrations/0003's round trip compares them byte for byte).
 if new_items > 0 then
   redis.call('HINCRBY', base .. ':in:' .. job, 'submitted', new_items)
   redis.call('HINCRBY', base .. ':in:' .. job, 'submitted_tokens', new_tokens)
-  redis.call('HINCRBY', intake_key, 'submitted', new_items)
 end
+if new_items + fed_items > 0 then
+  redis.call('HINCRBY', intake_key, 'tokens', new_tokens + fed_tokens)
+  redis.call('HINCRBY', intake_key, 'items', new_items + fed_items)
+end
+if new_items > 0 then redis.call('HINCRBY', intake_key, 'submitted', new_items) end
 if fed_items > 0 then
   redis.call('HINCRBY', intake_key, 'stored_tokens', -fed_tokens)
   redis.call('HINCRBY', intake_key, 'stored_items', -fed_items)
 end
 if new_items + fed_items > 0 then
-  redis.call('HINCRBY', intake_key, 'tokens', new_tokens + fed_tokens)
-  redis.call('HINCRBY', intake_key, 'items', new_items + fed_items)
   -- claim.lua ends cleanup mode when it sees intake newer than the cleanup's start.
   redis.call('HSET', intake_key, 'last_intake_ms', now)
 end
