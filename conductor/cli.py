@@ -27,8 +27,7 @@ from conductor.cli_args import (
     positive_float,
     positive_int,
 )
-from conductor.errors import BadInput, ConductorError, DuplicateId
-from conductor.formats import PreparedItem, parse_line
+from conductor.errors import ConductorError
 
 if TYPE_CHECKING:
     from conductor.client import Conductor
@@ -44,115 +43,38 @@ def _conductor(args: argparse.Namespace) -> Conductor:
     from conductor.client import Conductor
     wait = args.wait_replicas if getattr(args, "wait_replicas", None) is not None else \
         int(os.environ.get("CONDUCTOR_WAIT_REPLICAS", "0") or 0)
-    return Conductor.from_url(_url(args), wait_replicas=wait)
-
-
-def read_items(path: str, *, skip_invalid: bool, rejects: str | None,
-               lines: dict[str, int] | None = None, default_max_tokens: Any = None) -> list[PreparedItem]:
-    """Validate every line first: by default a file with a bad line submits nothing. ``lines``, when
-    given, gets each item's line number by id."""
-    items: list[PreparedItem] = []
-    errors: list[tuple[int, bytes, BadInput]] = []
-    seen: dict[str, tuple[int, str]] = {}  # id -> (first line, model): one id, one item of the job
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            line = raw.rstrip(b"\r\n")
-            if not line.strip():
-                continue
-            try:
-                it = parse_line(line, n, default_max_tokens)
-                first, model = seen.setdefault(it.id, (n, it.model))
-                if first != n:
-                    across = f" (there for model {model}: an id names one item of a job, across its models)" \
-                        if model != it.model else ""
-                    raise BadInput("id", f"duplicate of line {first}{across}", n)
-                items.append(it)
-                if lines is not None:
-                    lines[it.id] = n
-            except BadInput as e:
-                errors.append((n, line, e))
-    if errors:
-        _show_bad_lines(errors, rejects)
-        if not skip_invalid:
-            raise ConductorError(f"{len(errors)} invalid line(s) in {path}; nothing submitted "
-                                 "(--skip-invalid submits the valid ones)")
-    if not items:
-        raise ConductorError(f"{path} holds no {'valid ' if errors else ''}items: no job made")
-    return items
-
-
-def _show_bad_lines(errors: list[tuple[int, bytes, BadInput]], rejects: str | None) -> None:
-    """The first 20 refusals on stderr; every refused line, with why, to ``rejects`` when given."""
-    if rejects:
-        with open(rejects, "wb") as f:
-            for n, line, err in errors:
-                f.write(json.dumps({"line": n, "field": err.field, "error": str(err),
-                                    "raw": line.decode("utf-8", "replace")}).encode() + b"\n")
-    for _, _, err in errors[:20]:
-        print(f"error: {err}", file=sys.stderr)
-    if len(errors) > 20:
-        print(f"error: ... and {len(errors) - 20} more", file=sys.stderr)
+    from conductor.store import store_from
+    return Conductor.from_url(_url(args), wait_replicas=wait, store=store_from(getattr(args, "store", None)))
 
 
 def default_job(path: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", Path(path).stem)[:100] or "job"
 
 
-def declare_file(c: Any, job: str, items: list[PreparedItem], lines: dict[str, int]) -> None:
-    """Before the first item is sent: the ids checked against the job's other models, then the
-    file's item count per model recorded (Conductor.declare), so that `conductor status` can tell
-    a job that lost items (a failover, a submit that stopped halfway) from a finished one."""
-    by_model: dict[str, list[PreparedItem]] = {}
-    for it in items:
-        by_model.setdefault(it.model, []).append(it)
-    try:
-        c.check_ids_across_models(job, by_model)
-    except DuplicateId as e:  # the job has the id under another model (an earlier run)
-        raise DuplicateId(e.item_id, e.detail, lines.get(e.item_id)) from None
-    c.declare(job, {m: len(its) for m, its in by_model.items()})  # ids are distinct in a file (read_items)
-
-
-LARGE_SUBMIT = 10_000  # items from which a submit on a terminal shows its live line
-
-
 def cmd_submit(args: argparse.Namespace) -> int:
     from conductor.config import ModelDefaults
     from conductor.progress import ProgressLine
-    lines: dict[str, int] = {}
+    from conductor.submit_file import LARGE_SUBMIT, check_file, prepare_job, send_file
     conductors: list[Any] = []  # connected only when a line needs a model's default (or to submit)
 
     def redis_client() -> Any:
         if not conductors:
             conductors.append(_conductor(args))
         return conductors[0].r
-    items = read_items(args.file, skip_invalid=args.skip_invalid, rejects=args.rejects, lines=lines,
+    found = check_file(args.file, skip_invalid=args.skip_invalid, rejects=args.rejects,
                        default_max_tokens=ModelDefaults(redis_client).max_tokens)
     redis_client()
     c = conductors[0]
     job = args.job or default_job(args.file)
-    c.check_submit(items, job)  # the whole file: nothing is written when any part would be refused
-    declare_file(c, job, items, lines)
+    prepare_job(c, found, job)  # nothing is written when any part of the file would be refused
     from conductor.cli_batch import start_job
     start_job(c, job, args)
-    step = 20_000  # items per Conductor.submit: each call groups its items by shape (conductor/submit_stream.py)
-    accepted = dupes = 0
-    live = sys.stderr.isatty() and len(items) >= LARGE_SUBMIT and not args.quiet
-    with ProgressLine(f"submit {job}", len(items), sys.stderr, live=live) as line:
-        for start in range(0, len(items), step):
-            def shown(k: int, base: int = start) -> None:
-                line.update(base + k)
-
-            try:
-                rep = c.submit(items[start:start + step], job, progress=None if args.quiet else shown)
-            except DuplicateId as e:  # the job has the id under another model (an earlier run)
-                raise DuplicateId(e.item_id, e.detail, lines.get(e.item_id)) from None
-            accepted += rep.accepted
-            dupes += rep.duplicates
-    for model in sorted({it.model for it in items}):
-        c.seal(model)
+    live = sys.stderr.isatty() and found.items >= LARGE_SUBMIT and not args.quiet
+    with ProgressLine(f"submit {job}", found.items, sys.stderr, live=live) as line:
+        sent = send_file(c, found, job, progress=None if args.quiet else line.update)
     print(job)
     if not args.quiet:
-        print(f"submitted {accepted} items ({dupes} already there) to job {job}", file=sys.stderr)
+        print(f"submitted {sent.accepted} items ({sent.duplicates} already there) to job {job}", file=sys.stderr)
     return 0
 
 
@@ -331,7 +253,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.verify or args.repair:
         from conductor.verify import cli_verify
         return cli_verify(c.r, models, do_repair=args.repair, show_all=args.all, ledger=not args.no_ledger,
-                          as_json=args.json)
+                          as_json=args.json, store=c.tier.store if c.tier else None)
     views = [model_overview(c, m, lanes=args.lanes) for m in models]
     if args.json:
         print(json.dumps(views, default=str))
@@ -447,7 +369,8 @@ def cmd_run(args: argparse.Namespace) -> int:  # noqa: C901 - the whole `conduct
     from conductor.embedded import EmbeddedRedis, free_port
     from conductor.progress import ProgressLine
     from conductor.run_summary import RunSummary
-    items = read_items(args.file, skip_invalid=args.skip_invalid, rejects=args.rejects)
+    from conductor.submit_file import check_file, prepare_job, send_file
+    found = check_file(args.file, skip_invalid=args.skip_invalid, rejects=args.rejects)
     server = None
     url = args.redis or os.environ.get("CONDUCTOR_REDIS_URL")
     if url:
@@ -461,18 +384,20 @@ def cmd_run(args: argparse.Namespace) -> int:  # noqa: C901 - the whole `conduct
     ports: list[int] = []  # each worker's metrics endpoint: the engines' prefix-cache hits are read there
     try:
         from conductor.client import Conductor
-        c = Conductor.from_url(url)
+        from conductor.store import store_from
+        c = Conductor.from_url(url, store=store_from(args.store))
         job = args.job or default_job(args.file)
-        c.check_submit(items, job)
+        prepare_job(c, found, job)
         t0 = time.monotonic()
-        models = sorted({it.model for it in items})
+        models = sorted(found.counts)
         for m in models:
             if args.quiet_ms is not None:
                 c.set_config(m, {"quiet_ms": args.quiet_ms})
         for m in models:
             for i in range(args.workers):
                 ports.append(free_port())
-                cmd = [sys.executable, "-m", "conductor", "--redis", url, "--log-level", "warning", "worker",
+                store = ["--store", args.store] if args.store else []  # else CONDUCTOR_STORE, inherited
+                cmd = [sys.executable, "-m", "conductor", "--redis", url, *store, "--log-level", "warning", "worker",
                        "--engine", args.engine, "--model", m, "--name", f"run-{m}-{i}",
                        "--max-batch-size", str(args.max_batch_size),
                        "--max-batch-tokens", str(args.max_batch_tokens),
@@ -481,13 +406,12 @@ def cmd_run(args: argparse.Namespace) -> int:  # noqa: C901 - the whole `conduct
                 if args.model_path:
                     cmd += ["--model-path", args.model_path]
                 procs.append(subprocess.Popen(cmd))
-        declare_file(c, job, items, {})
-        rep = c.submit(items, job, seal=True)
+        rep = send_file(c, found, job)
         print(f"job {job}: {rep.accepted} items submitted ({rep.duplicates} already there), "
               f"{len(models)} model(s), {args.workers} worker(s) each", file=sys.stderr)
         summary = RunSummary()
         shown = 0.0
-        with open(args.output, "wb") as out, ProgressLine(f"job {job}", len(items), sys.stderr,
+        with open(args.output, "wb") as out, ProgressLine(f"job {job}", found.items, sys.stderr,
                                                           unit="results") as line:
             for rec in c.results(job, follow=True, block_ms=200,
                                  should_stop=lambda: all(p.poll() is not None for p in procs)):
@@ -551,6 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--redis", metavar="URL",
                    help=f"Redis URL; rediss:// for TLS, ?cluster=1 for Redis Cluster "
                         f"(default: env CONDUCTOR_REDIS_URL, else {DEFAULT_URL})")
+    p.add_argument("--store", metavar="URL",
+                   help="disk tier: a directory or fsspec URL (s3://bucket/prefix with s3fs) for store segments; "
+                        "used for models with a resident_tokens ceiling (env CONDUCTOR_STORE; README: Disk tier)")
     p.add_argument("--wait-replicas", type=non_negative_int, default=None, metavar="N",
                    help="submit and complete wait until N replicas hold their writes "
                         "(default: env CONDUCTOR_WAIT_REPLICAS, else 0)")
@@ -563,8 +490,8 @@ def build_parser() -> argparse.ArgumentParser:
         c.set_defaults(fn=fn)
         return c
 
-    s = command("submit", "validate and submit a JSONL file, print the job id, exit", cmd_submit)
-    s.add_argument("file", help="JSON lines: native or OpenAI batch format (README: Input lines)")
+    s = command("submit", "validate and submit a JSONL or Parquet file, print the job id, exit", cmd_submit)
+    s.add_argument("file", help="JSON lines or Parquet: native or OpenAI batch format (README: Input lines)")
     s.add_argument("--job", help="job id (default: the file's name without its extension)")
     s.add_argument("--skip-invalid", action="store_true", help="submit the valid lines, reject the others")
     s.add_argument("--rejects", metavar="FILE", help="write rejected lines here (JSON lines with line, field, error)")
@@ -673,7 +600,7 @@ def build_parser() -> argparse.ArgumentParser:
     dl.add_argument("--yes", action="store_true", help="purge without asking (a purge off a terminal needs it)")
 
     run = command("run", "the main job: submit FILE, run N workers per model, write results", cmd_run)
-    run.add_argument("file", help="JSON lines: native or OpenAI batch format (README: Input lines)")
+    run.add_argument("file", help="JSON lines or Parquet: native or OpenAI batch format (README: Input lines)")
     _engine_flags(run, model_required=False)
     run.add_argument("--workers", type=positive_int, default=2, help="worker processes per model")
     run.add_argument("-o", "--output", required=True, metavar="FILE", help="where the results go (JSON lines)")

@@ -4,7 +4,7 @@ mixins over this core; conductor/client.py puts them together as ``Conductor``."
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import redis
 
@@ -15,6 +15,10 @@ from conductor.connection import as_str, connect, pool_for
 from conductor.errors import BadInput, NotReplicated
 from conductor.schema import check as check_schema
 from conductor.scripts import Scripts
+from conductor.store import Store
+
+if TYPE_CHECKING:
+    pass
 
 R = TypeVar("R")
 
@@ -23,11 +27,14 @@ class ConductorCore:
     """One client of one Redis; cheap to create, safe to use from one thread at a time."""
 
     def __init__(self, client: redis.Redis, *, migrate: bool = True, wait_replicas: int = 0,
-                 wait_timeout_ms: int = 1000) -> None:
+                 wait_timeout_ms: int = 1000, store: Store | None = None) -> None:
         """``wait_replicas``: submit and complete return only once that many replicas hold
         their writes (WAIT), else raise NotReplicated: with asynchronous replication a failover
-        may otherwise lose writes the old primary acknowledged."""
+        may otherwise lose writes the old primary acknowledged. ``store``: the disk tier's
+        (conductor/tier.py), used for models with a resident_tokens ceiling."""
+        from conductor.tier import Tier
         self.r = client
+        self.tier = Tier(self, store) if store is not None else None  # type: ignore[arg-type]  # a Conductor's core
         self.wait_replicas = wait_replicas
         self.wait_timeout_ms = wait_timeout_ms
         self.scripts = Scripts(client)

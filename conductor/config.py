@@ -38,6 +38,11 @@ FIELDS: dict[str, tuple[Any, str]] = {
     "hygiene_idle_ms": (5000, "see hygiene_items"),
     "default_max_tokens": (1024, "output cap of an OpenAI batch line that gives neither max_tokens nor "
                                  "max_completion_tokens (read at the edge: conductor submit, conductor serve)"),
+    "resident_tokens": (0, "disk tier (with a store: --store, CONDUCTOR_STORE): input tokens that wait in Redis at "
+                           "most; beyond them submit writes items to store segments, which workers feed back as "
+                           "lanes drain. 0: no ceiling, every item waits in Redis"),
+    "results_window": (0, "disk tier (with a store): result records kept in Redis per job and model; the lease holder "
+                          "moves older ones to store segments, which `conductor results` reads too. 0: all stay"),
 }
 
 DEFAULTS: dict[str, Any] = {k: v[0] for k, v in FIELDS.items()}

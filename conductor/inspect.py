@@ -77,6 +77,8 @@ def render(ov: dict[str, Any]) -> str:
            f"warming {st.get('warming') or '-'}",
            f"  reclaimed batches {ov['reclaimed_batches']}, dead letter {ov['dead_letter']}, "
            f"completed {st.get('completed', 0)}, failed {st.get('failed', 0)}, activations {st.get('activations', 0)}"]
+    if int(st.get("stored_items", 0) or 0):  # the disk tier (conductor/tier.py)
+        out.append(f"  in store segments {st.get('stored_items')} items / {st.get('stored_tokens', 0)} tokens")
     out.append(f"  {'shape:epoch':<22} {'state':<9} {'tokens':>10} {'items':>8} {'lanes':>6} {'ready':>6} "
                f"{'batches':>8}")
     for s in ov["shapes"]:

@@ -13,6 +13,7 @@ from conductor import keys as K
 from conductor.client_core import ConductorCore
 from conductor.connection import as_str
 from conductor.records import Result, result_decoder
+from conductor.results_store import ResultSegments
 from conductor.rewind import REWIND_WINDOW, Rewind, find_rewind
 
 
@@ -53,10 +54,10 @@ class JobReads(ConductorCore):
         cursors: dict[Any, Any] = {}  # stream key -> last id read
         recent: dict[str, deque[tuple[str, str]]] = {}  # stream -> (entry id, item id), newest last
         skip: dict[str, set[str]] = {}
+        segs: dict[str, ResultSegments] = {}  # stream -> its results moved to the store (disk tier)
         while True:
             models = self.job_models(job)
-            for m in models:
-                cursors.setdefault(K.ModelKeys(m).job_results(job), "0-0")
+            self._track(job, models, cursors, segs)
             # Asked before the read: complete.lua writes a result and counts it in one step, so
             # when the job was done before a read that finds nothing, nothing is left to read.
             # Asked after, a batch completed between the two would be missed.
@@ -75,7 +76,7 @@ class JobReads(ConductorCore):
                 # returned: a reconnect to a promoted replica answers an XREAD with results done again.
                 if self._rewound(reply, cursors, recent, skip, on_rewind):
                     continue  # read again from the rewind point: the results after it are new
-                for rec in _new_records(reply, cursors, recent, skip):
+                for rec in _new_records(_with_segments(reply, cursors, segs), cursors, recent, skip):
                     got += 1
                     yield rec
             if got:
@@ -84,6 +85,15 @@ class JobReads(ConductorCore):
                 return
             if not cursors:
                 time.sleep(block_ms / 1000)
+
+    def _track(self, job: str, models: list[str], cursors: dict[Any, Any], segs: dict[str, ResultSegments]) -> None:
+        """Each model's results stream read from its start, with its result segments beside it."""
+        for m in models:
+            mk = K.ModelKeys(m)
+            key = mk.job_results(job)
+            cursors.setdefault(key, "0-0")
+            if key not in segs:
+                segs[key] = ResultSegments(self.r, self.tier.store if self.tier else None, mk.job_rsegs(job))
 
     def _rewound(self, reply: list[tuple[str, list[Any]]], cursors: dict[Any, Any],
                  recent: dict[str, deque[tuple[str, str]]], skip: dict[str, set[str]],
@@ -118,6 +128,15 @@ def _new_records(reply: list[tuple[str, list[Any]]], cursors: dict[Any, Any],
                 continue
             seen.append((as_str(eid), iid))
             yield fields[b"r"]
+
+
+def _with_segments(reply: list[tuple[str, list[Any]]], cursors: dict[Any, Any],
+                   segs: dict[str, ResultSegments]) -> list[tuple[str, list[Any]]]:
+    """Results that left the stream for store segments before it was read come first, in stream
+    order (conductor/results_store.py): every record once, from either."""
+    read = dict(reply)
+    return [(st, [*segs[st].between(cursors[st], as_str(read[st][0][0]) if read.get(st) else None),
+                  *read.get(st, [])]) for st in cursors]
 
 
 def stream_reply(reply: Any) -> list[tuple[str, list[Any]]]:

@@ -27,7 +27,8 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
                                              every field in STATE_FIELDS below)
     M:intake                        hash     the producer's model counters: waiting tokens and items
                                              (claim.lua takes them down), submitted, last_intake_ms,
-                                             sealed_ms
+                                             sealed_ms; stored_tokens and stored_items: what waits in
+                                             store segments (register_segment.lua up, submit.lua down)
     M:active                        zset     active or draining shape instance "S:E" -> activation time (ms)
     M:affinity                      hash     worker -> the active instance it serves (it stays until empty)
     M:warming                       hash     worker -> the staged instance it warms, its next (pre-warm signal)
@@ -64,11 +65,17 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     M:hb:W                          string   heartbeat of worker W (TTL)
     M:lease:maint                   string   which worker runs the periodic sweep (TTL)
     M:workers                       hash     worker -> registered contract (JSON)
+    M:segs                          zset     store segments waiting to be fed (disk tier, conductor/tier.py):
+                                             segment name -> registration sequence (oldest first)
+    M:seg:N                         hash     one segment's index record: job, sig, path, items, tokens,
+                                             lmin, lmax (input token range), sum (SHA-1 of the file), seq
     M:in:J                          hash     the producer's job counters for this model: declared,
                                              submitted, submitted_tokens
     M:in:J:sums                     hash     the job's id registry: item id -> its content's sum (16 hex
                                              digits of SHA-1(sig || record); '-' for an id submitted before
                                              sums were kept): a re-submitted id must bring the same content
+                                             ('s<seq>:<sum>' while the item waits in the store segment
+                                             of that sequence number)
     M:job:J                         hash     the fleet's job counters for this model: completed, failed
     M:job:J:items                   hash     item id -> d: the item has its result (effectively-once)
     M:job:J:results                 stream   result records of the job for this model, JSON
@@ -77,6 +84,9 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     M:reply:J:I                     list     the result record of request item I of job J (a request job,
                                              name starting "rq."), pushed by complete.lua with a short TTL;
                                              the waiting RequestClient BLPOPs it (conductor/request.py)
+    M:job:J:rsegs                   list     result segments in the store (disk tier,
+                                             conductor/results_store.py), in stream order: JSON
+                                             {path, first, last, n, sum}
 
 Who may write what (deploy/redis/users.acl): a producer writes only M:intake, M:in:*, the shape,
 instance and lane keys (through submit.lua, seal.lua and declare.lua) and the global job and
@@ -271,6 +281,13 @@ class ModelKeys:
     def intake(self) -> str:
         return f"{self.base}:intake"
 
+    @property
+    def segs(self) -> str:
+        return f"{self.base}:segs"
+
+    def seg(self, name: str) -> str:
+        return f"{self.base}:seg:{name}"
+
     def job_intake(self, job: str) -> str:
         return f"{self.base}:in:{job}"
 
@@ -289,3 +306,5 @@ class ModelKeys:
 
     def reply(self, job: str, item_id: str) -> str:
         return f"{self.base}:reply:{job}:{item_id}"
+    def job_rsegs(self, job: str) -> str:
+        return f"{self.base}:job:{job}:rsegs"

@@ -22,6 +22,7 @@ from conductor.errors import BadInput, Conflict, Paused, QueueFull
 from conductor.formats import PreparedItem
 from conductor.records import Contract, Result, json_encoder
 from conductor.scripts import Scripts
+from conductor.segments import Segment
 
 R = TypeVar("R")
 
@@ -290,3 +291,58 @@ def repair_items(mk: K.ModelKeys, kind: str, *place: Any) -> Call[RepairItemsRep
     """lua/repair_items.lua: the items of one orphaned place put back (``kind``: batch, lane, done)."""
     return Call("repair_items", [mk.base, mk.state, mk.batches, mk.reclaimed], [kind, *place],
                 lambda raw: RepairItemsReply(*(int(x) for x in raw)))
+
+
+# ---------------------------------------------------------------------------- the disk tier (conductor/tier.py)
+
+def register_segment(mk: K.ModelKeys, seg: Segment, file_sum: str, ids: Sequence[str],
+                     sums: Sequence[str]) -> Call[bool]:
+    """lua/register_segment.lua: a store segment written as a file (its SHA-1 ``file_sum``), its
+    ids marked in the job's registry and counted as stored, in one step. True when registered;
+    False when a segment of this name was registered already. 'KNOWN <n>' (ids another producer
+    registered meanwhile) comes back as the redis.ResponseError it is: the caller looks again."""
+    toks = seg.tokens
+    args: list[Any] = [seg.name, seg.job, seg.sig, seg.file_name, file_sum, sum(toks), min(toks), max(toks)]
+    for iid, sm in zip(ids, sums, strict=True):
+        args += [iid, sm]
+    return Call("register_segment",
+                [mk.intake, mk.job_intake(seg.job), mk.job_sums(seg.job), mk.segs, mk.seg(seg.name), mk.state], args,
+                lambda raw: int(raw) == 1)
+
+
+def load_args(seg: Segment) -> list[Any]:
+    """submit.lua's ARGV that loads ``seg``: its records as stored, its prefix once (as
+    ``submit_args`` sends a call's)."""
+    args: list[Any] = [len(seg.records), seg.job]
+    prefix = json_encoder.encode(list(seg.prefix))
+    for i, rec in enumerate(seg.records):
+        args += [seg.sig, rec, prefix if i == 0 else b""]
+    return args
+
+
+def load_segment(mk: K.ModelKeys, seg: Segment) -> Call[list[int]]:
+    """lua/submit.lua loading a segment: its ids, registered as stored, join lanes once (a second
+    load places nothing: -1 each)."""
+    return Call("submit", [mk.base, mk.cfg, mk.state], load_args(seg), _ints)
+
+
+class FailStoredReply(NamedTuple):
+    failed: int  # answered with their error result now
+    skipped: int  # no longer waiting in the segment (placed meanwhile): left as they are
+
+
+def fail_stored(mk: K.ModelKeys, name: str, job: str, answers: Sequence[tuple[str, bytes]]) -> Call[FailStoredReply]:
+    """lua/fail_stored.lua: the items of a missing or damaged segment answered with their error
+    results (id, result record), and its index record dropped."""
+    args: list[Any] = [name]
+    for iid, rec in answers:
+        args += [iid, rec]
+    return Call("fail_stored", [mk.intake, mk.state, mk.segs, mk.seg(name), mk.job_sums(job), mk.job(job),
+                                mk.job_items(job), mk.job_results(job)], args,
+                lambda raw: FailStoredReply(int(raw[0]), int(raw[1])))
+
+
+def offload_results(mk: K.ModelKeys, job: str, record: str, eids: Sequence[str]) -> Call[int]:
+    """lua/offload_results.lua: the oldest result entries ``eids`` leave the job's stream as their
+    segment's ``record`` is registered; the entries moved (0: another offload ran first)."""
+    return Call("offload_results", [mk.job_results(job), mk.job_rsegs(job), mk.state], [record, *eids], _int)

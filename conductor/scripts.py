@@ -25,7 +25,7 @@ GENERATED = "lib_generated.lua"
 # Every script of lua/ that is run (lib*.lua are includes); tests/test_scripts.py holds the two to each other.
 NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex", "seal", "ensure_model", "register",
          "heartbeat", "declare", "dead_retry", "repair_items", "trim", "trim_results", "lease",
-         "cancel")
+         "cancel", "register_segment", "fail_stored", "offload_results")
 
 
 def _lua_value(v: object) -> str:
@@ -111,3 +111,6 @@ class Scripts:
     trim_results: redis.commands.core.Script
     lease: redis.commands.core.Script
     cancel: redis.commands.core.Script
+    register_segment: redis.commands.core.Script
+    fail_stored: redis.commands.core.Script
+    offload_results: redis.commands.core.Script

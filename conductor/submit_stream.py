@@ -77,7 +77,10 @@ class Submitting(ConductorCore):
             self._register_job(job, model)
             mk = self._intake_model(model)
             report.models.add(model)
-            self._submit_calls(mk, job, grouped_by_shape(its), report, progress)
+            if self.tier is not None:  # the disk tier: beyond the model's ceiling, to store segments
+                self.tier.submit_model(mk, job, grouped_by_shape(its), report, progress)
+            else:
+                self._submit_calls(mk, job, grouped_by_shape(its), report, progress)
         if seal:
             for model in by_model:
                 self.seal(model)
@@ -122,6 +125,11 @@ class Submitting(ConductorCore):
             by_model.setdefault(it.model, []).append(it)
         self._refuse_before_writing(job, by_model)
 
+    def check_paused(self, models: Iterable[str]) -> None:
+        """Raise Paused when one of ``models`` is paused: all a new job's submission can be refused
+        for before its first write."""
+        self._refuse_before_writing("", {m: [] for m in models})
+
     def _refuse_before_writing(self, job: str, by_model: dict[str, list[PreparedItem]]) -> None:
         """Refusals submit.lua would give one call at a time, asked for the whole submission
         first, so a refused file leaves nothing behind (not even an empty job): a paused model,
@@ -143,8 +151,9 @@ class Submitting(ConductorCore):
             for start in range(0, len(its), 5000):
                 chunk = its[start:start + 5000]
                 for it, had in zip(chunk, self.r.hmget(sums_key, [it.id for it in chunk]), strict=True):
-                    # '-': an id registered before sums were kept (migrations/0003): not judged
-                    if had is not None and had != b"-" and as_str(had) != content_sum(head, it):
+                    # '-': an id registered before sums were kept (migrations/0003): not judged;
+                    # 's<seq>:<sum>': an id waiting in a store segment (lua/register_segment.lua)
+                    if had is not None and had != b"-" and as_str(had)[-16:] != content_sum(head, it):
                         conflicts += 1
                         example = example or it.id
         if conflicts:

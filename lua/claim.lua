@@ -68,14 +68,17 @@ local st = hmget_named(state_key, STATE)
 -- The waiting counters and intake times live in the producer's hash (M:intake, which
 -- deploy/redis/users.acl lets a producer write; M:state it may only read).
 local intake_key = base .. ':intake'
-local intake = hmget_named(intake_key, {'tokens', 'last_intake_ms', 'items', 'sealed_ms'})
+local intake = hmget_named(intake_key, {'tokens', 'last_intake_ms', 'items', 'sealed_ms', 'stored_tokens'})
 -- The claim context every include takes. Each worker warms its own next instance (M:warming), so
 -- in a fleet the shape a worker prepared is the one it switches to, not one another took first.
 local c = {base = base, state_key = state_key, batches_key = batches_key, reclaimed_key = reclaimed_key,
   batch_items_key = batch_items_key, consumer = consumer, token = token, max_items = max_items,
   max_tokens = max_tokens, cfg = cfg, now = now, disk = cfg.mode == 'disk', st = st, intake_key = intake_key,
   intake = intake, active_key = base .. ':active', affinity_key = base .. ':affinity',
-  warming_key = base .. ':warming', sealed = num(intake.sealed_ms), sweep = now >= num(st.sweep_ms)}
+  warming_key = base .. ':warming', sealed = num(intake.sealed_ms), sweep = now >= num(st.sweep_ms),
+  -- the disk tier's store segments (conductor/tier.py) wait too: the gate counts them, and a
+  -- model whose lanes are empty while they wait is not idle (the feeder is loading them)
+  stored = num(intake.stored_tokens)}
 c.warming_now = redis.call('HGET', c.warming_key, consumer) or ''
 c.cleanup = st.cleanup == '1'
 -- Paused (see lib.lua paused()): nothing has been written yet, and nothing is.

@@ -4,19 +4,27 @@
 -- Keys: M:in:J:sums (read only here; submit.lua writes the new ids).
 -- Invariant: one HMGET for the whole call (a call of 1,000 items would otherwise run 1,000
 --   HSETNX); an id stored before sums were kept ('-', migrations/0003) cannot be judged and
---   stays a duplicate.
+--   stays a duplicate; an id registered by register_segment.lua ('s<seq>:<sum>': it waits in a
+--   store segment of the disk tier) with the same sum is placed by this call, once (the registry
+--   then holds the plain sum), and with another sum is a conflict.
 
 -- argv: submit.lua's ARGV (item i's sig at argv[3i], record at argv[3i + 1]); ids: the call's
 -- ids in order; n: their count. Returns known (each id's stored sum, false if new), fresh_sums
--- (id, sum pairs of the new ids, each once) and the number of conflicting ids.
+-- (id, sum pairs of the new ids, each once), the number of conflicting ids and from_store (true
+-- at i when id i waits in a store segment with this content: it counts as new here, and moves
+-- from the stored counters to the waiting ones).
 local function id_conflicts(job_sums, argv, ids, n)
   local known = redis.call('HMGET', job_sums, unpack(ids))
-  local first, fresh_sums = {}, {}
+  local first, fresh_sums, from_store = {}, {}, {}
   local conflicts = 0
   for i = 1, n do
     local o = 3 * i
     local sum = string.sub(redis.sha1hex(argv[o] .. argv[o + 1]), 1, 16)
     local id = ids[i]
+    local had = known[i]
+    if had and string.byte(had, 1) == 115 and string.sub(had, -16) == sum then  -- 's<seq>:<sum>'
+      from_store[i], known[i] = true, false  -- another content under the id is a conflict below
+    end
     if known[i] then
       if known[i] ~= '-' and known[i] ~= sum then conflicts = conflicts + 1 end
     elseif first[id] then
@@ -27,5 +35,5 @@ local function id_conflicts(job_sums, argv, ids, n)
       fresh_sums[#fresh_sums + 1] = sum
     end
   end
-  return known, fresh_sums, conflicts
+  return known, fresh_sums, conflicts, from_store
 end

@@ -2,7 +2,7 @@
 -- warming -> active -> draining -> finished, and back to staged when aging preempts it; which
 -- instance each worker serves (M:affinity) and which it warms next (M:warming).
 -- Every function takes c, the claim context claim.lua builds (base, state_key, consumer, cfg,
--- now, st, active_key, affinity_key, warming_key, and the mutable warming_now and cleanup).
+-- now, st, stored, active_key, affinity_key, warming_key, and the mutable warming_now and cleanup).
 -- Keys: M:state (and its cleanup fields, lib_cleanup.lua), M:active, M:affinity, M:warming, M:staged, M:staged_age, M:finished, M:hb:W,
 --   M:inst:S:E and its lanes/fill/ready/free/touch sets, M:lane*/lanetok*/lanemeta* of a finished
 --   instance.
@@ -184,7 +184,7 @@ end
 -- The instance this worker serves next (pick_next); when there is none, nothing normal is ready
 -- and intake has gone quiet with work waiting, cleanup mode begins (activation threshold 0, any
 -- staged shape is next); when the model is empty, cleanup mode ends. Returns the instance, or nil
--- and the reply ({0, 'wait'} while work waits, {0, 'idle'}).
+-- and the reply ({0, 'wait'} while work waits, in lanes or store segments: c.stored; {0, 'idle'}).
 local function next_instance(c, quiet, waiting)
   local inst = pick_next(c, c.cleanup)
   if inst then return inst end
@@ -194,7 +194,7 @@ local function next_instance(c, quiet, waiting)
     inst = pick_next(c, true)
     if inst then return inst end
   end
-  if waiting > 0 then return nil, {0, 'wait'} end
+  if waiting + c.stored > 0 then return nil, {0, 'wait'} end
   if c.cleanup then exit_cleanup(c.state_key, c.now) end
   return nil, {0, 'idle'}
 end

@@ -19,7 +19,9 @@
 --                 standard JSON: a form only cjson takes (NaN, hex, leading zeros) passes this
 --                 check, and the worker answers that item with a bad_record error.
 -- Returns: one integer per item: the lane id it joined, or -1 when this job already has an
---   item with this id (an interrupted submit re-run neither loses nor duplicates).
+--   item with this id (an interrupted submit re-run neither loses nor duplicates). An id that
+--   waits in a store segment (registry mark 's<seq>:<sum>', register_segment.lua) joins a lane
+--   once, counted then as waiting instead of stored (the disk tier's feeder loads segments so).
 --   Errors, with nothing written: 'ERR_ARG <field>: ...' for a malformed argument,
 --   'FULL ...' when the model's waiting-token ceiling (cfg max_waiting_tokens) would be passed,
 --   'NOPERM ...' when the caller's ACL refuses a command this call may run (lib.lua acl_refused).
@@ -81,13 +83,14 @@ local now = now_ms()
 local intake = {base = base, cfg = cfg, now = now, depth = call.depth, ctxs = {}}
 
 local job_sums = base .. ':in:' .. job .. ':sums'
-local known, fresh_sums, conflicts = id_conflicts(job_sums, ARGV, ids, n)
+local known, fresh_sums, conflicts, from_store = id_conflicts(job_sums, ARGV, ids, n)
 if conflicts > 0 then
   return redis.error_reply('CONFLICT ' .. conflicts .. ' ids of this call are ids job ' .. job ..
     ' already has with other content')
 end
 local out, seen = {}, {}
 local new_items, new_tokens = 0, 0
+local fed_items, fed_tokens = 0, 0  -- ids placed from a store segment (lib_job_ids.lua from_store)
 for i = 0, n - 1 do
   local o = 3 + 3 * i
   local id, tok = ids[i + 1], toks[i + 1]
@@ -115,8 +118,11 @@ for i = 0, n - 1 do
     t.rep = rep
     ctx.tokens = ctx.tokens + tok
     ctx.items = ctx.items + 1
-    new_items = new_items + 1
-    new_tokens = new_tokens + tok
+    if from_store[i + 1] then
+      fed_items, fed_tokens = fed_items + 1, fed_tokens + tok
+    else
+      new_items, new_tokens = new_items + 1, new_tokens + tok
+    end
     out[#out + 1] = tonumber(lane)
   end
 end-- unpack() stops near 8,000 values: the new ids go in slices.
@@ -125,14 +131,26 @@ for s = 1, #fresh_sums, 2000 do
 end
 -- Lanes grow and counters move once per call and lane, not once per item.
 for _, ctx in pairs(intake.ctxs) do grow_lanes(intake, ctx) end
+-- The job's and the model's counters, in the order they were always written (a hash keeps its
+-- fields in insertion order; migrations/0003's round trip compares them byte for byte). Items fed
+-- from the store were submitted when registered: they move from stored to waiting.
 if new_items > 0 then
   redis.call('HINCRBY', base .. ':in:' .. job, 'submitted', new_items)
   redis.call('HINCRBY', base .. ':in:' .. job, 'submitted_tokens', new_tokens)
-  redis.call('HINCRBY', intake_key, 'tokens', new_tokens)
-  redis.call('HINCRBY', intake_key, 'items', new_items)
-  redis.call('HINCRBY', intake_key, 'submitted', new_items)
+end
+local placed_items, placed_tokens = new_items + fed_items, new_tokens + fed_tokens
+if placed_items > 0 then
+  redis.call('HINCRBY', intake_key, 'tokens', placed_tokens)
+  redis.call('HINCRBY', intake_key, 'items', placed_items)
+end
+if new_items > 0 then redis.call('HINCRBY', intake_key, 'submitted', new_items) end
+if fed_items > 0 then
+  redis.call('HINCRBY', intake_key, 'stored_tokens', -fed_tokens)
+  redis.call('HINCRBY', intake_key, 'stored_items', -fed_items)
+end
+if placed_items > 0 then
   -- claim.lua ends cleanup mode when it sees intake newer than the cleanup's start.
   redis.call('HSET', intake_key, 'last_intake_ms', now)
-  ring_doorbell(base, cfg, new_tokens, new_items)
+  ring_doorbell(base, cfg, placed_tokens, placed_items)
 end
 return out

@@ -9,6 +9,7 @@ STREAM FULL of every stream), and a snapshot that restores the database to the b
 
 from __future__ import annotations
 
+import json
 import re
 import time
 from collections.abc import Callable
@@ -218,6 +219,65 @@ def submit_known_shape_without_prefix(c: Conductor) -> Call:
     call = submit_call(c, [item("b", 10), item("c", 20)])
     call.args[4] = b""
     return call
+
+
+def _stored(c: Conductor, n: int, job: str = "j") -> Any:
+    """n items of model m in a segment (its file not written) registered as register_segment.lua's
+    call would: the segment, and that call (not run)."""
+    from conductor import script_calls as calls
+    from conductor import segments as S
+    from conductor.client import _record_head, content_sum
+    items = [item(f"s{i}", 10 + i) for i in range(n)]
+    seg = S.build("m", job, items)
+    call = calls.register_segment(MK, seg, S.file_sum(S.encode(seg)), [it.id for it in items],
+                                  [content_sum(_record_head(job), it) for it in items])
+    return seg, call
+
+
+def register_segment_new(c: Conductor) -> Call:
+    quick(c)
+    c.submit([item("a", 10)], "j")
+    _seg, reg = _stored(c, 5)
+    return Call("register_segment", reg.keys, reg.args, check=lambda r: r.zcard(MK.segs) == 1)
+
+
+def submit_from_store(c: Conductor) -> Call:
+    """The feeder's load: ids registered in a segment join lanes, stored counters move to waiting."""
+    from conductor.tier import load_args
+    quick(c)
+    seg, reg = _stored(c, 5)
+    reg.run(c.scripts)
+    return Call("submit", [MK.base, MK.cfg, MK.state], load_args(seg),
+                check=lambda r: r.hget(MK.intake, "stored_items") == b"0" and r.hget(MK.intake, "items") == b"5")
+
+
+def fail_stored(c: Conductor) -> Call:
+    """A lost segment's items answered with error results."""
+    from conductor.records import Result, ResultError, json_encoder
+    quick(c)
+    seg, reg = _stored(c, 3)
+    reg.run(c.scripts)
+    out: list[Any] = [seg.name]
+    for i in range(3):
+        res = Result(id=f"s{i}", model="m", job="j", output="", output_tokens=0, error=ResultError("x", "y"),
+                     shape=seg.sig, epoch=0, lane=-1, batch="", batch_size=0, batch_padded_len=0, input_tokens=0,
+                     worker="repair", claimed_at=0, finished_at=0)
+        out += [f"s{i}", json_encoder.encode(res)]
+    return Call("fail_stored", [MK.intake, MK.state, MK.segs, MK.seg(seg.name), MK.job_sums("j"), MK.job("j"),
+                                MK.job_items("j"), MK.job_results("j")], out,
+                check=lambda r: r.xlen(MK.job_results("j")) == 3)
+
+
+def offload_results(c: Conductor) -> Call:
+    """The oldest results of a job leave its stream as their segment is registered."""
+    quick(c)
+    c.submit([item(f"o{i}", 10) for i in range(4)], "j")
+    b, _ = c.claim(contract(), "w")
+    c.complete(b, results_for(b))
+    eids = [e.decode() for e, _f in c.r.xrange(MK.job_results("j"), count=3)]
+    record = json.dumps({"path": "results/x.parquet", "first": eids[0], "last": eids[-1], "n": 3, "sum": "0"})
+    return Call("offload_results", [MK.job_results("j"), MK.job_rsegs("j"), MK.state], [record, *eids],
+                check=lambda r: r.xlen(MK.job_results("j")) == 1 and r.llen(MK.job_rsegs("j")) == 1)
 
 
 # ------------------------------------------------------------------ complete
@@ -456,7 +516,11 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "claim": [claim_warming, claim_warmed_shape_activates, claim_reclaimed_part, claim_reclaimed_whole,
               claim_finish_and_next, claim_aging_preempts, claim_hygiene_drains, claim_hygiene_retires_empty,
               claim_hygiene_big_lane, claim_reindexes, claim_enters_cleanup, claim_leaves_cleanup],
-    "submit": [submit_new_shapes, submit_leaves_cleanup_reuses_lane, submit_known_shape_without_prefix],
+    "submit": [submit_new_shapes, submit_leaves_cleanup_reuses_lane, submit_known_shape_without_prefix,
+               submit_from_store],
+    "register_segment": [register_segment_new],
+    "fail_stored": [fail_stored],
+    "offload_results": [offload_results],
     "complete": [complete_final, complete_retired, complete_request],
     "reclaim": [reclaim_dead_consumer],
     "fail": [fail_requeues, fail_dead_letters],

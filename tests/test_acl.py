@@ -299,3 +299,28 @@ def test_each_documented_command_as_each_role(urls, tmp_path):
             assert p.returncode == 2, (role, args, p.returncode, err[-500:])
             assert "Traceback" not in err and len(err.strip().splitlines()) == 1, (role, args, err)
     assert snapshot(urls) == before
+
+
+def test_disk_tier_as_producer_and_worker_users(urls, tmp_path):
+    """deploy/redis/users.acl lets a producer register store segments (M:segs, M:seg:*) and a worker
+    feed them. A producer that tries to feed places the items (submit.lua is its script) but cannot
+    drop the index record (ZREM, DEL): the worker's feed then places nothing twice and drops it."""
+    from conductor.store import Store
+    from conductor.tier import Feeder
+    store = Store(str(tmp_path / "store"))
+    admin = Conductor.from_url(urls["admin"])
+    quick(admin, resident_tokens=100)
+    prod = Conductor.from_url(urls["producer"], store=store)
+    assert prod.submit([item(i, 10) for i in range(30)], "j").accepted == 30
+    assert admin.r.zcard(MK.segs) > 0 and int(admin.r.hget(MK.intake, "stored_items")) == 20
+    quick(admin, resident_tokens=10_000)
+    segs = admin.r.zcard(MK.segs)
+    first = int(admin.r.hget(MK.seg(admin.r.zrange(MK.segs, 0, 0)[0].decode()), "items"))
+    with pytest.raises(redis.ResponseError):
+        Feeder(prod, store, "m").feed()
+    assert admin.r.zcard(MK.segs) == segs  # nothing dropped
+    worker = Conductor.from_url(urls["worker"], store=store)
+    f = Feeder(worker, store, "m")
+    assert f.feed() == 20 - first  # the producer's attempt placed the first segment's items
+    assert f.loaded_segments == segs and admin.r.zcard(MK.segs) == 0
+    assert admin.r.hget(MK.intake, "stored_items") == b"0" and admin.r.hget(MK.intake, "items") == b"30"

@@ -44,20 +44,23 @@ class Figures:
     reclaimed_batches: int = 0
     requeued_items: int = 0
     max_deliveries_seen: int = 0
+    stored_peak: int = 0  # with the disk tier: the most items seen waiting in store segments
     notes: list[str] = field(default_factory=list)
 
     def line(self) -> str:
         return (f"chaos: {self.items} items, {self.worker_kills} worker SIGKILLs, {self.redis_kills} Redis SIGKILL: "
                 f"lost {self.lost}, duplicate results {self.duplicates}, dead-lettered {self.dead_lettered}, "
                 f"reclaimed batches {self.reclaimed_batches} ({self.requeued_items} items requeued), "
-                f"max deliveries {self.max_deliveries_seen}, finished in {self.seconds:.1f} s")
+                f"max deliveries {self.max_deliveries_seen}, finished in {self.seconds:.1f} s"
+                + (f", up to {self.stored_peak} items in store segments" if self.stored_peak else ""))
 
 
 class Fleet:
     """Worker processes under test; each replacement gets a new name, as a restarted pod would."""
 
-    def __init__(self, url: str, logs: Path, time_scale: float) -> None:
+    def __init__(self, url: str, logs: Path, time_scale: float, store: Path | None = None) -> None:
         self.url, self.logs, self.time_scale = url, logs, time_scale
+        self.store = ["--store", str(store)] if store else []  # the disk tier (conductor/tier.py)
         self.procs: list[subprocess.Popen] = []
         self.spawned = 0
 
@@ -65,8 +68,8 @@ class Fleet:
         self.spawned += 1
         name = f"cw{self.spawned}"
         log = open(self.logs / f"{name}.log", "wb")
-        p = subprocess.Popen([sys.executable, "-m", "conductor", "--redis", self.url, "--log-level", "warning",
-                              "worker", "--engine", "sim", "--model", MODEL, "--name", name,
+        p = subprocess.Popen([sys.executable, "-m", "conductor", "--redis", self.url, *self.store,
+                              "--log-level", "warning", "worker", "--engine", "sim", "--model", MODEL, "--name", name,
                               "--max-batch-size", "64", "--max-batch-tokens", "8192", "--heartbeat-ttl", "1.0",
                               "--high-water", "256", "--low-water", "128",
                               "--sim-time-scale", str(self.time_scale)],
@@ -110,17 +113,21 @@ def produce(cdr: Conductor, n: int, rng: random.Random, chunk: int = 1000) -> No
 
 
 def run_chaos(tmp_path: Path, n: int, *, workers: int = 4, time_scale: float, kill_every: float = 2.0,
-              redis_kill_at: float = 0.4, timeout: float = 600.0, seed: int = 5) -> Figures:
+              redis_kill_at: float = 0.4, timeout: float = 600.0, seed: int = 5,
+              resident_tokens: int = 0) -> Figures:
+    """``resident_tokens``: with the disk tier, a store in tmp_path and that ceiling."""
     rng = random.Random(seed)
     (tmp_path / "redis").mkdir()
     logs = tmp_path / "logs"
     logs.mkdir()
     srv = EmbeddedRedis(appendonly=True, appendfsync="always", dir=str(tmp_path / "redis")).start()
     fig = Figures(items=n)
-    fleet = Fleet(srv.url, logs, time_scale)
+    store = tmp_path / "store" if resident_tokens else None
+    fleet = Fleet(srv.url, logs, time_scale, store)
     try:
-        cdr = Conductor(connect(srv.url))
-        cdr.set_config(MODEL, {"quiet_ms": 300})
+        from conductor.store import Store
+        cdr = Conductor(connect(srv.url), store=Store(str(store)) if store else None)
+        cdr.set_config(MODEL, {"quiet_ms": 300, "resident_tokens": resident_tokens})
         t0 = time.monotonic()
         producer = threading.Thread(target=produce, args=(cdr, n, random.Random(seed + 1)))
         producer.start()
@@ -130,6 +137,12 @@ def run_chaos(tmp_path: Path, n: int, *, workers: int = 4, time_scale: float, ki
             assert time.monotonic() - t0 < timeout, f"not finished in {timeout}s: {safe_status(cdr)}"
             st = safe_status(cdr)
             done = st.get("completed", 0) + st.get("failed", 0)
+            if store:
+                try:
+                    fig.stored_peak = max(fig.stored_peak, int(cdr.r.hget(K.ModelKeys(MODEL).intake,
+                                                                         "stored_items") or 0))
+                except (redis.ConnectionError, redis.TimeoutError):
+                    pass
             if not producer.is_alive() and st.get("submitted") == n and st.get("pending") == 0:
                 break
             if fig.redis_kills == 0 and done >= redis_kill_at * n:
@@ -194,4 +207,13 @@ def test_chaos_long(tmp_path):
     # 60,000 items: about a minute on key schema 2 (20,000 took 18 s, too few kills to mean much)
     fig = run_chaos(tmp_path, 60_000, time_scale=1.0, timeout=1200)
     assert fig.worker_kills >= 15 and fig.redis_kills == 1
+    assert (fig.lost, fig.duplicates) == (0, 0)
+
+
+@pytest.mark.chaos
+def test_chaos_with_the_store_in_use(tmp_path):
+    """The same chaos with the disk tier: most of the backlog waits in store segments, fed by
+    whichever worker holds the lease while workers and Redis are SIGKILLed."""
+    fig = run_chaos(tmp_path, 6000, time_scale=2.0, timeout=400, kill_every=1.0, resident_tokens=20_000)
+    assert fig.worker_kills >= 3 and fig.redis_kills == 1 and fig.stored_peak > 1000
     assert (fig.lost, fig.duplicates) == (0, 0)

@@ -16,7 +16,10 @@ from conductor import metrics
 from conductor import script_calls as calls
 from conductor.client import Conductor
 from conductor.keys import ModelKeys
+from conductor.results_store import offload_model
 from conductor.retention import trim_model
+from conductor.store import StoreError
+from conductor.tier import Feeder
 from conductor.workers.transient import RIDE_OUT
 
 log = logging.getLogger("conductor.maintenance")
@@ -48,19 +51,34 @@ class Maintenance:
         # dashboard then reads 0, not "no data"
         self._per_shape = metrics.BATCHES_PER_SHAPE.labels(model, owner)
         self._thrashing = metrics.THRASHING_SHAPES.labels(model, owner)
+        # The disk tier (conductor/tier.py): the lease holder feeds store segments into the lanes
+        # as they drain, more often than it sweeps (a worker must not wait on its feeder).
+        self.feeder = Feeder(conductor, conductor.tier.store, model) if conductor.tier is not None else None
+        self.feed_interval_s = 0.05
+        self._held_until = 0.0
+        self._feed_next = 0.0
 
     def due_in(self) -> float:
-        """Seconds until the next tick does its work (an idle worker blocks at most this long)."""
-        return max(0.0, self._next - time.monotonic())
+        """Seconds until the next tick does its work (an idle worker blocks at most this long):
+        the next sweep, or the next feed while this worker holds the lease and segments wait."""
+        now = time.monotonic()
+        due = self._next
+        if self.feeder is not None and self.feeder.more and now < self._held_until:
+            due = min(due, self._feed_next)
+        return max(0.0, due - now)
 
     def tick(self) -> dict | None:
         now = time.monotonic()
+        self._feed(now)
         if now < self._next:
             return None
         self._next = now + self.interval_s
         try:
             if not calls.lease(self.keys, self.owner, self.lease_ms).run(self.c.scripts):
+                self._held_until = 0.0
                 return None
+            # fed only well inside the lease: another worker may take it once it lapses
+            self._held_until = now + self.lease_ms / 2000
             # Live consumers lose only entries idle past stale_idle_ms: their heartbeat extends
             # every lease it knows of, so such an entry is one whose claim reply never arrived
             # (Redis died between running the script and answering).
@@ -70,10 +88,22 @@ class Maintenance:
             self._thrash_alarm()
             self._drift_check()
             trim_model(self.c, self.model)
+            if self.feeder is not None:  # the disk tier: results past the window go to the store
+                offload_model(self.c, self.feeder.store, self.model)
             return res
-        except RIDE_OUT as e:  # a Redis failure, a paused model (Paused), memory full (QueueFull)
+        except (*RIDE_OUT, StoreError) as e:  # a Redis failure, a paused model (Paused), memory full
+            # (QueueFull), a store that does not answer
             log.warning(json.dumps({"event": "maintenance_failed", "model": self.model, "error": str(e)}))
             return None
+
+    def _feed(self, now: float) -> None:
+        if self.feeder is None or now >= self._held_until or now < self._feed_next:
+            return
+        self._feed_next = now + self.feed_interval_s
+        try:
+            self.feeder.feed()
+        except (*RIDE_OUT, StoreError) as e:
+            log.warning(json.dumps({"event": "feed_failed", "model": self.model, "error": str(e)}))
 
     def _drift_check(self) -> None:
         if self.verify_interval_s <= 0 or (self.verify_thread and self.verify_thread.is_alive()):

@@ -12,8 +12,11 @@ import redis
 
 from conductor import keys as K
 from conductor.connection import as_str
+from conductor.store import Store
 from conductor.verify.ledger import Ledger, ledger_records
 from conductor.verify.snapshot import Snapshot, as_int, classify, list_pages, oom, read_cfg, read_zset
+from conductor.verify.store import EXAMPLES as STORE_EXAMPLES
+from conductor.verify.store import store_truth
 from conductor.verify.truth import InstRead, LaneTruth, find_orphans, job_truth, read_inflight, read_instance
 
 
@@ -220,6 +223,25 @@ class _Check:
         for i, fld in enumerate(("completed", "failed")):
             self.row(mk.state, fld, as_int(got[1][i]), sum(as_int(x[i]) for x in got[3::2]), f"state.{fld}")
 
+    def store(self, jobs: list[str], store: Store | None) -> None:
+        """The disk tier (verify/store.py): the stored counters against the registry marks and the
+        index records, each stored id placed in its segment, a missing or damaged segment's items."""
+        mk = self.mk
+        truth = store_truth(self.r, mk, store, jobs, self.rep.notes)
+        if truth is None:
+            return
+        self.row(mk.intake, "stored_items", truth.rec_items, truth.items, "state.stored")
+        self.row(mk.intake, "stored_tokens", truth.rec_tokens, truth.tokens, "state.stored")
+        if self.ledger is not None:
+            for seq, pairs in truth.stored.items():
+                for job, iid in pairs:
+                    self.ledger.add(job, iid, f"store {seq}")
+        for b in truth.bad:
+            shown = ", ".join(b.ids[:STORE_EXAMPLES]) + (" ..." if len(b.ids) > STORE_EXAMPLES else "")
+            self.rep.problems.append(
+                f"{self.model}: store segment {b.name} ({b.rec.get('path')}, job {b.rec.get('job')}) is {b.why}: "
+                f"{len(b.ids)} item(s) wait in it: {shown} (--repair answers them with an error result)")
+
     def finish(self) -> Report:
         rep = self.rep
         if getattr(oom, "on", False):
@@ -233,8 +255,9 @@ class _Check:
         return rep
 
 
-def verify(r: redis.Redis, model: str, *, items: bool = False) -> Report:
-    """Every counter of ``model`` next to its truth (see the package docstring), level by level."""
+def verify(r: redis.Redis, model: str, *, items: bool = False, store: Store | None = None) -> Report:
+    """Every counter of ``model`` next to its truth (see the package docstring), level by level;
+    the disk tier's segments and stored counters too (their files when ``store`` is given)."""
     check = _Check(r, model, items)
     insts = sorted(check.found.insts | set(check.found.lanes) | set(read_zset(r, check.mk.staged)))
     for inst in insts:
@@ -246,6 +269,7 @@ def verify(r: redis.Redis, model: str, *, items: bool = False) -> Report:
     for job in jobs:
         check.job(job)
     check.model_jobs(jobs)
+    check.store(jobs, store)
     return check.finish()
 
 

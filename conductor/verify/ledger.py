@@ -41,8 +41,9 @@ class Ledger:
         self.places.setdefault((as_str(job), as_str(iid)), []).append(place)
 
     def counts(self) -> dict[str, int]:
-        out = {"submitted": len(self.state), "done": 0, "waiting": 0, "inflight": 0, "reclaimed": 0, "orphaned": 0}
-        kinds = {"lane": "waiting", "batch": "inflight", "orphan": "orphaned"}
+        out = {"submitted": len(self.state), "done": 0, "waiting": 0, "inflight": 0, "reclaimed": 0, "orphaned": 0,
+               "stored": 0}
+        kinds = {"lane": "waiting", "batch": "inflight", "orphan": "orphaned", "store": "stored"}
         for key, st in self.state.items():
             if st != "q":
                 out["done"] += 1

@@ -7,8 +7,10 @@ from typing import Any
 
 import redis
 
+from conductor.store import Store
 from conductor.verify.checks import Report, verify
 from conductor.verify.repair import repair
+from conductor.verify.store import repair_store
 
 _ALWAYS_SHOWN = ("state.", "inst.", "staged.", "job.", "batches.")  # lane-level rows only when they differ
 
@@ -35,17 +37,18 @@ def render(report: Report, *, show_all: bool = False) -> str:
 
 
 def cli_verify(r: redis.Redis, models: list[str], *, do_repair: bool = False, show_all: bool = False,
-               ledger: bool = True, as_json: bool = False) -> int:
+               ledger: bool = True, as_json: bool = False, store: Store | None = None) -> int:
     """``conductor inspect --verify [--repair]``: 0 when every counter equals its truth, else 1.
 
     With ``do_repair`` the counters that differ are rewritten, the changes printed, and the
-    exit status tells whether a second verification found everything equal.
+    exit status tells whether a second verification found everything equal. ``store``: the disk
+    tier's, whose segment files are then checked (and a lost segment's items answered on repair).
     """
 
     status = 0
     docs = []
     for model in models:
-        report = verify(r, model, items=ledger)
+        report = verify(r, model, items=ledger, store=store)
         doc: dict[str, Any] = {"model": model, "rows": [dict(key=x.key, field=x.field, recorded=x.recorded,
                                                              truth=x.truth, diff=x.diff, kind=x.kind)
                                                         for x in report.rows if show_all or x.diff],
@@ -54,11 +57,14 @@ def cli_verify(r: redis.Redis, models: list[str], *, do_repair: bool = False, sh
         if not as_json:
             print(render(report, show_all=show_all))
         if do_repair and not report.ok:
+            answered = repair_store(r, model, store)
             changes, failed = repair(r, model)
-            after = verify(r, model, items=ledger)
-            doc.update(changes=[c.__dict__ for c in changes], repair_failed=failed, after_differ=len(after.drift),
-                       after_problems=after.problems)
+            after = verify(r, model, items=ledger, store=store)
+            doc.update(store_repairs=answered, changes=[c.__dict__ for c in changes], repair_failed=failed,
+                       after_differ=len(after.drift), after_problems=after.problems)
             if not as_json:
+                for line in answered:
+                    print(f"repair of {model}: {line}")
                 print(f"repair of {model}: {len(changes)} change(s)")
                 for c in changes:
                     print(f"  {c.key}  {c.field}: {c.old or '(absent)'} -> {c.new or '(absent)'}")

@@ -1,0 +1,250 @@
+"""Issue 18's figures: the disk tier (conductor/tier.py).
+
+    .venv/bin/python -m bench.disk_tier                 # full run (1e9 tokens), rewrites its RESULTS.md section
+    .venv/bin/python -m bench.disk_tier --quick         # small sizes, prints only
+
+One process, private redis-servers started here, a local directory as the store:
+
+* Redis memory per waiting item: ``--per-item`` items (300-byte prompts) submitted to a fresh
+  Redis without the tier (all in lanes) and with it (a ceiling of 200,000 tokens: nearly all in
+  segments); used_memory after minus before, per item.
+* submit rate: the same items into store segments (Conductor.submit with the tier), into Redis
+  lanes (without it) and as a plain pipelined XADD of the same bytes (bench/submit_claim.py's
+  limit), items/s.
+* the backlog: ``--tokens`` input tokens (items declare ``--item-tokens`` each, with short
+  texts: the disk holds what the tier writes, not a billion tokens of text) through a Redis with
+  maxmemory 256mb: submitted under a ``--ceiling``, then drained by a claimer thread (claim and
+  complete, no engine: the fastest worker there is) while a feeder thread feeds (as the
+  maintenance lease holder does). Reported: used_memory_peak through submit and drain; feed rate
+  and claim rate; how often and how long the claimer found nothing while segments waited
+  (starvation); every id once, in pure batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from bench.common import command_line, git_rev, machine, now_utc, table, write_section
+from bench.submit_claim import make_items, run_xadd
+from conductor import keys as K
+from conductor.client import Conductor
+from conductor.embedded import EmbeddedRedis
+from conductor.formats import PreparedItem, parse_line
+from conductor.records import Contract, Result
+from conductor.results_store import offload_model
+from conductor.store import Store
+from conductor.tier import Feeder
+
+MODEL = "bench"
+# resident_tokens for the per-item figures: items of ~150 tokens, so segments (a quarter of the
+# ceiling) of some 300 items, and nearly all of 20,000 items in the store
+TIER_CEILING = 200_000
+RESULTS_WINDOW = 10_000  # result records kept in Redis for the backlog run; older ones move to the store
+
+
+def _quick_cfg(c: Conductor, **extra: int) -> None:
+    c.ensure_model(MODEL)
+    c.set_config(MODEL, {"quiet_ms": 50, "release_batches": 0, "activate_batches": 0, **extra})
+
+
+def memory_per_item(n: int, store_dir: Path) -> dict[str, float]:
+    items = make_items(n, shapes=4, seed=1, tag="mem")
+    out = {}
+    for name, ceiling in (("without the tier", 0), ("with the tier", TIER_CEILING)):
+        with EmbeddedRedis() as srv:
+            c = Conductor.from_url(srv.url, store=Store(str(store_dir / name.replace(" ", "_"))))
+            _quick_cfg(c, resident_tokens=ceiling)
+            before = c.r.info("memory")["used_memory"]
+            c.submit(items, "j")
+            out[name] = (c.r.info("memory")["used_memory"] - before) / n
+    return out
+
+
+def submit_rates(n: int, store_dir: Path) -> dict[str, float]:
+    items = make_items(n, shapes=4, seed=2, tag="rate")
+    out = {}
+    for name in ("store segments (tier)", "Redis lanes (no tier)", "plain XADD pipeline (the limit)"):
+        with EmbeddedRedis() as srv:
+            c = Conductor.from_url(srv.url, store=Store(str(store_dir / f"rate{len(out)}")))
+            _quick_cfg(c, resident_tokens=TIER_CEILING if name.startswith("store") else 0)
+            t0 = time.perf_counter()
+            if name.startswith("plain"):
+                run_xadd(c.r, items, "j")
+            else:
+                rep = c.submit(items, "j")
+                assert rep.accepted == n
+            out[name] = n / (time.perf_counter() - t0)
+    return out
+
+
+def backlog_items(total_tokens: int, item_tokens: int, shapes: int) -> list[PreparedItem]:
+    """Items of about ``item_tokens`` each until they declare ``total_tokens`` or more."""
+    rng = random.Random(3)
+    out: list[PreparedItem] = []
+    total = 0
+    while total < total_tokens:
+        i = len(out)
+        tok = max(1, int(item_tokens * rng.uniform(0.5, 1.5)))
+        total += tok
+        out.append(parse_line(json.dumps({"id": f"b{i:08d}", "model": MODEL, "prefix": [f"shape {i % shapes}"],
+                                          "prompt": f"item {i}", "input_tokens": tok, "max_tokens": 8})))
+    return out
+
+
+def backlog(total_tokens: int, item_tokens: int, ceiling: int, store_dir: Path) -> dict[str, object]:
+    items = backlog_items(total_tokens, item_tokens, shapes=4)
+    sig_of = {it.id: it.sig for it in items}
+    tokens = sum(it.input_tokens for it in items)
+    res: dict[str, object] = {"items": len(items), "tokens": tokens}
+    with EmbeddedRedis(extra=["--maxmemory", "256mb", "--maxmemory-policy", "noeviction"]) as srv:
+        store = Store(str(store_dir / "backlog"))
+        c = Conductor.from_url(srv.url, store=store)
+        _quick_cfg(c, resident_tokens=ceiling, results_window=RESULTS_WINDOW)
+        mk = K.ModelKeys(MODEL)
+        t0 = time.perf_counter()
+        for s in range(0, len(items), 5000):
+            c.submit(items[s:s + 5000], "big")
+        res["submit_s"] = time.perf_counter() - t0
+        res["peak_after_submit"] = c.r.info("memory")["used_memory_peak"]
+        res["store_bytes"] = sum(p.stat().st_size for p in (store_dir / "backlog").rglob("*.parquet"))
+        res["segments"] = c.r.zcard(mk.segs)
+        done = threading.Event()
+        feeder_c = Conductor.from_url(srv.url, store=store)
+        feeder = Feeder(feeder_c, store, MODEL)
+
+        def feed() -> None:
+            # as the maintenance lease holder does: feed often, move results past the window seldom
+            next_offload = 0.0
+            while not done.is_set():
+                if time.monotonic() >= next_offload:
+                    offload_model(feeder_c, store, MODEL)
+                    next_offload = time.monotonic() + 1.0
+                if feeder.feed() == 0:
+                    time.sleep(0.001)
+
+        th = threading.Thread(target=feed, daemon=True)
+        th.start()
+        contract = Contract(model=MODEL, max_batch_size=64, max_batch_tokens=64 * 2 * item_tokens,
+                            max_input_len=16_777_216)
+        seen: set[str] = set()
+        dup = impure = starved = 0
+        starved_s = 0.0
+        max_waiting = 0
+        t0 = time.perf_counter()
+        while True:
+            b, why = c.claim(contract, "w")
+            if b is None:
+                intake = c.r.hmget(mk.intake, "tokens", "stored_tokens")
+                waiting, stored = (int(v or 0) for v in intake)
+                max_waiting = max(max_waiting, waiting)
+                if why == "idle" or (waiting == 0 and stored == 0):
+                    break
+                if stored > 0 and waiting == 0:
+                    starved += 1
+                    t = time.perf_counter()
+                    time.sleep(0.001)
+                    starved_s += time.perf_counter() - t
+                else:
+                    time.sleep(0.001)
+                continue
+            if len({sig_of[i.id] for i in b.items}) != 1:
+                impure += 1
+            for i in b.items:
+                dup += i.id in seen
+                seen.add(i.id)
+            now = int(time.time() * 1000)
+            c.complete(b, [Result(id=i.id, model=MODEL, job=i.job, output="o", output_tokens=1, error=None,
+                                  shape=b.shape, epoch=b.epoch, lane=b.lane, batch=b.batch_id,
+                                  batch_size=len(b.items), batch_padded_len=b.padded_len,
+                                  input_tokens=i.input_tokens, worker="w", claimed_at=b.claimed_at,
+                                  finished_at=now) for i in b.items])
+        drain_s = time.perf_counter() - t0
+        done.set()
+        th.join()
+        res.update(drain_s=drain_s, claim_rate=len(seen) / drain_s,
+                   feed_rate=feeder.loaded_items / max(feeder.load_s, 1e-9),
+                   fed_items=feeder.loaded_items, fed_segments=feeder.loaded_segments, starved=starved,
+                   starved_s=starved_s, dup=dup, impure=impure, missing=len(items) - len(seen),
+                   peak_after_drain=c.r.info("memory")["used_memory_peak"],
+                   used_after_drain=c.r.info("memory")["used_memory"])
+        st = c.status("big")
+        res["status"] = (st["completed"], st["failed"], st["pending"])
+        res["result_segments"] = c.r.llen(mk.job_rsegs("big"))
+        res["results_in_redis"] = c.r.xlen(mk.job_results("big"))
+        t0 = time.perf_counter()
+        read = [json.loads(x)["id"] for x in c.results("big")]
+        res["read_results"], res["read_s"] = len(read), time.perf_counter() - t0
+        res["read_distinct"] = len(set(read))
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--tokens", type=int, default=1_000_000_000)
+    ap.add_argument("--item-tokens", type=int, default=10_000)
+    ap.add_argument("--ceiling", type=int, default=4_000_000)
+    ap.add_argument("--per-item", type=int, default=20_000)
+    a = ap.parse_args()
+    if a.quick:
+        a.tokens, a.per_item = 20_000_000, 2000
+    d = Path(tempfile.mkdtemp(prefix="cdr-tier-bench-"))
+    try:
+        mem = memory_per_item(a.per_item, d)
+        print("memory per item", mem, flush=True)
+        rates = submit_rates(a.per_item, d)
+        print("submit rates", rates, flush=True)
+        big = backlog(a.tokens, a.item_tokens, a.ceiling, d)
+        print("backlog", big, flush=True)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    mib = 2**20
+    body = (f"## Disk tier: a backlog beyond Redis memory (issue 18)\n\n{now_utc()}, commit {git_rev()}, "
+            f"{machine()}.\n\n`{command_line()}`\n\n"
+            f"**Backlog**: {big['items']:,} items declaring {big['tokens']:,} input tokens (about "
+            f"{a.item_tokens:,} each, short texts), 4 shapes, resident_tokens {a.ceiling:,}, a Redis with "
+            f"maxmemory 256mb, a local directory as the store, results_window {RESULTS_WINDOW:,}; drained by one "
+            f"claimer (claim and complete, no engine) while a feeder thread feeds and moves results past the window "
+            f"(as the maintenance lease holder does).\n\n"
+            + table(["figure", "value"], [
+                ("used_memory_peak through submit", f"{big['peak_after_submit'] / mib:.1f} MiB"),
+                ("used_memory_peak through submit and drain", f"{big['peak_after_drain'] / mib:.1f} MiB"),
+                ("used_memory after the drain (done marks, id registry, the results window)",
+                 f"{big['used_after_drain'] / mib:.1f} MiB"),
+                ("results: in Redis (results_window), in store segments",
+                 f"{big['results_in_redis']:,}, {big['result_segments']:,} segments"),
+                ("`Conductor.results` over store and Redis: records, time",
+                 f"{big['read_results']:,} ({big['read_distinct']:,} distinct ids), {big['read_s']:.1f} s"),
+                ("store: segments, bytes", f"{big['segments']:,}, {big['store_bytes'] / mib:.1f} MiB"),
+                ("submit (to Redis up to the ceiling, the rest to segments)",
+                 f"{big['submit_s']:.1f} s, {big['items'] / big['submit_s']:,.0f} items/s"),
+                ("drain", f"{big['drain_s']:.1f} s"),
+                ("claim rate (items/s)", f"{big['claim_rate']:,.0f}"),
+                ("feed rate: items loaded per second spent loading", f"{big['feed_rate']:,.0f}"),
+                ("items fed from segments", f"{big['fed_items']:,} in {big['fed_segments']:,} segments"),
+                ("claims that found no batch while segments waited (starved)",
+                 f"{big['starved']:,} ({big['starved_s']:.2f} s of {big['drain_s']:.1f} s)"),
+                ("ids missing, duplicated; impure batches", f"{big['missing']}, {big['dup']}; {big['impure']}"),
+                ("status: completed, failed, pending", ", ".join(str(x) for x in big["status"])),  # type: ignore[attr-defined]
+            ])
+            + f"\n\n**Redis memory per waiting item** ({a.per_item:,} items of ~300 bytes, 4 shapes):\n\n"
+            + table(["", "bytes per item"], [(k, f"{v:,.0f}") for k, v in mem.items()])
+            + f"\n\n(with the tier: resident_tokens {TIER_CEILING:,}.) With the tier a waiting item costs Redis its "
+              "id registry entry (`M:in:J:sums`, id -> 's<seq>:<sum>', kept for idempotent re-submits) and a "
+              "share of one index record per segment.\n\n"
+            + f"**Submit rate** ({a.per_item:,} items of ~300 bytes, items/s):\n\n"
+            + table(["into", "items/s"], [(k, f"{v:,.0f}") for k, v in rates.items()]) + "\n")
+    print(body)
+    if not a.quick:
+        write_section("disk-tier", body)
+
+
+if __name__ == "__main__":
+    main()

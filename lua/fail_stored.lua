@@ -1,0 +1,82 @@
+#!lua flags=allow-oom
+-- allow-oom: a repair must work on a full Redis. The shebang also makes a cluster node refuse any
+-- key outside the slot of the model's hash tag.
+-- fail_stored.lua: the items of a store segment that is missing or damaged (conductor inspect
+-- --verify --repair; conductor/verify/store.py) are answered with an error result each, so that
+-- they are failed, not silently dropped, and the segment's index record goes.
+--
+-- KEYS[1] intake   cdr:{model}:intake            (stored_tokens, stored_items)
+-- KEYS[2] state    cdr:{model}:state             (failed; read: paused)
+-- KEYS[3] segs     cdr:{model}:segs
+-- KEYS[4] seg      cdr:{model}:seg:<name>        (the index record: seq, items, tokens)
+-- KEYS[5] sums     cdr:{model}:in:J:sums         (the job's id registry)
+-- KEYS[6] job      cdr:{model}:job:J             (failed)
+-- KEYS[7] items    cdr:{model}:job:J:items       (done marks)
+-- KEYS[8] results  cdr:{model}:job:J:results
+-- ARGV[1] name     the segment (32 hex digits)
+-- ARGV[2..]        2 per item: id, its error result record (JSON, as complete.lua's 'r' field)
+-- Returns: {failed, skipped}: items answered with their error result; ids given that no longer
+--   wait in this segment (placed in a lane meanwhile, or not its ids): left as they are.
+--   {0, 0} when the segment is not registered (nothing written).
+-- Errors, with nothing written: 'ERR_ARG ...'; 'NOPERM ...' (lib.lua acl_refused); 'PAUSED ...'.
+-- Invariants: an id is answered only while its registry mark says it waits in this segment
+--   ('s<seq>:<sum>'), once: its mark becomes the plain sum, it gets a done mark, one result
+--   record and one count in failed; stored_items goes down by the items answered and
+--   stored_tokens by their share of the segment's tokens (the file that held each item's tokens
+--   is gone).
+--@include lib.lua
+
+local intake_key, state_key, segs_key, seg_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local sums_key, job_key, items_key, results_key = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local name = ARGV[1]
+if #name ~= 32 or not string.match(name, '^[0-9a-f]+$') then
+  return redis.error_reply('ERR_ARG name: must be 32 lowercase hex digits')
+end
+local n = (#ARGV - 1) / 2
+if not int_in(n, 0, 5000) then return redis.error_reply('ERR_ARG argv: 0..5000 (id, result) pairs expected') end
+local ids = {}
+for i = 1, n do
+  local id, rec = ARGV[2 * i], ARGV[2 * i + 1]
+  if #id < 1 or #id > 512 then return redis.error_reply('ERR_ARG id: must be 1..512 bytes at item ' .. (i - 1)) end
+  if string.byte(rec, 1) ~= 123 then
+    return redis.error_reply('ERR_ARG result: must be a JSON object at item ' .. (i - 1))
+  end
+  ids[i] = id
+end
+local refused = acl_refused(function(ok)
+  return ok('HGET', state_key) and ok('HMGET', seg_key) and ok('HMGET', sums_key) and ok('HSET', sums_key)
+    and ok('HSET', items_key) and ok('XADD', results_key) and ok('HINCRBY', job_key) and ok('HINCRBY', state_key)
+    and ok('HINCRBY', intake_key) and ok('ZREM', segs_key) and ok('DEL', seg_key)
+end)
+if refused then return refused end
+refused = paused(state_key)
+if refused then return refused end
+local meta = redis.call('HMGET', seg_key, 'seq', 'items', 'tokens')
+if not meta[1] then return {0, 0} end
+local mark = 's' .. meta[1] .. ':'
+local known = {}
+if n > 0 then known = redis.call('HMGET', sums_key, unpack(ids)) end
+local failed, plain = 0, {}
+local answer = {}
+for i = 1, n do
+  local had = known[i]
+  if had and string.sub(had, 1, #mark) == mark and not answer[ids[i]] then
+    answer[ids[i]] = true
+    failed = failed + 1
+    plain[#plain + 1] = ids[i]
+    plain[#plain + 1] = string.sub(had, #mark + 1)
+    redis.call('XADD', results_key, '*', 'id', ids[i], 'r', ARGV[2 * i + 1])
+    redis.call('HSET', items_key, ids[i], 'd')
+  end
+end
+if failed > 0 then
+  for s = 1, #plain, 2000 do redis.call('HSET', sums_key, unpack(plain, s, math.min(s + 1999, #plain))) end
+  redis.call('HINCRBY', job_key, 'failed', failed)
+  redis.call('HINCRBY', state_key, 'failed', failed)
+  local items, tokens = num(meta[2]), num(meta[3])
+  redis.call('HINCRBY', intake_key, 'stored_items', -failed)
+  redis.call('HINCRBY', intake_key, 'stored_tokens', -math.floor(tokens * failed / math.max(items, 1)))
+end
+redis.call('ZREM', segs_key, name)
+redis.call('DEL', seg_key)
+return {failed, n - failed}

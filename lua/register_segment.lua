@@ -1,0 +1,117 @@
+#!lua
+-- The shebang (no flags) makes Redis 7 refuse this script at maxmemory before it runs (as
+-- submit.lua is) and, on a cluster node, refuse any key outside the slot of the model's hash tag.
+-- register_segment.lua: the disk tier (conductor/tier.py) registers a store segment the producer
+-- has written: its index record, its items' ids, and the counts, in one step. A segment written
+-- and not registered (the producer died between the two) holds nothing anyone counts: the same
+-- items sent again make the same file (its name is derived from its content) and register then.
+--
+-- KEYS[1] intake  cdr:{model}:intake       (stored_tokens, stored_items, submitted, seg_seq)
+-- KEYS[2] job     cdr:{model}:in:J         (the producer's job counters: submitted, submitted_tokens)
+-- KEYS[3] sums    cdr:{model}:in:J:sums    (the job's id registry)
+-- KEYS[4] segs    cdr:{model}:segs         (segment name -> sequence)
+-- KEYS[5] seg     cdr:{model}:seg:<name>   (the index record)
+-- KEYS[6] state   cdr:{model}:state        (read only: paused)
+-- ARGV[1] name    32 hex digits (conductor/segments.py: derived from the content)
+-- ARGV[2] job     the job every item belongs to (the records name it)
+-- ARGV[3] sig     16 hex digits: the shape signature of every item
+-- ARGV[4] path    the file's name in the store
+-- ARGV[5] sum     40 hex digits: SHA-1 of the file (the feeder checks it before loading)
+-- ARGV[6] tokens  input tokens of the segment's items, ARGV[7] lmin, ARGV[8] lmax: their range
+-- ARGV[9..]       2 per item: id, content sum (16 hex digits, submit_stream.content_sum), 1..5000 items
+-- Returns: 1 registered; 0 a segment of this name is registered already (nothing written).
+--   Errors, with nothing written: 'ERR_ARG <field>: ...'; 'PAUSED ...'; 'NOPERM ...' (lib.lua
+--   acl_refused); 'CONFLICT <n> ...' when n ids are the job's with other content; 'KNOWN <n> ...'
+--   when n ids are the job's already with this content (another producer was faster: the caller
+--   leaves them out, which makes another segment, and registers that).
+-- Invariants: each id of the segment is in the job's registry as 's<seq>:<sum>' (an item waiting
+--   in the store, in the segment of that sequence number) until submit.lua places it in a lane;
+--   stored_tokens and stored_items count exactly those items; the job's submitted counters count
+--   them once, here (submit.lua does not count them again when it places them).
+--@include lib.lua
+
+local intake_key, job_key, sums_key, segs_key, seg_key, state_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5],
+  KEYS[6]
+local name, job, sig, path, fsum = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local tokens, lmin, lmax = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+local n = (#ARGV - 8) / 2
+if #name ~= 32 or not string.match(name, '^[0-9a-f]+$') then
+  return redis.error_reply('ERR_ARG name: must be 32 lowercase hex digits')
+end
+if #job < 1 or #job > 128 or not string.match(job, '^[%w%._/@+=-]+$') then
+  return redis.error_reply('ERR_ARG job: invalid job name')
+end
+if #sig ~= 16 or not string.match(sig, '^[0-9a-f]+$') then
+  return redis.error_reply('ERR_ARG sig: must be 16 lowercase hex digits')
+end
+if #path < 1 or #path > 1024 then return redis.error_reply('ERR_ARG path: must be 1..1024 bytes') end
+if #fsum ~= 40 or not string.match(fsum, '^[0-9a-f]+$') then
+  return redis.error_reply('ERR_ARG sum: must be 40 lowercase hex digits')
+end
+if not int_in(n, 1, 5000) then
+  return redis.error_reply('ERR_ARG argv: 8 arguments and 1..5000 (id, sum) pairs expected')
+end
+if not int_in(tokens, n, n * 16777216) or not int_in(lmin, 1, 16777216) or not int_in(lmax, lmin, 16777216) then
+  return redis.error_reply('ERR_ARG tokens: tokens, lmin and lmax must be whole numbers, lmin <= lmax')
+end
+local ids = {}
+for i = 1, n do
+  local id, sum = ARGV[7 + 2 * i], ARGV[8 + 2 * i]
+  if #id < 1 or #id > 512 then return redis.error_reply('ERR_ARG id: must be 1..512 bytes at item ' .. (i - 1)) end
+  if #sum ~= 16 or not string.match(sum, '^[0-9a-f]+$') then
+    return redis.error_reply('ERR_ARG sum: must be 16 lowercase hex digits at item ' .. (i - 1))
+  end
+  ids[i] = id
+end
+
+local refused = acl_refused(function(ok)
+  return ok('HGET', state_key) and ok('ZSCORE', segs_key) and ok('HMGET', sums_key) and ok('HSET', sums_key)
+    and ok('HINCRBY', job_key) and ok('HINCRBY', intake_key) and ok('ZADD', segs_key) and ok('HSET', seg_key)
+    and ok('TIME')
+end)
+if refused then return refused end
+refused = paused(state_key)
+if refused then return refused end
+if redis.call('ZSCORE', segs_key, name) then return 0 end
+
+local known, seen = {}, {}
+for s = 1, n, 2000 do
+  local part = redis.call('HMGET', sums_key, unpack(ids, s, math.min(s + 1999, n)))
+  for j = 1, #part do known[s + j - 1] = part[j] end
+end
+local conflicts, dups = 0, 0
+for i = 1, n do
+  local had, sum = known[i], ARGV[8 + 2 * i]
+  if seen[ids[i]] then return redis.error_reply('ERR_ARG id: ' .. ids[i] .. ' twice in one segment') end
+  seen[ids[i]] = true
+  if had then
+    -- the stored form carries the plain sum at its end ('s<seq>:<sum>'); '-' cannot be judged
+    if had == '-' or string.sub(had, -16) == sum then dups = dups + 1 else conflicts = conflicts + 1 end
+  end
+end
+if conflicts > 0 then
+  return redis.error_reply('CONFLICT ' .. conflicts .. ' ids of this segment are ids job ' .. job ..
+    ' already has with other content')
+end
+if dups > 0 then
+  return redis.error_reply('KNOWN ' .. dups .. ' ids of this segment are in job ' .. job .. ' already')
+end
+
+local seq = redis.call('HINCRBY', intake_key, 'seg_seq', 1)
+local marks = {}
+for i = 1, n do
+  marks[#marks + 1] = ids[i]
+  marks[#marks + 1] = 's' .. seq .. ':' .. ARGV[8 + 2 * i]
+end
+for s = 1, #marks, 2000 do
+  redis.call('HSET', sums_key, unpack(marks, s, math.min(s + 1999, #marks)))
+end
+redis.call('HINCRBY', job_key, 'submitted', n)
+redis.call('HINCRBY', job_key, 'submitted_tokens', tokens)
+redis.call('HINCRBY', intake_key, 'stored_tokens', tokens)
+redis.call('HINCRBY', intake_key, 'stored_items', n)
+redis.call('HINCRBY', intake_key, 'submitted', n)
+redis.call('ZADD', segs_key, seq, name)
+redis.call('HSET', seg_key, 'job', job, 'sig', sig, 'path', path, 'sum', fsum, 'items', n, 'tokens', tokens,
+  'lmin', lmin, 'lmax', lmax, 'seq', seq, 'created_ms', now_ms())
+return 1
