@@ -188,3 +188,31 @@ def _alive(pid: int) -> bool:
     # a zombie (its parent, the agent, is dead and init has not reaped it yet) has exited too
     stat = Path(f"/proc/{pid}/stat")
     return stat.exists() and stat.read_text().split(") ")[-1][:1] != "Z"
+
+
+def test_a_stopped_agent_finishes_or_hands_back_what_it_holds(cdr, redis_url):
+    from tests.worker_kit import run_until_done, worker
+    ids = submit(cdr, 40, max_tokens=32)
+    agent = HostAgent(Conductor(connect(redis_url)), spec(time_scale=1.0), 2,
+                      WorkerOptions(name="ag", drain_s=0.05))
+    t = agent_thread(agent)
+    wait_for(lambda: agent.claim_to_engine_ms, what="a batch in an engine")
+    agent.request_stop()  # as SIGTERM does
+    t.join(timeout=30)
+    assert not t.is_alive()
+    assert not cdr.r.xpending_range(agent.keys.batches, K.GROUP, "-", "+", 10, consumername="ag")
+    assert cdr.status("j")["completed"] < len(ids)  # it stopped early: the rest went back, not lost
+    run_until_done(worker(cdr, name="w2"))
+    once_each(cdr, ids)
+
+
+def test_agent_errors_are_one_line(redis_url):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    base = [sys.executable, "-m", "conductor", "--redis", redis_url, "--log-level", "warning", "agent", "--model", "m"]
+    p = subprocess.run([*base, "--engine", "torch"], env=env, capture_output=True, text=True, timeout=60)
+    assert (p.returncode, p.stderr) == (2, "conductor: --model-path: required with --engine torch\n")
+    # the engine cannot start in its GPU processes (TensorRT-LLM is not installed here)
+    p = subprocess.run([*base, "--engine", "trtllm", "--model-path", "/nonexistent", "--gpus", "1"], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.splitlines()[-1].startswith("conductor: agent: GPU process ")

@@ -21,6 +21,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from conductor.errors import ConductorError
 from conductor.records import Batch, Result, ResultError
 from conductor.workers.engines import make_engine
 from conductor.workers.engines.base import Engine, Finished
@@ -98,7 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     spec = json.loads(a.engine)
     sock = socket.socket(fileno=a.fd)
     ring = RingReader(a.ring)
-    engine = make_engine(spec.pop("kind"), **spec)
+    try:
+        engine = make_engine(spec.pop("kind"), **spec)
+    except (ConductorError, ValueError) as e:  # the agent names the process; this line says why
+        print(f"conductor agent: {a.name}: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return 2
     try:
         GpuProcess(sock, ring, engine, a.name).serve()
     except (BrokenPipeError, ConnectionResetError):

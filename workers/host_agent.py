@@ -25,6 +25,7 @@ pending under its name with no heartbeat, are reclaimed by any live worker's mai
 from __future__ import annotations
 
 import json
+import os
 import selectors
 import socket
 import statistics
@@ -110,12 +111,21 @@ class HostAgent(Worker):
         ring = RingWriter(self.ring_bytes)
         cmd = [sys.executable, "-m", "conductor.workers.handoff_gpu", "--fd", str(theirs.fileno()),
                "--ring", ring.name, "--name", f"{base}/gpu{index}", "--engine", json.dumps(self.engine_spec)]
-        proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()])
+        proc = subprocess.Popen(cmd, pass_fds=[theirs.fileno()], env=self._gpu_env(index))
         theirs.close()
         gpu = _Gpu(index, f"{base}/gpu{index}", proc, ours, ring)
         self.sel.register(ours, selectors.EVENT_READ, gpu)
         event("gpu_started", gpu=gpu.name, pid=proc.pid, ring=ring.name)
         return gpu
+
+    @staticmethod
+    def _gpu_env(index: int) -> dict[str, str]:
+        """GPU process ``index`` sees one device: the index-th of the agent's CUDA_VISIBLE_DEVICES
+        (all devices when unset), as the systemd template gives each worker its instance's GPU."""
+        env = dict(os.environ)
+        seen = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        env["CUDA_VISIBLE_DEVICES"] = seen[index % len(seen)] if seen else str(index)
+        return env
 
     def _await_hellos(self, timeout_s: float) -> Hello:
         deadline = time.monotonic() + timeout_s
