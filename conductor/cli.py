@@ -203,7 +203,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
     c.r.ping()  # an unreachable Redis is refused before GPU processes load their engines
     opts = WorkerOptions(name=args.name or "", drain_s=args.drain_s, heartbeat_ttl_s=args.heartbeat_ttl,
                          idle_exit_s=args.idle_exit, max_batches=args.max_batches)
-    agent = HostAgent(c, {"kind": args.engine, **engine_kwargs(args)}, args.gpus, opts, depth=args.depth)
+    agent = HostAgent(c, {"kind": args.engine, **engine_kwargs(args)}, args.gpus, opts, depth=args.depth,
+                      ring_bytes=args.ring_mb << 20)
     agent.install_signals()
     agent.run()
     return 0
@@ -617,6 +618,8 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--gpus", type=positive_int, default=1, help="GPU processes to start (one engine each)")
     ag.add_argument("--depth", type=positive_int, default=2,
                     help="batches handed to one GPU process at most (running plus waiting in its ring)")
+    ag.add_argument("--ring-mb", type=positive_int, default=8,
+                    help="shared-memory ring per GPU process, MiB; a batch record may take a quarter of it")
     ag.add_argument("--name", help="consumer name, unique among live workers of the model (default: the host name)")
     ag.add_argument("--drain-s", type=non_negative_float, default=30.0,
                     help="on SIGTERM: seconds for the GPU processes to finish before their batches are handed back")

@@ -77,17 +77,19 @@ def test_ring_records_wrap_by_offset_and_the_reader_map_is_read_only():
 
 
 def test_ring_refuses_to_overwrite_what_the_reader_has_not_acknowledged():
-    w = RingWriter(4096)
+    w = RingWriter(8192)
     try:
-        w.write(KIND_BATCH, b"a" * 1500)
-        w.write(KIND_BATCH, b"b" * 1500)
+        for c in b"abcde":
+            w.write(KIND_BATCH, bytes([c]) * 1500)
         with pytest.raises(RingFull):
-            w.write(KIND_BATCH, b"c" * 1500)
+            w.write(KIND_BATCH, b"f" * 1500)
         r = RingReader(w.name)
-        assert [b[:1] for _, b in r.read()] == [b"a", b"b"]
+        assert [b[:1] for _, b in r.read()] == [b"a", b"b", b"c", b"d", b"e"]
         w.ack(r.pos)
-        w.write(KIND_BATCH, b"c" * 1500)  # wraps to offset 0 behind a pad record
-        assert [b[:1] for _, b in r.read()] == [b"c"]
+        w.write(KIND_BATCH, b"f" * 1500)  # wraps to offset 0 behind a pad record
+        assert [b[:1] for _, b in r.read()] == [b"f"]
+        with pytest.raises(ValueError, match="quarter of the ring"):
+            w.write(KIND_BATCH, b"g" * 2100)
         r.close()
     finally:
         w.close()

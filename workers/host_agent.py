@@ -249,7 +249,9 @@ class HostAgent(Worker):
             return [bid for g in self.gpus for bid in g.outstanding]
 
     def _gpu_with_room(self) -> _Gpu | None:
-        ready = [g for g in self.gpus if g.alive and g.hello is not None and len(g.outstanding) < self.depth]
+        # half the ring free: the next batch record fits (shm_ring.RingWriter.max_record)
+        ready = [g for g in self.gpus if g.alive and g.hello is not None and len(g.outstanding) < self.depth
+                 and g.ring.free() >= g.ring.capacity // 2]
         return min(ready, key=lambda g: len(g.outstanding)) if ready else None
 
     def _hand(self, gpu: _Gpu, batch: Batch, claim_start: float) -> None:

@@ -57,6 +57,11 @@ class RingWriter:
         self.acked = 0  # every byte before this the reader has consumed
         self._unlinked = False
 
+    def max_record(self) -> int:
+        """A record (header included) is at most a quarter of the ring: with half the ring free, one
+        always fits, even behind the pad that skips to offset 0."""
+        return self.capacity // 4
+
     def free(self) -> int:
         return self.capacity - (self.pos - self.acked)
 
@@ -71,8 +76,8 @@ class RingWriter:
             raise ValueError(f"ring {self.name}: closed")
         need = _REC.size + len(body)
         need += -need % 8  # records start 8-aligned
-        if need > self.capacity // 2:
-            raise ValueError(f"record: {len(body)} bytes is more than half the ring ({self.capacity})")
+        if need > self.max_record():
+            raise ValueError(f"record: {len(body)} bytes is more than a quarter of the ring ({self.capacity})")
         off = self.pos % self.capacity
         tail = self.capacity - off
         skip = tail if tail < need else 0
