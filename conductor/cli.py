@@ -78,8 +78,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_engine(args: argparse.Namespace) -> Any:  # an engine (conductor.workers.engines.base.Engine)
-    from conductor.workers.engines import make_engine
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """make_engine's keyword arguments from the engine flags (plain data: the agent sends them on)."""
     kw: dict[str, Any] = {"model": args.model}
     if args.engine == "sim":
         kw.update(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
@@ -87,7 +87,12 @@ def build_engine(args: argparse.Namespace) -> Any:  # an engine (conductor.worke
     else:
         kw.update(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
                   max_input_len=args.max_input_len, model_path=args.model_path)
-    return make_engine(args.engine, **kw)
+    return kw
+
+
+def build_engine(args: argparse.Namespace) -> Any:  # an engine (conductor.workers.engines.base.Engine)
+    from conductor.workers.engines import make_engine
+    return make_engine(args.engine, **engine_kwargs(args))
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
@@ -108,6 +113,22 @@ def cmd_worker(args: argparse.Namespace) -> int:
     w = Worker(_conductor(args), engine, opts)
     w.install_signals()
     w.run()
+    return 0
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from conductor.workers.host_agent import HostAgent
+    from conductor.workers.worker import WorkerOptions
+    if args.engine != "sim" and not args.model_path:
+        raise ConductorError(f"--model-path: required with --engine {args.engine}")
+    c = _conductor(args)
+    c.r.ping()  # an unreachable Redis is refused before GPU processes load their engines
+    opts = WorkerOptions(name=args.name or "", drain_s=args.drain_s, heartbeat_ttl_s=args.heartbeat_ttl,
+                         idle_exit_s=args.idle_exit, max_batches=args.max_batches)
+    agent = HostAgent(c, {"kind": args.engine, **engine_kwargs(args)}, args.gpus, opts, depth=args.depth,
+                      ring_bytes=args.ring_mb << 20)
+    agent.install_signals()
+    agent.run()
     return 0
 
 
@@ -517,6 +538,24 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--max-batches", type=positive_int, help="exit after claiming this many batches (default: no "
                                                            "limit)")
     w.add_argument("--metrics-port", type=port, help="serve Prometheus metrics on this port (default: none)")
+
+    ag = command("agent", "run a host agent: claim for N GPU processes of this host, hand batches over shared "
+                          "memory (README: Same-host handoff)", cmd_agent)
+    _engine_flags(ag)
+    ag.add_argument("--gpus", type=positive_int, default=1, help="GPU processes to start (one engine each)")
+    ag.add_argument("--depth", type=positive_int, default=2,
+                    help="batches handed to one GPU process at most (running plus waiting in its ring)")
+    ag.add_argument("--ring-mb", type=positive_int, default=8,
+                    help="shared-memory ring per GPU process, MiB; a batch record may take a quarter of it")
+    ag.add_argument("--name", help="consumer name, unique among live workers of the model (default: the host name)")
+    ag.add_argument("--drain-s", type=non_negative_float, default=30.0,
+                    help="on SIGTERM: seconds for the GPU processes to finish before their batches are handed back")
+    ag.add_argument("--heartbeat-ttl", type=positive_float, default=10.0,
+                    help="seconds without a heartbeat before other workers reclaim this agent's batches")
+    ag.add_argument("--idle-exit", type=non_negative_float, help="exit after this many seconds with nothing to "
+                                                                "do (default: never)")
+    ag.add_argument("--max-batches", type=positive_int, help="exit after claiming this many batches (default: no "
+                                                            "limit)")
 
     add_commands(command)
 
