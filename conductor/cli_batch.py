@@ -36,18 +36,18 @@ def start_job(c: Any, job: str, args: argparse.Namespace) -> None:
 
 
 def cmd_cancel(args: argparse.Namespace) -> int:
-    from conductor.cli import _conductor
+    from conductor.cli_connection import conductor_from
     from conductor.lifecycle import cancel, render
-    c = _conductor(args)
+    c = conductor_from(args)
     d = cancel(c, args.job)
     print(json.dumps(d) if args.json else render(d), flush=True)
     return 0
 
 
 def cmd_expire(args: argparse.Namespace) -> int:
-    from conductor.cli import _conductor
+    from conductor.cli_connection import conductor_from
     from conductor.lifecycle import expire_due
-    for job in expire_due(_conductor(args)):
+    for job in expire_due(conductor_from(args)):
         print(job)
     return 0
 
@@ -59,9 +59,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from conductor.serve import make_app
     except ImportError as e:
         raise ConductorError(f"conductor serve needs the serve extra (pip install 'conductor[serve]'): {e}") from None
-    from conductor.cli import _url
+    from conductor.cli_connection import url_from
     keys = list(args.api_key) + [k for k in os.environ.get("CONDUCTOR_API_KEYS", "").split(",") if k.strip()]
-    app = make_app(_url(args), data_dir=args.data_dir, api_keys=[k.strip() for k in keys])
+    app = make_app(url_from(args), data_dir=args.data_dir, api_keys=[k.strip() for k in keys])
     print(f"conductor serve: http://{args.host}:{args.port}/v1 (files in {app.state.store.root})", file=sys.stderr,
           flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
