@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -97,7 +98,7 @@ def test_ring_refuses_to_overwrite_what_the_reader_has_not_acknowledged():
 
 def test_frames_split_across_reads():
     fr = FrameReader()
-    a, b = __import__("socket").socketpair()
+    a, b = socket.socketpair()
     try:
         send(a, Done(batch_id="1-0", results=[]))
         send(a, Done(batch_id="2-0", results=[]))
