@@ -61,7 +61,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConductorError(f"conductor serve needs the serve extra (pip install 'conductor[serve]'): {e}") from None
     from conductor.cli_connection import url_from
     keys = list(args.api_key) + [k for k in os.environ.get("CONDUCTOR_API_KEYS", "").split(",") if k.strip()]
-    app = make_app(url_from(args), data_dir=args.data_dir, api_keys=[k.strip() for k in keys])
+    from conductor.store import store_from
+    app = make_app(url_from(args), data_dir=args.data_dir, api_keys=[k.strip() for k in keys],
+                   segment_store=store_from(getattr(args, "store", None)))
     print(f"conductor serve: http://{args.host}:{args.port}/v1 (files in {app.state.store.root})", file=sys.stderr,
           flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -33,6 +33,7 @@ from conductor.errors import BadInput, ConductorError
 from conductor.formats import CHAT_URL, ENDPOINTS, parse_line
 from conductor.openai_format import converted
 from conductor.serve_store import ERROR_PREFIX, OUTPUT_PREFIX, FileStore
+from conductor.store import Store
 
 log = logging.getLogger(__name__)
 _enc = msgspec.json.Encoder()
@@ -56,8 +57,11 @@ def _err(status: int, message: str, param: str | None = None, code: str | None =
 
 
 # The route table: each route is a small function of its own, which C901 counts into the factory.
-def make_app(redis_url: str, *, data_dir: str | None = None, api_keys: list[str] | None = None) -> FastAPI:  # noqa: C901
-    c = Conductor.from_url(redis_url)
+def make_app(redis_url: str, *, data_dir: str | None = None, api_keys: list[str] | None = None,  # noqa: C901
+             segment_store: Store | None = None) -> FastAPI:
+    """``segment_store``: the disk tier's (conductor/tier.py): a batch's items beyond a model's
+    resident_tokens go to it, and its output file reads the results moved there."""
+    c = Conductor.from_url(redis_url, store=segment_store)
     store = FileStore(c.r, data_dir)
     keys = {k for k in (api_keys or []) if k}
     stop = threading.Event()
