@@ -1,19 +1,22 @@
 -- lib_job_ids.lua: submit.lua's idempotency check of a call's ids against the job's id registry
 -- (M:in:J:sums, item id -> the first 16 hex digits of SHA-1(sig .. record)): an id the job has
 -- already is a duplicate when it brings the same content, a conflict when it brings other content.
--- Keys: M:in:J:sums (read only here; submit.lua writes the new ids).
+-- Keys: M:in:J:sums (read only here; submit.lua writes the new ids); M:job:J:items (read only: the
+--   done marks of ids fed from the store).
 -- Invariant: one HMGET for the whole call (a call of 1,000 items would otherwise run 1,000
 --   HSETNX); an id stored before sums were kept ('-', migrations/0003) cannot be judged and
 --   stays a duplicate; an id registered by register_segment.lua ('s<seq>:<sum>': it waits in a
 --   store segment of the disk tier) with the same sum is placed by this call, once (the registry
---   then holds the plain sum), and with another sum is a conflict.
+--   then holds the plain sum), and with another sum is a conflict; one that has its result already
+--   (a cancel or an expiry answered it while it waited in the segment) is not placed: answered.
 
 -- argv: submit.lua's ARGV (item i's sig at argv[3i], record at argv[3i + 1]); ids: the call's
 -- ids in order; n: their count. Returns known (each id's stored sum, false if new), fresh_sums
 -- (id, sum pairs of the new ids, each once), the number of conflicting ids and from_store (true
 -- at i when id i waits in a store segment with this content: it counts as new here, and moves
--- from the stored counters to the waiting ones).
-local function id_conflicts(job_sums, argv, ids, n)
+-- from the stored counters to the waiting ones) and answered (true at i when id i, fed from the store,
+-- has its result already: it leaves the stored counters without being placed).
+local function id_conflicts(job_sums, done_key, argv, ids, n)
   local known = redis.call('HMGET', job_sums, unpack(ids))
   local first, fresh_sums, from_store = {}, {}, {}
   local conflicts = 0
@@ -35,5 +38,18 @@ local function id_conflicts(job_sums, argv, ids, n)
       fresh_sums[#fresh_sums + 1] = sum
     end
   end
-  return known, fresh_sums, conflicts, from_store
+  local fed = {}
+  for i = 1, n do
+    if from_store[i] then fed[#fed + 1] = i end
+  end
+  local answered = {}
+  for s = 1, #fed, 2000 do
+    local part = {}
+    for j = s, math.min(s + 1999, #fed) do part[#part + 1] = ids[fed[j]] end
+    local marks = redis.call('HMGET', done_key, unpack(part))
+    for j = 1, #marks do
+      if marks[j] == 'd' then answered[fed[s + j - 1]] = true end
+    end
+  end
+  return known, fresh_sums, conflicts, from_store, answered
 end

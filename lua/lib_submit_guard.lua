@@ -18,7 +18,7 @@ local function submit_refused(base, state_key, intake_key, job)
       and ok('SPOP', I .. ':free') and ok('ZADD', I .. ':touch') and ok('ZADD', I .. ':fill')
       and ok('ZADD', I .. ':ready') and ok('RPUSH', base .. ':lane' .. L) and ok('RPUSH', base .. ':lanetok' .. L)
       and ok('HMGET', base .. ':lanemeta' .. L) and ok('HSET', base .. ':lanemeta' .. L) and ok('TIME')
-      and ok('LPUSH', base .. ':bell') and ok('LTRIM', base .. ':bell')
+      and ok('LPUSH', base .. ':bell') and ok('LTRIM', base .. ':bell') and ok('HMGET', base .. ':job:0:items')
   end)
   return refused
 end

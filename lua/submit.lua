@@ -21,7 +21,9 @@
 -- Returns: one integer per item: the lane id it joined, or -1 when this job already has an
 --   item with this id (an interrupted submit re-run neither loses nor duplicates). An id that
 --   waits in a store segment (registry mark 's<seq>:<sum>', register_segment.lua) joins a lane
---   once, counted then as waiting instead of stored (the disk tier's feeder loads segments so).
+--   once, counted then as waiting instead of stored (the disk tier's feeder loads segments so); one
+--   a cancel or an expiry answered while it waited in the store is not placed (answered -1) and
+--   leaves the stored counters.
 --   Errors, with nothing written: 'ERR_ARG <field>: ...' for a malformed argument,
 --   'FULL ...' when the model's waiting-token ceiling (cfg max_waiting_tokens) would be passed,
 --   'NOPERM ...' when the caller's ACL refuses a command this call may run (lib.lua acl_refused).
@@ -83,7 +85,8 @@ local now = now_ms()
 local intake = {base = base, cfg = cfg, now = now, depth = call.depth, ctxs = {}}
 
 local job_sums = base .. ':in:' .. job .. ':sums'
-local known, fresh_sums, conflicts, from_store = id_conflicts(job_sums, ARGV, ids, n)
+local known, fresh_sums, conflicts, from_store, answered =
+  id_conflicts(job_sums, base .. ':job:' .. job .. ':items', ARGV, ids, n)
 if conflicts > 0 then
   return redis.error_reply('CONFLICT ' .. conflicts .. ' ids of this call are ids job ' .. job ..
     ' already has with other content')
@@ -91,11 +94,17 @@ end
 local out, seen = {}, {}
 local new_items, new_tokens = 0, 0
 local fed_items, fed_tokens = 0, 0  -- ids placed from a store segment (lib_job_ids.lua from_store)
+local gone_items, gone_tokens = 0, 0  -- ids fed from the store that have their result already
 for i = 0, n - 1 do
   local o = 3 + 3 * i
   local id, tok = ids[i + 1], toks[i + 1]
   if known[i + 1] or seen[id] then
     out[#out + 1] = -1
+  elseif answered[i + 1] then
+    -- fed from the store but answered meanwhile (cancel, expiry): nothing left to run
+    seen[id] = true
+    out[#out + 1] = -1
+    gone_items, gone_tokens = gone_items + 1, gone_tokens + tok
   else
     seen[id] = true
     local sig, prefix = ARGV[o], ARGV[o + 2]
@@ -144,9 +153,9 @@ if placed_items > 0 then
   redis.call('HINCRBY', intake_key, 'items', placed_items)
 end
 if new_items > 0 then redis.call('HINCRBY', intake_key, 'submitted', new_items) end
-if fed_items > 0 then
-  redis.call('HINCRBY', intake_key, 'stored_tokens', -fed_tokens)
-  redis.call('HINCRBY', intake_key, 'stored_items', -fed_items)
+if fed_items + gone_items > 0 then
+  redis.call('HINCRBY', intake_key, 'stored_tokens', -(fed_tokens + gone_tokens))
+  redis.call('HINCRBY', intake_key, 'stored_items', -(fed_items + gone_items))
 end
 if placed_items > 0 then
   -- claim.lua ends cleanup mode when it sees intake newer than the cleanup's start.

@@ -400,3 +400,27 @@ def test_results_past_the_window_move_to_the_store_and_are_read_once(redis_url, 
     assert p.returncode != 0 and b"--store" in p.stderr and len(p.stderr.strip().splitlines()) == 1
     assert offload_job(c.r, c.scripts, c.tier.store, "m", "j", 50) == 0  # nothing more to move
     assert cli("--store", store, "inspect", "m", "--verify", url=redis_url, check=False).returncode == 0
+
+
+def test_a_cancel_answers_stored_items_and_feeding_runs_none_of_them(redis_url, tmp_path):
+    """Items a cancel answers while they wait in store segments are not run when their segment is
+    fed back: they leave the stored counters, nothing reaches a worker, every id has one result."""
+    from conductor import lifecycle
+    from conductor.verify import verify
+    c = _tiered(redis_url, str(tmp_path / "store"), 1000)
+    its = _items(200)
+    c.submit(its, "j")
+    lifecycle.start(c.r, "j")
+    assert _intake(c)["stored_items"] > 100
+    assert lifecycle.cancel(c, "j")["request_counts"]["failed"] == 200
+    got = _run_down(c, Feeder(c, c.tier.store, "m"))
+    assert got == []  # nothing ran: every item had its cancelled result already
+    st = _intake(c)
+    assert (st["tokens"], st["items"], st["stored_tokens"], st["stored_items"]) == (0, 0, 0, 0)
+    assert _segments(c) == []
+    rows = [json.loads(r) for r in c.results("j")]
+    assert sorted(r["id"] for r in rows) == sorted(it.id for it in its)
+    assert {r["error"]["code"] for r in rows} == {"cancelled"}
+    assert lifecycle.describe(c, "j")["status"] == "cancelled"
+    rep = verify(c.r, "m", items=True)
+    assert rep.ok, (rep.drift, rep.problems)
