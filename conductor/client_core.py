@@ -41,6 +41,7 @@ class ConductorCore:
         check_schema(client, auto=migrate)
         self._models_ready: set[str] = set()
         self._models_listed: set[str] = set()  # models a producer put in the models set (no cfg write)
+        self._store_probed = False  # the disk tier's store checked writable (submit_stream.py)
         self._prefix_cache: dict[tuple[str, str], list[str]] = {}
         # the claim's own connection, per server (one, or one per cluster node that holds a model)
         # keyed by the pool itself, not id(): a pool dropped after a slot-map refresh stays

@@ -55,7 +55,7 @@ class Store:
                 os.replace(tmp, path)
             else:
                 self.fs.pipe_file(path, data)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - an object store's client raises its own types (botocore's)
             raise StoreError(f"store {self.url}: cannot write {name}: {e}") from None
 
     def get(self, name: str) -> bytes:
@@ -64,18 +64,21 @@ class Store:
             return data
         except FileNotFoundError:
             raise
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - an object store's client raises its own types (botocore's)
             raise StoreError(f"store {self.url}: cannot read {name}: {e}") from None
 
     def exists(self, name: str) -> bool:
-        return bool(self.fs.exists(self.path(name)))
+        try:
+            return bool(self.fs.exists(self.path(name)))
+        except Exception as e:  # noqa: BLE001 - an object store's client raises its own types (botocore's)
+            raise StoreError(f"store {self.url}: cannot look up {name}: {e}") from None
 
     def delete(self, name: str) -> None:
         try:
             self.fs.rm_file(self.path(name))
         except FileNotFoundError:
             pass
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - an object store's client raises its own types (botocore's)
             raise StoreError(f"store {self.url}: cannot delete {name}: {e}") from None
 
 

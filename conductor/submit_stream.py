@@ -73,6 +73,11 @@ class Submitting(ConductorCore):
                     raise DuplicateId(it.id, f"{it.id!r} is given for models {first} and {it.model}: an id "
                                       f"names one item of a job, across its models")
         self.check_ids_across_models(job, by_model)
+        if self.tier is not None and not self._store_probed:
+            # A store that refuses writes is found before anything is registered (once per client:
+            # a store that fails later stops the submit with what it sent so far, idempotent to re-run).
+            self.tier.store.check_writable()
+            self._store_probed = True
         for model, its in by_model.items():
             self._register_job(job, model)
             mk = self._intake_model(model)
