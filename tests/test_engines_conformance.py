@@ -14,6 +14,7 @@ import pytest
 from conductor.records import Batch, BatchItem
 from conductor.workers.engines import make_engine
 from conductor.workers.engines.base import Engine
+from conductor.workers.engines.sim import SimEngine
 from tests.conftest import cli, item
 from tests.helpers import quick
 from tests.worker_kit import run_until_done, worker
@@ -106,9 +107,15 @@ def test_a_batch_joins_while_another_decodes_and_outputs_do_not_depend_on_neighb
 
 
 def test_prewarm_and_close(engine):
-    engine.prewarm("s1", [16, 32], 1)
-    b = mk_batch("5-0", [("p", 1), ("q", 1)], max_tokens=50)
+    engine.prewarm("s1", [64], 1)
+    b = mk_batch("5-0", [("p", 1), ("q", 1)], max_tokens=50)  # padded to 64, shape s1, epoch 1
     engine.admit(b, b.items)
+    if isinstance(engine, SimEngine):
+        # what prewarm prepared is what the batch needed: its graph was built ahead, not on admit
+        assert (engine.counters.graphs_prewarmed, engine.counters.graph_rebuilds) == (1, 0)
+        other = mk_batch("6-0", [("r", 1)], shape="s2")
+        engine.admit(other, other.items)
+        assert engine.counters.graph_rebuilds == 1  # a shape nobody prewarmed builds on admit
     engine.close()
     assert engine.active() == 0 and engine.step() == []
 
