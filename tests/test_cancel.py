@@ -114,3 +114,32 @@ def test_verify_finds_an_ended_job_whose_counts_do_not_add_up(cdr):
     cdr.r.hset(K.job_meta_key("j"), "status", "in_progress")
     lifecycle.cancel(cdr, "j")  # a real cancel answers every item: the counts add up
     assert verify(cdr.r, "m", items=True).ok
+
+
+def test_a_worker_expires_a_job_past_its_window_without_serve(redis_url):
+    """Expiry needs no `conductor serve` and no `conductor expire`: the worker that holds a model's
+    maintenance lease ends due jobs (here a job of another model, which no worker serves)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+    c = Conductor.from_url(redis_url)
+    quick(c)
+    c.submit([item(f"i{k}", 10) for k in range(30)], "late")  # model m: no worker serves it
+    lifecycle.start(c.r, "late", window_s=1, window="1s")
+    quick(c, "other")
+    p = subprocess.Popen([sys.executable, "-m", "conductor", "--redis", redis_url, "--log-level", "warning",
+                          "worker", "--engine", "sim", "--model", "other", "--name", "wx", "--idle-exit", "30"],
+                         cwd=str(ROOT))
+    try:
+        deadline = time.monotonic() + 20
+        while lifecycle.describe(c, "late", advance=False)["status"] != "expired":
+            assert time.monotonic() < deadline, lifecycle.describe(c, "late", advance=False)
+            time.sleep(0.1)
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+    d = lifecycle.describe(c, "late", advance=False)
+    assert d["request_counts"] == {"total": 30, "completed": 0, "failed": 30}
+    assert {r["error"]["code"] for r in results_by_id(c, "late").values()} == {"expired"}
+    assert verify(c.r, "m", items=True).ok

@@ -16,6 +16,7 @@ from conductor import metrics
 from conductor import script_calls as calls
 from conductor.client import Conductor
 from conductor.keys import ModelKeys
+from conductor.lifecycle import expire_due
 from conductor.results_store import offload_model
 from conductor.retention import trim_model
 from conductor.store import StoreError
@@ -88,6 +89,9 @@ class Maintenance:
             self._thrash_alarm()
             self._drift_check()
             trim_model(self.c, self.model)
+            # Jobs past their completion window end expired (issue 17), whatever serve does: the
+            # steps are idempotent, so lease holders of several models may race on one job.
+            expire_due(self.c)
             if self.feeder is not None:  # the disk tier: results past the window go to the store
                 offload_model(self.c, self.feeder.store, self.model)
             return res
