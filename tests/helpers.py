@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from conductor import keys as K
 from conductor.client import Conductor
@@ -75,3 +76,11 @@ def submit_argv(job: str, *rows: tuple) -> list:
         seen.add(sig)
         args += [sig, record(id, job, tok, mt, body), prefix]
     return args
+
+
+def wait_for(cond: Callable[[], object], what: str, timeout: float = 20.0) -> None:
+    """Poll ``cond`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)

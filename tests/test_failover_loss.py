@@ -11,14 +11,7 @@ import time
 from conductor.client import Conductor, connect
 from conductor.embedded import EmbeddedRedis
 from tests.conftest import cli
-from tests.helpers import MK
-
-
-def _wait(cond, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
+from tests.helpers import MK, wait_for
 
 
 def test_items_a_failover_lost_are_reported_and_a_resubmit_brings_them_back(tmp_path):
@@ -32,15 +25,15 @@ def test_items_a_failover_lost_are_reported_and_a_resubmit_brings_them_back(tmp_
                                    "--masterauth", "replpw"]).start()
     try:
         r = connect(replica.url)
-        _wait(lambda: r.info("replication").get("master_link_status") == "up", "the replica never synced")
+        wait_for(lambda: r.info("replication").get("master_link_status") == "up", "the replica never synced")
         # `conductor submit` declares the file's 300 items, then sends them. Here the replica takes
         # the declaration and then loses its link (its user switched off, it cannot reconnect)
         # before the items: what a primary dying a moment too early looks like.
         Conductor(p).declare("j", {"m": 300})
-        _wait(lambda: r.hget(MK.job_intake("j"), "declared") == b"300", "the declaration never replicated")
+        wait_for(lambda: r.hget(MK.job_intake("j"), "declared") == b"300", "the declaration never replicated")
         p.acl_setuser("repl", enabled=False)
         p.client_kill_filter(user="repl")
-        _wait(lambda: r.info("replication").get("master_link_status") == "down", "the link stayed up")
+        wait_for(lambda: r.info("replication").get("master_link_status") == "down", "the link stayed up")
         cli("submit", str(src), "--job", "j", url=primary.url)
         assert p.hget(MK.job_intake("j"), "submitted") == b"300"  # the producer saw all 300 accepted
         time.sleep(0.3)

@@ -8,23 +8,18 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
+from functools import partial
 
 from conductor.client import Conductor, connect
 from conductor.embedded import EmbeddedRedis
 from conductor.records import Contract
 from tests.conftest import ROOT
-from tests.helpers import drain, quick, results_for
+from tests.helpers import drain, quick, results_for, wait_for
 from tests.netfault import ReplyDroppingProxy
 
+wait = partial(wait_for, timeout=30.0)  # a replica sync and a reader process on a busy machine
 C = Contract(model="m", max_batch_size=8, max_batch_tokens=8192, max_input_len=4096)
 
-
-def _wait(cond, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
 
 
 def test_a_reader_across_a_failover_says_the_stream_rewound_and_prints_each_id_once(tmp_path):
@@ -38,7 +33,7 @@ def test_a_reader_across_a_failover_says_the_stream_rewound_and_prints_each_id_o
     reader = None
     try:
         r = connect(replica.url)
-        _wait(lambda: r.info("replication").get("master_link_status") == "up", "the replica never synced")
+        wait(lambda: r.info("replication").get("master_link_status") == "up", "the replica never synced")
         c = Conductor(p)
         quick(c)
         c.submit([item(f"i{k}", 10) for k in range(40)], "j")
@@ -50,14 +45,14 @@ def test_a_reader_across_a_failover_says_the_stream_rewound_and_prints_each_id_o
         out = tmp_path / "out.jsonl"
         reader = subprocess.Popen([sys.executable, "-m", "conductor", "--redis", proxy.url, "results", "j", "--follow",
                                    "-o", str(out)], cwd=str(ROOT), stderr=subprocess.PIPE)
-        _wait(lambda: out.exists() and len(out.read_text().splitlines()) == first, "the reader never caught up")
-        _wait(lambda: r.xlen("cdr:{m}:job:j:results") == first, "the results never replicated")
+        wait(lambda: out.exists() and len(out.read_text().splitlines()) == first, "the reader never caught up")
+        wait(lambda: r.xlen("cdr:{m}:job:j:results") == first, "the results never replicated")
         # the link goes down; the primary acknowledges the rest of the job, the reader reads it
         p.acl_setuser("repl", enabled=False)
         p.client_kill_filter(user="repl")
-        _wait(lambda: r.info("replication").get("master_link_status") == "down", "the link stayed up")
+        wait(lambda: r.info("replication").get("master_link_status") == "down", "the link stayed up")
         drain(c, C, consumer="w1")
-        _wait(lambda: len(out.read_text().splitlines()) == 40, "the reader never read the whole job")
+        wait(lambda: len(out.read_text().splitlines()) == 40, "the reader never read the whole job")
         # failover: the primary dies, the replica is promoted behind the same address
         primary.kill()
         r.replicaof("NO", "ONE")
