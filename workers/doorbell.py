@@ -20,6 +20,7 @@ import time
 from conductor.client import Conductor
 from conductor.config import DEFAULTS
 from conductor.keys import ModelKeys
+from conductor.workers.transient import RIDE_OUT, is_transient
 
 BELL_CAP = 16  # as submit.lua and seal.lua trim it
 # Claim answers after which the next change is time-driven (quiet intake), not only a ring.
@@ -60,6 +61,21 @@ class Doorbell:
             self.rings += 1
             return True
         return False
+
+    def wait_idle(self, due_in_s: float, idle_exit_s: float | None, idle_since: float,
+                  last_claim: str) -> bool | None:
+        """An idle worker's wait: until a ring, its next timed duty (``due_in_s``) or its idle exit.
+        True when rung; None after a transient Redis error (the caller backs off as it does after
+        a failed claim); other errors propagate."""
+        limit = due_in_s
+        if idle_exit_s is not None:
+            limit = min(limit, idle_exit_s - (time.monotonic() - idle_since) + 0.01)
+        try:
+            return self.wait(limit, last_claim)
+        except RIDE_OUT as e:
+            if not is_transient(e):
+                raise
+            return None
 
     def pass_on(self) -> None:
         """A worker that a ring woke and that found work rings once more: if work is left, the next

@@ -308,9 +308,7 @@ class HostAgent(Worker):
 
     def _claim_loop(self) -> None:  # noqa: C901 - the worker loop's order (maintenance, room, claim, bell, exits) in one place
         from conductor.workers.maintenance import Maintenance
-        ttl_ms = int(self.opts.heartbeat_ttl_s * 1000)
-        maint = Maintenance(self.c, self.contract.model, self.name, lease_ms=max(1000, min(5000, 3 * ttl_ms)),
-                            stale_idle_ms=max(3000, 10 * ttl_ms))
+        maint = Maintenance.for_worker(self.c, self.contract.model, self.name, self.opts.heartbeat_ttl_s)
         bell = Doorbell(self.c, self.contract.model)
         idle_since, rung = time.monotonic(), False
         while not self.stopping.is_set():
@@ -335,15 +333,10 @@ class HostAgent(Worker):
                 idle_since = time.monotonic()
             if self.opts.idle_exit_s is not None and time.monotonic() - idle_since > self.opts.idle_exit_s:
                 return
-            limit = maint.due_in()
-            if self.opts.idle_exit_s is not None:
-                limit = min(limit, self.opts.idle_exit_s - (time.monotonic() - idle_since) + 0.01)
-            try:
-                rung = bell.wait(limit, self.last_claim)
-            except RIDE_OUT as e:
-                if not is_transient(e):
-                    raise
+            got = bell.wait_idle(maint.due_in(), self.opts.idle_exit_s, idle_since, self.last_claim)
+            if got is None:
                 time.sleep(0.05)
+            rung = bool(got)
 
     def drain(self) -> None:
         """Stop claiming; let the GPU processes finish within ``drain_s``; hand back the rest."""

@@ -59,6 +59,14 @@ class Maintenance:
         self._held_until = 0.0
         self._feed_next = 0.0
 
+    @classmethod
+    def for_worker(cls, conductor: Conductor, model: str, owner: str, heartbeat_ttl_s: float) -> Maintenance:
+        """A worker's (or host agent's) maintenance: the lease outlives a few heartbeats, and a live
+        consumer's entry counts as lost only well past its heartbeat's TTL."""
+        ttl_ms = int(heartbeat_ttl_s * 1000)
+        return cls(conductor, model, owner, lease_ms=max(1000, min(5000, 3 * ttl_ms)),
+                   stale_idle_ms=max(3000, 10 * ttl_ms))
+
     def due_in(self) -> float:
         """Seconds until the next tick does its work (an idle worker blocks at most this long):
         the next sweep, or the next feed while this worker holds the lease and segments wait."""

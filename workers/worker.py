@@ -333,9 +333,7 @@ class Worker:
         sleep = 0.001
         # The reclaim sweep runs in whichever live worker holds the model's maintenance lease.
         from conductor.workers.maintenance import Maintenance
-        ttl_ms = int(self.opts.heartbeat_ttl_s * 1000)
-        maint = Maintenance(self.c, self.contract.model, self.name, lease_ms=max(1000, min(5000, 3 * ttl_ms)),
-                            stale_idle_ms=max(3000, 10 * ttl_ms))
+        maint = Maintenance.for_worker(self.c, self.contract.model, self.name, self.opts.heartbeat_ttl_s)
         bell = Doorbell(self.c, self.contract.model) if self.opts.wake == "bell" else None
         rung = False
         try:
@@ -360,15 +358,10 @@ class Worker:
                 if bell is None or self.retry:  # polling, or results waiting for Redis to come back
                     sleep = poll_sleep(sleep, self.opts.poll_max_s)
                     continue
-                limit = maint.due_in()
-                if self.opts.idle_exit_s is not None:
-                    limit = min(limit, self.opts.idle_exit_s - (time.monotonic() - idle_since) + 0.01)
-                try:
-                    rung = bell.wait(limit, self.last_claim)
-                except RIDE_OUT as e:
-                    if not is_transient(e):
-                        raise
+                got = bell.wait_idle(maint.due_in(), self.opts.idle_exit_s, idle_since, self.last_claim)
+                if got is None:
                     sleep = poll_sleep(sleep, self.opts.poll_max_s)
+                rung = bool(got)
             self.drain()
         finally:
             self.stopping.set()
