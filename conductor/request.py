@@ -31,7 +31,8 @@ import redis
 import redis.asyncio as aioredis
 
 from conductor import keys as K
-from conductor.client import Conductor, _raise_script_error, _submit_args, connect
+from conductor import script_calls as calls
+from conductor.client import Conductor, _raise_script_error, connect
 from conductor.errors import BadInput, ClientClosed, QueueFull, RequestTimeout, UnknownModel
 from conductor.fleet import live_workers
 from conductor.formats import PreparedItem, from_native
@@ -107,9 +108,16 @@ class _Core:
                             "prompt": prompt, "max_tokens": max_tokens, "payload": payload})
 
     def commands(self, it: PreparedItem) -> list[tuple[Any, ...]]:
-        mk = self.mk
-        return [("EVALSHA", self.submit_sha, 3, mk.base, mk.cfg, mk.state, *_submit_args(self.job, [it])),
-                ("EVALSHA", self.seal_sha, 3, mk.state, mk.intake, mk.doorbell)]
+        """The submit and the seal as EVALSHA commands (their KEYS from script_calls.py)."""
+        return [calls.submit(self.mk, self.job, [it]).command(self.submit_sha),
+                calls.seal(self.mk).command(self.seal_sha)]
+
+    def queue_capacity_reads(self, pipe: Any) -> None:
+        """What capacity() needs, queued on a pipeline (sync or asyncio): waiting tokens, the
+        model's ceiling, the registered contracts."""
+        pipe.hget(self.mk.intake, "tokens")
+        pipe.hget(self.mk.cfg, "max_waiting_tokens")
+        pipe.hgetall(self.mk.workers)
 
     def result(self, raw: bytes | str) -> Result:
         if raw == _CLOSED:
@@ -130,15 +138,8 @@ class _Core:
                         fleet_budget_tokens=budget, workers=len(alive))
 
 
-class RequestClient:
-    """Blocking request client; thread-safe (each waiting request holds a connection of its own)."""
-
-    def __init__(self, url: str, *, model: str, max_in_flight: int = 64) -> None:
-        self._core = _Core(url, model, max_in_flight)
-        self.model, self.job = model, self._core.job
-        # Blocking reads wait as long as their request's timeout: no socket timeout under them.
-        self._block = redis.Redis.from_url(url, socket_timeout=None, socket_connect_timeout=10)
-        self._lock = threading.Lock()
+class _PermitCounts:
+    _core: _Core
 
     @property
     def available_permits(self) -> int:
@@ -148,13 +149,22 @@ class RequestClient:
     def in_flight(self) -> int:
         return self._core.permits.in_flight
 
+
+class RequestClient(_PermitCounts):
+    """Blocking request client; thread-safe (each waiting request holds a connection of its own)."""
+
+    def __init__(self, url: str, *, model: str, max_in_flight: int = 64) -> None:
+        self._core = _Core(url, model, max_in_flight)
+        self.model, self.job = model, self._core.job
+        # Blocking reads wait as long as their request's timeout: no socket timeout under them.
+        self._block = redis.Redis.from_url(url, socket_timeout=None, socket_connect_timeout=10)
+        self._lock = threading.Lock()
+
     def capacity(self) -> Capacity:
         """Advisory load figure; reads Redis, never waits for a permit."""
-        mk, r = self._core.mk, self._core.c.r
+        r = self._core.c.r
         pipe = r.pipeline(transaction=False)
-        pipe.hget(mk.intake, "tokens")
-        pipe.hget(mk.cfg, "max_waiting_tokens")
-        pipe.hgetall(mk.workers)
+        self._core.queue_capacity_reads(pipe)
         state, cfg_max, contracts = pipe.execute()
         return self._core.capacity(state, cfg_max, contracts, live_workers(r, self.model))
 
@@ -222,7 +232,7 @@ class RequestClient:
         self.close()
 
 
-class AsyncRequestClient:
+class AsyncRequestClient(_PermitCounts):
     """asyncio request client; task-safe within its event loop. ``async with`` closes it."""
 
     def __init__(self, url: str, *, model: str, max_in_flight: int = 64) -> None:
@@ -231,20 +241,9 @@ class AsyncRequestClient:
         self._r = aioredis.Redis.from_url(url, socket_timeout=None, socket_connect_timeout=10)
         self._waiters: deque[asyncio.Future[Any]] = deque()
 
-    @property
-    def available_permits(self) -> int:
-        return self._core.permits.available
-
-    @property
-    def in_flight(self) -> int:
-        return self._core.permits.in_flight
-
     async def capacity(self) -> Capacity:
-        mk = self._core.mk
         async with self._r.pipeline(transaction=False) as pipe:
-            pipe.hget(mk.intake, "tokens")
-            pipe.hget(mk.cfg, "max_waiting_tokens")
-            pipe.hgetall(mk.workers)
+            self._core.queue_capacity_reads(pipe)
             state, cfg_max, contracts = await pipe.execute()
         alive = await asyncio.to_thread(live_workers, self._core.c.r, self.model)
         return self._core.capacity(state, cfg_max, contracts, alive)
