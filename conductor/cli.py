@@ -24,7 +24,7 @@ from conductor.cli_args import (
 from conductor.cli_connection import DEFAULT_URL
 from conductor.cli_read import cmd_exporter, cmd_inspect, cmd_jobs, cmd_results, cmd_status
 from conductor.cli_submit import cmd_run, cmd_submit
-from conductor.cli_workers import cmd_agent, cmd_worker, engine_flags
+from conductor.cli_workers import cmd_agent, cmd_worker, consumer_flags, engine_flags
 from conductor.errors import ConductorError
 
 
@@ -80,12 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="items pulled and not yet written back, at most (default: no ceiling)")
     w.add_argument("--drain-s", type=non_negative_float, default=30.0,
                    help="on SIGTERM: seconds to finish in-flight work before handing it back")
-    w.add_argument("--heartbeat-ttl", type=positive_float, default=10.0,
-                   help="seconds without a heartbeat before other workers reclaim this one's batches")
-    w.add_argument("--idle-exit", type=non_negative_float, help="exit after this many seconds with nothing to do "
-                                                               "(default: never)")
-    w.add_argument("--max-batches", type=positive_int, help="exit after claiming this many batches (default: no "
-                                                           "limit)")
+    consumer_flags(w, "this one's")
     w.add_argument("--metrics-port", type=port, help="serve Prometheus metrics on this port (default: none)")
 
     ag = command("agent", "run a host agent: claim for N GPU processes of this host, hand batches over shared "
@@ -99,12 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     ag.add_argument("--name", help="consumer name, unique among live workers of the model (default: the host name)")
     ag.add_argument("--drain-s", type=non_negative_float, default=30.0,
                     help="on SIGTERM: seconds for the GPU processes to finish before their batches are handed back")
-    ag.add_argument("--heartbeat-ttl", type=positive_float, default=10.0,
-                    help="seconds without a heartbeat before other workers reclaim this agent's batches")
-    ag.add_argument("--idle-exit", type=non_negative_float, help="exit after this many seconds with nothing to "
-                                                                "do (default: never)")
-    ag.add_argument("--max-batches", type=positive_int, help="exit after claiming this many batches (default: no "
-                                                            "limit)")
+    consumer_flags(ag, "this agent's")
 
     add_commands(command)
 

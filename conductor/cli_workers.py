@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from conductor.cli_args import non_negative_float, positive_int
+from conductor.cli_args import non_negative_float, positive_float, positive_int
 from conductor.cli_connection import conductor_from
 from conductor.errors import ConductorError
 
@@ -24,6 +24,16 @@ def engine_flags(p: argparse.ArgumentParser, model_required: bool = True) -> Non
                    help="longest input the engine takes; longer items get an error result")
     p.add_argument("--sim-time-scale", type=non_negative_float, default=0.0,
                    help="sim: multiply the cost model's sleeps by this (0: no sleeping)")
+
+
+def consumer_flags(p: argparse.ArgumentParser, whose: str) -> None:
+    """The flags of anything that claims as one consumer (a worker, a host agent): its heartbeat and
+    when it exits. ``whose`` names it in the help ("this one's")."""
+    p.add_argument("--heartbeat-ttl", type=positive_float, default=10.0,
+                   help=f"seconds without a heartbeat before other workers reclaim {whose} batches")
+    p.add_argument("--idle-exit", type=non_negative_float,
+                   help="exit after this many seconds with nothing to do (default: never)")
+    p.add_argument("--max-batches", type=positive_int, help="exit after claiming this many batches (default: no limit)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
