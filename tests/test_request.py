@@ -67,16 +67,20 @@ def test_queue_full_carries_the_waiting_figure_and_returns_the_permit(fleet):
         assert rc.available_permits == 2
 
 
-def test_timeout_and_close_return_permits(redis_url):
-    """No worker runs the item: the request times out; a request waiting when the client closes
-    wakes with ClientClosed at once; both permits come back."""
+def _ghost_worker(redis_url: str) -> None:
+    """A live registration without a running process: the identity check passes, nothing claims."""
     r = connect(redis_url)
     c = Conductor(r)
     quick(c)
-    # a live registration without a running process: the identity check passes, nothing claims
     r.hset(MK.workers, "ghost", '{"max_batch_tokens": 100}')
     r.set(MK.heartbeat("ghost"), 1, px=60_000)
     c.ensure_model("m")
+
+
+def test_timeout_and_close_return_permits(redis_url):
+    """No worker runs the item: the request times out; a request waiting when the client closes
+    wakes with ClientClosed at once; both permits come back."""
+    _ghost_worker(redis_url)
     rc = RequestClient(redis_url, model="m", max_in_flight=2)
     t = time.monotonic()
     with pytest.raises(RequestTimeout):
@@ -165,12 +169,7 @@ def test_async_stress_cancel_and_permits(fleet):
 
 
 def test_async_cancel_while_waiting_returns_the_permit(redis_url):
-    r = connect(redis_url)
-    c = Conductor(r)
-    quick(c)
-    r.hset(MK.workers, "ghost", '{"max_batch_tokens": 100}')
-    r.set(MK.heartbeat("ghost"), 1, px=60_000)
-    c.ensure_model("m")
+    _ghost_worker(redis_url)
 
     async def main() -> None:
         async with AsyncRequestClient(redis_url, model="m", max_in_flight=1) as rc:
