@@ -26,6 +26,7 @@ import msgspec
 import redis
 
 from conductor import keys as K
+from conductor import script_calls as calls
 from conductor.errors import BadInput, ConductorError
 
 log = logging.getLogger(__name__)
@@ -175,32 +176,28 @@ def expire_due(c: Any, now: float | None = None) -> list[str]:
 
 def _sweep(c: Any, job: str, how: str) -> int:
     """Every waiting item of the job answered (bounded steps), then withdrawn from the lanes."""
-    from conductor.scripts import Scripts
-    scripts = Scripts(c.r)
     message = "the batch was cancelled before this request ran" if how == "cancelled" else \
         "the batch's completion window passed before this request ran"
     total = 0
     c.r.hset(K.job_meta_key(job), "swept_at", time.time())
     for model in c.job_models(job):
         mk = K.ModelKeys(model)
-        keys = [mk.base, mk.state, mk.batches, mk.job(job), mk.job_items(job), mk.job_results(job), mk.job_sums(job)]
         cursor = "0"
         while True:
-            cursor, answered, _inflight = scripts.cancel(keys=keys, args=[job, model, cursor, STEP, how, message])
-            cursor = _s(cursor)
-            total += int(answered)
+            step = calls.cancel(mk, job, model, cursor, STEP, how, message).run(c.scripts)
+            cursor = step.cursor
+            total += step.answered
             if cursor == "0":
                 break
-        withdraw(c.r, model)
+        withdraw(c, model)
     return total
 
 
-def withdraw(r: redis.Redis, model: str) -> int:
+def withdraw(c: Any, model: str) -> int:
     """Answered items out of the lanes of ``model``'s live shape instances (one lane per
     repair_items.lua call, then one repair.lua call per instance that changed): items nothing
     will run no longer hold a worker or count as waiting."""
-    from conductor.scripts import Scripts
-    scripts = Scripts(r)
+    r = c.r
     mk = K.ModelKeys(model)
     insts = {_s(i) for i in r.zrange(mk.active, 0, -1)} | {_s(i) for i in r.zrange(mk.staged, 0, -1)}
     cleared = 0
@@ -208,17 +205,16 @@ def withdraw(r: redis.Redis, model: str) -> int:
         changed = False
         for lane in r.zrange(mk.inst_lanes(inst), 0, -1):
             try:
-                _moved, n, _left = scripts.repair_items(keys=[mk.base, mk.state, mk.batches, mk.reclaimed],
-                                                        args=["done", f"{inst}:{_s(lane)}"])
-            except redis.ResponseError as e:  # a lane claimed away meanwhile, a finished instance
+                n = calls.repair_items(mk, "done", f"{inst}:{_s(lane)}").run(c.scripts).cleared
+            except (redis.ResponseError, ConductorError) as e:  # a lane claimed away meanwhile, a finished instance
                 log.debug("withdraw %s %s:%s: %s", model, inst, _s(lane), e)
                 continue
             cleared += int(n)
             changed = changed or int(n) > 0
         if changed:
             try:
-                scripts.repair(keys=[mk.base, mk.cfg, mk.state], args=[inst])
-            except redis.ResponseError as e:
+                calls.repair(mk, inst, []).run(c.scripts)
+            except (redis.ResponseError, ConductorError) as e:
                 log.warning("withdraw %s %s: fill and ready not recounted: %s", model, inst, e)
     return cleared
 

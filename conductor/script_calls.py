@@ -293,6 +293,20 @@ def repair_items(mk: K.ModelKeys, kind: str, *place: Any) -> Call[RepairItemsRep
                 lambda raw: RepairItemsReply(*(int(x) for x in raw)))
 
 
+class CancelReply(NamedTuple):
+    cursor: str  # the next HSCAN cursor of the job's id registry, '0' when the walk is done
+    answered: int  # waiting items given their error result by this step
+    in_flight: int  # items skipped because a pending batch holds them
+
+
+def cancel(mk: K.ModelKeys, job: str, model: str, cursor: str, count: int, code: str,
+           message: str) -> Call[CancelReply]:
+    """lua/cancel.lua: one bounded step of cancelling (``code`` cancelled) or expiring a job on one model."""
+    return Call("cancel", [mk.base, mk.state, mk.batches, mk.job(job), mk.job_items(job), mk.job_results(job),
+                           mk.job_sums(job)], [job, model, cursor, count, code, message],
+                lambda raw: CancelReply(as_str(raw[0]), int(raw[1]), int(raw[2])))
+
+
 # ---------------------------------------------------------------------------- the disk tier (conductor/tier.py)
 
 def register_segment(mk: K.ModelKeys, seg: Segment, file_sum: str, ids: Sequence[str],
