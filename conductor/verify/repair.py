@@ -19,9 +19,6 @@ from conductor.verify.checks import verify
 from conductor.verify.snapshot import FoundKeys, as_int, classify, read_zset, xrange_pages
 from conductor.verify.truth import find_orphans, job_truth, read_pending, read_reclaimed
 
-# The model counters a producer writes (M:intake, keys.py); every other one is in M:state.
-INTAKE_FIELDS = frozenset({"tokens", "items", "submitted"})
-
 
 @dataclass(frozen=True)
 class Change:
@@ -180,7 +177,8 @@ def _repair_model(r: redis.Redis, mk: K.ModelKeys) -> list[Change]:
         pipe.multi()
         for fld, value in truth.items():
             if as_int(state.get(fld)) != value:
-                key = mk.intake if fld in INTAKE_FIELDS else mk.state
+                # keys.py lists every M:state field; the rest (waiting, submitted) are the producer's
+                key = mk.state if fld in K.STATE_FIELDS else mk.intake
                 pipe.hset(key, fld, value)
                 changes.append(Change(key, fld, state.get(fld, ""), str(value)))
         for job, fld, old, new in job_rows:
