@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -66,8 +67,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                    segment_store=store_from(getattr(args, "store", None)))
     print(f"conductor serve: http://{args.host}:{args.port}/v1 (files in {app.state.store.root})", file=sys.stderr,
           flush=True)
+    # uvicorn re-raises a signal it stopped on once it has shut down, under the handler it found
+    # installed: a SIGTERM is a clean stop (status 0, as for the worker and the exporter), and one
+    # that comes before uvicorn takes the signal over stops serve at once, as cleanly.
+    signal.signal(signal.SIGTERM, _stop_cleanly)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
+
+
+def _stop_cleanly(_sig: int, _frame: object) -> None:
+    raise SystemExit(0)
 
 
 def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:

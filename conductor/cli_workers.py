@@ -4,6 +4,7 @@ engine flags they (and ``conductor run``) share."""
 from __future__ import annotations
 
 import argparse
+import signal
 from typing import Any
 
 from conductor.cli_args import non_negative_float, positive_float, positive_int
@@ -53,6 +54,15 @@ def build_engine(args: argparse.Namespace) -> Any:  # an engine (conductor.worke
     return make_engine(args.engine, **engine_kwargs(args))
 
 
+def stop_cleanly_until_ready() -> None:
+    """Loading an engine takes up to minutes: a SIGTERM meanwhile (systemd stopping a unit that is
+    still starting) ends the start with status 0, as a SIGTERM does once the loop runs, instead of
+    death by signal. ``install_signals`` replaces this handler with the draining one."""
+    def stop(_sig: int, _frame: object) -> None:
+        raise SystemExit(0)
+    signal.signal(signal.SIGTERM, stop)
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     from conductor.workers.latch import AdmissionLatch, LatchConfigError
     from conductor.workers.worker import Worker, WorkerOptions
@@ -60,6 +70,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         AdmissionLatch(args.high_water, args.low_water)
     except LatchConfigError as e:
         raise ConductorError(str(e)) from None
+    stop_cleanly_until_ready()
     engine = build_engine(args)
     if args.metrics_port:
         from prometheus_client import start_http_server
@@ -79,6 +90,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from conductor.workers.worker import WorkerOptions
     if args.engine != "sim" and not args.model_path:
         raise ConductorError(f"--model-path: required with --engine {args.engine}")
+    stop_cleanly_until_ready()
     c = conductor_from(args)
     c.r.ping()  # an unreachable Redis is refused before GPU processes load their engines
     opts = WorkerOptions(name=args.name or "", drain_s=args.drain_s, heartbeat_ttl_s=args.heartbeat_ttl,

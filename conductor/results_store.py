@@ -12,7 +12,6 @@ most SEGMENT_RESULTS, from the job's stream ``M:job:J:results`` to a Parquet fil
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +22,7 @@ from conductor import keys as K
 from conductor import script_calls as calls
 from conductor.connection import StreamEntry, as_str
 from conductor.errors import ConductorError
+from conductor.parquet_bytes import read_bytes, table_bytes
 from conductor.store import Store
 
 SEGMENT_RESULTS = 5000
@@ -35,18 +35,13 @@ def _id_key(eid: str) -> tuple[int, int]:
 
 def encode(model: str, job: str, eids: list[str], iids: list[bytes], recs: list[bytes]) -> bytes:
     import pyarrow as pa
-    import pyarrow.parquet as pq
-    t = pa.table({"eid": pa.array(eids, pa.string()), "id": pa.array(iids, pa.binary()),
-                  "r": pa.array(recs, pa.binary())})
-    t = t.replace_schema_metadata({b"conductor": json.dumps({"v": 1, "model": model, "job": job}).encode()})
-    buf = io.BytesIO()
-    pq.write_table(t, buf, compression="zstd")
-    return buf.getvalue()
+    return table_bytes({"eid": pa.array(eids, pa.string()), "id": pa.array(iids, pa.binary()),
+                        "r": pa.array(recs, pa.binary())},
+                       {b"conductor": json.dumps({"v": 1, "model": model, "job": job}).encode()})
 
 
 def decode(data: bytes) -> list[tuple[str, bytes, bytes]]:
-    import pyarrow.parquet as pq
-    t = pq.read_table(io.BytesIO(data))
+    t = read_bytes(data)
     return list(zip(t.column("eid").to_pylist(), t.column("id").to_pylist(), t.column("r").to_pylist(),
                     strict=True))
 

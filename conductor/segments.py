@@ -14,13 +14,13 @@ same items again writes the same file, and register_segment.lua refuses a name i
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from conductor.errors import ConductorError
 from conductor.formats import PreparedItem
+from conductor.parquet_bytes import read_bytes, table_bytes
 from conductor.records import json_encoder
 
 FORMAT = 1
@@ -74,20 +74,15 @@ def build(model: str, job: str, items: Sequence[PreparedItem]) -> Segment:
 
 def encode(seg: Segment) -> bytes:
     import pyarrow as pa
-    import pyarrow.parquet as pq
     meta = json.dumps({"v": FORMAT, "model": seg.model, "job": seg.job, "sig": seg.sig,
                        "prefix": list(seg.prefix)}).encode()
-    table = pa.table({"rec": pa.array(seg.records, pa.binary()), "tok": pa.array(seg.tokens, pa.int32())})
-    table = table.replace_schema_metadata({META_KEY: meta})
-    buf = io.BytesIO()
-    pq.write_table(table, buf, compression="zstd")
-    return buf.getvalue()
+    return table_bytes({"rec": pa.array(seg.records, pa.binary()), "tok": pa.array(seg.tokens, pa.int32())},
+                       {META_KEY: meta})
 
 
 def decode(data: bytes) -> Segment:
-    import pyarrow.parquet as pq
     try:
-        table = pq.read_table(io.BytesIO(data))
+        table = read_bytes(data)
         meta = json.loads((table.schema.metadata or {})[META_KEY])
         if meta.get("v") != FORMAT:
             raise BadSegment(f"segment format {meta.get('v')!r}, this version reads {FORMAT}")

@@ -79,6 +79,7 @@ def make_app(redis_url: str, *, data_dir: str | None = None, api_keys: list[str]
         t.start()
         yield
         stop.set()
+        t.join(5)  # joined, not left to die with the interpreter
 
     app = FastAPI(title="conductor", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.store = store

@@ -63,7 +63,7 @@ def serve(redis_url, tmp_path) -> Iterator[str]:
             time.sleep(0.1)
     yield base
     p.terminate()
-    p.wait(10)
+    assert p.wait(10) == 0  # a clean stop, not death by SIGTERM (issue 27)
 
 
 def worker(redis_url: str, *, size: int = 8, time_scale: float = 0.0) -> subprocess.Popen:

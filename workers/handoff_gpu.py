@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import select
+import signal
 import socket
 import sys
 import time
@@ -96,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", required=True)
     p.add_argument("--engine", required=True, help="JSON: {kind, and make_engine's keyword arguments}")
     a = p.parse_args(argv)
+    # Ctrl-C reaches the whole foreground process group: the agent decides when its GPU processes
+    # stop (end-of-file on the socket, after it drained), so they do not die mid-batch with it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     spec = json.loads(a.engine)
     sock = socket.socket(fileno=a.fd)
     ring = RingReader(a.ring)

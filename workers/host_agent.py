@@ -98,9 +98,14 @@ class HostAgent(Worker):
         self.gpu_deaths = 0
         opts = replace(opts or WorkerOptions())
         opts.name = opts.name or default_worker_name()  # one agent per host: the host's name
-        for i in range(gpus):
-            self.gpus.append(self._spawn(i, opts.name))
-        hello = self._await_hellos(start_timeout_s)
+        try:
+            for i in range(gpus):
+                self.gpus.append(self._spawn(i, opts.name))
+            hello = self._await_hellos(start_timeout_s)
+        except BaseException:
+            # a failed or interrupted start (SIGTERM while engines load) leaves no GPU process behind
+            self.close_gpus()
+            raise
         super().__init__(conductor, _Remote(hello.kind, hello.contract), opts)  # type: ignore[arg-type]
         self._room = threading.Condition(self._lock)
         self._completer: threading.Thread | None = None
