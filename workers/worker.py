@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import threading
 import time
@@ -38,7 +37,7 @@ from conductor.errors import ConductorError, Paused
 from conductor.records import Batch, Contract, Result, ResultError
 from conductor.workers.doorbell import Doorbell, poll_sleep
 from conductor.workers.engines.base import Engine, Finished
-from conductor.workers.identity import default_worker_name
+from conductor.workers.identity import host_name, owner, owner_gone, stable_worker_name
 from conductor.workers.latch import AdmissionLatch
 from conductor.workers.prewarm import Prewarm
 from conductor.workers.sdnotify import Notifier
@@ -80,7 +79,10 @@ class Worker:
         self.engine = engine
         self.opts = opts or WorkerOptions()
         self.latch = AdmissionLatch(self.opts.high_water, self.opts.low_water)
-        self.name = self.opts.name or default_worker_name()
+        stable = self.opts.name or stable_worker_name()
+        self.name = stable or host_name()
+        # Without a stable name the worker takes a free one of its host's at start (take_name).
+        self._stem = "" if stable else self.name
         self.contract: Contract = engine.contract
         self.keys = K.ModelKeys(self.contract.model)
         self.inflight: dict[str, _InFlight] = {}
@@ -107,7 +109,7 @@ class Worker:
         # worker may be started to drain. The first consumer's contract becomes the model's
         # reference for "a full batch".
         shown = json.dumps({"max_batch_size": c.max_batch_size, "max_batch_tokens": c.max_batch_tokens,
-                            "max_input_len": c.max_input_len, "engine": self.engine.kind, "pid": os.getpid()})
+                            "max_input_len": c.max_input_len, "engine": self.engine.kind, **owner()})
         set_tokens, set_items = calls.register(self.keys, self.name, shown, c, int(time.time() * 1000),
                                                max(1, int(self.opts.heartbeat_ttl_s * 1000))).run(self.c.scripts)
         if set_tokens or set_items:
@@ -121,26 +123,56 @@ class Worker:
               max_input_len=c.max_input_len, high_water=self.latch.high, low_water=self.latch.low)
 
     def take_name(self) -> None:
-        """Before a process starts working under its name: refuse a name a live worker uses (two
-        processes sharing one consumer would reclaim each other's batches), and hand back at once
-        what an earlier run under this name left pending (it died: its batches would otherwise
-        wait for the stale sweep, minutes, since this run's heartbeat keeps the name alive)."""
-        hb = self.keys.heartbeat(self.name)
-        seen, ttl_ms = self.c.r.get(hb), self.c.r.pttl(hb)
-        if seen is not None:
-            # a live owner renews its heartbeat (a new value) before the key expires; a dead one does not
-            deadline = time.monotonic() + max(0, ttl_ms) / 1000 + 0.1
-            while time.monotonic() < deadline:
-                time.sleep(0.1)
-                now = self.c.r.get(hb)
-                if now is None:
-                    break
-                if now != seen:
-                    raise ConductorError(f"worker name {self.name!r} is in use by a live worker of "
-                                         f"{self.contract.model}; give each worker its own --name")
+        """Before a process starts working under its name. Without a stable name: the first free one
+        of host, host-2, ... (lua/take_name.lua, atomic across workers starting at once). With one:
+        refuse it while a live worker uses it (two processes sharing one consumer would reclaim each
+        other's batches). Either way, hand back at once what an earlier run under the name left
+        pending (it died: its batches would otherwise wait for the stale sweep, minutes, since this
+        run's heartbeat keeps the name alive)."""
+        if self._stem:
+            name = calls.take_name(self.keys, self._stem, int(time.time() * 1000),
+                                   max(1, int(self.opts.heartbeat_ttl_s * 1000))).run(self.c.scripts)
+            if name is None:
+                raise ConductorError(f"no free worker name for {self.contract.model}: {self._stem} and its "
+                                     f"numbered names are all in use; give this worker its own --name")
+            self._rename(name)
+        else:
+            self._wait_out_live_owner()
         if self.c.r.xpending_range(self.keys.batches, K.GROUP, "-", "+", 1, consumername=self.name):
             res = self.c.reclaim_consumer(self.contract.model, self.name, force=True)
             event("took_back", worker=self.name, batches=res["batches"], items=res["items"])
+
+    def _wait_out_live_owner(self) -> None:
+        hb = self.keys.heartbeat(self.name)
+        seen, ttl_ms = self.c.r.get(hb), self.c.r.pttl(hb)
+        if seen is None:
+            return
+        shown = self.c.r.hget(self.keys.workers, self.name)
+        try:
+            reg = json.loads(shown) if shown is not None else None
+        except ValueError:
+            reg = None
+        if isinstance(reg, dict) and owner_gone(reg):
+            return  # its process ended on this host (a restart under systemd): no need to wait out its TTL
+        # a live owner renews its heartbeat (a new value) before the key expires; a dead one does not
+        deadline = time.monotonic() + max(0, ttl_ms) / 1000 + 0.1
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = self.c.r.get(hb)
+            if now is None:
+                break
+            if now != seen:
+                raise ConductorError(f"worker name {self.name!r} is in use by a live worker of "
+                                     f"{self.contract.model}; give each worker its own --name")
+
+    def _rename(self, name: str) -> None:
+        """The series and log lines made under the stem before the name was known go under the name."""
+        if name == self.name:
+            return
+        self.metrics.forget()
+        self.name = name
+        self.metrics = WorkerMetrics(self.contract.model, name, self.contract.max_batch_tokens)
+        self.prewarm.worker = name
 
     def deregister(self) -> None:
         try:

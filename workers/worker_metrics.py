@@ -32,8 +32,19 @@ class WorkerMetrics:
         self.size = M.BATCH_SIZE.labels(*lw)
         self.padded = M.PADDED_TOKENS.labels(*lw)
         self.actual = M.ACTUAL_TOKENS.labels(*lw)
+        self._lw = lw
         self._last_shape = ""
         self._transitions_seen = 0
+
+    def forget(self) -> None:
+        """Drop this worker's series (a worker renamed at start leaves none under its old name)."""
+        for fam in (M.ACTIVE_SEQUENCES, M.LATCH_GATED, M.LATCH_TRANSITIONS, M.FINISHED, M.OUTPUT_TOKENS,
+                    M.STEP_SECONDS, M.RETRY_BUFFER, M.CLAIM_SECONDS, M.SHAPE_SWITCHES, M.PREFIX_HIT_TOKENS,
+                    M.BATCH_FILL, M.BATCH_SIZE, M.PADDED_TOKENS, M.ACTUAL_TOKENS):
+            try:
+                fam.remove(*self._lw)
+            except KeyError:
+                pass
 
     def claimed(self, batch: Batch) -> None:
         self.size.observe(len(batch.items))
