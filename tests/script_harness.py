@@ -479,7 +479,8 @@ def heartbeat(c: Conductor) -> Call:
     c.submit([item(i, 10) for i in range(4)], "j")
     b1, _ = c.claim(contract(2, max_input_len=4096), "w")
     b2, _ = c.claim(contract(2, max_input_len=4096), "other")
-    return Call("heartbeat", [MK.heartbeat("w"), MK.batches], ["w", 1, 10000, b1.batch_id, b2.batch_id, "1-0"])
+    return Call("heartbeat", [MK.heartbeat("w"), MK.batches, MK.busy], ["w", 1, 10000, 1500, b1.batch_id, b2.batch_id,
+                                                                        "1-0"])
 
 
 def seal(c: Conductor) -> Call:

@@ -46,6 +46,10 @@ from conductor.workers.sdnotify import Notifier
 from conductor.workers.transient import RIDE_OUT, is_transient
 from conductor.workers.worker_metrics import WorkerMetrics
 
+# Claim answers that mean work waits but is held back (quiet intake, a batch not yet full, the
+# release gate), as opposed to 'idle': nothing to do. Time idle after one counts as idle with work.
+WORK_WAITS = ("wait", "gate")
+
 log = logging.getLogger("conductor.worker")
 
 
@@ -190,6 +194,7 @@ class Worker:
             pipe.hdel(self.keys.workers, self.name)
             pipe.hdel(self.keys.affinity, self.name)  # its instance is free for others to take whole
             pipe.hdel(self.keys.warming, self.name)
+            pipe.hdel(self.keys.busy, self.name)
             pipe.delete(self.keys.heartbeat(self.name))
             pipe.execute()
             pending = self.c.r.xpending_range(self.keys.batches, K.GROUP, "-", "+", 1, consumername=self.name)
@@ -222,7 +227,7 @@ class Worker:
         # lua/heartbeat.lua, allow-oom: a heartbeat refused over maxmemory would let a live
         # worker's batches be reclaimed and run twice.
         calls.heartbeat(self.keys, self.name, int(time.time() * 1000), max(1, int(self.opts.heartbeat_ttl_s * 1000)),
-                        self.leased_ids()).run(self.c.scripts)
+                        self.leased_ids(), int(self.metrics.busy_s * 1000)).run(self.c.scripts)
 
     def _watchdog_loop(self, every: float) -> None:
         # Its own thread, not the heartbeat's: that one can sit for many seconds in Redis
@@ -356,6 +361,7 @@ class Worker:
     def _account(self) -> None:
         self.metrics.state(self.engine.active(), self.latch.gated, self.latch.transitions, len(self.retry))
         self.metrics.engine_counters(getattr(self.engine, "counters", None))
+        self.metrics.clock(self.engine.active() > 0, self.last_claim in WORK_WAITS)
 
     def _turn(self) -> bool:
         busy = False
