@@ -316,6 +316,8 @@ class Worker:
         batch, self.last_claim = self.c.claim(contract, self.name)
         self.metrics.claim_took(time.perf_counter() - t)
         if batch is None:
+            if self.last_claim == "nogroup" and self._rides_out:
+                self._rejoin_needed.set()  # the claim made the group again; the registration is gone too
             return False
         self.batches_claimed += 1
         self.metrics.claimed(batch)
