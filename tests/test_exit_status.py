@@ -124,9 +124,10 @@ def test_long_lived_processes_exit_0_on_sigterm_beside_a_load(redis_url, tmp_pat
             with log.open("wb") as err:
                 p = subprocess.Popen([sys.executable, "-m", "conductor", *args], cwd=str(ROOT), env=env,
                                      stdout=subprocess.DEVNULL, stderr=err)
-            ready = (lambda: _listening(port)) if name == "serve" else (lambda: "gpu_started" in log.read_text())
+            ready = (lambda: _listening(port)) if name == "serve" \
+                else (lambda log=log: "gpu_started" in log.read_text())
             try:
-                wait_for(lambda: p.poll() is not None or ready(), timeout=60, what=f"{name} to start")
+                wait_for(lambda p=p, ready=ready: p.poll() is not None or ready(), timeout=60, what=f"{name} to start")
                 assert p.poll() is None, f"{name} exited {p.returncode}: {log.read_text()[-1000:]}"
                 p.send_signal(signal.SIGTERM)
                 assert p.wait(30) == 0, f"{name}: {log.read_text()[-1000:]}"
