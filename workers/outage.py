@@ -32,7 +32,8 @@ log = logging.getLogger("conductor.worker")
 
 # Redis unreachable, as opposed to answering with a refusal (workers/transient.py has both kinds).
 # redis-py's BusyLoadingError (a server loading its data after a restart) is a ConnectionError.
-_AWAY = (redis.ConnectionError, redis.TimeoutError, RedisUnavailable, OSError)
+# Not every OSError: a store file the disk tier cannot read is no outage.
+_AWAY = (redis.ConnectionError, redis.TimeoutError, RedisUnavailable, ConnectionError, TimeoutError)
 
 
 def is_away(e: BaseException) -> bool:
