@@ -80,7 +80,7 @@ def test_sigterm_while_redis_is_down_stops_within_the_drain_time_and_says_what_i
     a.send_signal(signal.SIGTERM)
     assert a.wait(30) == 0
     took = time.monotonic() - t
-    assert took < 2 + 3.0, took  # the drain time and the process's exit, not the server's return
+    assert took < 2 + 4.0, took  # the drain time and the process's exit, not the server's return (9 s a call)
     left = said(log, "left_pending")
     assert len(left) == 1 and left[0]["batches"] >= 1 and left[0]["items"] >= left[0]["batches"]
     assert not said(log, "deregistered")
