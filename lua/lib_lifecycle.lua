@@ -183,8 +183,11 @@ local function pick_next(c, cleanup)
     total = total + w
     if t > 0 then
       if k == 0 then return attach(c, inst) end  -- left by its workers: nothing else serves it
-      if w / k > load then over, load, over_work = inst, w / k, w end
-      if t > (k + 1) * budget and w / (k + 1) > hshare then help, hshare = inst, w / (k + 1) end
+      -- only an instance holding a batch beyond one per worker, this one included, is joined:
+      -- none that its workers are about to finish
+      local room = t > (k + 1) * budget
+      if room and w / k > load then over, load, over_work = inst, w / k, w end
+      if room and w / (k + 1) > hshare then help, hshare = inst, w / (k + 1) end
       -- its workers live but took nothing from it for hygiene_idle_ms (gated, or stuck): helped
       if now - math.max(num(h.claimed_ms), num(h.activated_ms)) >= cfg.hygiene_idle_ms then stuck = inst end
     else
