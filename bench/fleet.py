@@ -186,6 +186,7 @@ def summarize(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
          "returns": max(x["conductor"]["returns"] for x in runs),
          "pad": c("padding_waste"), "opad": o("padding_waste"),
          "miss": c("prefix_miss"), "omiss": o("prefix_miss"), "cpu": c("redis_cpu_us_item"),
+         "claims": c("claims_all_per_item"),
          "complete": all(x["conductor"]["complete"].startswith("ok") for x in runs)}
     if "random_prefix_miss" in runs[0]:
         s["rmiss"] = _med(runs, lambda x: x["random_prefix_miss"])
@@ -218,7 +219,7 @@ def goals(s: dict[str, Any], cpu_2w: float | None) -> list[str]:
 
 HEADER = ["point", "varies", "W", "items", "shapes", "runs", "cond/oracle sim (min)", "cond/oracle static (min)",
           "busy max/mean (oracle)", "switches/worker (oracle)", "returns", "padding (oracle)",
-          "prefix tokens recomputed (oracle)", "Redis CPU us/item", "goals missed"]
+          "prefix tokens recomputed (oracle)", "Redis CPU us/item (claims/item)", "goals missed"]
 
 
 def rows(summaries: list[dict[str, Any]], cpu_2w: float | None) -> list[list[str]]:
@@ -233,7 +234,7 @@ def rows(summaries: list[dict[str, Any]], cpu_2w: float | None) -> list[list[str
                     str(s["runs"]), f"{s['sim']:.2f}x ({s['sim_min']:.2f})",
                     f"{s['static']:.2f}x ({s['static_min']:.2f})", f"{s['busy']:.2f} ({s['obusy']:.2f})",
                     f"{s['switches']:.1f} ({s['oswitches']:.1f})", str(s["returns"]),
-                    f"{s['pad']:.2%} ({s['opad']:.2%})", pref, f"{s['cpu']:.1f}",
+                    f"{s['pad']:.2%} ({s['opad']:.2%})", pref, f"{s['cpu']:.1f} ({s['claims']:.3f})",
                     "none" if not missed else "; ".join(missed)])
     return out
 

@@ -171,13 +171,14 @@ local function pick_next(c, cleanup)
     redis.call('HSET', inst_key(c.base, old), 'state', 'draining', 'draining_ms', now)
     return old
   end
-  local n = attachments(c)
+  local actives = redis.call('ZRANGE', c.active_key, 0, -1)
+  local n = #actives > 0 and attachments(c) or {}
   local budget = cfg.budget_tokens
   local total = 0
   -- over: the active instance whose workers hold the most work each (load); help: the one with the
   -- most work per worker once this one joins, among those holding a batch beyond one per worker
   local over, load, over_work, help, hshare, stuck = nil, 0, 0, nil, 0, nil
-  for _, inst in ipairs(redis.call('ZRANGE', c.active_key, 0, -1)) do
+  for _, inst in ipairs(actives) do
     local t, w, _, h = inst_work(c, inst)
     local k = n[inst] or 0
     total = total + w
@@ -204,8 +205,8 @@ local function pick_next(c, cleanup)
   local top, ttok, twork, tsum = top_staged(c, need)
   if not cand then cand, ctok, cwork = top, ttok, twork end
   total = total + math.max(staged_work, tsum)
-  local fair = total / fleet_size(c)
-  if over and load > fair and (not cand or over_work / ((n[over] or 0) + 1) >= cwork) then
+  -- the fleet is counted only when there is a join to weigh: an idle worker's claim stays cheap
+  if over and (not cand or over_work / ((n[over] or 0) + 1) >= cwork) and load > total / fleet_size(c) then
     return attach(c, over)
   end
   if cand then
