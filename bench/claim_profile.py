@@ -28,10 +28,10 @@ if __package__ in (None, ""):
 import redis  # noqa: E402
 
 from bench.common import median  # noqa: E402
-from conductor import keys as K  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
-from conductor.scripts import source  # noqa: E402
+from conductor.redis_contract import keys as K  # noqa: E402
+from conductor.redis_contract.scripts import source  # noqa: E402
 
 MODEL = "bench"
 

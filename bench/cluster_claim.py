@@ -21,8 +21,8 @@ from bench.common import median  # noqa: E402
 from bench.submit_claim import make_items  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.embedded import EmbeddedCluster, EmbeddedRedis  # noqa: E402
-from conductor.formats import PreparedItem  # noqa: E402
-from conductor.records import Contract  # noqa: E402
+from conductor.intake.formats import PreparedItem  # noqa: E402
+from conductor.redis_contract.records import Contract  # noqa: E402
 
 MODEL = "kilo"
 

@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import command_line, machine, median, now_utc, pct, table, write_section  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
+from conductor.client.request import RequestClient  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
-from conductor.formats import from_native  # noqa: E402
-from conductor.request import RequestClient  # noqa: E402
+from conductor.intake.formats import from_native  # noqa: E402
 from conductor.workers.engines.sim import SimEngine  # noqa: E402
 from conductor.workers.worker import Worker, WorkerOptions  # noqa: E402
 

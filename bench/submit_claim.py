@@ -36,11 +36,11 @@ if __package__ in (None, ""):
 import redis  # noqa: E402
 
 from bench.common import command_line, git_rev, machine, median, now_utc, pct, table, write_section  # noqa: E402
-from conductor import keys as K  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
-from conductor.formats import PreparedItem, parse_line  # noqa: E402
-from conductor.records import Contract  # noqa: E402
+from conductor.intake.formats import PreparedItem, parse_line  # noqa: E402
+from conductor.redis_contract import keys as K  # noqa: E402
+from conductor.redis_contract.records import Contract  # noqa: E402
 
 MODEL = "bench"
 PROMPT_BYTES = 280  # body = JSON [prompt, null]: about 290 bytes, plus id/job/tok/mt fields

@@ -28,7 +28,7 @@ import redis  # noqa: E402
 from bench.common import median  # noqa: E402
 from conductor.client import Conductor, _grouped_by_shape, _submit_args, connect  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
-from conductor.scripts import source  # noqa: E402
+from conductor.redis_contract.scripts import source  # noqa: E402
 
 # name -> (anchor, replacement) pairs; each anchor must occur once in submit.lua.
 CUTS = {

@@ -13,7 +13,7 @@ import pytest
 
 from conductor.client import Conductor, connect
 from conductor.embedded import EmbeddedRedis
-from conductor.formats import PreparedItem, parse_line
+from conductor.intake.formats import PreparedItem, parse_line
 
 ROOT = Path(__file__).resolve().parent.parent
 

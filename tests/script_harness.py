@@ -18,11 +18,11 @@ from typing import Any
 
 import redis
 
-from conductor import keys as K
-from conductor import scripts
 from conductor.client import Conductor
-from conductor.deadletter import DeadLetter
-from conductor.scripts import source
+from conductor.jobs.deadletter import DeadLetter
+from conductor.redis_contract import keys as K
+from conductor.redis_contract import scripts
+from conductor.redis_contract.scripts import source
 from tests.conftest import ROOT, item
 from tests.helpers import MK, contract, quick, results_for
 
@@ -43,7 +43,7 @@ def claim_call(consumer: str = "w", size: int = 64, tokens: int = 8192, token: s
 
 
 def complete_call(batch: Any, results: list, final: int = 1) -> Call:
-    from conductor.records import json_encoder
+    from conductor.redis_contract.records import json_encoder
     args: list[Any] = [batch.batch_id, final, len(results)]
     for res in results:
         args += [res.job, res.id, "err" if res.error else "ok", json_encoder.encode(res)]
@@ -224,9 +224,9 @@ def submit_known_shape_without_prefix(c: Conductor) -> Call:
 def _stored(c: Conductor, n: int, job: str = "j") -> Any:
     """n items of model m in a segment (its file not written) registered as register_segment.lua's
     call would: the segment, and that call (not run)."""
-    from conductor import script_calls as calls
-    from conductor import segments as S
     from conductor.client import _record_head, content_sum
+    from conductor.redis_contract import script_calls as calls
+    from conductor.tier import segments as S
     items = [item(f"s{i}", 10 + i) for i in range(n)]
     seg = S.build("m", job, items)
     call = calls.register_segment(MK, seg, S.file_sum(S.encode(seg)), [it.id for it in items],
@@ -243,7 +243,7 @@ def register_segment_new(c: Conductor) -> Call:
 
 def submit_from_store(c: Conductor) -> Call:
     """The feeder's load: ids registered in a segment join lanes, stored counters move to waiting."""
-    from conductor.tier import load_args
+    from conductor.tier.spill import load_args
     quick(c)
     seg, reg = _stored(c, 5)
     reg.run(c.scripts)
@@ -253,7 +253,7 @@ def submit_from_store(c: Conductor) -> Call:
 
 def fail_stored(c: Conductor) -> Call:
     """A lost segment's items answered with error results."""
-    from conductor.records import Result, ResultError, json_encoder
+    from conductor.redis_contract.records import Result, ResultError, json_encoder
     quick(c)
     seg, reg = _stored(c, 3)
     reg.run(c.scripts)
@@ -301,7 +301,7 @@ def complete_retired(c: Conductor) -> Call:
 
 
 def complete_request(c: Conductor) -> Call:
-    """A request job's results also go to each item's reply list (conductor/request.py)."""
+    """A request job's results also go to each item's reply list (conductor/client/request.py)."""
     quick(c)
     c.submit([item(i, 10) for i in range(3)], "rq.client1")
     b, _ = c.claim(contract(max_input_len=4096), "w")

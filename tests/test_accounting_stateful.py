@@ -24,10 +24,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from conductor import keys as K
 from conductor.client import Conductor, connect
-from conductor.formats import PreparedItem
-from conductor.records import Batch, Contract
+from conductor.intake.formats import PreparedItem
+from conductor.redis_contract import keys as K
+from conductor.redis_contract.records import Batch, Contract
 from conductor.verify import verify
 from tests.conftest import item
 from tests.helpers import results_for
@@ -169,7 +169,7 @@ class Accounting(RuleBasedStateMachine):
 
     @rule(job=st.sampled_from((None, *JOBS)))
     def dead_letter_retried(self, job: str | None) -> None:
-        from conductor.deadletter import DeadLetter
+        from conductor.jobs.deadletter import DeadLetter
         DeadLetter(self.c).retry(model=MODEL, job=job)
 
     @rule(ms=st.sampled_from([2, 12, 30]))

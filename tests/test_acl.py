@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from conductor import keys as K
 from conductor.client import Conductor, connect
 from conductor.embedded import free_port
 from conductor.errors import RedisUnavailable
-from conductor.records import Contract
+from conductor.redis_contract import keys as K
+from conductor.redis_contract.records import Contract
 from tests.conftest import ROOT, cli, item
 from tests.helpers import MK, quick, results_for
 from tests.secure_redis import SecureRedis
@@ -117,7 +117,7 @@ def test_worker_runs_a_job_and_cannot_flush_or_reconfigure(urls, tmp_path):
     while (b := w.claim(C, "w4")[0]) is not None:  # third delivery: each item travels alone
         written += w.complete(b, results_for(b, "w4"))[0]
     assert written == 4 and prod.status("j")["pending"] == 0
-    from conductor.retention import trim_model
+    from conductor.jobs.retention import trim_model
     trim_model(w, "m")
     r = w.r
     denied(r.flushall)
@@ -305,8 +305,8 @@ def test_disk_tier_as_producer_and_worker_users(urls, tmp_path):
     """deploy/redis/users.acl lets a producer register store segments (M:segs, M:seg:*) and a worker
     feed them. A producer that tries to feed places the items (submit.lua is its script) but cannot
     drop the index record (ZREM, DEL): the worker's feed then places nothing twice and drops it."""
-    from conductor.store import Store
-    from conductor.tier import Feeder
+    from conductor.tier.object_store import Store
+    from conductor.tier.spill import Feeder
     store = Store(str(tmp_path / "store"))
     admin = Conductor.from_url(urls["admin"])
     quick(admin, resident_tokens=100)

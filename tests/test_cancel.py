@@ -4,9 +4,9 @@ kept, expiry; counts that add up and a verify that finds nothing after either.""
 import json
 import time
 
-from conductor import keys as K
-from conductor import lifecycle
 from conductor.client import Conductor
+from conductor.jobs import job_state as lifecycle
+from conductor.redis_contract import keys as K
 from conductor.verify import verify
 from tests.conftest import cli, item
 from tests.helpers import MK, contract, drain, quick, results_for

@@ -83,7 +83,7 @@ def test_trim_results_is_refused_while_work_is_left_then_trims(redis_url, tmp_pa
     import time
 
     from conductor.client import Conductor, connect
-    from conductor.records import Contract
+    from conductor.redis_contract.records import Contract
     from tests.helpers import drain, quick
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"id": f"i{k}", "model": "m", "prompt": "hi", "max_tokens": 4}) + "\n"

@@ -16,7 +16,7 @@ import redis
 
 from conductor.client import Conductor, connect
 from conductor.embedded import EmbeddedRedis
-from conductor.scripts import source
+from conductor.redis_contract.scripts import source
 from tests.conftest import ROOT, item
 
 # The modules that exercise every script and the commands around them, end to end through the

@@ -9,9 +9,9 @@ from collections import Counter
 
 import pytest
 
-from conductor import keys as K
-from conductor.deadletter import DeadLetter
-from conductor.records import Contract
+from conductor.jobs.deadletter import DeadLetter
+from conductor.redis_contract import keys as K
+from conductor.redis_contract.records import Contract
 from tests.conftest import ROOT, cli, item
 from tests.helpers import MK, drain, quick, results_for
 

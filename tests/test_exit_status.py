@@ -3,7 +3,7 @@
 pyarrow's thread pools, started by ``pq.read_table``, made a command that read a store segment or a
 Parquet file die by SIGABRT at interpreter exit once in a few runs on a busy machine ("terminate
 called without an active exception"). The commands that touch the store and Parquet run here a
-few dozen times beside two busy loops; before conductor/parquet_bytes.py about one run in eight
+few dozen times beside two busy loops; before conductor/tier/parquet_bytes.py about one run in eight
 ended by signal 6.
 """
 
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,8 +21,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from conductor.client import Conductor
-from conductor.results_store import offload_model
-from conductor.store import Store
+from conductor.tier.object_store import Store
+from conductor.tier.result_segments import offload_model
 from tests.conftest import ROOT, item
 from tests.helpers import MK, contract, quick, results_for
 
@@ -82,8 +83,9 @@ def test_store_and_parquet_commands_exit_0_every_time_beside_a_load(redis_url, t
 def test_reading_and_writing_parquet_bytes_starts_no_thread():
     """The mechanism itself, deterministic: a segment and a results segment are encoded and
     decoded on the calling thread, so nothing of pyarrow's is left running at exit."""
-    from conductor import results_store, segments
-    from conductor.formats import parse_line
+    from conductor.intake.formats import parse_line
+    from conductor.tier import result_segments as results_store
+    from conductor.tier import segments
 
     def threads() -> int:
         return len(os.listdir("/proc/self/task"))
@@ -124,9 +126,10 @@ def test_long_lived_processes_exit_0_on_sigterm_beside_a_load(redis_url, tmp_pat
             with log.open("wb") as err:
                 p = subprocess.Popen([sys.executable, "-m", "conductor", *args], cwd=str(ROOT), env=env,
                                      stdout=subprocess.DEVNULL, stderr=err)
-            ready = (lambda: _listening(port)) if name == "serve" else (lambda: "gpu_started" in log.read_text())
+            def ready(name: str = name, log: pathlib.Path = log) -> bool:
+                return _listening(port) if name == "serve" else "gpu_started" in log.read_text()
             try:
-                wait_for(lambda: p.poll() is not None or ready(), timeout=60, what=f"{name} to start")
+                wait_for(lambda p=p: p.poll() is not None or ready(), timeout=60, what=f"{name} to start")
                 assert p.poll() is None, f"{name} exited {p.returncode}: {log.read_text()[-1000:]}"
                 p.send_signal(signal.SIGTERM)
                 assert p.wait(30) == 0, f"{name}: {log.read_text()[-1000:]}"

@@ -13,11 +13,11 @@ import msgspec
 import pytest
 import redis
 
-from conductor import keys as K
-from conductor import schema
 from conductor.client import Conductor, _submit_args, connect
-from conductor.formats import PreparedItem
-from conductor.records import Contract
+from conductor.intake.formats import PreparedItem
+from conductor.redis_contract import keys as K
+from conductor.redis_contract import schema
+from conductor.redis_contract.records import Contract
 from conductor.verify import verify
 from tests.conftest import item
 from tests.helpers import drain

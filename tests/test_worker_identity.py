@@ -9,7 +9,7 @@ import subprocess
 import sys
 from collections import Counter
 
-from conductor import keys as K
+from conductor.redis_contract import keys as K
 from conductor.workers.identity import default_worker_name, systemd_instance
 from tests.conftest import ROOT, cli, item
 from tests.helpers import MK, quick

@@ -18,8 +18,8 @@ from __future__ import annotations
 import time
 
 from conductor.client import Conductor
-from conductor.config import DEFAULTS
-from conductor.keys import ModelKeys
+from conductor.redis_contract.config import DEFAULTS
+from conductor.redis_contract.keys import ModelKeys
 from conductor.workers.transient import RIDE_OUT, is_transient
 
 BELL_CAP = 16  # as submit.lua and seal.lua trim it

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from conductor.errors import ConductorError
-from conductor.records import Batch, Result, ResultError
+from conductor.redis_contract.records import Batch, Result, ResultError
 from conductor.workers.engines import make_engine
 from conductor.workers.engines.base import Engine, Finished
 from conductor.workers.handoff_wire import Done, Hello, Refused, Took, decode_handoff, send

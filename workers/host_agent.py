@@ -38,7 +38,7 @@ from typing import Any
 
 from conductor.client import Conductor
 from conductor.errors import ConductorError
-from conductor.records import Batch, BatchItem, Contract
+from conductor.redis_contract.records import Batch, BatchItem, Contract
 from conductor.workers.doorbell import Doorbell, poll_sleep
 from conductor.workers.engines.base import Finished
 from conductor.workers.handoff_wire import Done, FrameReader, Handoff, Hello, Message, Refused, Took, encode

@@ -39,6 +39,6 @@ def systemd_instance(env: Mapping[str, str] = os.environ, cgroup: str = "/proc/s
 def default_worker_name(env: Mapping[str, str] = os.environ, cgroup: str = "/proc/self/cgroup") -> str:
     host = socket.gethostname().split(".")[0] or "worker"
     inst = systemd_instance(env, cgroup)
-    # key names and hash tags take only these characters (conductor/keys.py)
+    # key names and hash tags take only these characters (conductor/redis_contract/keys.py)
     name = f"{host}-{inst}" if inst else host
     return re.sub(r"[^A-Za-z0-9._/@+=-]", "_", name)[:128]

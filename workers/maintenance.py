@@ -12,15 +12,15 @@ import os
 import threading
 import time
 
-from conductor import metrics
-from conductor import script_calls as calls
 from conductor.client import Conductor
-from conductor.keys import ModelKeys
-from conductor.lifecycle import expire_due
-from conductor.results_store import offload_model
-from conductor.retention import trim_model
-from conductor.store import StoreError
-from conductor.tier import Feeder
+from conductor.jobs.job_state import expire_due
+from conductor.jobs.retention import trim_model
+from conductor.observability import metrics
+from conductor.redis_contract import script_calls as calls
+from conductor.redis_contract.keys import ModelKeys
+from conductor.tier.object_store import StoreError
+from conductor.tier.result_segments import offload_model
+from conductor.tier.spill import Feeder
 from conductor.workers.transient import RIDE_OUT
 
 log = logging.getLogger("conductor.maintenance")
@@ -52,7 +52,7 @@ class Maintenance:
         # dashboard then reads 0, not "no data"
         self._per_shape = metrics.BATCHES_PER_SHAPE.labels(model, owner)
         self._thrashing = metrics.THRASHING_SHAPES.labels(model, owner)
-        # The disk tier (conductor/tier.py): the lease holder feeds store segments into the lanes
+        # The disk tier (conductor/tier/spill.py): the lease holder feeds store segments into the lanes
         # as they drain, more often than it sweeps (a worker must not wait on its feeder).
         self.feeder = Feeder(conductor, conductor.tier.store, model) if conductor.tier is not None else None
         self.feed_interval_s = 0.05

@@ -11,7 +11,7 @@ import json
 import logging
 
 from conductor.client import Conductor
-from conductor.records import Batch
+from conductor.redis_contract.records import Batch
 from conductor.workers.engines.base import Engine
 
 log = logging.getLogger("conductor.worker")

@@ -31,11 +31,11 @@ from dataclasses import dataclass, field
 
 import redis
 
-from conductor import keys as K
-from conductor import script_calls as calls
 from conductor.client import Conductor
 from conductor.errors import ConductorError, Paused
-from conductor.records import Batch, Contract, Result, ResultError
+from conductor.redis_contract import keys as K
+from conductor.redis_contract import script_calls as calls
+from conductor.redis_contract.records import Batch, Contract, Result, ResultError
 from conductor.workers.doorbell import Doorbell, poll_sleep
 from conductor.workers.engines.base import Engine, Finished
 from conductor.workers.identity import default_worker_name

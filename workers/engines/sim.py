@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from conductor.formats import estimate_tokens
-from conductor.records import Batch, BatchItem, Contract
+from conductor.intake.formats import estimate_tokens
+from conductor.redis_contract.records import Batch, BatchItem, Contract
 from conductor.workers.engines.base import ContractHolder, Finished, too_long
 
 

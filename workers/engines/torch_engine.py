@@ -32,7 +32,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from conductor.records import Batch, BatchItem, Contract, ResultError
+from conductor.redis_contract.records import Batch, BatchItem, Contract, ResultError
 from conductor.workers.engines.base import ContractHolder, EngineConfigError, EngineUnavailable, Finished, too_long
 from conductor.workers.engines.byte_tokenizer import ByteTokenizer
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conductor.records import Batch, BatchItem, Contract, ResultError
+from conductor.redis_contract.records import Batch, BatchItem, Contract, ResultError
 from conductor.workers.engines.base import ContractHolder, EngineConfigError, EngineUnavailable, Finished, too_long
 
 INSTALL_HINT = ("engine trtllm needs TensorRT-LLM, which is not installed here: on a machine with an NVIDIA GPU "
