@@ -28,6 +28,7 @@ if __package__ in (None, ""):
 import redis  # noqa: E402
 
 from bench.common import median  # noqa: E402
+from bench.workload import make_items  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
 from conductor.redis_contract import keys as K  # noqa: E402
@@ -77,7 +78,6 @@ def instrumented(src: str) -> str | None:
 
 def backlog(r: redis.Redis, n: int) -> None:
     """``n`` items of about 300 bytes in one shape, dispatchable at once."""
-    from bench.submit_claim import make_items
     c = Conductor(r)
     c.set_config(MODEL, {"release_batches": 0, "activate_batches": 0, "quiet_ms": 600_000,
                          "budget_tokens": 64 * 512, "budget_items": 64})

@@ -32,12 +32,13 @@ import time
 from pathlib import Path
 
 from bench.common import command_line, git_rev, machine, now_utc, table, write_section
-from bench.submit_claim import make_items, run_xadd
+from bench.submit_claim import run_xadd
+from bench.workload import make_items
 from conductor.client import Conductor
 from conductor.embedded import EmbeddedRedis
-from conductor.intake.formats import PreparedItem, parse_line
+from conductor.intake.formats import parse_line
 from conductor.redis_contract import keys as K
-from conductor.redis_contract.records import Contract, Result
+from conductor.redis_contract.records import Contract, PreparedItem, Result
 from conductor.tier.object_store import Store
 from conductor.tier.result_segments import offload_model
 from conductor.tier.spill import Feeder

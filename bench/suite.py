@@ -55,10 +55,14 @@ from bench.oracle import plan as oracle_plan  # noqa: E402
 from bench.workload import Workload, WorkloadSpec, generate  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
-from conductor.intake.formats import PreparedItem  # noqa: E402
 from conductor.redis_contract.config import parse_value  # noqa: E402
 from conductor.redis_contract.packing import fits, pad8  # noqa: E402
-from conductor.redis_contract.records import Batch, BatchItem, result_decoder  # noqa: E402
+from conductor.redis_contract.records import (  # noqa: E402
+    Batch,
+    BatchItem,
+    PreparedItem,  # noqa: E402
+    result_decoder,
+)
 from conductor.workers.engines.sim import SimEngine  # noqa: E402
 from conductor.workers.latch import AdmissionLatch  # noqa: E402
 from conductor.workers.worker import Worker, WorkerOptions  # noqa: E402

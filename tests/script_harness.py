@@ -59,7 +59,7 @@ def fail_call(batch: Any, consumer: str, reason: str = "engine error") -> Call:
 
 
 def submit_call(c: Conductor, items: list, job: str = "j") -> Call:
-    from conductor.client import _submit_args
+    from conductor.redis_contract.script_calls import submit_args as _submit_args
     c.ensure_model("m")
     return Call("submit", [MK.base, MK.cfg, MK.state], _submit_args(job, items))
 
@@ -224,8 +224,9 @@ def submit_known_shape_without_prefix(c: Conductor) -> Call:
 def _stored(c: Conductor, n: int, job: str = "j") -> Any:
     """n items of model m in a segment (its file not written) registered as register_segment.lua's
     call would: the segment, and that call (not run)."""
-    from conductor.client import _record_head, content_sum
     from conductor.redis_contract import script_calls as calls
+    from conductor.redis_contract.item_record import content_sum
+    from conductor.redis_contract.item_record import record_head as _record_head
     from conductor.tier import segments as S
     items = [item(f"s{i}", 10 + i) for i in range(n)]
     seg = S.build("m", job, items)
@@ -243,7 +244,7 @@ def register_segment_new(c: Conductor) -> Call:
 
 def submit_from_store(c: Conductor) -> Call:
     """The feeder's load: ids registered in a segment join lanes, stored counters move to waiting."""
-    from conductor.tier.spill import load_args
+    from conductor.redis_contract.script_calls import load_args
     quick(c)
     seg, reg = _stored(c, 5)
     reg.run(c.scripts)

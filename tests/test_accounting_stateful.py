@@ -25,9 +25,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from conductor.client import Conductor, connect
-from conductor.intake.formats import PreparedItem
 from conductor.redis_contract import keys as K
-from conductor.redis_contract.records import Batch, Contract
+from conductor.redis_contract.records import Batch, Contract, PreparedItem
 from conductor.verify import verify
 from tests.conftest import item
 from tests.helpers import results_for

@@ -305,8 +305,8 @@ def test_disk_tier_as_producer_and_worker_users(urls, tmp_path):
     """deploy/redis/users.acl lets a producer register store segments (M:segs, M:seg:*) and a worker
     feed them. A producer that tries to feed places the items (submit.lua is its script) but cannot
     drop the index record (ZREM, DEL): the worker's feed then places nothing twice and drops it."""
+    from conductor.tier.feeder import Feeder
     from conductor.tier.object_store import Store
-    from conductor.tier.spill import Feeder
     store = Store(str(tmp_path / "store"))
     admin = Conductor.from_url(urls["admin"])
     quick(admin, resident_tokens=100)

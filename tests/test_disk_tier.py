@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from conductor.client import Conductor, _submit_args
+from conductor.client import Conductor
 from conductor.errors import ConductorError
 from conductor.redis_contract import keys as K
+from conductor.redis_contract.script_calls import submit_args as _submit_args
 from conductor.tier import segments as S
+from conductor.tier.feeder import Feeder
 from conductor.tier.object_store import Store
-from conductor.tier.spill import Feeder, read_segment
+from conductor.tier.segments import read_segment
 from tests.conftest import cli, follow_with_workers, item
 from tests.helpers import MK, contract, quick, results_for
 
@@ -191,7 +193,7 @@ def test_a_feeder_that_died_after_loading_loads_nothing_twice(redis_url, tmp_pat
     c.submit(its, "j")
     name, rec = _segments(c)[0]
     seg = read_segment(c.tier.store, rec)
-    from conductor.tier.spill import load_args
+    from conductor.redis_contract.script_calls import load_args
     first = c.scripts.submit(keys=[MK.base, MK.cfg, MK.state], args=load_args(seg))  # loaded, not dropped
     assert all(x >= 0 for x in first)
     again = c.scripts.submit(keys=[MK.base, MK.cfg, MK.state], args=load_args(seg))

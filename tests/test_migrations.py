@@ -13,11 +13,11 @@ import msgspec
 import pytest
 import redis
 
-from conductor.client import Conductor, _submit_args, connect
-from conductor.intake.formats import PreparedItem
+from conductor.client import Conductor, connect
 from conductor.redis_contract import keys as K
 from conductor.redis_contract import schema
-from conductor.redis_contract.records import Contract
+from conductor.redis_contract.records import Contract, PreparedItem
+from conductor.redis_contract.script_calls import submit_args as _submit_args
 from conductor.verify import verify
 from tests.conftest import item
 from tests.helpers import drain

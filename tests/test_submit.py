@@ -137,7 +137,7 @@ def test_full_queue_is_a_typed_error_and_writes_nothing(cdr):
 def test_script_errors_name_the_field(cdr):
     mk = K.ModelKeys("m")
     cdr.ensure_model("m")
-    from conductor.client import _raise_script_error
+    from conductor.redis_contract.script_calls import raise_script_error as _raise_script_error
     with pytest.raises(redis.ResponseError) as e:
         cdr.scripts.submit(keys=[mk.base, mk.cfg, mk.state], args=submit_argv("j", ("x", "0" * 16, 0, 5)))
     with pytest.raises(BadInput) as ei:
@@ -163,7 +163,7 @@ def test_prefix_is_stored_once_per_shape(cdr):
 
 
 def test_bulk_submit_groups_shapes_and_keeps_arrival_order_within_each(cdr):
-    from conductor.client import _grouped_by_shape
+    from conductor.client.submit_stream import grouped_by_shape as _grouped_by_shape
     shapes = [("a",), ("b",), ("c",)]
     its = [item(i, 40, prefix=shapes[i % 3]) for i in range(3000)]  # interleaved, three calls' worth
     grouped = _grouped_by_shape(its)

@@ -13,14 +13,14 @@ import threading
 import time
 
 from conductor.client import Conductor
-from conductor.jobs.job_state import expire_due
+from conductor.jobs.job_state import expire_due_leased
 from conductor.jobs.retention import trim_model
 from conductor.observability import metrics
 from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.keys import ModelKeys
+from conductor.tier.feeder import Feeder
 from conductor.tier.object_store import StoreError
 from conductor.tier.result_segments import offload_model
-from conductor.tier.spill import Feeder
 from conductor.workers.transient import RIDE_OUT
 
 log = logging.getLogger("conductor.maintenance")
@@ -83,7 +83,7 @@ class Maintenance:
             return None
         self._next = now + self.interval_s
         try:
-            if not calls.lease(self.keys, self.owner, self.lease_ms).run(self.c.scripts):
+            if not calls.lease(self.keys.maint_lease, self.owner, self.lease_ms).run(self.c.scripts):
                 self._held_until = 0.0
                 return None
             # fed only well inside the lease: another worker may take it once it lapses
@@ -97,9 +97,9 @@ class Maintenance:
             self._thrash_alarm()
             self._drift_check()
             trim_model(self.c, self.model)
-            # Jobs past their completion window end expired (issue 17), whatever serve does: the
-            # steps are idempotent, so lease holders of several models may race on one job.
-            expire_due(self.c)
+            # Jobs past their completion window end expired (issue 17): one sweeper at a time among
+            # the lease holders of every model and the serve replicas (conductor/jobs/job_state.py).
+            expire_due_leased(self.c, self.owner)
             if self.feeder is not None:  # the disk tier: results past the window go to the store
                 offload_model(self.c, self.feeder.store, self.model)
             return res

@@ -7,7 +7,12 @@ import html
 import time
 from typing import Any
 
-from conductor.jobs import job_state as lifecycle
+from fastapi import APIRouter
+from fastapi.responses import HTMLResponse
+
+from conductor.client import Conductor
+from conductor.jobs import job_state
+from conductor.jobs.job_list import list_jobs
 from conductor.redis_contract import keys as K
 
 _STYLE = ("body{font-family:sans-serif;margin:1.5em}table{border-collapse:collapse;margin-bottom:1.5em}"
@@ -29,12 +34,11 @@ def _table(head: list[str], rows: list[list[str]], row_ids: list[str] | None = N
     return "".join(out) + "</table>"
 
 
-def render_page(c: Any, jobs: int = 50) -> str:
-    from conductor.jobs.job_list import list_jobs
+def render_page(c: Conductor, jobs: int = 50) -> str:
     now = time.time()
     job_rows, job_ids = [], []
     for row in reversed(list_jobs(c, jobs)):
-        d = lifecycle.describe(c, row.job, advance=False)
+        d = job_state.describe(c, row.job, advance=False)
         answered = row.completed + row.failed
         started = d.get("in_progress_at") or row.created_ms / 1000
         rate = answered / max(now - started, 1e-3) if d["status"] == "in_progress" and answered else None
@@ -60,3 +64,13 @@ def render_page(c: Any, jobs: int = 50) -> str:
             f"<h2>Models</h2>{_table(['model', 'waiting items', 'waiting tokens', 'live workers'], model_rows)}"
             f"<h2>Dead letters</h2>{_table(['model', 'items'], dead_rows)}"
             f"<p>{time.strftime('%Y-%m-%d %H:%M:%S')}</p></body></html>")
+
+
+def status_router(c: Conductor) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/", response_class=HTMLResponse)
+    def status_page() -> str:
+        return render_page(c)
+
+    return router

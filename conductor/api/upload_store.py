@@ -22,6 +22,7 @@ import redis
 
 from conductor.errors import BadInput
 from conductor.redis_contract import keys as K
+from conductor.redis_contract.connection import as_str
 
 MAX_FILE_BYTES = 200 * 1024 * 1024  # OpenAI's limit for a batch input file
 CHUNK = 1024 * 1024
@@ -72,7 +73,7 @@ class FileStore:
         raw = self.r.hgetall(K.file_key(file_id)) if _plain(file_id) else {}
         if not raw:
             return None
-        obj: dict[str, Any] = {_s(k): _s(v) for k, v in raw.items()}
+        obj: dict[str, Any] = {as_str(k): as_str(v) for k, v in raw.items()}
         for k in ("bytes", "created_at"):
             obj[k] = int(obj[k])
         obj.setdefault("status_details", None)
@@ -85,7 +86,7 @@ class FileStore:
         if after:
             rank = self.r.zrevrank(K.FILES_KEY, after)
             start = 0 if rank is None else int(rank) + 1  # type: ignore[arg-type]  # an int without WITHSCORE
-        ids = [_s(x) for x in self.r.zrevrange(K.FILES_KEY, start, start + limit)]
+        ids = [as_str(x) for x in self.r.zrevrange(K.FILES_KEY, start, start + limit)]
         objs = [o for o in (self.get(i) for i in ids[:limit]) if o]
         return objs, len(ids) > limit
 
@@ -112,6 +113,3 @@ class FileStore:
 def _plain(file_id: str) -> bool:
     return file_id.startswith("file-") and all(ch.isalnum() or ch == "-" for ch in file_id) and len(file_id) <= 64
 
-
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)

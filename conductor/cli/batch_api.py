@@ -9,9 +9,9 @@ import os
 import signal
 import sys
 from collections.abc import Callable
-from typing import Any
 
 from conductor.cli.args import port
+from conductor.client import Conductor
 from conductor.errors import BadInput, ConductorError
 
 
@@ -23,7 +23,7 @@ def add_submit_flags(s: argparse.ArgumentParser) -> None:
                    help="a metadata pair kept with the job (conductor status shows it); repeatable, at most 16")
 
 
-def start_job(c: Any, job: str, args: argparse.Namespace) -> None:
+def start_job(c: Conductor, job: str, args: argparse.Namespace) -> None:
     from conductor.jobs.job_state import check_metadata, parse_window, start
     try:
         window_s = parse_window(args.completion_window, "--completion-window") if args.completion_window else None

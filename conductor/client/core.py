@@ -4,7 +4,7 @@ mixins over this core; conductor/client/__init__.py puts them together as ``Cond
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import redis
 
@@ -16,9 +16,7 @@ from conductor.redis_contract.connection import as_str, connect, pool_for
 from conductor.redis_contract.schema import check as check_schema
 from conductor.redis_contract.scripts import Scripts
 from conductor.tier.object_store import Store
-
-if TYPE_CHECKING:
-    pass
+from conductor.tier.spill import Tier
 
 R = TypeVar("R")
 
@@ -31,10 +29,9 @@ class ConductorCore:
         """``wait_replicas``: submit and complete return only once that many replicas hold
         their writes (WAIT), else raise NotReplicated: with asynchronous replication a failover
         may otherwise lose writes the old primary acknowledged. ``store``: the disk tier's
-        (conductor/tier/spill.py), used for models with a resident_tokens ceiling."""
-        from conductor.tier.spill import Tier
+        (conductor/tier/), used for models with a resident_tokens ceiling."""
         self.r = client
-        self.tier = Tier(self, store) if store is not None else None  # type: ignore[arg-type]  # a Conductor's core
+        self.tier = Tier(client, store) if store is not None else None
         self.wait_replicas = wait_replicas
         self.wait_timeout_ms = wait_timeout_ms
         self.scripts = Scripts(client)

@@ -30,14 +30,16 @@ from typing import Any
 import redis
 import redis.asyncio as aioredis
 
-from conductor.client import Conductor, _raise_script_error, connect
+from conductor.client import Conductor
 from conductor.client.permits import Permits
 from conductor.errors import BadInput, ClientClosed, QueueFull, RequestTimeout, UnknownModel
-from conductor.intake.formats import PreparedItem, from_native
+from conductor.intake.formats import from_native
 from conductor.observability.fleet import live_workers
 from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls
-from conductor.redis_contract.records import Result, result_decoder
+from conductor.redis_contract.connection import connect
+from conductor.redis_contract.records import PreparedItem, Result, result_decoder
+from conductor.redis_contract.script_calls import raise_script_error
 
 MAX_TIMEOUT_S = 3600.0
 SAFETY_MARGIN_S = 5.0  # a permit not given back this long after its request's timeout returns by itself
@@ -79,7 +81,7 @@ def _queue_full(e: QueueFull) -> QueueFull:
 def _script_reply(reply: Any) -> None:
     if isinstance(reply, Exception):
         try:
-            _raise_script_error(reply)
+            raise_script_error(reply)
         except QueueFull as e:
             raise _queue_full(e) from None
 

@@ -3,7 +3,6 @@ calls streamed over one connection (SUBMIT_WINDOW in flight), declare and seal."
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
@@ -14,11 +13,11 @@ import redis
 
 from conductor.client.core import ConductorCore, check_name
 from conductor.errors import ConductorError, Conflict, DuplicateId, Paused, RedisUnavailable
-from conductor.intake.formats import PreparedItem
 from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.connection import as_str
-from conductor.redis_contract.records import json_encoder
+from conductor.redis_contract.item_record import content_sum, record_head
+from conductor.redis_contract.records import PreparedItem
 
 # One submit.lua call blocks Redis for a time per item, so the chunk bounds every other client's
 # wait; two calls in flight let the client encode the next call while Redis runs the last one
@@ -82,10 +81,7 @@ class Submitting(ConductorCore):
             self._register_job(job, model)
             mk = self._intake_model(model)
             report.models.add(model)
-            if self.tier is not None:  # the disk tier: beyond the model's ceiling, to store segments
-                self.tier.submit_model(mk, job, grouped_by_shape(its), report, progress)
-            else:
-                self._submit_calls(mk, job, grouped_by_shape(its), report, progress)
+            self._submit_model(mk, job, grouped_by_shape(its), report, progress)
         if seal:
             for model in by_model:
                 self.seal(model)
@@ -150,7 +146,7 @@ class Submitting(ConductorCore):
         if created is None:
             return  # a new job has no ids to conflict with
         conflicts, example = 0, ""
-        head = calls.record_head(job)
+        head = record_head(job)
         for model, its in by_model.items():
             sums_key = K.ModelKeys(model).job_sums(job)
             for start in range(0, len(its), 5000):
@@ -185,6 +181,24 @@ class Submitting(ConductorCore):
         pipe.zadd(K.JOBS_KEY, {job: int(time.time() * 1000)}, nx=True)
         pipe.sadd(K.job_models_key(job), model)
         pipe.execute()
+
+    def _submit_model(self, mk: K.ModelKeys, job: str, its: Sequence[PreparedItem], report: SubmitReport,
+                      progress: Callable[[int], None] | None) -> None:
+        """One model's items (grouped by shape) into its lanes; with the disk tier, those beyond the
+        model's resident_tokens ceiling into store segments instead (conductor/tier/spill.py)."""
+        tier = self.tier
+        k = len(its) if tier is None else tier.resident_count(mk, its)
+        if k:
+            self._submit_calls(mk, job, its[:k], report, progress)
+        if tier is not None and k < len(its):
+            base = report.accepted + report.duplicates
+
+            def shown(n: int) -> None:
+                if progress is not None:
+                    progress(base + n)
+            accepted, duplicates = tier.write_segments(mk, job, its[k:], self._confirmed, shown if progress else None)
+            report.accepted += accepted
+            report.duplicates += duplicates
 
     def _submit_calls(self, mk: K.ModelKeys, job: str, its: Sequence[PreparedItem], report: SubmitReport,
                       progress: Callable[[int], None] | None = None) -> None:
@@ -265,12 +279,6 @@ def grouped_by_shape(its: list[PreparedItem]) -> list[PreparedItem]:
     if len(by_sig) == 1:
         return its
     return [it for group in by_sig.values() for it in group]
-
-
-def content_sum(head: bytes, it: PreparedItem) -> str:
-    """What submit.lua keeps per id to tell a re-sent item from another item under the same id."""
-    rec = b"[" + json_encoder.encode(it.id) + head % (it.input_tokens, it.max_tokens) + it.body[1:]
-    return hashlib.sha1(it.sig.encode() + rec).hexdigest()[:16]
 
 
 def count_submit_reply(reply: list[int], report: SubmitReport) -> None:

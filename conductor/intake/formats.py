@@ -28,6 +28,7 @@ import msgspec
 from conductor.errors import BadInput
 from conductor.intake.signature import shape_signature
 from conductor.redis_contract.keys import check_name
+from conductor.redis_contract.records import PreparedItem
 
 MAX_LINE_BYTES = 4 * 1024 * 1024
 MAX_PAYLOAD_BYTES = 1024 * 1024
@@ -37,18 +38,6 @@ MAX_INPUT_TOKENS = 16_777_216
 MAX_OUTPUT_TOKENS = 1_048_576
 
 _NATIVE_FIELDS = {"id", "model", "prefix", "prompt", "input_tokens", "max_tokens", "payload"}
-
-
-class PreparedItem(msgspec.Struct, frozen=True):
-    """A validated item, ready for submit.lua."""
-
-    id: str
-    model: str
-    sig: str
-    input_tokens: int
-    max_tokens: int
-    body: bytes  # JSON [prompt, payload]
-    prefix: tuple[str, ...]
 
 
 _json = msgspec.json.Encoder()

@@ -23,14 +23,8 @@ from typing import Any
 import msgspec
 
 from conductor.errors import BadInput
-from conductor.intake.formats import (
-    _NATIVE_FIELDS,
-    MaxTokensDefault,
-    PreparedItem,
-    from_native,
-    from_openai,
-    parse_line,
-)
+from conductor.intake.formats import _NATIVE_FIELDS, MaxTokensDefault, from_native, from_openai, parse_line
+from conductor.redis_contract.records import PreparedItem
 
 PARQUET_MAGIC = b"PAR1"
 PARQUET_BATCH_ROWS = 1024
@@ -73,12 +67,13 @@ def _raw_row(row: dict[str, Any]) -> bytes:
     return json.dumps(row, default=str).encode()
 
 
-def iter_lines(path: str, default_max_tokens: MaxTokensDefault | None = None,
+def iter_lines(path: str, default_max_tokens: MaxTokensDefault | None = None, *, parquet: bool = True,
                ) -> Iterator[tuple[int, PreparedItem | BadInput, bytes]]:
     """Every non-blank line (or row) of the file: its number, its item or why it is refused, and
     its raw text (for --rejects). ``default_max_tokens(model)``: the output cap of an OpenAI line
-    without one (formats.parse_line)."""
-    if is_parquet(path):
+    without one (formats.parse_line). ``parquet`` False reads a file as JSON lines whatever its
+    first bytes (the Batch API takes JSONL, as OpenAI's does)."""
+    if parquet and is_parquet(path):
         yield from _iter_parquet(path, default_max_tokens)
         return
     with open(path, "rb") as f:
@@ -116,6 +111,11 @@ def _iter_parquet(path: str, default_max_tokens: MaxTokensDefault | None,
                 yield n, e, _raw_row(row)
 
 
+# A check of one valid item beyond its format (the Batch API's: an OpenAI request for its endpoint),
+# given the line number: raises BadInput to refuse the line.
+LineCheck = Callable[[int, PreparedItem], None]
+
+
 @dataclass
 class FileScan:
     """What the first pass learnt: valid items per model and the numbers of refused lines."""
@@ -124,39 +124,57 @@ class FileScan:
     counts: dict[str, int] = field(default_factory=dict)
     tokens: int = 0
     refused: set[int] = field(default_factory=set)
-    errors: list[str] = field(default_factory=list)  # the first few, to show
+    refusals: list[BadInput] = field(default_factory=list)  # the first few, to show (each names line and field)
     # the output cap of an OpenAI line without one, the same in every pass (formats.parse_line)
     default_max_tokens: MaxTokensDefault | None = None
+    parquet: bool = True  # read the same way in every pass (iter_lines)
 
     @property
     def items(self) -> int:
         return sum(self.counts.values())
 
+    @property
+    def errors(self) -> list[str]:
+        return [str(e) for e in self.refusals]
+
+    def chunks(self, size: int) -> Iterator[list[tuple[int, PreparedItem]]]:
+        """The valid items, ``size`` at a time, with their line numbers (a pass over the file)."""
+        return chunks(self.path, self.refused, size, self.default_max_tokens, parquet=self.parquet)
+
 
 SHOWN_ERRORS = 20
 
 
-def scan(path: str, *, rejects: str | None = None, progress: Callable[[int], None] | None = None,
-         default_max_tokens: MaxTokensDefault | None = None) -> FileScan:
-    """Validate every line, count the valid items per model, and refuse duplicate ids (the later
-    lines). Refusals are written to ``rejects`` (JSONL: line, field, error, raw) as found."""
-    out = FileScan(path, default_max_tokens=default_max_tokens)
+def scan(path: str, *, rejects: str | None = None, progress: Callable[[int], None] | None = None,  # noqa: C901 - one pass, its refusals recorded as found
+         default_max_tokens: MaxTokensDefault | None = None, check: LineCheck | None = None,
+         id_field: str = "id", shown: int = SHOWN_ERRORS, parquet: bool = True) -> FileScan:
+    """Validate every line (and ``check`` each valid item), count the valid items per model, and
+    refuse duplicate ids (the later lines; ``id_field`` names the field in the refusal). Refusals
+    are written to ``rejects`` (JSONL: line, field, error, raw) as found; the first ``shown`` are
+    kept in ``refusals``."""
+    out = FileScan(path, default_max_tokens=default_max_tokens, parquet=parquet)
     digests = array("Q")
     rej = open(rejects, "wb") if rejects else None  # noqa: SIM115 - closed below, written as found
     try:
         def refuse(n: int, e: BadInput, raw: bytes) -> None:
             out.refused.add(n)
-            if len(out.errors) < SHOWN_ERRORS:
-                out.errors.append(str(e))
+            if len(out.refusals) < shown:
+                out.refusals.append(e)
             if rej:
                 rej.write(json.dumps({"line": n, "field": e.field, "error": str(e),
                                       "raw": raw.decode("utf-8", "replace")}).encode() + b"\n")
 
         k = 0
-        for n, it, raw in iter_lines(path, default_max_tokens):
+        for n, it, raw in iter_lines(path, default_max_tokens, parquet=parquet):
             if isinstance(it, BadInput):
                 refuse(n, it, raw)
                 continue
+            if check is not None:
+                try:
+                    check(n, it)
+                except BadInput as e:
+                    refuse(n, e, raw)
+                    continue
             digests.append(_id_digest(it.id))
             out.counts[it.model] = out.counts.get(it.model, 0) + 1
             out.tokens += it.input_tokens
@@ -168,14 +186,14 @@ def scan(path: str, *, rejects: str | None = None, progress: Callable[[int], Non
         if dups:
             # A second look at the few lines whose id digest repeats: the later ones are refused.
             first: dict[str, tuple[int, str]] = {}
-            for n, it, raw in iter_lines(path, default_max_tokens):
-                if isinstance(it, BadInput) or _id_digest(it.id) not in dups:
+            for n, it, raw in iter_lines(path, default_max_tokens, parquet=parquet):
+                if isinstance(it, BadInput) or n in out.refused or _id_digest(it.id) not in dups:
                     continue
                 at, model = first.setdefault(it.id, (n, it.model))
                 if at != n:
                     across = f" (there for model {model}: an id names one item of a job, across its models)" \
                         if model != it.model else ""
-                    refuse(n, BadInput("id", f"duplicate of line {at}{across}", n), raw)
+                    refuse(n, BadInput(id_field, f"duplicate of line {at}{across}", n), raw)
                     out.counts[it.model] -= 1
                     out.tokens -= it.input_tokens
     finally:
@@ -196,11 +214,11 @@ def _repeated(digests: array[int]) -> set[int]:
     return {int(v) for v in a[1:][same]}
 
 
-def chunks(path: str, refused: set[int], size: int, default_max_tokens: MaxTokensDefault | None = None,
-           ) -> Iterator[list[tuple[int, PreparedItem]]]:
+def chunks(path: str, refused: set[int], size: int, default_max_tokens: MaxTokensDefault | None = None, *,
+           parquet: bool = True) -> Iterator[list[tuple[int, PreparedItem]]]:
     """The valid items of a scanned file, ``size`` at a time, with their line numbers."""
     buf: list[tuple[int, PreparedItem]] = []
-    for n, it, _ in iter_lines(path, default_max_tokens):
+    for n, it, _ in iter_lines(path, default_max_tokens, parquet=parquet):
         if n in refused or isinstance(it, BadInput):
             continue
         buf.append((n, it))

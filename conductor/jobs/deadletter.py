@@ -16,6 +16,7 @@ from conductor.client import Conductor
 from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.connection import StreamEntry as Entry
+from conductor.redis_contract.connection import as_str
 
 _CHUNK = 500
 
@@ -35,8 +36,9 @@ class DeadItem:
                 "deliveries": self.deliveries, "error": self.error, "ms": self.ms}
 
 
-def _s(v: bytes | str) -> str:
-    return v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+def _text(v: bytes) -> str:
+    # an entry whose id or error is not UTF-8 is still listed (and can be retried or purged)
+    return as_str(v, errors="replace")
 
 
 class DeadLetter:
@@ -54,13 +56,13 @@ class DeadLetter:
             while True:
                 rows: list[Entry] = self.c.r.xrange(key, min=cursor, count=_CHUNK)  # type: ignore[assignment]
                 for eid, f in rows:
-                    if job is not None and _s(f[b"job"]) != job:
+                    if job is not None and _text(f[b"job"]) != job:
                         continue
-                    yield DeadItem(model=m, entry=_s(eid), id=_s(f[b"id"]), job=_s(f[b"job"]),
-                                   deliveries=int(f[b"deliveries"]), error=_s(f[b"error"]), ms=int(f[b"ms"]))
+                    yield DeadItem(model=m, entry=_text(eid), id=_text(f[b"id"]), job=_text(f[b"job"]),
+                                   deliveries=int(f[b"deliveries"]), error=_text(f[b"error"]), ms=int(f[b"ms"]))
                 if len(rows) < _CHUNK:
                     break
-                cursor = "(" + _s(rows[-1][0])
+                cursor = "(" + _text(rows[-1][0])
 
     def _by_model(self, model: str | None, job: str | None) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}

@@ -25,9 +25,12 @@ from typing import Any
 import msgspec
 import redis
 
+from conductor.client import Conductor
 from conductor.errors import BadInput, ConductorError
 from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls
+from conductor.redis_contract.connection import as_str
+from conductor.redis_contract.scripts import ScriptClient
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +89,7 @@ def start(r: redis.Redis, job: str, *, status: str = "in_progress", window_s: in
 def set_status(r: redis.Redis, job: str, status: str, **fields: Any) -> None:
     """Move to ``status`` (stamping ``<status>_at`` once) unless the job has ended already."""
     key = K.job_meta_key(job)
-    if _s(r.hget(key, "status")) in TERMINAL:
+    if as_str(r.hget(key, "status"), absent="") in TERMINAL:
         return
     now = int(time.time())
     pipe = r.pipeline(transaction=True)
@@ -99,10 +102,10 @@ def set_status(r: redis.Redis, job: str, status: str, **fields: Any) -> None:
     pipe.execute()
 
 
-def describe(c: Any, job: str, *, advance: bool = True, now: float | None = None) -> dict[str, Any]:
+def describe(c: Conductor, job: str, *, advance: bool = True, now: float | None = None) -> dict[str, Any]:
     """The job's lifecycle with its request counts; with ``advance`` the moves its counters call for
     are made first (and an expired window is acted on)."""
-    meta = {_s(k): _s(v) for k, v in c.r.hgetall(K.job_meta_key(job)).items()}
+    meta = {as_str(k): as_str(v) for k, v in c.r.hgetall(K.job_meta_key(job)).items()}
     st = c.status(job)
     status = meta.get("status") or ("in_progress" if st["pending"] or not st["submitted"] else "completed")
     if advance and status not in TERMINAL and status != "validating":
@@ -138,7 +141,7 @@ def describe(c: Any, job: str, *, advance: bool = True, now: float | None = None
     return out
 
 
-def cancel(c: Any, job: str) -> dict[str, Any]:
+def cancel(c: Conductor, job: str) -> dict[str, Any]:
     """``conductor cancel``: see the module's docstring. Cancelling a cancelled or cancelling job is a
     no-op; a job that ended otherwise is refused."""
     if not c.job_models(job) and not c.r.exists(K.job_meta_key(job)):
@@ -151,7 +154,7 @@ def cancel(c: Any, job: str) -> dict[str, Any]:
     return end(c, job, "cancelled")
 
 
-def end(c: Any, job: str, how: str) -> dict[str, Any]:
+def end(c: Conductor, job: str, how: str) -> dict[str, Any]:
     """End a job early: ``how`` is 'cancelled' (conductor cancel) or 'expired' (its window passed)."""
     if how == "cancelled":
         set_status(c.r, job, "cancelling", ending="cancelled")
@@ -161,12 +164,12 @@ def end(c: Any, job: str, how: str) -> dict[str, Any]:
     return describe(c, job)
 
 
-def expire_due(c: Any, now: float | None = None) -> list[str]:
-    """End every job whose completion window has passed (conductor serve runs this periodically;
-    any replica may, the steps are idempotent)."""
-    due = [_s(j) for j in c.r.zrangebyscore(K.JOB_DEADLINES_KEY, "-inf", now or time.time())]
+def expire_due(c: Conductor, now: float | None = None) -> list[str]:
+    """End every job whose completion window has passed (``conductor expire``; the periodic sweep
+    is ``expire_due_leased``). The steps are idempotent."""
+    due = [as_str(j) for j in c.r.zrangebyscore(K.JOB_DEADLINES_KEY, "-inf", now or time.time())]
     for job in due:
-        meta_status = _s(c.r.hget(K.job_meta_key(job), "status"))
+        meta_status = as_str(c.r.hget(K.job_meta_key(job), "status"), absent="")
         if meta_status in TERMINAL:
             c.r.zrem(K.JOB_DEADLINES_KEY, job)
             continue
@@ -174,7 +177,24 @@ def expire_due(c: Any, now: float | None = None) -> list[str]:
     return due
 
 
-def _sweep(c: Any, job: str, how: str) -> int:
+# Expiry has one owner at a time: whoever holds this lease. Both the maintenance lease holders
+# (workers/maintenance.py, a worker of any model) and every serve replica (conductor/api/app.py)
+# ask for it, because a production deployment may run either without the other: a fleet scaled
+# to zero (deploy/keda) still owes a Batch API caller its answer when the window passes, and a job
+# submitted with --completion-window on the command line has no serve to end it. The lease keeps
+# the sweep to one process at a time (the steps are idempotent, but several sweepers only repeat
+# each other's reads); a holder that dies hands over once the lease lapses.
+EXPIRY_LEASE_MS = 15_000  # a few of the slowest caller's periods (serve: 5 s)
+
+
+def expire_due_leased(c: Conductor, owner: str, lease_ms: int = EXPIRY_LEASE_MS) -> list[str] | None:
+    """``expire_due`` if ``owner`` holds (or now takes) the expiry lease; None when another does."""
+    if not calls.lease(K.EXPIRY_LEASE_KEY, owner, lease_ms).run(c.scripts):
+        return None
+    return expire_due(c)
+
+
+def _sweep(c: Conductor, job: str, how: str) -> int:
     """Every waiting item of the job answered (bounded steps), then withdrawn from the lanes."""
     message = "the batch was cancelled before this request ran" if how == "cancelled" else \
         "the batch's completion window passed before this request ran"
@@ -193,21 +213,21 @@ def _sweep(c: Any, job: str, how: str) -> int:
     return total
 
 
-def withdraw(c: Any, model: str) -> int:
+def withdraw(c: ScriptClient, model: str) -> int:
     """Answered items out of the lanes of ``model``'s live shape instances (one lane per
     repair_items.lua call, then one repair.lua call per instance that changed): items nothing
     will run no longer hold a worker or count as waiting."""
     r = c.r
     mk = K.ModelKeys(model)
-    insts = {_s(i) for i in r.zrange(mk.active, 0, -1)} | {_s(i) for i in r.zrange(mk.staged, 0, -1)}
+    insts = {as_str(i) for i in r.zrange(mk.active, 0, -1)} | {as_str(i) for i in r.zrange(mk.staged, 0, -1)}
     cleared = 0
     for inst in sorted(insts):
         changed = False
         for lane in r.zrange(mk.inst_lanes(inst), 0, -1):
             try:
-                n = calls.repair_items(mk, "done", f"{inst}:{_s(lane)}").run(c.scripts).cleared
+                n = calls.repair_items(mk, "done", f"{inst}:{as_str(lane)}").run(c.scripts).cleared
             except (redis.ResponseError, ConductorError) as e:  # a lane claimed away meanwhile, a finished instance
-                log.debug("withdraw %s %s:%s: %s", model, inst, _s(lane), e)
+                log.debug("withdraw %s %s:%s: %s", model, inst, as_str(lane), e)
                 continue
             cleared += int(n)
             changed = changed or int(n) > 0
@@ -233,6 +253,3 @@ def render(d: dict[str, Any]) -> str:
         parts.append("metadata " + msgspec.json.encode(d["metadata"]).decode())
     return " | ".join(parts)
 
-
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else ("" if v is None else str(v))

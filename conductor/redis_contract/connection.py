@@ -99,6 +99,13 @@ def pool_for(r: redis.Redis, key: str) -> redis.ConnectionPool:
 StreamEntry = tuple[bytes, dict[bytes, bytes]]
 
 
-def as_str(v: Any) -> str:
-    """A Redis reply value (bytes under decode_responses=False) as text."""
-    return v.decode() if isinstance(v, bytes) else str(v)
+def as_str(v: Any, *, absent: str | None = None, errors: str = "strict") -> str:
+    """A Redis reply value (bytes under decode_responses=False) as text: the one string helper.
+    ``absent``: the text of a missing field or key (None), for a caller that compares it; else it
+    reads "None". ``errors="replace"``: bytes that are not UTF-8 (an item id a producer wrote) show
+    with U+FFFD instead of raising, for a listing that must show every entry."""
+    if isinstance(v, bytes):
+        return v.decode("utf-8", errors)
+    if v is None and absent is not None:
+        return absent
+    return str(v)

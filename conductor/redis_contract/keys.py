@@ -17,6 +17,8 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
                                              timestamps (s), completion window, metadata, and for a
                                              batch made by conductor serve its input file and endpoint
     cdr:jobs:deadlines              zset     job -> expires_at (s), jobs with a completion window
+    cdr:lease:expiry                string   who ends the jobs past their window now (TTL): a maintenance
+                                             lease holder or a serve replica (conductor/jobs/job_state.py)
     cdr:batches                     zset     job -> created_at (s), the batches conductor serve made
     cdr:files                       zset     file id -> created_at (s), files uploaded to conductor serve
     cdr:file:F                      hash     an uploaded file's object (conductor/api/upload_store.py); its
@@ -171,6 +173,8 @@ def job_meta_key(job: str) -> str:
 
 
 JOB_DEADLINES_KEY = f"{PREFIX}:jobs:deadlines"
+# Who ends the jobs past their completion window now (conductor/jobs/job_state.py expire_due_leased).
+EXPIRY_LEASE_KEY = f"{PREFIX}:lease:expiry"
 FILES_KEY = f"{PREFIX}:files"
 BATCHES_KEY = f"{PREFIX}:batches"
 

@@ -8,6 +8,19 @@ from typing import Any
 import msgspec
 
 
+class PreparedItem(msgspec.Struct, frozen=True):
+    """A validated item, ready for submit.lua (conductor/intake/formats.py makes them from input lines;
+    conductor/redis_contract/item_record.py builds its record)."""
+
+    id: str
+    model: str
+    sig: str
+    input_tokens: int
+    max_tokens: int
+    body: bytes  # JSON [prompt, payload]
+    prefix: tuple[str, ...]
+
+
 class Contract(msgspec.Struct, frozen=True):
     """The four integers a consumer registers (seeds 001, 002)."""
 

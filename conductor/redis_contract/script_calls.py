@@ -17,10 +17,10 @@ from typing import Any, Generic, NamedTuple, NoReturn, TypeVar
 import redis
 
 from conductor.errors import BadInput, Conflict, Paused, QueueFull
-from conductor.intake.formats import PreparedItem
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.connection import as_str
-from conductor.redis_contract.records import Contract, Result, json_encoder
+from conductor.redis_contract.item_record import item_record, record_head
+from conductor.redis_contract.records import Contract, PreparedItem, Result, json_encoder
 from conductor.redis_contract.scripts import Scripts
 from conductor.tier.segments import Segment
 
@@ -114,17 +114,13 @@ def heartbeat(mk: K.ModelKeys, worker: str, now_ms: int, ttl_ms: int, batch_ids:
     return Call("heartbeat", [mk.heartbeat(worker), mk.batches], [worker, now_ms, ttl_ms, *batch_ids], _int)
 
 
-def lease(mk: K.ModelKeys, owner: str, ms: int) -> Call[bool]:
-    """lua/lease.lua: whether ``owner`` holds the model's maintenance lease now."""
-    return Call("lease", [mk.maint_lease], [owner, ms], lambda raw: bool(int(raw)))
+def lease(key: str, owner: str, ms: int) -> Call[bool]:
+    """lua/lease.lua: whether ``owner`` holds the lease ``key`` now (a model's maintenance lease,
+    ``ModelKeys.maint_lease``, or the expiry lease, ``keys.EXPIRY_LEASE_KEY``)."""
+    return Call("lease", [key], [owner, ms], lambda raw: bool(int(raw)))
 
 
 # ---------------------------------------------------------------------------- intake
-
-def record_head(job: str) -> bytes:
-    """The part of an item record after its id, up to its body (the tokens are %d holes)."""
-    return b"," + json_encoder.encode(job) + b",%d,%d,"
-
 
 def submit_args(job: str, chunk: Sequence[PreparedItem]) -> list[Any]:
     """submit.lua's ARGV: the count, the job, then per item its signature, its record as workers
@@ -138,9 +134,7 @@ def submit_args(job: str, chunk: Sequence[PreparedItem]) -> list[Any]:
         else:
             seen.add(it.sig)
             prefix = json_encoder.encode(list(it.prefix))
-        # body is the JSON [prompt, payload]: its tail after '[' ends the record
-        rec = b"[" + json_encoder.encode(it.id) + head % (it.input_tokens, it.max_tokens) + it.body[1:]
-        args += [it.sig, rec, prefix]
+        args += [it.sig, item_record(it, head), prefix]
     return args
 
 

@@ -15,6 +15,7 @@ import functools
 import re
 from collections.abc import Callable
 from importlib import resources
+from typing import Protocol
 
 import redis
 
@@ -115,3 +116,15 @@ class Scripts:
     register_segment: redis.commands.core.Script
     fail_stored: redis.commands.core.Script
     offload_results: redis.commands.core.Script
+
+
+class ScriptClient(Protocol):
+    """What a module that runs scripts needs of a client: its Redis and its registered scripts.
+    A ``Conductor`` is one; the disk tier, job operations and verify take this instead of the
+    client, so that none of them imports the client that uses them."""
+
+    @property
+    def r(self) -> redis.Redis: ...
+
+    @property
+    def scripts(self) -> Scripts: ...

@@ -22,6 +22,7 @@ from conductor.errors import ConductorError
 from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.connection import StreamEntry, as_str
+from conductor.redis_contract.scripts import ScriptClient
 from conductor.tier.object_store import Store
 from conductor.tier.parquet_bytes import read_bytes, table_bytes
 
@@ -70,7 +71,7 @@ def offload_job(r: redis.Redis, scripts: Any, store: Store, model: str, job: str
         moved += n
 
 
-def offload_model(c: Any, store: Store, model: str) -> int:
+def offload_model(c: ScriptClient, store: Store, model: str) -> int:
     """Every job of ``model`` over the model's results_window (0: off)."""
     mk = K.ModelKeys(model)
     raw = c.r.hget(mk.cfg, "results_window")

@@ -19,8 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from conductor.errors import ConductorError
-from conductor.intake.formats import PreparedItem
-from conductor.redis_contract.records import json_encoder
+from conductor.redis_contract.item_record import item_record, record_head
+from conductor.redis_contract.records import PreparedItem
+from conductor.tier.object_store import Store
 from conductor.tier.parquet_bytes import read_bytes, table_bytes
 
 FORMAT = 1
@@ -58,17 +59,12 @@ def file_name(name: str) -> str:
     return f"segments/{name[:2]}/{name}.parquet"
 
 
-def item_record(job: str, it: PreparedItem) -> bytes:
-    """The record submit.lua stores for ``it`` (script_calls.submit_args builds the same bytes)."""
-    return (b"[" + json_encoder.encode(it.id) + b"," + json_encoder.encode(job)
-            + b",%d,%d," % (it.input_tokens, it.max_tokens) + it.body[1:])
-
-
 def build(model: str, job: str, items: Sequence[PreparedItem]) -> Segment:
     first = items[0]
     if any(it.sig != first.sig or it.model != model for it in items):
         raise ValueError("a segment holds one model and one shape")
-    return Segment(model, job, first.sig, first.prefix, tuple(item_record(job, it) for it in items),
+    head = record_head(job)
+    return Segment(model, job, first.sig, first.prefix, tuple(item_record(it, head) for it in items),
                    tuple(it.input_tokens for it in items))
 
 
@@ -97,3 +93,15 @@ def decode(data: bytes) -> Segment:
 
 def file_sum(data: bytes) -> str:
     return hashlib.sha1(data).hexdigest()
+
+
+def read_segment(store: Store, rec: dict[str, str]) -> Segment:
+    """The segment an index record names, checked against the record (sum, count, tokens)."""
+    data = store.get(rec["path"])
+    if file_sum(data) != rec["sum"]:
+        raise BadSegment(f"segment {rec['path']} is damaged: its SHA-1 is not the registered one")
+    seg = decode(data)
+    if len(seg.records) != int(rec["items"]) or sum(seg.tokens) != int(rec["tokens"]) or seg.job != rec["job"] \
+            or seg.sig != rec["sig"]:
+        raise BadSegment(f"segment {rec['path']} does not hold what its index record says")
+    return seg

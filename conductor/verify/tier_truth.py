@@ -27,7 +27,6 @@ from conductor.redis_contract.records import Result, ResultError, json_encoder
 from conductor.redis_contract.scripts import Scripts
 from conductor.tier import segments as S
 from conductor.tier.object_store import Store, StoreError
-from conductor.tier.spill import read_segment
 from conductor.verify.snapshot import as_int
 
 EXAMPLES = 5
@@ -35,7 +34,10 @@ ERROR_CODE = "store_segment_lost"
 
 
 @dataclass
-class BadSegment:
+class LostSegment:
+    """A registered segment whose file is missing or damaged (its items cannot be fed): the
+    finding, with the ids it holds. The error its read raised is tier.segments.BadSegment."""
+
     name: str
     rec: dict[str, str]
     why: str
@@ -50,7 +52,7 @@ class StoreTruth:
     rec_tokens: int  # M:intake stored_tokens
     index: list[tuple[str, dict[str, str]]]  # registered segments: name -> index record
     stored: dict[str, list[tuple[str, str]]]  # seq -> [(job, id)] of ids marked as stored
-    bad: list[BadSegment] = field(default_factory=list)
+    bad: list[LostSegment] = field(default_factory=list)
 
     @property
     def items(self) -> int:
@@ -99,7 +101,7 @@ def store_truth(r: redis.Redis, mk: K.ModelKeys, store: Store | None, jobs: list
         why = _damage(store, name, rec, mk, notes)
         if why:
             ids = [iid for job, iid in truth.stored.get(rec.get("seq", ""), []) if job == rec.get("job")]
-            truth.bad.append(BadSegment(name, rec, why, ids))
+            truth.bad.append(LostSegment(name, rec, why, ids))
     return truth
 
 
@@ -107,7 +109,7 @@ def _damage(store: Store, name: str, rec: dict[str, str], mk: K.ModelKeys, notes
     """Why a segment's file is not what its index record says ('' when it is, or when the store
     did not answer: then a note)."""
     try:
-        read_segment(store, rec)
+        S.read_segment(store, rec)
         return ""
     except FileNotFoundError:
         return "missing from the store"
