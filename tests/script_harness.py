@@ -139,7 +139,7 @@ def claim_hygiene_drains(c: Conductor) -> Call:
              + [item(f"b{i}", 900, prefix=("A",)) for i in range(20)], "j")
     # drain the 200-token lane (it stays listed, empty, since lane_quiet_ms is long)
     inst = inst_of(c)
-    c.r.hset(MK.state, "active", inst)
+    c.r.zadd(MK.active, {inst: int(time.time() * 1000)})
     c.r.hset(MK.inst(inst), "state", "draining")
     c.r.zrem(MK.staged, inst)
     c.r.zrem(MK.staged_age, inst)

@@ -90,9 +90,6 @@ class ConductorCore:
         mk = K.ModelKeys(model)
         insts = ({as_str(i) for i in self.r.zrange(mk.staged, 0, -1)}
                  | {as_str(i) for i in self.r.zrange(mk.active, 0, -1)})
-        legacy = self.r.hget(mk.state, "active")  # schema before M:active: claim.lua moves it there
-        if legacy:
-            insts.add(as_str(legacy))
         return sum(calls.reindex(mk, i).run(self.scripts) for i in insts if i)
 
     def config(self, model: str) -> dict[str, str]:

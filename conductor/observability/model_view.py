@@ -47,7 +47,7 @@ def model_overview(c: Conductor, model: str, lanes: bool = False) -> dict[str, A
     # One view of both halves: the fleet's state and the producer's intake counters (keys.py).
     state = {**_hash(c.r, mk.state), **_hash(c.r, mk.intake)}
     insts = [as_str(i) for i in c.r.zrevrange(mk.staged, 0, -1)]
-    active = [as_str(i) for i in c.r.zrange(mk.active, 0, -1)] + ([state["active"]] if state.get("active") else [])
+    active = [as_str(i) for i in c.r.zrange(mk.active, 0, -1)]
     for inst in reversed(active):
         if inst not in insts:
             insts.insert(0, inst)

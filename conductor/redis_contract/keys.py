@@ -96,10 +96,12 @@ model registries; everything else, results and counters of finished work include
 workers'. Schema 3 (migrations/0003) split the producer's keys from the workers'.
 
 An item record is the JSON array text ``[id, job, input_tokens, max_tokens, prompt, payload]``
-(``records.BatchItem`` decodes it as an array-like struct). The producer writes it
-(``script_calls.submit_args``); submit.lua decodes it to check every field and stores the bytes as
-sent; dead_retry.lua rebuilds one with lib.lua's ``item_record``. Schema 2 (migrations/0002)
-moved lanes from streams of fields to these lists.
+(``records.BatchItem`` decodes it as an array-like struct). The producer builds it
+(conductor/redis_contract/item_record.py, for submit.lua's ARGV and for store segments);
+submit.lua decodes it to check every field and stores the bytes as sent. Schema 2
+(migrations/0002) moved lanes from streams of fields to these lists. Schema 4 (migrations/0004)
+moved what the scripts used to convert on the fly: the one active instance once named in M:state
+(field ``active``) is in M:active, and every dead letter holds its item record (``it``).
 """
 
 from __future__ import annotations
@@ -148,7 +150,6 @@ STATE_FIELDS: dict[str, str] = {
     "reindexes": "shape instances whose fill/ready indices were re-derived (lib.lua reindex)",
     "sweep_ms": "when claim.lua next sweeps for aging and lane hygiene",
     "paused": "1 while the model is paused (Conductor.pause): every writing script refuses",
-    "active": "schema before M:active: the one active instance; claim.lua moves it to M:active",
 }
 
 # Names end up inside key names and hash tags: keep them printable and free of the
