@@ -407,14 +407,14 @@ def test_results_past_the_window_move_to_the_store_and_are_read_once(redis_url, 
 def test_a_cancel_answers_stored_items_and_feeding_runs_none_of_them(redis_url, tmp_path):
     """Items a cancel answers while they wait in store segments are not run when their segment is
     fed back: they leave the stored counters, nothing reaches a worker, every id has one result."""
-    from conductor.jobs import job_state as lifecycle
+    from conductor.jobs import job_state
     from conductor.verify import verify
     c = _tiered(redis_url, str(tmp_path / "store"), 1000)
     its = _items(200)
     c.submit(its, "j")
-    lifecycle.start(c.r, "j")
+    job_state.start(c.r, "j")
     assert _intake(c)["stored_items"] > 100
-    assert lifecycle.cancel(c, "j")["request_counts"]["failed"] == 200
+    assert job_state.cancel(c, "j")["request_counts"]["failed"] == 200
     got = _run_down(c, Feeder(c, c.tier.store, "m"))
     assert got == []  # nothing ran: every item had its cancelled result already
     st = _intake(c)
@@ -423,6 +423,6 @@ def test_a_cancel_answers_stored_items_and_feeding_runs_none_of_them(redis_url, 
     rows = [json.loads(r) for r in c.results("j")]
     assert sorted(r["id"] for r in rows) == sorted(it.id for it in its)
     assert {r["error"]["code"] for r in rows} == {"cancelled"}
-    assert lifecycle.describe(c, "j")["status"] == "cancelled"
+    assert job_state.describe(c, "j")["status"] == "cancelled"
     rep = verify(c.r, "m", items=True)
     assert rep.ok, (rep.drift, rep.problems)

@@ -20,7 +20,8 @@ import time
 from conductor.client import Conductor
 from conductor.redis_contract.config import DEFAULTS
 from conductor.redis_contract.keys import ModelKeys
-from conductor.workers.transient import RIDE_OUT, is_transient
+
+from .transient import RIDE_OUT, is_transient
 
 BELL_CAP = 16  # as submit.lua and seal.lua trim it
 # Claim answers after which the next change is time-driven (quiet intake), not only a ring.

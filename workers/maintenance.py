@@ -17,13 +17,18 @@ from conductor.jobs.job_state import expire_due_leased
 from conductor.jobs.retention import trim_model
 from conductor.observability import metrics
 from conductor.redis_contract import script_calls as calls
+from conductor.redis_contract.connection import StreamEntry
 from conductor.redis_contract.keys import ModelKeys
 from conductor.tier.feeder import Feeder
 from conductor.tier.object_store import StoreError
 from conductor.tier.result_segments import offload_model
-from conductor.workers.transient import RIDE_OUT
+
+from .transient import RIDE_OUT
 
 log = logging.getLogger("conductor.maintenance")
+# What the sweep and the feeder ride out: a Redis failure, a paused model (Paused), memory full
+# (QueueFull), a store that does not answer.
+RIDE_OUT_OR_STORE: tuple[type[BaseException], ...] = (*RIDE_OUT, StoreError)
 
 
 class Maintenance:
@@ -76,7 +81,7 @@ class Maintenance:
             due = min(due, self._feed_next)
         return max(0.0, due - now)
 
-    def tick(self) -> dict | None:
+    def tick(self) -> dict[str, int] | None:
         now = time.monotonic()
         self._feed(now)
         if now < self._next:
@@ -103,7 +108,7 @@ class Maintenance:
             if self.feeder is not None:  # the disk tier: results past the window go to the store
                 offload_model(self.c, self.feeder.store, self.model)
             return res
-        except (*RIDE_OUT, StoreError) as e:  # a Redis failure, a paused model (Paused), memory full
+        except RIDE_OUT_OR_STORE as e:  # a Redis failure, a paused model (Paused), memory full
             # (QueueFull), a store that does not answer
             log.warning(json.dumps({"event": "maintenance_failed", "model": self.model, "error": str(e)}))
             return None
@@ -114,7 +119,7 @@ class Maintenance:
         self._feed_next = now + self.feed_interval_s
         try:
             self.feeder.feed()
-        except (*RIDE_OUT, StoreError) as e:
+        except RIDE_OUT_OR_STORE as e:
             log.warning(json.dumps({"event": "feed_failed", "model": self.model, "error": str(e)}))
 
     def _drift_check(self) -> None:
@@ -140,10 +145,12 @@ class Maintenance:
         items could fill (``could``: its tokens in reference budgets), did not pay for its switch: it
         ran in small pieces. A small shape run in the few batches it could fill is not thrashing."""
         if self._finished_cursor == "$":
-            last = self.c.r.xrevrange(self.keys.finished, count=1)
+            last: list[StreamEntry] = self.c.r.xrevrange(self.keys.finished, count=1)  # type: ignore[assignment]
             self._finished_cursor = last[0][0].decode() if last else "0-0"
             return
-        for eid, f in self.c.r.xrange(self.keys.finished, min=f"({self._finished_cursor}", count=1000):
+        rows: list[StreamEntry] = self.c.r.xrange(  # type: ignore[assignment]  # bytes replies
+            self.keys.finished, min=f"({self._finished_cursor}", count=1000)
+        for eid, f in rows:
             self._finished_cursor = eid.decode()
             batches = int(f[b"batches"])
             self.batches_per_shape.append(batches)

@@ -12,7 +12,8 @@ import logging
 
 from conductor.client import Conductor
 from conductor.redis_contract.records import Batch
-from conductor.workers.engines.base import Engine
+
+from .engines.base import Engine
 
 log = logging.getLogger("conductor.worker")
 

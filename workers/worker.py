@@ -36,14 +36,15 @@ from conductor.errors import ConductorError, Paused
 from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.records import Batch, Contract, Result, ResultError
-from conductor.workers.doorbell import Doorbell, poll_sleep
-from conductor.workers.engines.base import Engine, Finished
-from conductor.workers.identity import default_worker_name
-from conductor.workers.latch import AdmissionLatch
-from conductor.workers.prewarm import Prewarm
-from conductor.workers.sdnotify import Notifier
-from conductor.workers.transient import RIDE_OUT, is_transient
-from conductor.workers.worker_metrics import WorkerMetrics
+
+from .doorbell import Doorbell, poll_sleep
+from .engines.base import Engine, Finished
+from .identity import default_worker_name
+from .latch import AdmissionLatch
+from .prewarm import Prewarm
+from .sdnotify import Notifier
+from .transient import RIDE_OUT, is_transient
+from .worker_metrics import WorkerMetrics
 
 log = logging.getLogger("conductor.worker")
 
@@ -332,7 +333,7 @@ class Worker:
         idle_since = time.monotonic()
         sleep = 0.001
         # The reclaim sweep runs in whichever live worker holds the model's maintenance lease.
-        from conductor.workers.maintenance import Maintenance
+        from .maintenance import Maintenance
         maint = Maintenance.for_worker(self.c, self.contract.model, self.name, self.opts.heartbeat_ttl_s)
         bell = Doorbell(self.c, self.contract.model) if self.opts.wake == "bell" else None
         rung = False

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from conductor.redis_contract.records import Batch, BatchItem, Contract, ResultError
-from conductor.workers.engines.base import ContractHolder, EngineConfigError, EngineUnavailable, Finished, too_long
+
+from .base import ContractHolder, EngineConfigError, EngineUnavailable, Finished, too_long
 
 INSTALL_HINT = ("engine trtllm needs TensorRT-LLM, which is not installed here: on a machine with an NVIDIA GPU "
                 "and CUDA, pip install 'tensorrt-llm==1.2.*' (or use --engine torch / --engine sim)")
