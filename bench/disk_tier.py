@@ -39,9 +39,9 @@ from conductor.embedded import EmbeddedRedis
 from conductor.intake.formats import parse_line
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.records import Contract, PreparedItem, Result
+from conductor.tier.feeder import Feeder
 from conductor.tier.object_store import Store
 from conductor.tier.result_segments import offload_model
-from conductor.tier.spill import Feeder
 
 MODEL = "bench"
 # resident_tokens for the per-item figures: items of ~150 tokens, so segments (a quarter of the

@@ -38,7 +38,7 @@ def cpu(r) -> float:  # noqa: ANN001
     return float(i["used_cpu_sys"]) + float(i["used_cpu_user"])
 
 
-def idle_fleet(url: str, n: int, wake: str, seconds: float) -> dict:
+def idle_fleet(url: str, n: int, wake: str, seconds: float, wakes: int = 15) -> dict:
     r = connect(url)
     r.flushall()
     Conductor(r).set_config("m", QUICK)
@@ -57,7 +57,7 @@ def idle_fleet(url: str, n: int, wake: str, seconds: float) -> dict:
     # wake-up: one item submitted (and sealed) to the idle fleet, submit to claim on Redis's clock
     c = Conductor(r)
     lat = []
-    for k in range(15):
+    for k in range(wakes):
         s, us = r.time()
         at = s * 1000 + us / 1000
         c.submit([from_native({"id": f"x{k}", "model": "m", "prompt": "p", "max_tokens": 4})], "wake", seal=True)
@@ -124,6 +124,7 @@ def main() -> None:
     ap.add_argument("--fleets", default="20,200")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--requests", type=int, default=500)
+    ap.add_argument("--wakes", type=int, default=15, help="wake-ups measured per fleet (the median is reported)")
     ap.add_argument("--write-results", action="store_true")
     args = ap.parse_args()
     srv = EmbeddedRedis().start()
@@ -133,7 +134,7 @@ def main() -> None:
         rows = []
         for n in (int(x) for x in args.fleets.split(",")):
             for wake in ("poll", "bell"):
-                f = idle_fleet(srv.url, n, wake, args.seconds)
+                f = idle_fleet(srv.url, n, wake, args.seconds, args.wakes)
                 print(f, flush=True)
                 rows.append([n, "poll (back-off to 50 ms)" if wake == "poll" else "doorbell (BLPOP)",
                              f"{f['cmds_s']:.0f}", f"{f['per_worker']:.1f}", f"{f['scripts_per_worker']:.1f}",
@@ -147,7 +148,7 @@ def main() -> None:
             f"Run: {now_utc()}; {where}.  \nIdle workers are threads of the benchmark's process (one "
             f"Conductor and connection each, sim engine, model thresholds quiet_ms=50); Redis's side is "
             f"measured over {args.seconds:g} s idle (INFO commandstats, used_cpu_sys+user). Wake-up: "
-            f"one sealed item submitted to the idle fleet, median over 15 of claimed_at minus the "
+            f"one sealed item submitted to the idle fleet, median over {args.wakes} of claimed_at minus the "
             f"submit's start, both on Redis's clock. The lease holder's maintenance sweep (1 s timer: "
             f"reclaim sweep, thrash alarm, retention) is part of every row.\n\n"
             + table(["idle workers", "wait", "commands/s (INFO commandstats: with those scripts run inside Redis)",

@@ -33,19 +33,21 @@ from conductor.embedded import EmbeddedRedis  # noqa: E402
 from conductor.redis_contract.script_calls import submit_args  # noqa: E402
 from conductor.redis_contract.scripts import source  # noqa: E402
 
-# name -> (anchor, replacement) pairs; each anchor must occur once in submit.lua.
+# name -> (anchor, replacement) pairs; each anchor must occur once in submit.lua as loaded (its
+# includes inlined). A copy whose anchor is gone is skipped and named; tests/test_bench_smoke.py
+# fails then, so the cuts follow the script.
 CUTS = {
     "no lane counters": [("  for _, lane in ipairs(ctx.order) do\n", "  for _, lane in ipairs({}) do\n")],
-    "no dedupe": [("local known = redis.call('HMGET', job_items, unpack(ids))\n", "local known = {}\n"),
-                  ("for s = 1, #fresh, 2000 do\n", "for s = 1, 0, 2000 do\n")],
-    "no content sums": [("  local sum = string.sub(redis.sha1hex(ARGV[o] .. ARGV[o + 1]), 1, 16)\n",
-                         "  local sum = ''\n"),
+    "no dedupe": [("  local known = redis.call('HMGET', job_sums, unpack(ids))\n", "  local known = {}\n"),
+                  ("for s = 1, #fresh_sums, 2000 do\n", "for s = 1, 0, 2000 do\n")],
+    "no content sums": [("    local sum = string.sub(redis.sha1hex(argv[o] .. argv[o + 1]), 1, 16)\n",
+                         "    local sum = ''\n"),
                         ("  redis.call('HSET', job_sums, unpack(fresh_sums, s, math.min(s + 1999, #fresh_sums)))\n",
                          "")],
     "no lane appends": [("    redis.call('RPUSH', base .. ':lane:' .. ctx.inst .. ':' .. lane, unpack(t.recs))\n"
                          "    redis.call('RPUSH', base .. ':lanetok:' .. ctx.inst .. ':' .. lane, unpack(t.toks))\n",
                          "")],
-    "no lane choice": [("    local lane, rep = choose_lane(ctx, tok)\n", "    local lane, rep = '0', tok\n")],
+    "no lane choice": [("    local lane, rep = choose_lane(cfg, ctx, tok)\n", "    local lane, rep = '0', tok\n")],
     "record decoded twice": [("  local ok, d = pcall(cjson_decode, rec)\n",
                               "  local ok, d = pcall(cjson_decode, rec)\n  ok, d = pcall(cjson_decode, rec)\n")],
 }
