@@ -38,7 +38,7 @@ def cpu(r) -> float:  # noqa: ANN001
     return float(i["used_cpu_sys"]) + float(i["used_cpu_user"])
 
 
-def idle_fleet(url: str, n: int, wake: str, seconds: float, wakes: int = 15) -> dict:
+def idle_fleet(url: str, n: int, wake: str, seconds: float, wakes: int = 15, settle_s: float = 3.0) -> dict:
     r = connect(url)
     r.flushall()
     Conductor(r).set_config("m", QUICK)
@@ -47,7 +47,7 @@ def idle_fleet(url: str, n: int, wake: str, seconds: float, wakes: int = 15) -> 
     threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
     for t in threads:
         t.start()
-    time.sleep(3 + n / 50)  # registered, past start-up
+    time.sleep(settle_s + n / 50)  # registered, past start-up
     r.config_resetstat()
     c0, t0 = cpu(r), time.monotonic()
     time.sleep(seconds)
@@ -125,6 +125,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--requests", type=int, default=500)
     ap.add_argument("--wakes", type=int, default=15, help="wake-ups measured per fleet (the median is reported)")
+    ap.add_argument("--settle-s", type=float, default=3.0, help="seconds for a fleet to register before measuring")
     ap.add_argument("--write-results", action="store_true")
     args = ap.parse_args()
     srv = EmbeddedRedis().start()
@@ -134,7 +135,7 @@ def main() -> None:
         rows = []
         for n in (int(x) for x in args.fleets.split(",")):
             for wake in ("poll", "bell"):
-                f = idle_fleet(srv.url, n, wake, args.seconds, args.wakes)
+                f = idle_fleet(srv.url, n, wake, args.seconds, args.wakes, args.settle_s)
                 print(f, flush=True)
                 rows.append([n, "poll (back-off to 50 ms)" if wake == "poll" else "doorbell (BLPOP)",
                              f"{f['cmds_s']:.0f}", f"{f['per_worker']:.1f}", f"{f['scripts_per_worker']:.1f}",

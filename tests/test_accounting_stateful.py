@@ -215,10 +215,12 @@ class Accounting(RuleBasedStateMachine):
             self.r.close()
 
 
-def test_accounting_never_drifts(redis_server) -> None:  # noqa: ANN001
+# The default run explores 20 programs of 30 steps; the long form 40 (pytest -m slow).
+@pytest.mark.parametrize("examples", [20, pytest.param(40, marks=pytest.mark.slow)])
+def test_accounting_never_drifts(redis_server, examples) -> None:  # noqa: ANN001
     Accounting.url = redis_server.url
     run_state_machine_as_test(Accounting, settings=settings(
-        max_examples=40, stateful_step_count=30, deadline=None, database=None,
+        max_examples=examples, stateful_step_count=30, deadline=None, database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
 
 

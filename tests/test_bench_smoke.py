@@ -185,7 +185,8 @@ def test_disk_tier_quick_form_runs():
 
 
 def test_idle_fleet_quick_form_runs():
-    out = _bench("bench/idle_fleet.py", "--fleets", "2", "--seconds", "0.3", "--requests", "10", "--wakes", "2")
+    out = _bench("bench/idle_fleet.py", "--fleets", "2", "--seconds", "0.3", "--requests", "10", "--wakes", "2",
+                 "--settle-s", "0.5")
     assert "doorbell (BLPOP)" in out and "64 of 64 permits back after" in out
 
 
