@@ -1,5 +1,5 @@
 """The job lifecycle and the OpenAI Batch API on the command line: ``submit --completion-window
---metadata``, ``conductor cancel``, ``conductor serve`` (kept apart from cli.py, which only calls in)."""
+--metadata``, ``conductor cancel``, ``conductor serve`` (kept apart from cli/main.py, which only calls in)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ With a store (``conductor/tier/object_store.py``) and a model's ``resident_token
 that many input tokens wait in Redis lanes. Beyond it ``Conductor.submit`` writes the items to
 store segments (``conductor/tier/segments.py``: one model, job and shape signature each) and registers
 each with lua/register_segment.lua, atomically with the counts. The worker that holds the
-maintenance lease feeds segments back through submit.lua as the lanes drain (``Feeder``), under
+maintenance lease feeds segments back through submit.lua as the lanes drain (conductor/tier/feeder.py), under
 the ceiling, oldest first with the active shapes' segments before the others.
 
 Segments are per signature, not per lane and epoch: lanes and shape instances are assigned when a

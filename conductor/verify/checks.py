@@ -224,7 +224,7 @@ class _Check:
             self.row(mk.state, fld, as_int(got[1][i]), sum(as_int(x[i]) for x in got[3::2]), f"state.{fld}")
 
     def store(self, jobs: list[str], store: Store | None) -> None:
-        """The disk tier (verify/store.py): the stored counters against the registry marks and the
+        """The disk tier (verify/tier_truth.py): the stored counters against the registry marks and the
         index records, each stored id placed in its segment, a missing or damaged segment's items."""
         mk = self.mk
         truth = store_truth(self.r, mk, store, jobs, self.rep.notes)
