@@ -49,7 +49,7 @@ local function shape_ctx(s, sig)
     max_lanes = math.min(max_lanes, math.max(1, math.ceil(cfg.lane_depth * full)))
   end
   ctx = {inst = inst, ik = ik, st = st, reps = reps, ids = ids, touched = {}, order = {},
-    tokens = 0, items = 0, max_lanes = max_lanes}
+    tokens = 0, items = 0, out = 0, max_lanes = max_lanes}
   s.ctxs[sig] = ctx
   return ctx
 end
@@ -128,6 +128,11 @@ local function grow_lanes(s, ctx)
   if ctx.items > 0 then
     local tokens = redis.call('HINCRBY', ik, 'tokens', ctx.tokens)
     redis.call('HINCRBY', ik, 'items', ctx.items)
+    -- Every item placed and the sum of their output limits, never decremented: their ratio, the
+    -- instance's mean output limit, prices its waiting items for the fleet's choice of work
+    -- (lib_lifecycle.lua inst_work) without a per-item read at claim time.
+    redis.call('HINCRBY', ik, 'in_items', ctx.items)
+    redis.call('HINCRBY', ik, 'in_out', ctx.out)
     redis.call('HSET', ik, 'last_intake_ms', now)
     if ctx.st == 'staged' or ctx.st == 'warming' then
       redis.call('ZADD', base .. ':staged', tokens, ctx.inst)

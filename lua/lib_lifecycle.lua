@@ -34,21 +34,40 @@ local function attachments(c)
   return n
 end
 
--- The staged instance with the most tokens that no other worker is warming (each worker warms
--- one at a time, so at most a fleet's worth are skipped): (inst, tokens) or nil.
+-- An instance's waiting input tokens, and its remaining work in input-token units: those tokens
+-- plus decode_weight times its waiting items' output limits (priced at the mean limit of what it
+-- took in, lib_intake.lua): what the fleet balances, since decoding, not prefill, fills a GPU's time.
+local function inst_work(c, inst)
+  local h = redis.call('HMGET', inst_key(c.base, inst), 'tokens', 'items', 'in_items', 'in_out')
+  local tokens, placed = num(h[1]), num(h[3])
+  local mean_out = placed > 0 and num(h[4]) / placed or 0
+  return tokens, tokens + c.cfg.decode_weight * num(h[2]) * mean_out, mean_out
+end
+
+-- The staged instance with the most work that no other worker is warming (each worker warms one
+-- at a time, so at most a fleet's worth are skipped), among the STAGED_LOOK with the most tokens:
+-- (inst, tokens, work) or nil.
+local STAGED_LOOK = 16
+local LAT_FIRST = true
 local function top_staged(c)
-  local top = redis.call('ZREVRANGE', c.base .. ':staged', 0, 64, 'WITHSCORES')
-  for i = 1, #top, 2 do
-    local h = hmget_named(inst_key(c.base, top[i]), {'state', 'warming_for'})
+  local top = redis.call('ZREVRANGE', c.base .. ':staged', 0, STAGED_LOOK - 1)
+  local best, btok, bwork, bkey, any, atok, awork, akey = nil, 0, -1, -1, nil, 0, -1, -1
+  for _, inst in ipairs(top) do
+    local tokens, work, out = inst_work(c, inst)
+    local key = LAT_FIRST and (out * 1e12 + work) or work
+    if key > akey then any, atok, awork, akey = inst, tokens, work, key end
+    local h = hmget_named(inst_key(c.base, inst), {'state', 'warming_for'})
     -- a dead worker's reservation (its heartbeat key gone) lapses
-    if h.state ~= 'warming' or h.warming_for == c.consumer or not h.warming_for or not alive(c.base, h.warming_for) then
-      return top[i], tonumber(top[i + 1])
+    if key > bkey and (h.state ~= 'warming' or h.warming_for == c.consumer or not h.warming_for
+        or not alive(c.base, h.warming_for)) then
+      best, btok, bwork, bkey = inst, tokens, work, key
     end
   end
+  if best then return best, btok, bwork end
   -- Every staged instance is another worker's next: take the largest rather than let it wait
   -- on a worker that may not come back for it soon (its prewarm is lost, nothing else).
-  if top[1] then return top[1], tonumber(top[2]) end
-  return nil, 0
+  if any then return any, atok, awork end
+  return nil, 0, 0
 end
 
 local function attach(c, inst)
@@ -118,28 +137,31 @@ local function pick_next(c, cleanup)
     return old
   end
   local n = attachments(c)
-  local best, share = nil, 0
+  -- best: the active instance with the most work per worker serving it once this one joins
+  -- (share: its tokens per worker, for the thresholds; wshare: its work per worker, for the choice)
+  local best, share, wshare = nil, 0, 0
   for _, inst in ipairs(redis.call('ZRANGE', c.active_key, 0, -1)) do
-    local t = num(redis.call('HGET', inst_key(c.base, inst), 'tokens'))
-    if t > 0 and t / ((n[inst] or 0) + 1) > share then
-      best, share = inst, t / ((n[inst] or 0) + 1)
+    local t, w = inst_work(c, inst)
+    local k = (n[inst] or 0) + 1
+    if t > 0 and w / k > wshare then
+      best, share, wshare = inst, t / k, w / k
     elseif t <= 0 and not n[inst] then
       finish(c, inst)  -- emptied while its last worker was away (it died or was preempted)
     end
   end
-  local cand, ctok = nil, 0
+  local cand, ctok, cwork = nil, 0, 0
   local warming_now = c.warming_now
   if warming_now ~= '' and redis.call('HGET', inst_key(c.base, warming_now), 'state') == 'warming' then
     cand = warming_now
-    ctok = num(redis.call('ZSCORE', c.base .. ':staged', cand))
+    ctok, cwork = inst_work(c, cand)
   else
-    cand, ctok = top_staged(c)
+    cand, ctok, cwork = top_staged(c)
   end
   local why = cand == warming_now and 'warmed' or 'threshold'
   local budget = cfg.budget_tokens
-  if cand and ctok >= cfg.activate_batches * budget and ctok >= share then return activate(c, cand, why) end
+  if cand and ctok >= cfg.activate_batches * budget and cwork >= wshare then return activate(c, cand, why) end
   if best and share >= cfg.activate_batches * budget then return attach(c, best) end
-  if cand and ctok >= budget and ctok >= share then return activate(c, cand, 'depth') end
+  if cand and ctok >= budget and cwork >= wshare then return activate(c, cand, 'depth') end
   if best and share >= budget then return attach(c, best) end
   if cleanup and cand then return activate(c, cand, 'cleanup') end
   -- Rather than idle while another worker's instance holds items (that worker may be gated or

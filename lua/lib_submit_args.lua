@@ -11,13 +11,13 @@ local MAX_OUTPUT = 1048576
 local MAX_RECORD = 8388608 + 8192  -- a body of 8 MiB, and an id and job escaped at worst
 
 -- argv: submit.lua's ARGV (3 fields per item from argv[3]), n items, job the call's job.
--- Returns call = {tokens (input tokens of the call), ids, toks (per item), sigs (set of the
+-- Returns call = {tokens (input tokens of the call), ids, toks and mts (per item: input tokens, output limit), sigs (set of the
 -- call's signatures), prefixes (per signature, the first prefix the call carries), depth (per
 -- signature, {tokens, items} the call brings)}, or nil and the error reply to return.
 local function check_items(argv, n, job)
   local call_tokens = 0
   -- Per item, from the decode that checks its record: its id and input tokens.
-  local ids, toks = {}, {}
+  local ids, toks, mts = {}, {}, {}
   -- A call's items nearly always share a few shapes: each distinct one is pattern-checked once.
   local sigs_ok = {}
   -- Per signature, the first prefix the call carries (stored once below) or nil.
@@ -45,7 +45,7 @@ local function check_items(argv, n, job)
       return nil, redis.error_reply('ERR_ARG record: must be a JSON array [id, job, input_tokens, ' ..
         'max_tokens, prompt, payload] at item ' .. i)
     end
-    local id, tok = d[1], d[3]
+    local id, tok, mt = d[1], d[3], d[4]
     if type(id) ~= 'string' or #id < 1 or #id > 512 then
       return nil, redis.error_reply('ERR_ARG id: must be a string of 1..512 bytes at item ' .. i)
     end
@@ -55,7 +55,7 @@ local function check_items(argv, n, job)
     if type(tok) ~= 'number' or not int_in(tok, 1, MAX_TOKENS) then
       return nil, redis.error_reply('ERR_ARG input_tokens: must be an integer in 1..' .. MAX_TOKENS .. ' at item ' .. i)
     end
-    if type(d[4]) ~= 'number' or not int_in(d[4], 1, MAX_OUTPUT) then
+    if type(mt) ~= 'number' or not int_in(mt, 1, MAX_OUTPUT) then
       return nil, redis.error_reply('ERR_ARG max_tokens: must be an integer in 1..' .. MAX_OUTPUT .. ' at item ' .. i)
     end
     if type(d[5]) ~= 'string' then
@@ -78,7 +78,7 @@ local function check_items(argv, n, job)
       end
       if not prefixes[sig] then prefixes[sig] = prefix end
     end
-    ids[i + 1], toks[i + 1] = id, tok
+    ids[i + 1], toks[i + 1], mts[i + 1] = id, tok, mt
     call_tokens = call_tokens + tok
     local d = call_depth[sig]
     if not d then
@@ -88,7 +88,7 @@ local function check_items(argv, n, job)
     d.tokens = d.tokens + tok
     d.items = d.items + 1
   end
-  return {tokens = call_tokens, ids = ids, toks = toks, sigs = sigs_ok, prefixes = prefixes, depth = call_depth}
+  return {tokens = call_tokens, ids = ids, toks = toks, mts = mts, sigs = sigs_ok, prefixes = prefixes, depth = call_depth}
 end
 
 -- A signature without a stored prefix (a new one) needs the call to carry it: workers read the

@@ -64,7 +64,7 @@ if #job < 1 or #job > 128 or not string.match(job, '^[%w%._/@+=-]+$') then
 end
 local call, err = check_items(ARGV, n, job)
 if not call then return err end
-local ids, toks, prefixes = call.ids, call.toks, call.prefixes
+local ids, toks, mts, prefixes = call.ids, call.toks, call.mts, call.prefixes
 err = prefixes_missing(base, call)
 if err then return err end
 
@@ -127,6 +127,7 @@ for i = 0, n - 1 do
     t.rep = rep
     ctx.tokens = ctx.tokens + tok
     ctx.items = ctx.items + 1
+    ctx.out = ctx.out + mts[i + 1]
     if from_store[i + 1] then
       fed_items, fed_tokens = fed_items + 1, fed_tokens + tok
     else

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -110,10 +109,7 @@ def _listening(port: int) -> bool:
 def test_long_lived_processes_exit_0_on_sigterm_beside_a_load(redis_url, tmp_path):
     """serve and the host agent (the worker and the exporter have their own tests) end with status 0
     on SIGTERM, started and stopped beside two busy loops."""
-    import signal
-
     from conductor.embedded import free_port
-    from tests.helpers import wait_for
     c = Conductor.from_url(redis_url)
     c.ensure_model("m")
     port = free_port()
@@ -124,17 +120,25 @@ def test_long_lived_processes_exit_0_on_sigterm_beside_a_load(redis_url, tmp_pat
     }
     with cpu_load():
         for name, args in cmds.items():
-            log = tmp_path / f"{name}.log"
-            with log.open("wb") as err:
-                p = subprocess.Popen([sys.executable, "-m", "conductor", *args], cwd=str(ROOT), env=env,
-                                     stdout=subprocess.DEVNULL, stderr=err)
-            def ready(name: str = name, log: pathlib.Path = log) -> bool:
-                return _listening(port) if name == "serve" else "gpu_started" in log.read_text()
-            try:
-                wait_for(lambda p=p: p.poll() is not None or ready(), timeout=60, what=f"{name} to start")
-                assert p.poll() is None, f"{name} exited {p.returncode}: {log.read_text()[-1000:]}"
-                p.send_signal(signal.SIGTERM)
-                assert p.wait(30) == 0, f"{name}: {log.read_text()[-1000:]}"
-            finally:
-                if p.poll() is None:
-                    p.kill()
+            _start_and_terminate(name, args, env, tmp_path, port)
+
+
+def _start_and_terminate(name: str, args: list[str], env: dict, tmp_path, port: int) -> None:
+    import signal
+
+    from tests.helpers import wait_for
+    log = tmp_path / f"{name}.log"
+    with log.open("wb") as err:
+        p = subprocess.Popen([sys.executable, "-m", "conductor", *args], cwd=str(ROOT), env=env,
+                             stdout=subprocess.DEVNULL, stderr=err)
+
+    def ready() -> bool:
+        return _listening(port) if name == "serve" else "gpu_started" in log.read_text()
+    try:
+        wait_for(lambda: p.poll() is not None or ready(), timeout=60, what=f"{name} to start")
+        assert p.poll() is None, f"{name} exited {p.returncode}: {log.read_text()[-1000:]}"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(30) == 0, f"{name}: {log.read_text()[-1000:]}"
+    finally:
+        if p.poll() is None:
+            p.kill()

@@ -27,6 +27,9 @@ FIELDS: dict[str, tuple[Any, str]] = {
     "lane_cap": (256, "padding (tokens) above which an item always opens a new lane, budget permitting"),
     "lane_quiet_ms": (3000, "an empty lane without assignments this long returns its id"),
     "activate_batches": (4, "a staged shape activates once it holds this many budgets of tokens"),
+    "decode_weight": (64, "fleet scheduling: the work of one output token (max_tokens) in input tokens; a shape's "
+                          "remaining work, which decides what a worker takes next, is its waiting input tokens plus "
+                          "this times its waiting items' output limits"),
     "drain_batches": (1, "an active shape without a full lane drains below this many budgets"),
     "release_batches": (8, "memory mode: nothing is dispatched before this many budgets are waiting"),
     "quiet_ms": (1000, "intake silent this long (and nothing ready): cleanup mode"),
