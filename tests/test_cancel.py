@@ -143,3 +143,18 @@ def test_a_worker_expires_a_job_past_its_window_without_serve(redis_url):
     assert d["request_counts"] == {"total": 30, "completed": 0, "failed": 30}
     assert {r["error"]["code"] for r in results_by_id(c, "late").values()} == {"expired"}
     assert verify(c.r, "m", items=True).ok
+
+
+def test_expiry_has_one_owner_at_a_time(cdr):
+    """Serve replicas and maintenance lease holders all call expire_due_leased: whoever holds the
+    expiry lease sweeps, the others skip until it lapses."""
+    submitted(cdr, 10, window_s=1, window="1s")
+    assert job_state.expire_due_leased(cdr, "serve-a", lease_ms=60_000) == []  # nothing due yet; a holds it
+    cdr.r.zadd(K.JOB_DEADLINES_KEY, {"j": 1})  # due now
+    cdr.r.hset(K.job_meta_key("j"), "expires_at", 1)
+    assert job_state.expire_due_leased(cdr, "worker-b", lease_ms=60_000) is None
+    assert job_state.describe(cdr, "j", advance=False)["status"] == "in_progress"
+    assert job_state.expire_due_leased(cdr, "serve-a", lease_ms=60_000) == ["j"]
+    assert job_state.describe(cdr, "j", advance=False)["status"] == "expired"
+    cdr.r.delete(K.EXPIRY_LEASE_KEY)  # the holder's lease lapsed: the next caller takes over
+    assert job_state.expire_due_leased(cdr, "worker-b", lease_ms=60_000) == []
