@@ -39,7 +39,7 @@ import math
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -88,6 +88,11 @@ class SuiteConfig:
     # Worker.run backs off up to WorkerOptions.poll_max_s; IDLE_QUANTUM: no backoff.
     idle_max_s: float = IDLE_QUANTUM
     conductor_cfg: dict[str, Any] = field(default_factory=dict)  # cfg fields set before submitting
+    # Fleet changes during a conductor run (bench/fleet.py): (fraction of items finished, worker index,
+    # 'join' | 'drain' | 'kill'); a worker with a 'join' event is not there before it. late_fleet: the
+    # workers register after the backlog is submitted (backlog, then fleet).
+    events: tuple[tuple[float, int, str], ...] = ()
+    late_fleet: bool = False
 
 
 class RecordingSim(SimEngine):
@@ -98,11 +103,13 @@ class RecordingSim(SimEngine):
         super().__init__(*a, **kw)
         self.trace: list[tuple[float, int]] = []
         self.log: list[tuple[str, str, int, list[str]]] = []
+        self.instances: list[str] = []  # "shape:epoch" of each admission, beside log (bench/fleet.py)
 
     def admit(self, batch: Batch, items: list[BatchItem]) -> list:
         limit = self.contract.max_input_len
         self.log.append((batch.batch_id, batch.shape, batch.padded_len,
                          [it.id for it in items if it.input_tokens <= limit]))
+        self.instances.append(f"{batch.shape}:{batch.epoch}")
         return super().admit(batch, items)
 
     def step(self) -> list:
@@ -391,6 +398,65 @@ def _entries(reply: Any) -> list:
     return reply[0][1]
 
 
+class Member:
+    """A conductor worker of the fleet as the drive sees it: there from the start (or from its
+    'join' event, or registering at its first turn when the fleet comes after the backlog), and
+    leaving at its 'drain' event (stops pulling, finishes what it holds, deregisters: SIGTERM) or
+    its 'kill' event (its engine's sequences lost, its heartbeat gone and its batches reclaimed at
+    once, as the lease holder's sweep does once the heartbeat expires: SIGKILL)."""
+
+    def __init__(self, w: Worker, idx: int, events: Sequence[tuple[float, int, str]], finished: Callable[[], int],
+                 total: int) -> None:
+        self.w = w
+        self.at = {kind: frac for frac, i, kind in events if i == idx}
+        self.finished = finished
+        self.total = total
+        self.state = "waiting"
+
+    def start(self) -> None:
+        if self.state == "waiting":
+            self.w.register()
+            self.state = "live"
+
+    def _due(self, kind: str) -> bool:
+        return kind in self.at and self.finished() >= self.at[kind] * self.total
+
+    def turn(self) -> bool:
+        if self.state == "waiting":
+            if "join" in self.at and not self._due("join"):
+                return False
+            self.start()
+        if self.state == "live" and self._due("kill"):
+            self._kill()
+        if self.state == "live" and self._due("drain"):
+            self.w.stopping.set()
+            self.state = "draining"
+        if self.state in ("dead", "gone"):
+            return False
+        busy = self.w.turn()
+        if self.state == "draining" and not self.w.engine.active() and not self.w.retry and not self.w.inflight:
+            self.w.deregister()
+            self.state = "gone"
+        return busy
+
+    def _kill(self) -> None:
+        w = self.w
+        # results finished but not written die with it: they run again elsewhere, and count there
+        w.finished -= sum(len(res) for _, res, _ in w.retry) + sum(len(e.results) for e in w.inflight.values())
+        w.engine.close()
+        w.inflight.clear()
+        w.retry.clear()
+        w.c.r.delete(w.keys.heartbeat(w.name))
+        w.c.reclaim_consumer(w.contract.model, w.name, force=True)
+        self.state = "dead"
+
+    def finish(self) -> None:
+        if self.state == "live":
+            while self.w.retry or self.w.inflight:
+                self.w.turn()
+            self.w.deregister()
+
+
 def run_conductor(r: redis.Redis, url: str, wl: Workload, cfg: SuiteConfig, job: str = "suite",
                   name: str = "conductor", model_cfg: dict[str, Any] | None = None) -> Record:
     rec = Record(name, items=len(wl.items))
@@ -410,9 +476,13 @@ def run_conductor(r: redis.Redis, url: str, wl: Workload, cfg: SuiteConfig, job:
         c = Conductor(connect(url))
         w = Worker(c, eng, WorkerOptions(name=f"suite-w{i}", high_water=cfg.high_water, low_water=cfg.low_water,
                                          heartbeat_ttl_s=3600.0))
-        w.register()
         _instrument(c, rec, i)
         workers.append(w)
+    finished = lambda: sum(w.finished for w in workers)  # noqa: E731
+    members = [Member(w, i, cfg.events, finished, len(wl.items)) for i, w in enumerate(workers)]
+    if not cfg.late_fleet:
+        for m in members:
+            m.start()
     backlog = wl.spec.arrival == "backlog"
     # A backlog is one file: its producer seals it (seal.lua), as `conductor submit` does.
     rel = Releaser(wl, lambda its: producer.submit(its, job, seal=backlog or its[-1] is wl.items[-1]))
@@ -420,14 +490,12 @@ def run_conductor(r: redis.Redis, url: str, wl: Workload, cfg: SuiteConfig, job:
         rel(0.0)
         rec.submit_s = rel.spent
         rec.mem_per_item = (int(r.info("memory")["used_memory"]) - mem0) / len(wl.items)
-    rec.makespan, rec.wall_s = drive(workers, engines, len(wl.items), lambda: sum(w.finished for w in workers),
+    rec.makespan, rec.wall_s = drive(members, engines, len(wl.items), finished,
                                      None if backlog else rel, cfg.max_wall_s, idle_max=cfg.idle_max_s)
     if not backlog:
         rec.submit_s = rel.spent
-    for w in workers:  # results of the last batches are written on the turn after they finish
-        while w.retry or w.inflight:
-            w.turn()
-        w.deregister()
+    for m in members:  # results of the last batches are written on the turn after they finish
+        m.finish()
     rec.redis_cpu_us_per_item = (_redis_cpu(r) - cpu0) * 1e6 / len(wl.items)
     rec.complete = check_complete(producer, job, wl)
     return rec

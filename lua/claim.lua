@@ -98,6 +98,7 @@ end
 -- 2. The release gate.
 local waiting = num(intake.tokens)
 local quiet = quiet_since(c, num(intake.last_intake_ms))
+c.quiet = quiet
 local shut = gate_shut(c, waiting, quiet)
 if shut then return shut end
 -- 3. The worker's instance (M:affinity), else the next one (lib_lifecycle.lua pick_next),

@@ -41,6 +41,7 @@ local function claim_refused(base, state_key, batches_key, reclaimed_key, batch_
       and ok('HMGET', base .. ':intake') and ok('HSET', base .. ':intake')
       and ok('ZADD', ac) and ok('ZREM', ac) and ok('ZRANGE', ac) and ok('HSET', af) and ok('HDEL', af)
       and ok('HGET', af) and ok('HGETALL', af) and ok('EXISTS', base .. ':hb:0') and ok('ZSCORE', sk)
+      and ok('HKEYS', base .. ':workers')
       and ok('HGET', wm) and ok('HSET', wm) and ok('HDEL', wm)
       and ok('ZRANK', fi) and ok('ZRANGE', fi) and ok('LRANGE', lk)
       and ok('RPUSH', bk) and ok('XADD', batches_key) and ok('XCLAIM', batches_key) and ok('LINDEX', rk)

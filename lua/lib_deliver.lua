@@ -122,7 +122,7 @@ local function take_batch(c, inst, parts, acc, flags, info)
   local first = parts[1].lane
   local inst_tokens = num(info.tokens) - acc.sum
   redis.call('HSET', ik, 'tokens', inst_tokens, 'items', num(info.items) - acc.k, 'batches', num(info.batches) + 1,
-    'rr', first, 'taken', num(info.taken) + acc.sum)
+    'rr', first, 'taken', num(info.taken) + acc.sum, 'claimed_ms', now)
   if #parts > 1 then redis.call('HINCRBY', c.state_key, 'neighbour_fills', 1) end
   if info.state ~= 'staged' then maybe_warm(c, inst_tokens) end
   local sig, ep = string.match(inst, '^(%x+):(%d+)$')

@@ -37,37 +37,47 @@ end
 -- An instance's waiting input tokens, and its remaining work in input-token units: those tokens
 -- plus decode_weight times its waiting items' output limits (priced at the mean limit of what it
 -- took in, lib_intake.lua): what the fleet balances, since decoding, not prefill, fills a GPU's time.
+local WORK_FIELDS = {'tokens', 'items', 'in_items', 'in_out', 'state', 'warming_for', 'claimed_ms', 'activated_ms'}
 local function inst_work(c, inst)
-  local h = redis.call('HMGET', inst_key(c.base, inst), 'tokens', 'items', 'in_items', 'in_out')
-  local tokens, placed = num(h[1]), num(h[3])
-  local mean_out = placed > 0 and num(h[4]) / placed or 0
-  return tokens, tokens + c.cfg.decode_weight * num(h[2]) * mean_out, mean_out
+  local h = hmget_named(inst_key(c.base, inst), WORK_FIELDS)
+  local tokens, placed = num(h.tokens), num(h.in_items)
+  local mean_out = placed > 0 and num(h.in_out) / placed or 0
+  return tokens, tokens + c.cfg.decode_weight * num(h.items) * mean_out, mean_out, h
 end
 
--- The staged instance with the most work that no other worker is warming (each worker warms one
--- at a time, so at most a fleet's worth are skipped), among the STAGED_LOOK with the most tokens:
--- (inst, tokens, work) or nil.
-local STAGED_LOOK = 16
-local LAT_FIRST = true
-local function top_staged(c)
+-- Which of two staged instances goes first: the one with the longer decodes (mean output limit),
+-- so that a job's end is made of short ones (a worker's last batch decodes for as many steps as its
+-- longest output, whatever else the fleet has left); then the one with more work.
+local function before(out_a, work_a, out_b, work_b)
+  if out_a ~= out_b then return out_a > out_b end
+  return work_a > work_b
+end
+
+-- The staged instance that goes first (before()) that no other worker is warming (each worker
+-- warms one at a time, so at most a fleet's worth are skipped), among the STAGED_LOOK with the most
+-- tokens, holding at least `need` tokens: (inst, tokens, work, the work of all it looked at) or nil.
+local STAGED_LOOK = 64
+local function top_staged(c, need)
   local top = redis.call('ZREVRANGE', c.base .. ':staged', 0, STAGED_LOOK - 1)
-  local best, btok, bwork, bkey, any, atok, awork, akey = nil, 0, -1, -1, nil, 0, -1, -1
+  local best, any, sum = nil, nil, 0
   for _, inst in ipairs(top) do
-    local tokens, work, out = inst_work(c, inst)
-    local key = LAT_FIRST and (out * 1e12 + work) or work
-    if key > akey then any, atok, awork, akey = inst, tokens, work, key end
-    local h = hmget_named(inst_key(c.base, inst), {'state', 'warming_for'})
-    -- a dead worker's reservation (its heartbeat key gone) lapses
-    if key > bkey and (h.state ~= 'warming' or h.warming_for == c.consumer or not h.warming_for
-        or not alive(c.base, h.warming_for)) then
-      best, btok, bwork, bkey = inst, tokens, work, key
+    local tokens, work, out, h = inst_work(c, inst)
+    sum = sum + work
+    if tokens >= (need or 0) then
+      local cand = {inst, tokens, work, out}
+      if not any or before(out, work, any[4], any[3]) then any = cand end
+      -- a dead worker's reservation (its heartbeat key gone) lapses
+      if (not best or before(out, work, best[4], best[3])) and (h.state ~= 'warming' or h.warming_for == c.consumer
+          or not h.warming_for or not alive(c.base, h.warming_for)) then
+        best = cand
+      end
     end
   end
-  if best then return best, btok, bwork end
-  -- Every staged instance is another worker's next: take the largest rather than let it wait
-  -- on a worker that may not come back for it soon (its prewarm is lost, nothing else).
-  if any then return any, atok, awork end
-  return nil, 0, 0
+  -- Every staged instance is another worker's next: take the first rather than let it wait on a
+  -- worker that may not come back for it soon (its prewarm is lost, nothing else).
+  best = best or any
+  if best then return best[1], best[2], best[3], sum end
+  return nil, 0, 0, 0
 end
 
 local function attach(c, inst)
@@ -122,11 +132,36 @@ local function finish(c, inst)
     'could', could, 'ms', c.now)
 end
 
--- The next shape for this worker: an aged one first (no shape waits for ever behind popular
--- ones); else the larger of the next staged instance (the warming one, which prepared for the
--- switch, or the one with the most tokens) once it holds activate_batches budgets, and an
--- active instance's tokens per worker serving it (sharing it); else, rather than idle, a
--- staged instance or a share holding one full batch; in cleanup any staged one; else any share.
+-- Live workers of the model (registered, heartbeat key present), this one included: the fleet a
+-- fair share is counted over. Bounded by the fleet; read only when a worker changes shape.
+local function fleet_size(c)
+  local n = 1
+  for _, w in ipairs(redis.call('HKEYS', c.base .. ':workers')) do
+    if w ~= c.consumer and alive(c.base, w) then n = n + 1 end
+  end
+  return n
+end
+
+-- The tokens a staged instance needs to start: a full batch (activate_batches 0: any); in cleanup
+-- any. Once intake is quiet (a sealed backlog, or no submit for quiet_ms) no shape grows any more:
+-- any too, so that a small shape of long decodes starts early instead of ending the job with its
+-- tail (pick_next enters cleanup mode when it starts one below the threshold).
+local function activation_need(c, cleanup)
+  if cleanup or c.quiet then return 0 end
+  return math.min(c.cfg.budget_tokens, c.cfg.activate_batches * c.cfg.budget_tokens)
+end
+
+-- The next shape for this worker (seeds 001, 003, and the fleet of issue 24): an aged one first
+-- (no shape waits for ever behind popular ones). Else, as longest-processing-time first does
+-- offline, the largest piece of work: an instance left by its workers (dead, preempted) first;
+-- then an active instance whose workers hold more than a fair share each (the model's remaining
+-- work over its live workers) is joined, the most loaded first, while the share this worker would
+-- take of it is no smaller than the staged candidate, so a deep shape ends up split over as many
+-- workers as its work deserves; otherwise the staged instance that goes first (top_staged) and
+-- holds a full batch (activate_batches 0, or cleanup: anything) starts; with none, the active
+-- instance with the most work per worker is joined while it holds a batch beyond one for each of
+-- its workers: no worker idles while another's shape holds work it could take, and none joins a
+-- shape that is about to be finished, unless its workers took nothing from it for hygiene_idle_ms.
 local function pick_next(c, cleanup)
   local cfg, now = c.cfg, c.now
   local old = aged(c)
@@ -136,37 +171,60 @@ local function pick_next(c, cleanup)
     redis.call('HSET', inst_key(c.base, old), 'state', 'draining', 'draining_ms', now)
     return old
   end
-  local n = attachments(c)
-  -- best: the active instance with the most work per worker serving it once this one joins
-  -- (share: its tokens per worker, for the thresholds; wshare: its work per worker, for the choice)
-  local best, share, wshare = nil, 0, 0
-  for _, inst in ipairs(redis.call('ZRANGE', c.active_key, 0, -1)) do
-    local t, w = inst_work(c, inst)
-    local k = (n[inst] or 0) + 1
-    if t > 0 and w / k > wshare then
-      best, share, wshare = inst, t / k, w / k
-    elseif t <= 0 and not n[inst] then
-      finish(c, inst)  -- emptied while its last worker was away (it died or was preempted)
+  local actives = redis.call('ZRANGE', c.active_key, 0, -1)
+  local n = #actives > 0 and attachments(c) or {}
+  local budget = cfg.budget_tokens
+  local total = 0
+  -- over: the active instance whose workers hold the most work each (load); help: the one with the
+  -- most work per worker once this one joins, among those holding a batch beyond one per worker
+  local over, load, over_work, help, hshare, stuck = nil, 0, 0, nil, 0, nil
+  for _, inst in ipairs(actives) do
+    local t, w, _, h = inst_work(c, inst)
+    local k = n[inst] or 0
+    total = total + w
+    if t > 0 then
+      if k == 0 then return attach(c, inst) end  -- left by its workers: nothing else serves it
+      -- only an instance holding a batch beyond one per worker, this one included, is joined:
+      -- none that its workers are about to finish
+      local room = t > (k + 1) * budget
+      if room and w / k > load then over, load, over_work = inst, w / k, w end
+      if room and w / (k + 1) > hshare then help, hshare = inst, w / (k + 1) end
+      -- its workers live but took nothing from it for hygiene_idle_ms (gated, or stuck): helped
+      if now - math.max(num(h.claimed_ms), num(h.activated_ms)) >= cfg.hygiene_idle_ms then stuck = inst end
+    else
+      finish(c, inst)  -- emptied, and no live worker serves it
     end
   end
-  local cand, ctok, cwork = nil, 0, 0
+  local need = activation_need(c, cleanup)
+  local cand, ctok, cwork, staged_work = nil, 0, 0, 0
   local warming_now = c.warming_now
   if warming_now ~= '' and redis.call('HGET', inst_key(c.base, warming_now), 'state') == 'warming' then
-    cand = warming_now
-    ctok, cwork = inst_work(c, cand)
-  else
-    cand, ctok, cwork = top_staged(c)
+    ctok, cwork = inst_work(c, warming_now)
+    if ctok >= need then cand, staged_work = warming_now, cwork end
   end
-  local why = cand == warming_now and 'warmed' or 'threshold'
-  local budget = cfg.budget_tokens
-  if cand and ctok >= cfg.activate_batches * budget and cwork >= wshare then return activate(c, cand, why) end
-  if best and share >= cfg.activate_batches * budget then return attach(c, best) end
-  if cand and ctok >= budget and cwork >= wshare then return activate(c, cand, 'depth') end
-  if best and share >= budget then return attach(c, best) end
-  if cleanup and cand then return activate(c, cand, 'cleanup') end
-  -- Rather than idle while another worker's instance holds items (that worker may be gated or
-  -- stuck), help it: nothing waits on one worker alone.
-  if best then return attach(c, best) end
+  local top, ttok, twork, tsum = top_staged(c, need)
+  if not cand then cand, ctok, cwork = top, ttok, twork end
+  total = total + math.max(staged_work, tsum)
+  -- the fleet is counted only when there is a join to weigh: an idle worker's claim stays cheap
+  if over and (not cand or over_work / ((n[over] or 0) + 1) >= cwork) and load > total / fleet_size(c) then
+    return attach(c, over)
+  end
+  if cand then
+    local why = 'cleanup'
+    if cand == warming_now then why = 'warmed'
+    elseif ctok >= cfg.activate_batches * budget then why = 'threshold'
+    elseif ctok >= budget then why = 'depth' end
+    if why == 'cleanup' and not c.cleanup then
+      -- below every threshold, started because intake is quiet: the workload's tail (seed 001)
+      c.cleanup = true
+      enter_cleanup(c.state_key, c.now)
+    end
+    return activate(c, cand, why)
+  end
+  if help then return attach(c, help) end
+  -- Rather than idle while another worker's instance holds items it has not served for a while,
+  -- help it: nothing waits on one worker alone.
+  if stuck then return attach(c, stuck) end
   return nil
 end
 
@@ -178,10 +236,9 @@ local function maybe_warm(c, inst_tokens)
   if inst_tokens >= cfg.prewarm_batches * cfg.budget_tokens then return end
   local cur = c.warming_now
   if cur ~= '' and redis.call('HGET', inst_key(c.base, cur), 'state') == 'warming' then return end
-  local top, tokens = top_staged(c)
-  -- One full batch is enough: a worker with nothing else activates such a shape (pick_next);
-  -- in cleanup any shape is next, however small.
-  if not top or (tokens < cfg.budget_tokens and not c.cleanup) then return end
+  -- The shape pick_next would start: one holding a full batch (in cleanup any, however small).
+  local top = top_staged(c, activation_need(c, c.cleanup))
+  if not top then return end
   redis.call('HSET', inst_key(c.base, top), 'state', 'warming', 'warming_ms', c.now, 'warming_for', c.consumer)
   redis.call('HSET', c.warming_key, c.consumer, top)
   redis.call('HSET', c.state_key, 'warming', top)  -- the latest, for inspect

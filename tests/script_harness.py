@@ -480,7 +480,8 @@ def heartbeat(c: Conductor) -> Call:
     c.submit([item(i, 10) for i in range(4)], "j")
     b1, _ = c.claim(contract(2, max_input_len=4096), "w")
     b2, _ = c.claim(contract(2, max_input_len=4096), "other")
-    return Call("heartbeat", [MK.heartbeat("w"), MK.batches], ["w", 1, 10000, b1.batch_id, b2.batch_id, "1-0"])
+    return Call("heartbeat", [MK.heartbeat("w"), MK.batches, MK.busy], ["w", 1, 10000, 1500, b1.batch_id, b2.batch_id,
+                                                                        "1-0"])
 
 
 def seal(c: Conductor) -> Call:
@@ -513,6 +514,21 @@ def lease_taken(c: Conductor) -> Call:
     return Call("lease", [MK.maint_lease], ["w", 5000], check=lambda r: r.get(MK.maint_lease) == b"other")
 
 
+def take_name_free(c: Conductor) -> Call:
+    return Call("take_name", [MK.base], ["host", 1, 10000, 1000], check=lambda r: r.exists(MK.heartbeat("host")))
+
+
+def take_name_next(c: Conductor) -> Call:
+    c.r.set(MK.heartbeat("host"), 1, px=60_000)
+    c.r.set(MK.heartbeat("host-2"), 1, px=60_000)
+    return Call("take_name", [MK.base], ["host", 1, 10000, 1000], check=lambda r: r.exists(MK.heartbeat("host-3")))
+
+
+def take_name_none_free(c: Conductor) -> Call:
+    c.r.set(MK.heartbeat("host"), 1, px=60_000)
+    return Call("take_name", [MK.base], ["host", 1, 10000, 1], check=lambda r: r.pttl(MK.heartbeat("host")) > 10000)
+
+
 SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "claim": [claim_warming, claim_warmed_shape_activates, claim_reclaimed_part, claim_reclaimed_whole,
               claim_finish_and_next, claim_aging_preempts, claim_hygiene_drains, claim_hygiene_retires_empty,
@@ -537,6 +553,7 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "seal": [seal, seal_rings],
     "declare": [declare],
     "lease": [lease_free, lease_mine, lease_taken],
+    "take_name": [take_name_free, take_name_next, take_name_none_free],
     "cancel": [cancel_waiting],
 }
 

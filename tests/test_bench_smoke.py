@@ -207,3 +207,26 @@ def test_every_benchmark_has_a_quick_form_in_the_tests():
                                            f"import {name}")):
             missing.append(name)
     assert not missing, missing
+
+
+def test_fleet_quick_form_joins_drains_and_kills_workers_and_loses_nothing(tmp_path):
+    """bench/fleet.py's quick points: a worker joining mid-run, one drained and one killed (its
+    batches reclaimed); every id exactly once (the run exits 1 otherwise)."""
+    out = tmp_path / "fleet.json"
+    p = subprocess.run([sys.executable, "bench/fleet.py", "--quick", "--no-write", "--json", str(out)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    runs = json.loads(out.read_text())
+    assert set(runs) == {"q-fleet", "q-leave"}
+    for name, rs in runs.items():
+        c = rs[0]["conductor"]
+        assert c["complete"].startswith("ok") and c["finished"] >= 2000, (name, c["complete"])
+        assert rs[0]["ratio_sim"] > 0 and rs[0]["ratio_static"] > 0
+
+
+def test_returns_counts_a_worker_coming_back_to_an_instance_it_left():
+    from bench.fleet import returns
+
+    class E:
+        instances = ["a:1", "a:1", "b:1", "a:1", "c:1", "b:1", "b:1"]
+    assert returns(E()) == 2  # back to a:1 once, to b:1 once

@@ -265,8 +265,9 @@ def test_neighbour_fill_stops_at_the_token_budget_padded_to_the_longest_lane(cdr
 def test_workers_take_shapes_of_their_own_and_share_a_deep_one(cdr):
     from conductor.intake.signature import shape_signature
     quick(cdr, budget_tokens=1000, budget_items=8, activate_batches=2)
-    for w in ("w1", "w2", "w3"):
+    for w in ("w1", "w2", "w3"):  # three live workers: the fleet a fair share is counted over
         cdr.r.set(K.ModelKeys("m").heartbeat(w), 1)
+        cdr.r.hset(K.ModelKeys("m").workers, w, "{}")
     cdr.submit([item(f"a{n}", 96, prefix=("A",)) for n in range(80)], "j")  # 10 batches
     cdr.submit([item(f"b{n}", 96, prefix=("B",)) for n in range(30)], "j")  # about 3 batches
     b1, _ = cdr.claim(contract(size=8, tokens=1000), "w1")

@@ -7,7 +7,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from conductor.observability.broker_metrics import ModelStateCollector
 from conductor.redis_contract.records import Contract
 from tests.conftest import item
-from tests.helpers import drain
+from tests.helpers import MK, drain
+from tests.worker_kit import sim, worker
 
 
 def scrape(c, **kw):
@@ -53,3 +54,21 @@ def test_a_paused_model_is_scraped_as_paused(cdr):
     assert scrape(cdr)["conductor_model_paused"] == 1
     cdr.resume("m")
     assert scrape(cdr)["conductor_model_paused"] == 0
+
+
+def test_the_fleet_balance_is_busy_max_over_mean_of_the_live_workers(cdr):
+    """Each worker publishes its busy time with its heartbeat (lua/heartbeat.lua); the exporter
+    reads those of the live workers only."""
+    w1, w2 = worker(cdr, sim("m"), name="b1"), worker(cdr, sim("m"), name="b2")
+    assert scrape(cdr)["conductor_fleet_balance_ratio"] == 1.0  # nobody busy yet
+    w1.metrics.busy_s, w2.metrics.busy_s = 3.0, 1.0
+    w1._beat()
+    w2._beat()
+    assert cdr.r.hget(MK.busy, "b1") == b"3000"
+    assert scrape(cdr)["conductor_fleet_balance_ratio"] == 3.0 / 2.0
+    cdr.r.hset(MK.workers, "gone", "{}")
+    cdr.r.hset(MK.busy, "gone", 99_000)  # registered, busy, but its heartbeat expired: not counted
+    assert scrape(cdr)["conductor_fleet_balance_ratio"] == 3.0 / 2.0
+    w2.deregister()
+    assert not cdr.r.hexists(MK.busy, "b2")
+    assert scrape(cdr)["conductor_fleet_balance_ratio"] == 1.0

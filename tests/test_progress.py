@@ -76,6 +76,11 @@ def test_run_shows_a_live_line_on_a_terminal_and_ends_with_a_summary(redis_url, 
     batches = {r["batch"] for r in rows}
     assert int(summary.group(1)) == len(batches) and float(summary.group(2)) == round(400 / len(batches), 1)
     assert int(summary.group(4).replace(",", "")) > 0  # one shape: every batch after the first hits the cache
+    # the fleet's balance, from each worker's busy seconds (issue 24)
+    fleet = re.search(r"2 workers busy ([\d.]+) to ([\d.]+) s \(max/mean ([\d.]+)\)", text)
+    assert fleet, text
+    lo, hi, ratio = map(float, fleet.groups())
+    assert lo <= hi and 1.0 <= ratio <= 2.0
 
 
 def test_run_in_a_pipe_writes_plain_progress_lines(redis_url, tmp_path):

@@ -1,6 +1,8 @@
 """The worker's Prometheus figures move with its work: a scrape (generate_latest, the text a
 Prometheus server reads) before and after a latched run over a real redis-server."""
 
+import time
+
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -105,3 +107,43 @@ def test_every_worker_series_names_its_worker_and_gauges_their_unit(cdr):
     # the text format shows a counter's or histogram's creation time as a gauge of its own
     gauges = {f.name for f in fams if f.type == "gauge" and not f.name.endswith("_created")}
     assert gauges and all(g.endswith(units) or g in flags | kinds for g in gauges), sorted(gauges)
+
+
+def test_idle_time_while_work_waits_is_counted_apart_from_busy_time(cdr):
+    # two items of a shape staged until it holds ten batches or intake goes quiet, which it does
+    # not (10 minutes): claims answer 'wait'
+    cdr.set_config(MODEL, {"quiet_ms": 600_000, "release_batches": 0, "activate_batches": 10})
+    cdr.submit([item(f"w{k}", 10, model=MODEL, prefix=("W",), max_tokens=8) for k in range(2)], "j")
+    w = worker(cdr, sim(MODEL), name="wi")
+    before = scrape("wi")
+    w.turn()
+    assert w.last_claim == "wait" and not w.engine.active()
+    time.sleep(0.3)
+    w.turn()
+    after = scrape("wi")
+    waited = after[("conductor_worker_idle_with_work_seconds_total", ())] - \
+        before.get(("conductor_worker_idle_with_work_seconds_total", ()), 0.0)
+    assert waited >= 0.3
+    assert after[("conductor_worker_busy_seconds_total", ())] == 0 == w.metrics.busy_s
+
+
+def test_busy_time_and_warm_claims_of_a_run_over_two_shapes(cdr):
+    quick(cdr, MODEL)
+    cdr.submit([item(f"a{k}", 10, model=MODEL, prefix=("A",), max_tokens=8) for k in range(16)]
+               + [item(f"b{k}", 30, model=MODEL, prefix=("B",), max_tokens=8) for k in range(16)], "j")
+    w = worker(cdr, sim(MODEL, time_scale=1.0), name="wc")
+    before = scrape("wc")
+    run_until_done(w)
+    w.turn()  # the turn after the last step closes the busy time
+    after = scrape("wc")
+
+    def delta(name):
+        return after.get((name, ()), 0.0) - before.get((name, ()), 0.0)
+
+    claims = w.batches_claimed
+    warm, switches = delta("conductor_worker_warm_claims_total"), delta("conductor_worker_shape_switches_total")
+    assert claims >= 8 and warm >= 1 and switches >= 1
+    assert warm + switches == claims - 1  # every claim after the first is one or the other
+    assert after[("conductor_worker_warm_claim_ratio", ())] == warm / claims
+    # sim steps of 8 decode tokens over 8 batches: busy time a few tens of ms at least
+    assert 0.01 < delta("conductor_worker_busy_seconds_total") == w.metrics.busy_s

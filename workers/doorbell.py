@@ -16,6 +16,7 @@ time-driven too; the maintenance period (1 s) bounds their delay.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from conductor.client import Conductor
 from conductor.redis_contract.config import DEFAULTS
@@ -64,10 +65,11 @@ class Doorbell:
         return False
 
     def wait_idle(self, due_in_s: float, idle_exit_s: float | None, idle_since: float,
-                  last_claim: str) -> bool | None:
+                  last_claim: str, on_error: Callable[[BaseException], object] | None = None) -> bool | None:
         """An idle worker's wait: until a ring, its next timed duty (``due_in_s``) or its idle exit.
         True when rung; None after a transient Redis error (the caller backs off as it does after
-        a failed claim); other errors propagate."""
+        a failed claim; ``on_error`` hears of it: an outage starts there as well as anywhere);
+        other errors propagate."""
         limit = due_in_s
         if idle_exit_s is not None:
             limit = min(limit, idle_exit_s - (time.monotonic() - idle_since) + 0.01)
@@ -76,6 +78,8 @@ class Doorbell:
         except RIDE_OUT as e:
             if not is_transient(e):
                 raise
+            if on_error is not None:
+                on_error(e)
             return None
 
     def pass_on(self) -> None:

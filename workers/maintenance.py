@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from conductor.client import Conductor
 from conductor.jobs.job_state import expire_due_leased
@@ -63,6 +64,9 @@ class Maintenance:
         self.feed_interval_s = 0.05
         self._held_until = 0.0
         self._feed_next = 0.0
+        # Told of each failure first; True means it was reported there (the worker's outage line),
+        # so no line of its own here.
+        self.on_error: Callable[[BaseException], bool] | None = None
 
     @classmethod
     def for_worker(cls, conductor: Conductor, model: str, owner: str, heartbeat_ttl_s: float) -> Maintenance:
@@ -110,7 +114,8 @@ class Maintenance:
             return res
         except RIDE_OUT_OR_STORE as e:  # a Redis failure, a paused model (Paused), memory full
             # (QueueFull), a store that does not answer
-            log.warning(json.dumps({"event": "maintenance_failed", "model": self.model, "error": str(e)}))
+            if self.on_error is None or not self.on_error(e):
+                log.warning(json.dumps({"event": "maintenance_failed", "model": self.model, "error": str(e)}))
             return None
 
     def _feed(self, now: float) -> None:
@@ -120,7 +125,8 @@ class Maintenance:
         try:
             self.feeder.feed()
         except RIDE_OUT_OR_STORE as e:
-            log.warning(json.dumps({"event": "feed_failed", "model": self.model, "error": str(e)}))
+            if self.on_error is None or not self.on_error(e):
+                log.warning(json.dumps({"event": "feed_failed", "model": self.model, "error": str(e)}))
 
     def _drift_check(self) -> None:
         if self.verify_interval_s <= 0 or (self.verify_thread and self.verify_thread.is_alive()):

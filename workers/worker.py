@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import signal
 import threading
 import time
@@ -35,16 +34,22 @@ from conductor.client import Conductor
 from conductor.errors import ConductorError, Paused
 from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls
+from conductor.redis_contract.connection import as_str
 from conductor.redis_contract.records import Batch, Contract, Result, ResultError
 
 from .doorbell import Doorbell, poll_sleep
 from .engines.base import Engine, Finished
-from .identity import default_worker_name
+from .identity import host_name, owner, owner_gone, stable_worker_name
 from .latch import AdmissionLatch
+from .outage import Link, cut_retries
 from .prewarm import Prewarm
 from .sdnotify import Notifier
 from .transient import RIDE_OUT, is_transient
 from .worker_metrics import WorkerMetrics
+
+# Claim answers that mean work waits but is held back (quiet intake, a batch not yet full, the
+# release gate), as opposed to 'idle': nothing to do. Time idle after one counts as idle with work.
+WORK_WAITS = ("wait", "gate")
 
 log = logging.getLogger("conductor.worker")
 
@@ -81,7 +86,10 @@ class Worker:
         self.engine = engine
         self.opts = opts or WorkerOptions()
         self.latch = AdmissionLatch(self.opts.high_water, self.opts.low_water)
-        self.name = self.opts.name or default_worker_name()
+        stable = self.opts.name or stable_worker_name()
+        self.name = stable or host_name()
+        # Without a stable name the worker takes a free one of its host's at start (take_name).
+        self._stem = "" if stable else self.name
         self.contract: Contract = engine.contract
         self.keys = K.ModelKeys(self.contract.model)
         self.inflight: dict[str, _InFlight] = {}
@@ -99,16 +107,22 @@ class Worker:
         self.notifier = Notifier()
         self.metrics = WorkerMetrics(self.contract.model, self.name, self.contract.max_batch_tokens)
         self.prewarm = Prewarm(conductor, engine, self.contract.model, self.name)
+        self.link = Link(conductor.r, self.keys.batches, self.name, self.contract.model)
+        # Set when a heartbeat meets NOGROUP: Redis lost the model's keys without a dropped connection.
+        self._rejoin_needed = threading.Event()
+        # Only run()'s loop probes and joins Redis again after an outage; a subclass with a loop of its
+        # own (the host agent) keeps reporting each failure as before.
+        self._rides_out = False
 
     # ------------------------------------------------------------------ lifecycle
-    def register(self) -> None:
+    def register(self, say: bool = True) -> None:
         c = self.contract
         self.c.ensure_model(c.model)
         # One allow-oom script (lua/register.lua): it works on a Redis over maxmemory, which a fresh
         # worker may be started to drain. The first consumer's contract becomes the model's
         # reference for "a full batch".
         shown = json.dumps({"max_batch_size": c.max_batch_size, "max_batch_tokens": c.max_batch_tokens,
-                            "max_input_len": c.max_input_len, "engine": self.engine.kind, "pid": os.getpid()})
+                            "max_input_len": c.max_input_len, "engine": self.engine.kind, **owner()})
         set_tokens, set_items = calls.register(self.keys, self.name, shown, c, int(time.time() * 1000),
                                                max(1, int(self.opts.heartbeat_ttl_s * 1000))).run(self.c.scripts)
         if set_tokens or set_items:
@@ -117,31 +131,63 @@ class Worker:
                 self.c.reindex(c.model)
             except Paused:
                 event("reindex_deferred", worker=self.name, model=c.model)  # claim.lua re-derives lazily
+        if not say:
+            return
         event("registered", worker=self.name, model=c.model, engine=self.engine.kind,
               max_batch_size=c.max_batch_size, max_batch_tokens=c.max_batch_tokens,
               max_input_len=c.max_input_len, high_water=self.latch.high, low_water=self.latch.low)
 
     def take_name(self) -> None:
-        """Before a process starts working under its name: refuse a name a live worker uses (two
-        processes sharing one consumer would reclaim each other's batches), and hand back at once
-        what an earlier run under this name left pending (it died: its batches would otherwise
-        wait for the stale sweep, minutes, since this run's heartbeat keeps the name alive)."""
-        hb = self.keys.heartbeat(self.name)
-        seen, ttl_ms = self.c.r.get(hb), self.c.r.pttl(hb)
-        if seen is not None:
-            # a live owner renews its heartbeat (a new value) before the key expires; a dead one does not
-            deadline = time.monotonic() + max(0, ttl_ms) / 1000 + 0.1
-            while time.monotonic() < deadline:
-                time.sleep(0.1)
-                now = self.c.r.get(hb)
-                if now is None:
-                    break
-                if now != seen:
-                    raise ConductorError(f"worker name {self.name!r} is in use by a live worker of "
-                                         f"{self.contract.model}; give each worker its own --name")
+        """Before a process starts working under its name. Without a stable name: the first free one
+        of host, host-2, ... (lua/take_name.lua, atomic across workers starting at once). With one:
+        refuse it while a live worker uses it (two processes sharing one consumer would reclaim each
+        other's batches). Either way, hand back at once what an earlier run under the name left
+        pending (it died: its batches would otherwise wait for the stale sweep, minutes, since this
+        run's heartbeat keeps the name alive)."""
+        if self._stem:
+            name = calls.take_name(self.keys, self._stem, int(time.time() * 1000),
+                                   max(1, int(self.opts.heartbeat_ttl_s * 1000))).run(self.c.scripts)
+            if name is None:
+                raise ConductorError(f"no free worker name for {self.contract.model}: {self._stem} and its "
+                                     f"numbered names are all in use; give this worker its own --name")
+            self._rename(name)
+        else:
+            self._wait_out_live_owner()
         if self.c.r.xpending_range(self.keys.batches, K.GROUP, "-", "+", 1, consumername=self.name):
             res = self.c.reclaim_consumer(self.contract.model, self.name, force=True)
             event("took_back", worker=self.name, batches=res["batches"], items=res["items"])
+
+    def _wait_out_live_owner(self) -> None:
+        hb = self.keys.heartbeat(self.name)
+        seen, ttl_ms = self.c.r.get(hb), self.c.r.pttl(hb)
+        if seen is None:
+            return
+        shown = self.c.r.hget(self.keys.workers, self.name)
+        try:
+            reg = json.loads(shown) if shown is not None else None
+        except ValueError:
+            reg = None
+        if isinstance(reg, dict) and owner_gone(reg):
+            return  # its process ended on this host (a restart under systemd): no need to wait out its TTL
+        # a live owner renews its heartbeat (a new value) before the key expires; a dead one does not
+        deadline = time.monotonic() + max(0, ttl_ms) / 1000 + 0.1
+        while time.monotonic() < deadline:
+            time.sleep(0.1)
+            now = self.c.r.get(hb)
+            if now is None:
+                break
+            if now != seen:
+                raise ConductorError(f"worker name {self.name!r} is in use by a live worker of "
+                                     f"{self.contract.model}; give each worker its own --name")
+
+    def _rename(self, name: str) -> None:
+        """The series and log lines made under the stem before the name was known go under the name."""
+        if name == self.name:
+            return
+        self.metrics.forget()
+        self.name = name
+        self.metrics = WorkerMetrics(self.contract.model, name, self.contract.max_batch_tokens)
+        self.prewarm.worker = self.link.worker = name
 
     def deregister(self) -> None:
         try:
@@ -149,6 +195,7 @@ class Worker:
             pipe.hdel(self.keys.workers, self.name)
             pipe.hdel(self.keys.affinity, self.name)  # its instance is free for others to take whole
             pipe.hdel(self.keys.warming, self.name)
+            pipe.hdel(self.keys.busy, self.name)
             pipe.delete(self.keys.heartbeat(self.name))
             pipe.execute()
             pending = self.c.r.xpending_range(self.keys.batches, K.GROUP, "-", "+", 1, consumername=self.name)
@@ -162,13 +209,26 @@ class Worker:
     def _heartbeat_loop(self) -> None:
         period = self.opts.heartbeat_ttl_s / 3
         while not self._hb_stop.wait(period):
+            if self._rides_out and (self.link.down or self._rejoin_needed.is_set()):
+                continue  # the main loop probes, and joins Redis again before heartbeats resume
             try:
-                # lua/heartbeat.lua, allow-oom: a heartbeat refused over maxmemory would let a
-                # live worker's batches be reclaimed and run twice.
-                calls.heartbeat(self.keys, self.name, int(time.time() * 1000),
-                                max(1, int(self.opts.heartbeat_ttl_s * 1000)), self.leased_ids()).run(self.c.scripts)
+                self._beat()
             except (redis.RedisError, OSError, ConductorError) as e:
+                if self._outage(e):
+                    continue
+                if self._rides_out and "NOGROUP" in str(e):
+                    self._rejoin_needed.set()
                 event("heartbeat_failed", worker=self.name, error=str(e))
+
+    def _outage(self, e: BaseException) -> bool:
+        """True when ``e`` is Redis going away and the link says so (once per outage)."""
+        return self._rides_out and self.link.lost(e)
+
+    def _beat(self) -> None:
+        # lua/heartbeat.lua, allow-oom: a heartbeat refused over maxmemory would let a live
+        # worker's batches be reclaimed and run twice.
+        calls.heartbeat(self.keys, self.name, int(time.time() * 1000), max(1, int(self.opts.heartbeat_ttl_s * 1000)),
+                        self.leased_ids(), int(self.metrics.busy_s * 1000)).run(self.c.scripts)
 
     def _watchdog_loop(self, every: float) -> None:
         # Its own thread, not the heartbeat's: that one can sit for many seconds in Redis
@@ -222,7 +282,8 @@ class Worker:
             except RIDE_OUT as e:
                 if not is_transient(e):
                     raise
-                event("complete_retry", worker=self.name, batch=batch.batch_id, error=str(e))
+                if not self._outage(e):  # an outage is said once, by the link
+                    event("complete_retry", worker=self.name, batch=batch.batch_id, error=str(e))
                 return False
             with self._lock:
                 self.retry.popleft()
@@ -256,6 +317,8 @@ class Worker:
         batch, self.last_claim = self.c.claim(contract, self.name)
         self.metrics.claim_took(time.perf_counter() - t)
         if batch is None:
+            if self.last_claim == "nogroup" and self._rides_out:
+                self._rejoin_needed.set()  # the claim made the group again; the registration is gone too
             return False
         self.batches_claimed += 1
         self.metrics.claimed(batch)
@@ -283,6 +346,7 @@ class Worker:
             self.c.fail(batch, self.name, f"engine {self.engine.kind}: {err!r}")
         except RIDE_OUT as e:
             # Left pending under this consumer: a reclaim after this worker stops picks it up.
+            self._outage(e)
             event("fail_write_failed", worker=self.name, batch=batch.batch_id, error=str(e))
 
     def _step(self) -> None:
@@ -294,9 +358,13 @@ class Worker:
     def turn(self) -> bool:
         """One turn of the loop; returns whether anything happened."""
         busy = self._turn()
+        self._account()
+        return busy
+
+    def _account(self) -> None:
         self.metrics.state(self.engine.active(), self.latch.gated, self.latch.transitions, len(self.retry))
         self.metrics.engine_counters(getattr(self.engine, "counters", None))
-        return busy
+        self.metrics.clock(self.engine.active() > 0, self.last_claim in WORK_WAITS)
 
     def _turn(self) -> bool:
         busy = False
@@ -315,10 +383,13 @@ class Worker:
             except RIDE_OUT as e:
                 if not is_transient(e):
                     raise
-                event("claim_failed", worker=self.name, error=str(e))
+                if self._outage(e):
+                    self.last_claim = ""  # what waits is unknown while Redis is away
+                else:
+                    event("claim_failed", worker=self.name, error=str(e))
         return busy
 
-    def run(self) -> None:
+    def _start(self) -> None:
         self.c.ensure_model(self.contract.model)
         self.take_name()
         self.register()
@@ -330,15 +401,27 @@ class Worker:
                                                name="watchdog", daemon=True)
             self._wd_thread.start()
         self.notifier.ready(f"pulling for {self.contract.model} ({self.engine.kind}) as {self.name}")
+
+    def run(self) -> None:
+        self._start()
         idle_since = time.monotonic()
         sleep = 0.001
         # The reclaim sweep runs in whichever live worker holds the model's maintenance lease.
         from .maintenance import Maintenance
         maint = Maintenance.for_worker(self.c, self.contract.model, self.name, self.opts.heartbeat_ttl_s)
+        maint.on_error = self._outage  # an outage is said once, by the link
         bell = Doorbell(self.c, self.contract.model) if self.opts.wake == "bell" else None
         rung = False
+        # From here on the worker rides outages out itself (workers/outage.py): the client's own
+        # retries end once it knows Redis is away, or once it is told to stop.
+        cut_retries(self.c.r, lambda: self.link.down or self.stopping.is_set())
+        self._rides_out = True
         try:
             while not self.stopping.is_set():
+                if self.link.down or self._rejoin_needed.is_set():
+                    self._ride_out()
+                    idle_since = time.monotonic()  # an outage is not idleness (--idle-exit)
+                    continue
                 maint.tick()
                 claimed = self.batches_claimed
                 if self.turn():
@@ -356,47 +439,143 @@ class Worker:
                     idle_since = time.monotonic()  # a paused model is not a finished one
                 if self.opts.idle_exit_s is not None and time.monotonic() - idle_since > self.opts.idle_exit_s:
                     break
+                if self.link.down:
+                    continue
                 if bell is None or self.retry:  # polling, or results waiting for Redis to come back
                     sleep = poll_sleep(sleep, self.opts.poll_max_s)
                     continue
-                got = bell.wait_idle(maint.due_in(), self.opts.idle_exit_s, idle_since, self.last_claim)
+                got = bell.wait_idle(maint.due_in(), self.opts.idle_exit_s, idle_since, self.last_claim,
+                                     on_error=self._outage)
                 if got is None:
                     sleep = poll_sleep(sleep, self.opts.poll_max_s)
                 rung = bool(got)
             self.drain()
         finally:
             self.stopping.set()
-            self._stop_heartbeat()
-            self.deregister()
+            self._stop_heartbeat(1.0 if self.link.down else 5.0)
+            if not self.link.down:  # else drain said what it left; deregistering would wait for the server
+                self.deregister()
 
     def _pass_on(self, bell: Doorbell) -> None:
         try:
             bell.pass_on()
         except RIDE_OUT as e:  # a hint only: the next worker's timed claim finds the work anyway
-            event("bell_failed", worker=self.name, error=str(e))
+            if not self._outage(e):
+                event("bell_failed", worker=self.name, error=str(e))
 
-    def _stop_heartbeat(self) -> None:
-        """Before deregistering, so the thread cannot write the heartbeat key back after it is deleted."""
+    def _stop_heartbeat(self, timeout: float = 5.0) -> None:
+        """Before deregistering, so the thread cannot write the heartbeat key back after it is deleted.
+        Both threads are daemons: one still inside a Redis call does not hold the process."""
         self._hb_stop.set()
         for t in (self._hb_thread, self._wd_thread):
             if t is not None:
-                t.join(timeout=5)
+                t.join(timeout=timeout)
+
+    # ------------------------------------------------------------------ outages
+    def _ride_out(self, limit_s: float | None = None) -> bool:
+        """One step while Redis is away: running sequences go on (their results wait in the retry
+        buffer), a probe goes out when due, and once Redis answers the worker joins it again.
+        True when it is back. Sleeps until the next probe when the engine has nothing to run."""
+        if self.engine.active():
+            self._step()
+        if self._reconnect(limit_s):
+            return True
+        if not self.engine.active():
+            wait = max(0.005, self.link.due_in() if limit_s is None else min(self.link.due_in(), limit_s))
+            if self.stopping.is_set():
+                time.sleep(wait)  # draining: the drain's deadline bounds it
+            else:
+                self.stopping.wait(wait)  # a SIGTERM ends the wait
+        self._account()
+        return False
+
+    def _reconnect(self, limit_s: float | None = None) -> bool:
+        if self.link.down and not self.link.probe(limit_s):
+            return False
+        try:
+            dropped = self._rejoin()
+        except RIDE_OUT as e:
+            if not is_transient(e):
+                raise
+            self.link.lost(e)
+            event("rejoin_failed", worker=self.name, error=str(e))
+            return False
+        self._rejoin_needed.clear()
+        self.link.up(**dropped)
+        return True
+
+    def _rejoin(self) -> dict[str, int]:
+        """Join Redis again after an outage or a NOGROUP. It may have come back without this
+        worker's keys (a new server on the same address, or a FLUSHALL): the group and the
+        registration are made again. A batch of this worker's that is no longer pending under its
+        name was lost with the data, or reclaimed while the heartbeat lapsed: its results could not
+        be taken (complete.lua refuses them), so it is dropped here instead of failing every write."""
+        pipe = self.c.r.pipeline(transaction=False)
+        pipe.hexists(self.keys.workers, self.name)
+        pipe.xpending_range(self.keys.batches, K.GROUP, "-", "+", 10_000, consumername=self.name)
+        registered, pending = pipe.execute(raise_on_error=False)
+        if isinstance(registered, Exception):
+            raise registered
+        lost_group = isinstance(pending, redis.ResponseError) and "NOGROUP" in str(pending)
+        if isinstance(pending, Exception) and not lost_group:
+            raise pending
+        mine = set() if lost_group else {as_str(p["message_id"]) for p in pending}
+        with self._lock:
+            gone = {e.batch.batch_id: e.batch for e in self.inflight.values() if e.batch.batch_id not in mine}
+            gone.update((b.batch_id, b) for b, _, _ in self.retry if b.batch_id not in mine)
+            for bid in gone:
+                self.inflight.pop(bid, None)
+            self.retry = deque(r for r in self.retry if r[0].batch_id not in gone)
+        if lost_group or not registered:
+            self.c.ensure_model(self.contract.model, force=True)
+            self.register(say=False)
+        else:
+            self._beat()  # the lease of what is still pending, renewed before it lapses
+        out = {"rejoined": int(lost_group or not registered)}
+        if gone:
+            out.update(dropped_batches=len(gone), dropped_items=sum(len(b.items) for b in gone.values()))
+        return out
 
     def drain(self) -> None:
-        """Stop pulling, finish in-flight work within ``drain_s``; what is left is handed back."""
+        """Stop pulling, finish in-flight work within ``drain_s``; what is left is handed back. With
+        Redis away, within ``drain_s`` too: what cannot be written or handed back is left pending
+        under this name, and said in one line."""
         deadline = time.monotonic() + self.opts.drain_s
         event("draining", worker=self.name, active=self.engine.active(), inflight=len(self.inflight))
         self.notifier.stopping(f"draining {self.engine.active()} sequences for up to {self.opts.drain_s:g}s")
         while (self.engine.active() or self.retry) and time.monotonic() < deadline:
+            if self.link.down or self._rejoin_needed.is_set():
+                self._ride_out(deadline - time.monotonic())
+                continue
             if self.engine.active():
                 self._step()
             if not self._flush_writes():
                 time.sleep(0.05)
-            self.metrics.state(self.engine.active(), self.latch.gated, self.latch.transitions, len(self.retry))
+            self._account()
+        if self.link.down and not self._reconnect(max(0.0, deadline - time.monotonic())):
+            self._leave_pending()
+            return
         if self.inflight:
             self.hand_back()
-        self.metrics.state(self.engine.active(), self.latch.gated, self.latch.transitions, len(self.retry))
+        self._account()
         event("drained", worker=self.name, finished=self.finished)
+
+    def _leave_pending(self) -> None:
+        """Stopping with Redis away: nothing more can be written. The batches stay pending under
+        this name: once its heartbeat lapses a live worker's sweep reclaims them, or a restart
+        under this name takes them back at once (take_name)."""
+        with self._lock:
+            left = {e.batch.batch_id: e.batch for e in self.inflight.values()}
+            left.update((b.batch_id, b) for b, _, _ in self.retry)
+            ids = sorted(left)
+            items = sum(len(b.items) for b in left.values())
+            unwritten = sum(len(r) for _, r, _ in self.retry) + sum(len(e.results) for e in self.inflight.values())
+            self.inflight.clear()
+            self.retry.clear()
+        event("left_pending", worker=self.name, batches=len(ids), items=items, unwritten_results=unwritten,
+              redis_down_s=round(time.monotonic() - (self.link.down_since or time.monotonic()), 3),
+              batch_ids=ids[:20])
+        self.engine.close()
 
     def hand_back(self) -> None:
         """Write what finished, and give unfinished batches to the reclaimed queue at once."""

@@ -6,6 +6,7 @@ of a turn (a batch claimed, a step taken, results written, the state at the end 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 from conductor.observability import metrics as M
@@ -32,8 +33,40 @@ class WorkerMetrics:
         self.size = M.BATCH_SIZE.labels(*lw)
         self.padded = M.PADDED_TOKENS.labels(*lw)
         self.actual = M.ACTUAL_TOKENS.labels(*lw)
+        self.warm = M.WARM_CLAIMS.labels(*lw)
+        self.warm_ratio = M.WARM_CLAIM_RATIO.labels(*lw)
+        self.busy = M.BUSY_SECONDS.labels(*lw)
+        self.idle_with_work = M.IDLE_WITH_WORK_SECONDS.labels(*lw)
+        self._lw = lw
         self._last_shape = ""
         self._transitions_seen = 0
+        self._claims = self._warm_claims = 0
+        self.busy_s = 0.0  # also published in Redis with each heartbeat (the broker's balance gauge)
+        self._since = time.monotonic()
+        self._was = ""  # what the time since ``_since`` counts as: busy, waiting or ''
+
+    def forget(self) -> None:
+        """Drop this worker's series (a worker renamed at start leaves none under its old name)."""
+        for fam in (M.ACTIVE_SEQUENCES, M.LATCH_GATED, M.LATCH_TRANSITIONS, M.FINISHED, M.OUTPUT_TOKENS,
+                    M.STEP_SECONDS, M.RETRY_BUFFER, M.CLAIM_SECONDS, M.SHAPE_SWITCHES, M.PREFIX_HIT_TOKENS,
+                    M.BATCH_FILL, M.BATCH_SIZE, M.PADDED_TOKENS, M.ACTUAL_TOKENS, M.WARM_CLAIMS,
+                    M.WARM_CLAIM_RATIO, M.BUSY_SECONDS, M.IDLE_WITH_WORK_SECONDS):
+            try:
+                fam.remove(*self._lw)
+            except KeyError:
+                pass
+
+    def clock(self, busy: bool, work_waits: bool) -> None:
+        """At the end of a turn: the time since the last call counts as what the worker was then
+        (its state holds until the next turn: an idle worker blocks on the doorbell in between)."""
+        now = time.monotonic()
+        dt, self._since = now - self._since, now
+        if self._was == "busy":
+            self.busy_s += dt
+            self.busy.inc(dt)
+        elif self._was == "waiting":
+            self.idle_with_work.inc(dt)
+        self._was = "busy" if busy else "waiting" if work_waits else ""
 
     def claimed(self, batch: Batch) -> None:
         self.size.observe(len(batch.items))
@@ -42,6 +75,11 @@ class WorkerMetrics:
         self.actual.inc(batch.actual_tokens)
         if self._last_shape and batch.shape != self._last_shape:
             self.shape_switches.inc()
+        elif self._last_shape:
+            self._warm_claims += 1
+            self.warm.inc()
+        self._claims += 1
+        self.warm_ratio.set(self._warm_claims / self._claims)
         self._last_shape = batch.shape
 
     def claim_took(self, seconds: float) -> None:

@@ -72,7 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     w = command("worker", "run one worker (one per GPU)", cmd_worker)
     engine_flags(w)
     w.add_argument("--name", help="consumer name, unique among live workers of the model (default: the host "
-                                  "name, plus the systemd instance when run from a template unit)")
+                                  "name plus the systemd instance when run from a template unit, else the "
+                                  "first free one of host, host-2, host-3, ...)")
     w.add_argument("--high-water", type=positive_int, help="admission latch: stop new prefills at this many "
                                                           "active sequences (with --low-water)")
     w.add_argument("--low-water", type=non_negative_int, help="admission latch: admit again at this many")

@@ -26,6 +26,7 @@ class RunSummary:
         self.actual_tokens = 0
         self._batches: dict[str, int] = {}  # batch id -> its padded tokens
         self.prefix_hit_tokens: int | None = None
+        self.busy_s: list[float] = []  # each worker's busy seconds (its engine held sequences), when all were read
 
     def add(self, record: bytes) -> None:
         row = _decode(record)
@@ -43,10 +44,11 @@ class RunSummary:
         padded = sum(self._batches.values())
         return 1 - self.actual_tokens / padded if padded else 0.0
 
-    def scrape_prefix_hits(self, ports: list[int], timeout_s: float = 2.0) -> None:
-        """Sum conductor_prefix_hit_tokens over the workers' endpoints; left None if any is unreadable
-        (a partial sum would understate the hits)."""
-        total = 0.0
+    def scrape_workers(self, ports: list[int], timeout_s: float = 2.0) -> None:
+        """Sum conductor_prefix_hit_tokens and take each worker's conductor_worker_busy_seconds from the
+        workers' endpoints; both left unknown if any is unreadable (a partial sum would understate the
+        hits, a missing worker would hide the imbalance)."""
+        total, busy = 0.0, []
         for port in ports:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as resp:
@@ -56,12 +58,19 @@ class RunSummary:
             for fam in text_string_to_metric_families(text):
                 if fam.name == "conductor_prefix_hit_tokens":
                     total += sum(s.value for s in fam.samples if s.name.endswith("_total"))
+                elif fam.name == "conductor_worker_busy_seconds":
+                    busy.append(sum(s.value for s in fam.samples if s.name.endswith("_total")))
         self.prefix_hit_tokens = int(total)
+        self.busy_s = busy
 
     def text(self) -> str:
         mean = self.results / self.batches if self.batches else 0.0
         hits = "prefix hits unknown" if self.prefix_hit_tokens is None else (
             f"prefix hits {self.prefix_hit_tokens:,} tokens "
             f"({self.prefix_hit_tokens / self.actual_tokens if self.actual_tokens else 0:.1%} of input tokens)")
+        fleet = ""
+        if len(self.busy_s) > 1 and sum(self.busy_s) > 0:
+            fleet = (f", {len(self.busy_s)} workers busy {min(self.busy_s):.1f} to {max(self.busy_s):.1f} s "
+                     f"(max/mean {max(self.busy_s) / (sum(self.busy_s) / len(self.busy_s)):.2f})")
         return (f"{self.batches:,} batches, {mean:.1f} items per batch (mean), padding {self.padding():.1%} "
-                f"of dispatched tokens, {hits}")
+                f"of dispatched tokens, {hits}{fleet}")

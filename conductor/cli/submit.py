@@ -106,7 +106,7 @@ def cmd_run(args: argparse.Namespace) -> int:  # noqa: C901 - the whole `conduct
                     shown = now
                     line.update(summary.results)
             line.update(summary.results)
-        summary.scrape_prefix_hits(ports)
+        summary.scrape_workers(ports)
         st = c.status(job)
         dt = time.monotonic() - t0
         n = summary.results

@@ -4,7 +4,8 @@ Nothing is kept between scrapes, so any number of exporters may run (or none: th
 not need one) and a restarted one serves the same figures at once. Per model: waiting tokens
 and items, the largest shapes' waiting tokens and items, in-flight batches and items, pending
 entries (per consumer too), lanes in use, lane pressure, starving lanes, dead letters, live
-workers, paused, the model's lifetime counters; per active job: submitted, completed, failed,
+workers and their balance (busy max/mean, from the busy time each publishes with its heartbeat),
+paused, the model's lifetime counters; per active job: submitted, completed, failed,
 pending. Drift is the maintenance lease holder's (a worker series, conductor/observability/metrics.py): a
 check reads every waiting entry, too much for a scrape.
 """
@@ -22,6 +23,7 @@ from prometheus_client.registry import Collector
 
 from conductor.client import Conductor
 from conductor.errors import ConductorError
+from conductor.redis_contract import keys as K
 
 log = logging.getLogger("conductor.observability.exporter")
 
@@ -94,6 +96,8 @@ class ModelStateCollector(Collector):
                              ["model", "consumer"])
         dead = gauge("conductor_dead_letter_items", "Items in the dead letter now (conductor dead-letter list)")
         alive = gauge("conductor_workers_alive", "Registered workers whose heartbeat has not expired")
+        balance = gauge("conductor_fleet_balance_ratio", "Busy time of the busiest live worker over the mean of the "
+                        "model's live workers, each since it started (1: even); 1 while none was busy yet")
         shape_lbl = ["model", "shape", "epoch", "state"]
         shape_tokens = gauge("conductor_shape_waiting_tokens", f"Waiting tokens of the {self.top_shapes} largest "
                              "shape instances", shape_lbl)
@@ -123,7 +127,12 @@ class ModelStateCollector(Collector):
             for row in consumers:
                 per_consumer.add_metric([model, row["name"]], float(row.get("pending", 0)))
             dead.add_metric([model], float(ov["dead_letter"]))
-            alive.add_metric([model], float(len(live_workers(c.r, model))))
+            live = live_workers(c.r, model)
+            alive.add_metric([model], float(len(live)))
+            if live:
+                busy = [_num(b) for b in c.r.hmget(K.ModelKeys(model).busy, live)]
+                mean = sum(busy) / len(busy)
+                balance.add_metric([model], max(busy) / mean if mean > 0 else 1.0)
             for s in sorted(ov["shapes"], key=lambda s: -s["tokens"])[:self.top_shapes]:
                 labels = [model, s["shape"], str(s["epoch"]), s["state"]]
                 shape_tokens.add_metric(labels, float(s["tokens"]))
@@ -135,7 +144,7 @@ class ModelStateCollector(Collector):
                 for status in ("submitted", "completed", "failed", "pending"):
                     job_items.add_metric([row.job, status], float(getattr(row, status)))
         return [*gauges.values(), *counters.values(), cleanup_s, pressure, starving, lanes, pending, per_consumer,
-                dead, alive, shape_tokens, shape_items, job_items]
+                dead, alive, balance, shape_tokens, shape_items, job_items]
 
 
 def _num(v: Any) -> float:

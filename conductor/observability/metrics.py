@@ -4,7 +4,9 @@ Every series carries ``model`` and ``worker``, so a fleet's dashboards can sum o
 either, and gauge names end in their unit. Batch fill, padded against actual tokens (padding
 waste = 1 - actual/padded), finished sequences and output tokens (rates in PromQL), active
 sequences, latch state, engine step and claim time, retry buffer, prefix-cache hits, shape
-switches; the maintenance lease holder adds batches per shape, thrashing shapes and counter drift.
+switches, warm claims (the previous batch's shape again), busy time (its max/mean over the fleet
+is the broker's balance gauge) and idle time while work waits; the maintenance lease holder adds
+batches per shape, thrashing shapes and counter drift.
 The broker's own figures (queues, lanes, jobs) are read from Redis at scrape time by
 ``conductor.observability.broker_metrics.ModelStateCollector``, which ``conductor exporter`` serves.
 """
@@ -36,6 +38,13 @@ RETRY_BUFFER = Gauge("conductor_worker_retry_buffer_batches", "Batches whose res
 PREFIX_HIT_TOKENS = Counter("conductor_prefix_hit_tokens", "Input tokens the engine's prefix cache served "
                             "(not computed)", LW)
 SHAPE_SWITCHES = Counter("conductor_worker_shape_switches", "Batches whose shape differs from the previous one", LW)
+WARM_CLAIMS = Counter("conductor_worker_warm_claims", "Batches of the shape the worker's previous batch had (a warm "
+                      "prefix)", LW)
+WARM_CLAIM_RATIO = Gauge("conductor_worker_warm_claim_ratio", "Warm claims over all claims since the worker started",
+                         LW)
+BUSY_SECONDS = Counter("conductor_worker_busy_seconds", "Time with sequences in the engine", LW)
+IDLE_WITH_WORK_SECONDS = Counter("conductor_worker_idle_with_work_seconds", "Time with no sequence in the engine while "
+                                 "work waited: the last claim answered 'wait' or 'gate' (held back), not 'idle'", LW)
 BATCHES_PER_SHAPE = Histogram("conductor_batches_per_shape", "Batches a shape instance ran before it finished", LW,
                               buckets=(1, 10, 50, 100, 500, 1000, 5000, 10000))
 THRASHING_SHAPES = Counter("conductor_thrashing_shapes", "Shapes that ran in more than twice the batches their "

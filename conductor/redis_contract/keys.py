@@ -67,6 +67,8 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     M:hb:W                          string   heartbeat of worker W (TTL)
     M:lease:maint                   string   which worker runs the periodic sweep (TTL)
     M:workers                       hash     worker -> registered contract (JSON)
+    M:busy                          hash     worker -> its busy time in ms (sequences in its engine) since it
+                                             started, as of its last heartbeat: the exporter's fleet balance
     M:segs                          zset     store segments waiting to be fed (disk tier, conductor/tier/spill.py):
                                              segment name -> registration sequence (oldest first)
     M:seg:N                         hash     one segment's index record: job, sig, path, items, tokens,
@@ -240,6 +242,10 @@ class ModelKeys:
     @property
     def workers(self) -> str:
         return f"{self.base}:workers"
+
+    @property
+    def busy(self) -> str:
+        return f"{self.base}:busy"
 
     def shape(self, sig: str) -> str:
         return f"{self.base}:shape:{sig}"

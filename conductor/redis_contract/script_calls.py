@@ -109,9 +109,19 @@ def register(mk: K.ModelKeys, worker: str, contract_json: str, contract: Contrac
                 lambda raw: RegisterReply(bool(int(raw[0])), bool(int(raw[1]))))
 
 
-def heartbeat(mk: K.ModelKeys, worker: str, now_ms: int, ttl_ms: int, batch_ids: Sequence[str]) -> Call[int]:
-    """lua/heartbeat.lua: the heartbeat key and the lease of each in-flight batch; how many are still pending."""
-    return Call("heartbeat", [mk.heartbeat(worker), mk.batches], [worker, now_ms, ttl_ms, *batch_ids], _int)
+def take_name(mk: K.ModelKeys, stem: str, now_ms: int, ttl_ms: int, tries: int = 1000) -> Call[str | None]:
+    """lua/take_name.lua: the first free name of ``stem``, ``stem``-2, ... taken with its heartbeat
+    key (None when all ``tries`` are live)."""
+    return Call("take_name", [mk.base], [stem, now_ms, ttl_ms, tries],
+                lambda raw: None if raw is None else as_str(raw))
+
+
+def heartbeat(mk: K.ModelKeys, worker: str, now_ms: int, ttl_ms: int, batch_ids: Sequence[str],
+              busy_ms: int = 0) -> Call[int]:
+    """lua/heartbeat.lua: the heartbeat key, the lease of each in-flight batch and the worker's busy
+    time; how many of the batches are still pending."""
+    return Call("heartbeat", [mk.heartbeat(worker), mk.batches, mk.busy], [worker, now_ms, ttl_ms, busy_ms, *batch_ids],
+                _int)
 
 
 def lease(key: str, owner: str, ms: int) -> Call[bool]:

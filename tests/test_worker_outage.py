@@ -1,0 +1,128 @@
+"""A worker process whose Redis goes away (a private redis-server, killed for real): one line when
+it goes and one when it is back, not a line per retry; SIGTERM meanwhile stops it within its drain
+time, saying what it leaves pending; a server that comes back empty is joined again (group and
+registration made anew) and the worker runs the next job."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+from conductor.client import Conductor, connect
+from conductor.redis_contract import keys as K
+from tests.conftest import ROOT, item
+from tests.helpers import MK, quick
+from tests.test_worker_drain import events, wait_for
+
+# the lines a worker wrote per failed call before it rode outages out itself
+PER_RETRY = {"heartbeat_failed", "claim_failed", "complete_retry", "maintenance_failed", "feed_failed", "bell_failed",
+             "rejoin_failed"}
+
+
+def start(url: str, name: str, log_path, *extra: str) -> subprocess.Popen:
+    env = dict(os.environ, CONDUCTOR_REDIS_URL=url)
+    with open(log_path, "wb") as log:
+        return subprocess.Popen([sys.executable, "-m", "conductor", "--log-level", "info", "worker", "--engine", "sim",
+                                 "--model", "m", "--name", name, "--max-batch-size", "8", "--heartbeat-ttl", "1",
+                                 *extra], env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=log)
+
+
+def said(log_path, name: str) -> list[dict]:
+    return [e for e in events(log_path) if e["event"] == name]
+
+
+def client(url: str) -> Conductor:
+    return Conductor(connect(url))
+
+
+def test_an_outage_is_one_line_when_redis_goes_and_one_when_it_is_back(fresh_server, tmp_path):
+    log = tmp_path / "a.log"
+    c = client(fresh_server.url)
+    quick(c)
+    a = start(fresh_server.url, "A", log)
+    try:
+        wait_for(lambda: said(log, "registered"), timeout=60, what="A to register")
+        fresh_server.kill()
+        wait_for(lambda: said(log, "redis_down"), timeout=60, what="A to notice")
+        time.sleep(3)  # the outage lasts: heartbeats (every 0.33 s), claims, sweeps and probes fall in it
+        fresh_server.start()  # the same server, its data kept (AOF)
+        wait_for(lambda: said(log, "redis_back"), timeout=60, what="A to come back")
+        c = client(fresh_server.url)
+        c.submit([item(f"i{k:02d}", 10) for k in range(20)], "j")
+        wait_for(lambda: c.status("j")["done"], timeout=60, what="A to run a job after the outage")
+        assert a.poll() is None
+    finally:
+        a.send_signal(signal.SIGTERM)
+        assert a.wait(60) == 0
+    ev = events(log)
+    assert [e["event"] for e in ev].count("redis_down") == 1
+    back = said(log, "redis_back")
+    assert len(back) == 1 and back[0]["probes"] >= 2 and back[0]["down_s"] > 2.5 and back[0]["rejoined"] == 0
+    assert not [e for e in ev if e["event"] in PER_RETRY]
+    assert Counter(json.loads(r)["worker"] for r in c.results("j")) == {"A": 20}
+
+
+def test_sigterm_while_redis_is_down_stops_within_the_drain_time_and_says_what_it_leaves(fresh_server, tmp_path):
+    log = tmp_path / "a.log"
+    c = client(fresh_server.url)
+    quick(c)
+    n = 48
+    c.submit([item(f"i{k:03d}", 10, max_tokens=400) for k in range(n)], "j")
+    a = start(fresh_server.url, "A", log, "--sim-time-scale", "1", "--drain-s", "2")
+    wait_for(lambda: c.r.xpending(MK.batches, K.GROUP)["pending"] >= 2, timeout=60, what="A to claim work")
+    fresh_server.kill()
+    wait_for(lambda: said(log, "redis_down"), timeout=60, what="A to notice")
+    t = time.monotonic()
+    a.send_signal(signal.SIGTERM)
+    assert a.wait(30) == 0
+    took = time.monotonic() - t
+    assert took < 2 + 4.0, took  # the drain time and the process's exit, not the server's return (9 s a call)
+    left = said(log, "left_pending")
+    assert len(left) == 1 and left[0]["batches"] >= 1 and left[0]["items"] >= left[0]["batches"]
+    assert not said(log, "deregistered")
+    # what it said it left is pending under its name: a restart under the name takes it back and
+    # finishes the job, every item once
+    fresh_server.start()
+    c = client(fresh_server.url)
+    assert c.r.xpending(MK.batches, K.GROUP)["pending"] == left[0]["batches"]
+    b = start(fresh_server.url, "A", tmp_path / "b.log", "--idle-exit", "1")
+    assert b.wait(60) == 0
+    assert said(tmp_path / "b.log", "took_back")[0]["batches"] == left[0]["batches"]
+    ids = Counter(json.loads(r)["id"] for r in c.results("j"))
+    assert ids == Counter(f"i{k:03d}" for k in range(n))
+
+
+def test_a_redis_that_comes_back_empty_is_joined_again_and_the_next_job_runs(fresh_server, tmp_path):
+    log = tmp_path / "a.log"
+    c = client(fresh_server.url)
+    quick(c)
+    c.submit([item(f"i{k:03d}", 10, max_tokens=400) for k in range(48)], "j")
+    a = start(fresh_server.url, "A", log, "--sim-time-scale", "1")
+    try:
+        wait_for(lambda: c.r.xpending(MK.batches, K.GROUP)["pending"] >= 2, timeout=60, what="A to claim work")
+        fresh_server.kill()
+        shutil.rmtree(fresh_server.dir / "appendonlydir")  # a new server on the same address: no keys
+        wait_for(lambda: said(log, "redis_down"), timeout=60, what="A to notice")
+        fresh_server.start()
+        wait_for(lambda: said(log, "redis_back"), timeout=60, what="A to come back")
+        back = said(log, "redis_back")[0]
+        # the batches it held went with the data: dropped, not written into the new server's streams
+        assert back["rejoined"] == 1 and back["dropped_batches"] >= 2
+        c = client(fresh_server.url)
+        assert c.r.hexists(MK.workers, "A") and c.r.exists(MK.heartbeat("A"))
+        assert [g["name"] for g in c.r.xinfo_groups(MK.batches)] == [K.GROUP.encode()]
+        quick(c)
+        c.submit([item(f"k{k:02d}", 10, max_tokens=8) for k in range(20)], "j2")
+        wait_for(lambda: c.status("j2")["done"], timeout=60, what="A to run a job on the new server")
+        assert a.poll() is None
+    finally:
+        a.send_signal(signal.SIGTERM)
+        assert a.wait(60) == 0
+    rows = [json.loads(r) for r in c.results("j2")]
+    assert Counter(r["id"] for r in rows) == Counter(f"k{k:02d}" for k in range(20))
+    assert not c.r.exists(MK.job("j"))  # nothing of the lost job was written back
+    assert [e["event"] for e in events(log)].count("redis_down") == 1
