@@ -118,6 +118,20 @@ def claim_finish_and_next(c: Conductor) -> Call:
     return claim_call()
 
 
+def claim_joins_a_deep_shape(c: Conductor) -> Call:
+    """A second live worker joins the deep shape the first one serves (the fleet counted from the
+    live registered workers: issue 24)."""
+    quick(c, budget_tokens=64, budget_items=4, activate_batches=1, quiet_ms=60000)
+    for w in ("w0", "w"):
+        c.r.set(MK.heartbeat(w), 1)
+        c.r.hset(MK.workers, w, "{}")
+    c.submit([item(f"a{i}", 10, prefix=("A",)) for i in range(40)], "j")
+    assert c.claim(contract(4, 64, max_input_len=4096), "w0")[0] is not None
+    call = claim_call(size=4, tokens=64)
+    call.check = lambda r: r.hget(MK.affinity, "w") == r.hget(MK.affinity, "w0")
+    return call
+
+
 def claim_aging_preempts(c: Conductor) -> Call:
     quick(c, budget_tokens=64, budget_items=4, quiet_ms=60000, aging_ms=0)
     c.submit([item(f"a{i}", 10 + i % 3 * 30, prefix=("A",)) for i in range(40)], "j")
@@ -531,7 +545,8 @@ def take_name_none_free(c: Conductor) -> Call:
 
 SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "claim": [claim_warming, claim_warmed_shape_activates, claim_reclaimed_part, claim_reclaimed_whole,
-              claim_finish_and_next, claim_aging_preempts, claim_hygiene_drains, claim_hygiene_retires_empty,
+              claim_finish_and_next, claim_joins_a_deep_shape, claim_aging_preempts, claim_hygiene_drains,
+              claim_hygiene_retires_empty,
               claim_hygiene_big_lane, claim_reindexes, claim_enters_cleanup, claim_leaves_cleanup],
     "submit": [submit_new_shapes, submit_leaves_cleanup_reuses_lane, submit_known_shape_without_prefix,
                submit_from_store],
