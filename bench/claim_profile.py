@@ -1,15 +1,16 @@
-"""Where claim.lua spends its server time: the phases of one claim.
+"""Where claim.lua spends its server time: the functions of one claim.
 
     .venv/bin/python bench/claim_profile.py [--backlog 30000] [--claims 400]
 
-Runs an instrumented COPY of lua/claim.lua (the file is never changed) against a private
-redis-server: TIME marks between the phases of one claim (argument checks, config, the
-model's state, the reclaimed queue, the gate, the shape instance, the aging and hygiene sweep
-(most claims skip it), the lane pick, reading the lane's token list and packing, SORT ... STORE
-of the items into the batch list, the two LTRIMs, lane and instance counters, XADD of the batch
-entry, the delivering XCLAIM, the model's counters). Each TIME mark costs 2-3 us itself, so the
-phases add up to more than the script's time as it ships; the uninstrumented script is timed in
-the same run (SLOWLOG) for reference.
+Runs an instrumented COPY of claim.lua as it is loaded (its includes inlined; the files are never
+changed) against a private redis-server: every function the includes define, but the small
+helpers called per item or per field (SMALL), is wrapped so that it adds its time (TIME before
+and after) and its calls to a table, and the script's own top-level code runs as one function
+whose reply carries that table. Nothing is cut at text anchors inside a function: the copy
+follows claim.lua and its includes as they change (a new function is timed, a removed one
+drops out of the table). A wrapped function's time includes the functions it calls; each TIME
+costs 2-3 us itself, so the copy's figures add up to more than the script as it ships, which is
+timed in the same run (SLOWLOG) for reference.
 
 Schema 1 (lanes as streams of fields, the batch as a msgpack blob built in Lua) was profiled
 the same way before this layout replaced it: bench/RESULTS.md keeps those figures.
@@ -18,6 +19,7 @@ the same way before this layout replaced it: bench/RESULTS.md keeps those figure
 from __future__ import annotations
 
 import argparse
+import re
 import secrets
 import sys
 from pathlib import Path
@@ -28,56 +30,71 @@ if __package__ in (None, ""):
 import redis  # noqa: E402
 
 from bench.common import median  # noqa: E402
-from conductor import keys as K  # noqa: E402
+from bench.workload import make_items  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
-from conductor.scripts import source  # noqa: E402
+from conductor.redis_contract import keys as K  # noqa: E402
+from conductor.redis_contract.scripts import source  # noqa: E402
 
 MODEL = "bench"
+WHOLE = "claim.lua, whole (instrumented)"
 
-MARK = ("local TT = {}\nlocal function mark(n) local t = redis.call('TIME'); TT[#TT + 1] = n; "
-        "TT[#TT + 1] = tonumber(t[1]) * 1000000 + tonumber(t[2]) end\nmark('start')\n")
+# Helpers called per item, per lane field or per argument: timing them would time the TIME calls.
+SMALL = {"num", "pad8", "int_in", "now_ms", "hmget_named", "json_str", "u64_ok", "stream_id_ok", "id_cmp",
+         "lane_weight", "lane_is_ready", "inst_key", "alive", "fits", "item_record", "index_version", "push_all"}
 
-# (anchor, replacement) pairs; each anchor must occur exactly once in claim.lua.
-INSTRUMENT = [
-    ("local cfg = load_cfg(cfg_key, CLAIM_CFG)\n",
-     "mark('argument checks')\nlocal cfg = load_cfg(cfg_key, CLAIM_CFG)\nmark('load_cfg')\n"),
-    ("local warming_now = st[11] or ''\n", "local warming_now = st[11] or ''\nmark('model state read')\n"),
-    ("local head = num(st[6]) > 0 and redis.call('LINDEX', reclaimed_key, 0)\n",
-     "local head = num(st[6]) > 0 and redis.call('LINDEX', reclaimed_key, 0)\nmark('reclaimed queue')\n"),
-    ("local cleanup = st[5] == '1'\n", "mark('gate')\nlocal cleanup = st[5] == '1'\n"),
-    ("  local ik = inst_key(active)\n  local ist = info[1]\n",
-     "  mark('instance read')\n  local ik = inst_key(active)\n  local ist = info[1]\n"),
-    ("  -- Full batch: round-robin", "  mark('aging and hygiene sweep')\n  -- Full batch: round-robin"),
-    ("  local meta = redis.call('HMGET', mk, 'rep', 'last_ms', 'items', 'tokens')\n",
-     "  mark('lane pick')\n  local meta = redis.call('HMGET', mk, 'rep', 'last_ms', 'items', 'tokens')\n"),
-    ("  if k == 0 then return nil end\n", "  mark('token list read, packing')\n  if k == 0 then return nil end\n"),
-    ("  redis.call('LTRIM', lk, k, -1)\n", "  mark('SORT BY nosort STORE')\n  redis.call('LTRIM', lk, k, -1)\n"),
-    ("  -- Counters are read once and written once per hash (see deliver).\n",
-     "  mark('LTRIM lane and tokens')\n  -- Counters are read once and written once per hash (see deliver).\n"),
-    ("  local sig, ep = string.match(inst",
-     "  mark('lane and instance counters')\n  local sig, ep = string.match(inst"),
-    ("  redis.call('XCLAIM', batches_key, 'workers', consumer, 0, bid, 'FORCE', 'JUSTID')\n",
-     "  mark('XADD batch entry')\n"
-     "  redis.call('XCLAIM', batches_key, 'workers', consumer, 0, bid, 'FORCE', 'JUSTID')\n"
-     "  mark('XCLAIM deliver')\n"),
-    ("  return {1, bid, sig, ep, lane, pad8(maxlen), now, flags, dv, n, warming_now}",
-     "  mark('model counters')\n  return {1, bid, sig, ep, lane, pad8(maxlen), now, flags, dv, n, warming_now, TT}"),
-]
+_PROFILER = r"""
+local PROF_US, PROF_N = {}, {}
+local function prof_now()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local function prof_pack(...) return {n = select('#', ...), ...} end
+local function timed(name, f)
+  return function(...)
+    local t0 = prof_now()
+    local r = prof_pack(f(...))
+    PROF_US[name] = (PROF_US[name] or 0) + prof_now() - t0
+    PROF_N[name] = (PROF_N[name] or 0) + 1
+    return unpack(r, 1, r.n)
+  end
+end
+"""
 
 
-def instrumented(src: str) -> str | None:
-    for anchor, new in INSTRUMENT:
-        if src.count(anchor) != 1:
-            return None
-        src = src.replace(anchor, new)
-    first = src.index("local base, cfg_key")
-    return src[:first] + MARK + src[first:]
+def main_line(claim_lua: str) -> str:
+    """The first line of claim.lua's own code: past its shebang, header comments and includes."""
+    for line in claim_lua.splitlines():
+        if line.strip() and not line.startswith(("#!", "--")):
+            return line
+    raise RuntimeError("claim.lua has no code")
+
+
+def timed_functions(src: str) -> list[str]:
+    """The functions the copy times: every local function of the includes but the small helpers."""
+    return [f for f in re.findall(r"^local function (\w+)", src, re.M) if f not in SMALL]
+
+
+def instrumented(src: str, first: str) -> str:
+    """``src`` (claim.lua with its includes inlined) with its functions timed and its own code
+    run as one function whose batch reply gets the profile appended: [names, us, calls]."""
+    at = src.index(first + "\n")
+    wraps = "".join(f"{f} = timed('{f}', {f})\n" for f in timed_functions(src[:at]))
+    main = src[at:]
+    return (src[:at] + _PROFILER + wraps
+            + "local function prof_main()\nlocal prof_t0 = prof_now()\nlocal r = (function()\n" + main
+            + "\nend)()\nPROF_US['" + WHOLE + "'] = prof_now() - prof_t0\nreturn r\nend\n"
+            + "local reply = prof_main()\n"
+            + "if type(reply) == 'table' and reply[1] == 1 then\n"
+            + "  local names, us, calls = {}, {}, {}\n"
+            + "  for k, v in pairs(PROF_US) do names[#names + 1] = k; us[#us + 1] = v; calls[#calls + 1] = "
+            + "PROF_N[k] or 1 end\n"
+            + "  reply[#reply + 1] = {names, us, calls}\n"
+            + "end\nreturn reply\n")
 
 
 def backlog(r: redis.Redis, n: int) -> None:
     """``n`` items of about 300 bytes in one shape, dispatchable at once."""
-    from bench.submit_claim import make_items
     c = Conductor(r)
     c.set_config(MODEL, {"release_batches": 0, "activate_batches": 0, "quiet_ms": 600_000,
                          "budget_tokens": 64 * 512, "budget_items": 64})
@@ -96,9 +113,7 @@ def profile(r: redis.Redis, n: int, claims: int, log=print) -> dict[str, object]
     """The instrumented copy and claim.lua as is claim from one backlog, call by call in turn;
     phases are medians of the marks, the script's own time is SLOWLOG's median."""
     src = source("claim")
-    body = instrumented(src)
-    if body is None:
-        raise RuntimeError("claim.lua no longer has the lines the instrumented copy marks: update INSTRUMENT")
+    body = instrumented(src, main_line((Path(__file__).resolve().parent.parent / "lua" / "claim.lua").read_text()))
     r.flushall()
     r.script_flush()
     backlog(r, max(n, 3 * (claims + 10) * 64))  # two claims per turn, and lanes left ready to the end
@@ -111,6 +126,7 @@ def profile(r: redis.Redis, n: int, claims: int, log=print) -> dict[str, object]
     r.config_set("slowlog-log-slower-than", 0)
     r.config_set("slowlog-max-len", cap)
     phases: dict[str, list[float]] = {}
+    calls: dict[str, list[float]] = {}
     as_is: list[float] = []
     for i in range(claims + 10):
         r.slowlog_reset()
@@ -122,12 +138,15 @@ def profile(r: redis.Redis, n: int, claims: int, log=print) -> dict[str, object]
         if i < 10:
             continue  # warm-up
         as_is += took
-        tt = reply_i[-1]
-        for j in range(2, len(tt), 2):
-            phases.setdefault(tt[j].decode(), []).append(float(tt[j + 1] - tt[j - 1]))
+        names, us, n = reply_i[-1]
+        for name, t, k in zip(names, us, n, strict=True):
+            phases.setdefault(name.decode(), []).append(float(t))
+            calls.setdefault(name.decode(), []).append(float(k))
     r.config_set("slowlog-log-slower-than", old.get("slowlog-log-slower-than", 10000))
     r.config_set("slowlog-max-len", old.get("slowlog-max-len", 128))
-    out = {"phases": {k: median(v) for k, v in phases.items()}, "as_is_us": median(as_is), "claims": claims}
+    ordered = sorted(phases, key=lambda k: (k != WHOLE, -median(phases[k])))
+    out = {"phases": {k: median(phases[k]) for k in ordered}, "calls": {k: median(calls.get(k, [1])) for k in ordered},
+           "as_is_us": median(as_is), "claims": claims}
     for k, v in out["phases"].items():  # type: ignore[union-attr]
         log(f"  {k:32s} {v:6.0f} us")
     log(f"  claim.lua as is, server time per call (SLOWLOG p50): {out['as_is_us']:.0f} us")
@@ -136,11 +155,13 @@ def profile(r: redis.Redis, n: int, claims: int, log=print) -> dict[str, object]
 
 def as_markdown(res: dict[str, object]) -> str:
     phases: dict[str, float] = res["phases"]  # type: ignore[assignment]
-    total = sum(phases.values())
-    lines = ["| phase of one claim (instrumented copy) | median us | share |", "|---|---|---|"]
+    calls: dict[str, float] = res["calls"]  # type: ignore[assignment]
+    whole = phases.get(WHOLE) or 1.0
+    lines = ["| function of one claim (instrumented copy; time includes what it calls) | calls | median us "
+             "| share of the whole |", "|---|---|---|---|"]
     for k, v in phases.items():
-        lines.append(f"| {k} | {v:.0f} | {v / total:.0%} |")
-    lines += ["", f"Sum of the phases {total:.0f} us (each mark adds 2-3 us); claim.lua as is, same run: "
+        lines.append(f"| {k} | {calls.get(k, 1):.0f} | {v:.0f} | {v / whole:.0%} |")
+    lines += ["", f"Each timed call adds 2-3 us (two TIME calls); claim.lua as is, same run: "
               f"**{res['as_is_us']:.0f} us** server time per call (SLOWLOG median of {res['claims']} calls)."]
     return "\n".join(lines)
 

@@ -18,11 +18,13 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import median  # noqa: E402
-from bench.submit_claim import make_items  # noqa: E402
+from bench.workload import make_items  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.embedded import EmbeddedCluster, EmbeddedRedis  # noqa: E402
-from conductor.formats import PreparedItem  # noqa: E402
-from conductor.records import Contract  # noqa: E402
+from conductor.redis_contract.records import (
+    Contract,  # noqa: E402
+    PreparedItem,  # noqa: E402
+)
 
 MODEL = "kilo"
 

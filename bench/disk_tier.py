@@ -1,4 +1,4 @@
-"""Issue 18's figures: the disk tier (conductor/tier.py).
+"""Issue 18's figures: the disk tier (conductor/tier/spill.py).
 
     .venv/bin/python -m bench.disk_tier                 # full run (1e9 tokens), rewrites its RESULTS.md section
     .venv/bin/python -m bench.disk_tier --quick         # small sizes, prints only
@@ -32,15 +32,16 @@ import time
 from pathlib import Path
 
 from bench.common import command_line, git_rev, machine, now_utc, table, write_section
-from bench.submit_claim import make_items, run_xadd
-from conductor import keys as K
+from bench.submit_claim import run_xadd
+from bench.workload import make_items
 from conductor.client import Conductor
 from conductor.embedded import EmbeddedRedis
-from conductor.formats import PreparedItem, parse_line
-from conductor.records import Contract, Result
-from conductor.results_store import offload_model
-from conductor.store import Store
-from conductor.tier import Feeder
+from conductor.intake.formats import parse_line
+from conductor.redis_contract import keys as K
+from conductor.redis_contract.records import Contract, PreparedItem, Result
+from conductor.tier.feeder import Feeder
+from conductor.tier.object_store import Store
+from conductor.tier.result_segments import offload_model
 
 MODEL = "bench"
 # resident_tokens for the per-item figures: items of ~150 tokens, so segments (a quarter of the

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import command_line, machine, now_utc, table, write_section  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
-from conductor.formats import from_native  # noqa: E402
+from conductor.intake.formats import from_native  # noqa: E402
 
 QUICK = {"quiet_ms": 50, "release_batches": 0, "activate_batches": 0}
 MODEL = "m"
@@ -42,7 +42,7 @@ def engine_flags(a: argparse.Namespace) -> list[str]:
 
 def direct_worker(url: str, name: str, batch: int, time_scale: float) -> None:
     """One direct worker (a subprocess of the benchmark), instrumented for claim-to-engine."""
-    from conductor.records import Batch, BatchItem, Contract
+    from conductor.redis_contract.records import Batch, BatchItem, Contract
     from conductor.workers.engines.base import Finished
     from conductor.workers.engines.sim import SimEngine
     from conductor.workers.worker import Worker, WorkerOptions

@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common import command_line, machine, median, now_utc, pct, table, write_section  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
+from conductor.client.request import RequestClient  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
-from conductor.formats import from_native  # noqa: E402
-from conductor.request import RequestClient  # noqa: E402
+from conductor.intake.formats import from_native  # noqa: E402
 from conductor.workers.engines.sim import SimEngine  # noqa: E402
 from conductor.workers.worker import Worker, WorkerOptions  # noqa: E402
 
@@ -38,7 +38,7 @@ def cpu(r) -> float:  # noqa: ANN001
     return float(i["used_cpu_sys"]) + float(i["used_cpu_user"])
 
 
-def idle_fleet(url: str, n: int, wake: str, seconds: float) -> dict:
+def idle_fleet(url: str, n: int, wake: str, seconds: float, wakes: int = 15, settle_s: float = 3.0) -> dict:
     r = connect(url)
     r.flushall()
     Conductor(r).set_config("m", QUICK)
@@ -47,7 +47,7 @@ def idle_fleet(url: str, n: int, wake: str, seconds: float) -> dict:
     threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
     for t in threads:
         t.start()
-    time.sleep(3 + n / 50)  # registered, past start-up
+    time.sleep(settle_s + n / 50)  # registered, past start-up
     r.config_resetstat()
     c0, t0 = cpu(r), time.monotonic()
     time.sleep(seconds)
@@ -57,7 +57,7 @@ def idle_fleet(url: str, n: int, wake: str, seconds: float) -> dict:
     # wake-up: one item submitted (and sealed) to the idle fleet, submit to claim on Redis's clock
     c = Conductor(r)
     lat = []
-    for k in range(15):
+    for k in range(wakes):
         s, us = r.time()
         at = s * 1000 + us / 1000
         c.submit([from_native({"id": f"x{k}", "model": "m", "prompt": "p", "max_tokens": 4})], "wake", seal=True)
@@ -124,6 +124,8 @@ def main() -> None:
     ap.add_argument("--fleets", default="20,200")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--requests", type=int, default=500)
+    ap.add_argument("--wakes", type=int, default=15, help="wake-ups measured per fleet (the median is reported)")
+    ap.add_argument("--settle-s", type=float, default=3.0, help="seconds for a fleet to register before measuring")
     ap.add_argument("--write-results", action="store_true")
     args = ap.parse_args()
     srv = EmbeddedRedis().start()
@@ -133,7 +135,7 @@ def main() -> None:
         rows = []
         for n in (int(x) for x in args.fleets.split(",")):
             for wake in ("poll", "bell"):
-                f = idle_fleet(srv.url, n, wake, args.seconds)
+                f = idle_fleet(srv.url, n, wake, args.seconds, args.wakes, args.settle_s)
                 print(f, flush=True)
                 rows.append([n, "poll (back-off to 50 ms)" if wake == "poll" else "doorbell (BLPOP)",
                              f"{f['cmds_s']:.0f}", f"{f['per_worker']:.1f}", f"{f['scripts_per_worker']:.1f}",
@@ -147,7 +149,7 @@ def main() -> None:
             f"Run: {now_utc()}; {where}.  \nIdle workers are threads of the benchmark's process (one "
             f"Conductor and connection each, sim engine, model thresholds quiet_ms=50); Redis's side is "
             f"measured over {args.seconds:g} s idle (INFO commandstats, used_cpu_sys+user). Wake-up: "
-            f"one sealed item submitted to the idle fleet, median over 15 of claimed_at minus the "
+            f"one sealed item submitted to the idle fleet, median over {args.wakes} of claimed_at minus the "
             f"submit's start, both on Redis's clock. The lease holder's maintenance sweep (1 s timer: "
             f"reclaim sweep, thrash alarm, retention) is part of every row.\n\n"
             + table(["idle workers", "wait", "commands/s (INFO commandstats: with those scripts run inside Redis)",

@@ -26,8 +26,8 @@ if __package__ in (None, ""):
 from bench.common import command_line, git_rev, machine, median, now_utc, table, write_section  # noqa: E402
 from bench.suite import Record, SuiteConfig, batch_fill, figures, run_conductor, run_peer  # noqa: E402
 from bench.workload import WorkloadSpec, generate  # noqa: E402
-from conductor import keys as K  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
+from conductor.redis_contract import keys as K  # noqa: E402
 
 
 def lifecycle_figures(rec: Record, cfg: SuiteConfig, state: dict[str, str], shapes: int) -> dict[str, float]:

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import random
 import secrets
 import sys
 import time
@@ -36,29 +34,16 @@ if __package__ in (None, ""):
 import redis  # noqa: E402
 
 from bench.common import command_line, git_rev, machine, median, now_utc, pct, table, write_section  # noqa: E402
-from conductor import keys as K  # noqa: E402
+from bench.workload import make_items  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
-from conductor.formats import PreparedItem, parse_line  # noqa: E402
-from conductor.records import Contract  # noqa: E402
+from conductor.redis_contract import keys as K  # noqa: E402
+from conductor.redis_contract.records import (
+    Contract,  # noqa: E402
+    PreparedItem,  # noqa: E402
+)
 
 MODEL = "bench"
-PROMPT_BYTES = 280  # body = JSON [prompt, null]: about 290 bytes, plus id/job/tok/mt fields
-
-
-def make_items(n: int, *, shapes: int, seed: int, tag: str, mu: float = 5.0, sigma: float = 0.5) -> list[PreparedItem]:
-    """``n`` items of about 300 bytes over ``shapes`` shapes, lognormal input lengths."""
-    rng = random.Random(seed)
-    alphabet = "abcdefghijklmnopqrstuvwxyz "
-    prefixes = [[f"You are assistant number {s}. " + "Follow the house style. " * 8] for s in range(shapes)]
-    out = []
-    for i in range(n):
-        prompt = "".join(rng.choice(alphabet) for _ in range(16)) * (PROMPT_BYTES // 16)
-        tok = max(1, min(4000, int(rng.lognormvariate(mu, sigma))))
-        out.append(parse_line(json.dumps({
-            "id": f"{tag}-{i:07d}", "model": MODEL, "prefix": prefixes[i % shapes], "prompt": prompt,
-            "input_tokens": tok, "max_tokens": 64})))
-    return out
 
 
 def server_stats(r: redis.Redis) -> dict[str, dict]:
@@ -325,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         why = None
         if not (args.quick or args.no_why):
             from bench import claim_profile, submit_profile
-            from conductor.client import SUBMIT_CHUNK
+            from conductor.client.submit_stream import SUBMIT_CHUNK
             r.flushall()
             why = {"submit": submit_profile.profile(r, 20_000, 3, SUBMIT_CHUNK, shapes=args.shapes),
                    "claim": claim_profile.profile(r, 0, 400)}

@@ -26,23 +26,28 @@ if __package__ in (None, ""):
 import redis  # noqa: E402
 
 from bench.common import median  # noqa: E402
-from conductor.client import Conductor, _grouped_by_shape, _submit_args, connect  # noqa: E402
+from bench.workload import make_items  # noqa: E402
+from conductor.client import Conductor, connect  # noqa: E402
+from conductor.client.submit_stream import grouped_by_shape  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
-from conductor.scripts import source  # noqa: E402
+from conductor.redis_contract.script_calls import submit_args  # noqa: E402
+from conductor.redis_contract.scripts import source  # noqa: E402
 
-# name -> (anchor, replacement) pairs; each anchor must occur once in submit.lua.
+# name -> (anchor, replacement) pairs; each anchor must occur once in submit.lua as loaded (its
+# includes inlined). A copy whose anchor is gone is skipped and named; tests/test_bench_smoke.py
+# fails then, so the cuts follow the script.
 CUTS = {
     "no lane counters": [("  for _, lane in ipairs(ctx.order) do\n", "  for _, lane in ipairs({}) do\n")],
-    "no dedupe": [("local known = redis.call('HMGET', job_items, unpack(ids))\n", "local known = {}\n"),
-                  ("for s = 1, #fresh, 2000 do\n", "for s = 1, 0, 2000 do\n")],
-    "no content sums": [("  local sum = string.sub(redis.sha1hex(ARGV[o] .. ARGV[o + 1]), 1, 16)\n",
-                         "  local sum = ''\n"),
+    "no dedupe": [("  local known = redis.call('HMGET', job_sums, unpack(ids))\n", "  local known = {}\n"),
+                  ("for s = 1, #fresh_sums, 2000 do\n", "for s = 1, 0, 2000 do\n")],
+    "no content sums": [("    local sum = string.sub(redis.sha1hex(argv[o] .. argv[o + 1]), 1, 16)\n",
+                         "    local sum = ''\n"),
                         ("  redis.call('HSET', job_sums, unpack(fresh_sums, s, math.min(s + 1999, #fresh_sums)))\n",
                          "")],
     "no lane appends": [("    redis.call('RPUSH', base .. ':lane:' .. ctx.inst .. ':' .. lane, unpack(t.recs))\n"
                          "    redis.call('RPUSH', base .. ':lanetok:' .. ctx.inst .. ':' .. lane, unpack(t.toks))\n",
                          "")],
-    "no lane choice": [("    local lane, rep = choose_lane(ctx, tok)\n", "    local lane, rep = '0', tok\n")],
+    "no lane choice": [("    local lane, rep = choose_lane(cfg, ctx, tok)\n", "    local lane, rep = '0', tok\n")],
     "record decoded twice": [("  local ok, d = pcall(cjson_decode, rec)\n",
                               "  local ok, d = pcall(cjson_decode, rec)\n  ok, d = pcall(cjson_decode, rec)\n")],
 }
@@ -69,9 +74,8 @@ def profile(r: redis.Redis, n: int, reps: int, chunk: int, shapes: int = 20, log
     """Each copy submits the same items to its own model on one server, call by call in turn, so
     load on the machine hits them alike; server time per call comes from SLOWLOG (threshold 2 ms),
     grouped by script sha, per item. ``extra`` adds named copies (full script sources)."""
-    from bench.submit_claim import make_items
     # Conductor.submit sends a model's items grouped by shape: so do the copies.
-    items = _grouped_by_shape(make_items(n, shapes=shapes, seed=1, tag="s"))
+    items = grouped_by_shape(make_items(n, shapes=shapes, seed=1, tag="s"))
     srcs, skipped = copies()
     srcs.update(extra or {})
     names = list(srcs)
@@ -92,7 +96,7 @@ def profile(r: redis.Redis, n: int, reps: int, chunk: int, shapes: int = 20, log
             r.config_set("slowlog-max-len", cap)
             r.slowlog_reset()
             for c, s in enumerate(range(0, n, chunk)):
-                args = _submit_args("j", items[s:s + chunk])
+                args = submit_args("j", items[s:s + chunk])
                 for name in names[c % len(names):] + names[:c % len(names)]:
                     scripts[name](keys=keys[name], args=args)
             by_sha = {sc.sha: k for k, sc in scripts.items()}

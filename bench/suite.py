@@ -54,11 +54,15 @@ from bench.oracle import Item, OracleClock, OracleSource, Plan, sim_work  # noqa
 from bench.oracle import plan as oracle_plan  # noqa: E402
 from bench.workload import Workload, WorkloadSpec, generate  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
-from conductor.config import parse_value  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
-from conductor.formats import PreparedItem  # noqa: E402
-from conductor.packing import fits, pad8  # noqa: E402
-from conductor.records import Batch, BatchItem, result_decoder  # noqa: E402
+from conductor.redis_contract.config import parse_value  # noqa: E402
+from conductor.redis_contract.packing import fits, pad8  # noqa: E402
+from conductor.redis_contract.records import (  # noqa: E402
+    Batch,
+    BatchItem,
+    PreparedItem,  # noqa: E402
+    result_decoder,
+)
 from conductor.workers.engines.sim import SimEngine  # noqa: E402
 from conductor.workers.latch import AdmissionLatch  # noqa: E402
 from conductor.workers.worker import Worker, WorkerOptions  # noqa: E402
@@ -66,7 +70,7 @@ from conductor.workers.worker import Worker, WorkerOptions  # noqa: E402
 IDLE_QUANTUM = 0.002  # simulated seconds an idle worker waits before it looks again
 SYSTEMS = ("rq", "stream", "oracle", "conductor", "conductor-tuned")
 CONDUCTORS = ("conductor", "conductor-tuned")
-# Tighter lanes than the defaults (conductor/config.py: lane_floor 0, lane_thr_min 0.003): less padding,
+# Tighter lanes than the defaults (conductor/redis_contract/config.py: lane_floor 0, lane_thr_min 0.003): less padding,
 # at the price of more lanes per shape.
 TUNED_CFG: dict[str, Any] = {"lane_floor": 0, "lane_thr_min": 0.001}
 
@@ -794,7 +798,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-write", action="store_true", help="print only; RESULTS.md and plots untouched")
     p.add_argument("--json", help="also write the figures as JSON to this file")
     p.add_argument("--conductor-cfg", default="", metavar="K=V,...",
-                   help="model config fields for the conductor (conductor/config.py), e.g. lane_floor=8")
+                   help="model config fields for the conductor (conductor/redis_contract/config.py), e.g. lane_floor=8")
     args = p.parse_args(argv)
     spec = WorkloadSpec(items=5_000 if args.quick else 200_000, shapes=20 if args.quick else 50,
                         arrival=args.arrival, rate=args.rate, seed=args.seed)

@@ -2,7 +2,7 @@
 
 * Shapes: ``shapes`` cacheable prefixes (a system prompt plus a few-shot block) of 200 to
   3,000 tokens each (uniform), with Zipf popularity (weight of the shape of rank r is r^-s).
-  Prefix text is 4 bytes per token, so ``conductor.formats.estimate_tokens`` (what the sim
+  Prefix text is 4 bytes per token, so ``conductor.intake.formats.estimate_tokens`` (what the sim
   engine uses to price a prefix) gives back the intended count.
 * Input length of an item: its shape's prefix tokens plus a lognormal suffix (``suffix_mu``,
   ``suffix_sigma``, in log tokens), capped at ``max_suffix``.
@@ -22,9 +22,9 @@ import random
 import sys
 from dataclasses import dataclass, field
 
-from conductor.formats import PreparedItem
-from conductor.records import json_encoder
-from conductor.signature import shape_signature
+from conductor.intake.formats import parse_line
+from conductor.intake.signature import shape_signature
+from conductor.redis_contract.records import PreparedItem, json_encoder
 
 _WORDS = ("the model reads each record and answers in the house style with a short label and a reason "
           "given below as examples of good and bad answers for this task").split()
@@ -108,6 +108,27 @@ def generate(spec: WorkloadSpec) -> Workload:
                                   body=json_encoder.encode([prompt, None]), prefix=sh.prefix))
     arrival = [0.0] * len(items) if spec.arrival == "backlog" else [i / spec.rate for i in range(len(items))]
     return Workload(spec=spec, shapes=shapes, items=items, arrival_s=arrival)
+
+
+PROMPT_BYTES = 280  # body = JSON [prompt, null]: about 290 bytes, plus id/job/tok/mt fields
+
+
+def make_items(n: int, *, shapes: int, seed: int, tag: str, mu: float = 5.0, sigma: float = 0.5,
+               model: str = "bench") -> list[PreparedItem]:
+    """``n`` items of about 300 bytes over ``shapes`` shapes, lognormal input lengths: the small-item
+    workload of the submit and claim benchmarks (bench/submit_claim.py, its profiles, the disk tier's
+    and the cluster claim's)."""
+    rng = random.Random(seed)
+    alphabet = "abcdefghijklmnopqrstuvwxyz "
+    prefixes = [[f"You are assistant number {s}. " + "Follow the house style. " * 8] for s in range(shapes)]
+    out = []
+    for i in range(n):
+        prompt = "".join(rng.choice(alphabet) for _ in range(16)) * (PROMPT_BYTES // 16)
+        tok = max(1, min(4000, int(rng.lognormvariate(mu, sigma))))
+        out.append(parse_line(json.dumps({
+            "id": f"{tag}-{i:07d}", "model": model, "prefix": prefixes[i % shapes], "prompt": prompt,
+            "input_tokens": tok, "max_tokens": 64})))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,5 +1,5 @@
 import sys
 
-from conductor.cli import main
+from conductor.cli.main import main
 
 sys.exit(main())

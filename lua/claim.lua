@@ -63,7 +63,7 @@ local now = now_ms()
 -- script runs once per batch. Only this script writes these counters while it runs (scripts
 -- are atomic), so deliver() writes them back from these values.
 local STATE = {'gate', 'cleanup_since_ms', 'cleanup', 'reclaimed_items', 'inflight_batches', 'inflight_items',
-  'batches', 'warming', 'sweep_ms', 'paused', 'active'}
+  'batches', 'warming', 'sweep_ms', 'paused'}
 local st = hmget_named(state_key, STATE)
 -- The waiting counters and intake times live in the producer's hash (M:intake, which
 -- deploy/redis/users.acl lets a producer write; M:state it may only read).
@@ -101,11 +101,6 @@ local quiet = quiet_since(c, num(intake.last_intake_ms))
 c.quiet = quiet
 local shut = gate_shut(c, waiting, quiet)
 if shut then return shut end
--- Before several instances could be active, the state hash named the one active instance.
-if st.active and st.active ~= '' then
-  redis.call('ZADD', c.active_key, now, st.active)
-  redis.call('HDEL', state_key, 'active')
-end
 -- 3. The worker's instance (M:affinity), else the next one (lib_lifecycle.lua pick_next),
 --    entering cleanup when nothing normal is ready and intake went quiet.
 -- A pass that does not return a batch or a reason has emptied its instance and finished it;

@@ -58,18 +58,8 @@ for i = 1, #ARGV do
     local tok = tonumber(f.tok)
     local rec = f.it
     if not rec then
-      -- Entries written under key schema 1 hold the body ('d') instead of the item record ('it').
-      -- Schema 1 also took bodies with leading space or a third element: those are re-encoded
-      -- from their first two elements to make a record tail (as migrations/0002 does).
-      local body = f.d
-      local dok, dec = pcall(cjson.decode, body or '')
-      if not dok or type(dec) ~= 'table' or not tok or not tonumber(f.mt) then
-        return redis.error_reply('ERR_STATE dead entry ' .. ARGV[i] .. ' holds no readable item: nothing written')
-      end
-      if string.byte(body, 1) ~= 91 or #dec > 2 then
-        body = cjson.encode({dec[1], dec[2] == nil and cjson.null or dec[2]})
-      end
-      rec = item_record(f.id, f.job, tok, f.mt, body)
+      -- migrations/0004 gave every schema-1 entry its item record; one it could not read has none
+      return redis.error_reply('ERR_STATE dead entry ' .. ARGV[i] .. ' holds no readable item: nothing written')
     end
     if not tok then
       return redis.error_reply('ERR_STATE dead entry ' .. ARGV[i] .. ' has no input tokens: nothing written')

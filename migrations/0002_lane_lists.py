@@ -3,7 +3,7 @@
 Stop every worker (and every submitter) before ``conductor migrate``: schema-1 workers would
 claim from lanes this migration rewrites, and schema-2 workers refuse a Redis still at 1.
 
-Per model (``SMEMBERS cdr:models``, ``M`` = ``cdr:{model}``, layout in conductor/keys.py):
+Per model (``SMEMBERS cdr:models``, ``M`` = ``cdr:{model}``, layout in conductor/redis_contract/keys.py):
 
 * every lane stream ``M:lane:S:E:L`` (entries with fields id job tok mt d, ``d`` = body JSON
   ``[prompt, payload]``) becomes a LIST of item records ``[id, job, tok, mt, prompt, payload]``
@@ -29,7 +29,7 @@ from redis.commands.core import Script
 
 VERSION = 2
 
-# Key names are spelled out here rather than taken from conductor/keys.py: a migration moves
+# Key names are spelled out here rather than taken from conductor/redis_contract/keys.py: a migration moves
 # one fixed layout to the next and must not follow later renames.
 GROUP = "workers"
 # Only keys of this exact shape are lanes: lane:<sig 16 hex>:<epoch>:<lane id>.

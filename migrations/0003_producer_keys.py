@@ -3,7 +3,7 @@ write access to its own keys only (deploy/redis/users.acl; issue 13's least priv
 
 Stop every worker and producer before ``conductor migrate``.
 
-Per model (``SMEMBERS cdr:models``, ``M`` = ``cdr:{model}``, layout in conductor/keys.py):
+Per model (``SMEMBERS cdr:models``, ``M`` = ``cdr:{model}``, layout in conductor/redis_contract/keys.py):
 
 * the producer's fields of ``M:state`` (tokens, items, submitted, last_intake_ms, sealed_ms)
   move to the new hash ``M:intake``;
@@ -24,7 +24,7 @@ import redis
 
 VERSION = 3
 
-# Key names are spelled out here rather than taken from conductor/keys.py: a migration moves
+# Key names are spelled out here rather than taken from conductor/redis_contract/keys.py: a migration moves
 # one fixed layout to the next and must not follow later renames.
 _STATE_FIELDS = ("tokens", "items", "submitted", "last_intake_ms", "sealed_ms")
 _JOB_FIELDS = ("declared", "submitted", "submitted_tokens")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from conductor import keys as K
 from conductor.client import Conductor
-from conductor.records import Batch, Contract, Result
+from conductor.redis_contract import keys as K
+from conductor.redis_contract.records import Batch, Contract, Result
 
 MK = K.ModelKeys("m")  # the keys of model "m", the model most tests use
 
@@ -18,7 +18,7 @@ def contract(size: int = 64, tokens: int = 8192, *, model: str = "m", max_input_
 
 
 def results_for(batch: Batch, worker: str = "w", error: bool = False) -> list[Result]:
-    from conductor.records import ResultError
+    from conductor.redis_contract.records import ResultError
     return [Result(id=i.id, model=batch.model, job=i.job, output="out", output_tokens=1,
                    error=ResultError("boom", "x") if error else None, shape=batch.shape, epoch=batch.epoch,
                    lane=batch.lane, batch=batch.batch_id, batch_size=len(batch.items),

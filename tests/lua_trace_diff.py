@@ -20,7 +20,7 @@ import redis
 
 from conductor.client import Conductor
 from conductor.embedded import EmbeddedRedis
-from conductor.scripts import GENERATED, _read, expand
+from conductor.redis_contract.scripts import GENERATED, _read, expand
 from tests import script_harness as H
 
 _NORM = re.compile(r"\b\d{13}(-\d+)?\b")

@@ -14,7 +14,7 @@ import signal
 import sys
 
 from conductor.client import Conductor
-from conductor.records import Batch, BatchItem
+from conductor.redis_contract.records import Batch, BatchItem
 from conductor.workers.engines.base import Finished
 from conductor.workers.engines.sim import SimEngine
 from conductor.workers.worker import Worker, WorkerOptions

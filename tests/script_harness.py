@@ -18,11 +18,11 @@ from typing import Any
 
 import redis
 
-from conductor import keys as K
-from conductor import scripts
 from conductor.client import Conductor
-from conductor.deadletter import DeadLetter
-from conductor.scripts import source
+from conductor.jobs.deadletter import DeadLetter
+from conductor.redis_contract import keys as K
+from conductor.redis_contract import scripts
+from conductor.redis_contract.scripts import source
 from tests.conftest import ROOT, item
 from tests.helpers import MK, contract, quick, results_for
 
@@ -43,7 +43,7 @@ def claim_call(consumer: str = "w", size: int = 64, tokens: int = 8192, token: s
 
 
 def complete_call(batch: Any, results: list, final: int = 1) -> Call:
-    from conductor.records import json_encoder
+    from conductor.redis_contract.records import json_encoder
     args: list[Any] = [batch.batch_id, final, len(results)]
     for res in results:
         args += [res.job, res.id, "err" if res.error else "ok", json_encoder.encode(res)]
@@ -59,7 +59,7 @@ def fail_call(batch: Any, consumer: str, reason: str = "engine error") -> Call:
 
 
 def submit_call(c: Conductor, items: list, job: str = "j") -> Call:
-    from conductor.client import _submit_args
+    from conductor.redis_contract.script_calls import submit_args as _submit_args
     c.ensure_model("m")
     return Call("submit", [MK.base, MK.cfg, MK.state], _submit_args(job, items))
 
@@ -118,6 +118,20 @@ def claim_finish_and_next(c: Conductor) -> Call:
     return claim_call()
 
 
+def claim_joins_a_deep_shape(c: Conductor) -> Call:
+    """A second live worker joins the deep shape the first one serves (the fleet counted from the
+    live registered workers: issue 24)."""
+    quick(c, budget_tokens=64, budget_items=4, activate_batches=1, quiet_ms=60000)
+    for w in ("w0", "w"):
+        c.r.set(MK.heartbeat(w), 1)
+        c.r.hset(MK.workers, w, "{}")
+    c.submit([item(f"a{i}", 10, prefix=("A",)) for i in range(40)], "j")
+    assert c.claim(contract(4, 64, max_input_len=4096), "w0")[0] is not None
+    call = claim_call(size=4, tokens=64)
+    call.check = lambda r: r.hget(MK.affinity, "w") == r.hget(MK.affinity, "w0")
+    return call
+
+
 def claim_aging_preempts(c: Conductor) -> Call:
     quick(c, budget_tokens=64, budget_items=4, quiet_ms=60000, aging_ms=0)
     c.submit([item(f"a{i}", 10 + i % 3 * 30, prefix=("A",)) for i in range(40)], "j")
@@ -139,7 +153,7 @@ def claim_hygiene_drains(c: Conductor) -> Call:
              + [item(f"b{i}", 900, prefix=("A",)) for i in range(20)], "j")
     # drain the 200-token lane (it stays listed, empty, since lane_quiet_ms is long)
     inst = inst_of(c)
-    c.r.hset(MK.state, "active", inst)
+    c.r.zadd(MK.active, {inst: int(time.time() * 1000)})
     c.r.hset(MK.inst(inst), "state", "draining")
     c.r.zrem(MK.staged, inst)
     c.r.zrem(MK.staged_age, inst)
@@ -224,9 +238,10 @@ def submit_known_shape_without_prefix(c: Conductor) -> Call:
 def _stored(c: Conductor, n: int, job: str = "j") -> Any:
     """n items of model m in a segment (its file not written) registered as register_segment.lua's
     call would: the segment, and that call (not run)."""
-    from conductor import script_calls as calls
-    from conductor import segments as S
-    from conductor.client import _record_head, content_sum
+    from conductor.redis_contract import script_calls as calls
+    from conductor.redis_contract.item_record import content_sum
+    from conductor.redis_contract.item_record import record_head as _record_head
+    from conductor.tier import segments as S
     items = [item(f"s{i}", 10 + i) for i in range(n)]
     seg = S.build("m", job, items)
     call = calls.register_segment(MK, seg, S.file_sum(S.encode(seg)), [it.id for it in items],
@@ -243,7 +258,7 @@ def register_segment_new(c: Conductor) -> Call:
 
 def submit_from_store(c: Conductor) -> Call:
     """The feeder's load: ids registered in a segment join lanes, stored counters move to waiting."""
-    from conductor.tier import load_args
+    from conductor.redis_contract.script_calls import load_args
     quick(c)
     seg, reg = _stored(c, 5)
     reg.run(c.scripts)
@@ -253,7 +268,7 @@ def submit_from_store(c: Conductor) -> Call:
 
 def fail_stored(c: Conductor) -> Call:
     """A lost segment's items answered with error results."""
-    from conductor.records import Result, ResultError, json_encoder
+    from conductor.redis_contract.records import Result, ResultError, json_encoder
     quick(c)
     seg, reg = _stored(c, 3)
     reg.run(c.scripts)
@@ -301,7 +316,7 @@ def complete_retired(c: Conductor) -> Call:
 
 
 def complete_request(c: Conductor) -> Call:
-    """A request job's results also go to each item's reply list (conductor/request.py)."""
+    """A request job's results also go to each item's reply list (conductor/client/request.py)."""
     quick(c)
     c.submit([item(i, 10) for i in range(3)], "rq.client1")
     b, _ = c.claim(contract(max_input_len=4096), "w")
@@ -530,7 +545,8 @@ def take_name_none_free(c: Conductor) -> Call:
 
 SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "claim": [claim_warming, claim_warmed_shape_activates, claim_reclaimed_part, claim_reclaimed_whole,
-              claim_finish_and_next, claim_aging_preempts, claim_hygiene_drains, claim_hygiene_retires_empty,
+              claim_finish_and_next, claim_joins_a_deep_shape, claim_aging_preempts, claim_hygiene_drains,
+              claim_hygiene_retires_empty,
               claim_hygiene_big_lane, claim_reindexes, claim_enters_cleanup, claim_leaves_cleanup],
     "submit": [submit_new_shapes, submit_leaves_cleanup_reuses_lane, submit_known_shape_without_prefix,
                submit_from_store],

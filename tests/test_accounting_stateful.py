@@ -24,10 +24,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
-from conductor import keys as K
 from conductor.client import Conductor, connect
-from conductor.formats import PreparedItem
-from conductor.records import Batch, Contract
+from conductor.redis_contract import keys as K
+from conductor.redis_contract.records import Batch, Contract, PreparedItem
 from conductor.verify import verify
 from tests.conftest import item
 from tests.helpers import results_for
@@ -169,7 +168,7 @@ class Accounting(RuleBasedStateMachine):
 
     @rule(job=st.sampled_from((None, *JOBS)))
     def dead_letter_retried(self, job: str | None) -> None:
-        from conductor.deadletter import DeadLetter
+        from conductor.jobs.deadletter import DeadLetter
         DeadLetter(self.c).retry(model=MODEL, job=job)
 
     @rule(ms=st.sampled_from([2, 12, 30]))
@@ -216,10 +215,12 @@ class Accounting(RuleBasedStateMachine):
             self.r.close()
 
 
-def test_accounting_never_drifts(redis_server) -> None:  # noqa: ANN001
+# The default run explores 20 programs of 30 steps; the long form 40 (pytest -m slow).
+@pytest.mark.parametrize("examples", [20, pytest.param(40, marks=pytest.mark.slow)])
+def test_accounting_never_drifts(redis_server, examples) -> None:  # noqa: ANN001
     Accounting.url = redis_server.url
     run_state_machine_as_test(Accounting, settings=settings(
-        max_examples=40, stateful_step_count=30, deadline=None, database=None,
+        max_examples=examples, stateful_step_count=30, deadline=None, database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
 
 

@@ -7,16 +7,17 @@ import secrets
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import redis
 
-from conductor import keys as K
 from conductor.client import Conductor, connect
 from conductor.embedded import free_port
 from conductor.errors import RedisUnavailable
-from conductor.records import Contract
+from conductor.redis_contract import keys as K
+from conductor.redis_contract.records import Contract
 from tests.conftest import ROOT, cli, item
 from tests.helpers import MK, quick, results_for
 from tests.secure_redis import SecureRedis
@@ -117,7 +118,7 @@ def test_worker_runs_a_job_and_cannot_flush_or_reconfigure(urls, tmp_path):
     while (b := w.claim(C, "w4")[0]) is not None:  # third delivery: each item travels alone
         written += w.complete(b, results_for(b, "w4"))[0]
     assert written == 4 and prod.status("j")["pending"] == 0
-    from conductor.retention import trim_model
+    from conductor.jobs.retention import trim_model
     trim_model(w, "m")
     r = w.r
     denied(r.flushall)
@@ -281,9 +282,12 @@ def test_each_documented_command_as_each_role(urls, tmp_path):
     w = Conductor.from_url(urls["worker"])
     b, _ = w.claim(C, "w")
     w.complete(b, results_for(b))
-    for role in ("producer", "worker", "reader", "admin"):
-        for args in READS:
-            p = cli(*args, url=urls[role], check=False)
+    # The reads write nothing: each role's run side by side (each command is its own process).
+    with ThreadPoolExecutor(4) as pool:
+        runs = [(role, args, pool.submit(cli, *args, url=urls[role], check=False))
+                for role in ("producer", "worker", "reader", "admin") for args in READS]
+        for role, args, run in runs:
+            p = run.result()
             assert p.returncode == 0, (role, args, p.stderr.decode()[-500:])
     cli("reclaim", "m", url=urls["worker"])
     cli("trim-results", "J", "--older-than-s", "86400", url=urls["worker"])
@@ -305,8 +309,8 @@ def test_disk_tier_as_producer_and_worker_users(urls, tmp_path):
     """deploy/redis/users.acl lets a producer register store segments (M:segs, M:seg:*) and a worker
     feed them. A producer that tries to feed places the items (submit.lua is its script) but cannot
     drop the index record (ZREM, DEL): the worker's feed then places nothing twice and drops it."""
-    from conductor.store import Store
-    from conductor.tier import Feeder
+    from conductor.tier.feeder import Feeder
+    from conductor.tier.object_store import Store
     store = Store(str(tmp_path / "store"))
     admin = Conductor.from_url(urls["admin"])
     quick(admin, resident_tokens=100)

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conductor.errors import BadInput
-from conductor.formats import PreparedItem, parse_line
-from conductor.records import Contract
+from conductor.intake.formats import parse_line
+from conductor.redis_contract.records import Contract, PreparedItem
 from tests.conftest import item
 from tests.helpers import MK, quick, submit_argv
 
@@ -245,7 +245,7 @@ def test_parse_line_on_arbitrary_bytes_never_raises_anything_but_badinput(raw):
 @SETTINGS
 @given(data=st.data())
 def test_maintenance_scripts_refuse_malformed_arguments_and_write_nothing(busy, data):
-    from conductor.scripts import source
+    from conductor.redis_contract.scripts import source
     cdr, _ = busy
     which = data.draw(st.sampled_from(["trim", "trim_results", "dead_retry"]))
     script = cdr.r.register_script(source(which))

@@ -143,6 +143,72 @@ def test_sweep_quick_form_runs_every_point_and_the_oracle_beats_the_stream(tmp_p
             assert f[s]["finished"] == r["spec"]["items"]
 
 
+def _bench(*args: str, timeout: float = 120) -> str:
+    p = subprocess.run([sys.executable, *args], cwd=str(ROOT), capture_output=True, timeout=timeout)
+    assert p.returncode == 0, p.stderr.decode()[-2000:]
+    return p.stdout.decode()
+
+
+def test_claim_profile_times_the_functions_of_claim_lua_as_loaded(redis_url):
+    # The instrumented copy follows claim.lua and its includes (issue 28: the copy that cut the
+    # script at text anchors had rotted); the script as is is timed beside it.
+    from bench import claim_profile
+    from conductor.client import connect
+    from conductor.redis_contract.scripts import source
+    res = claim_profile.profile(connect(redis_url), 1500, 12, log=lambda _line: None)
+    phases = res["phases"]
+    assert claim_profile.WHOLE in phases and res["as_is_us"] > 0
+    timed = set(phases) - {claim_profile.WHOLE}
+    assert len(timed) >= 5, phases
+    assert timed <= set(claim_profile.timed_functions(source("claim")))
+    assert phases[claim_profile.WHOLE] >= max(phases[k] for k in timed)
+    assert "| function of one claim" in claim_profile.as_markdown(res)
+
+
+def test_submit_profile_makes_every_copy_it_names(redis_url):
+    from bench import submit_profile
+    from conductor.client import connect
+    res = submit_profile.profile(connect(redis_url), 1200, 1, 400, shapes=4, log=lambda _line: None)
+    assert res["skipped"] == [], f"anchors gone from submit.lua: {res['skipped']}: update CUTS"
+    assert set(res["per_item"]) == {"as is", *submit_profile.CUTS}
+    assert all(v > 0 for v in res["per_item"].values())
+
+
+def test_claim_contention_quick_form_runs():
+    out = _bench("bench/claim_contention.py", "--workers", "1,2", "--items", "300")
+    assert "| 2 |" in out and "server p99 vs 1" in out
+
+
+def test_disk_tier_quick_form_runs():
+    out = _bench("-m", "bench.disk_tier", "--quick", timeout=180)
+    assert "store segments (tier)" in out
+
+
+def test_idle_fleet_quick_form_runs():
+    out = _bench("bench/idle_fleet.py", "--fleets", "2", "--seconds", "0.3", "--requests", "10", "--wakes", "2",
+                 "--settle-s", "0.5")
+    assert "doorbell (BLPOP)" in out and "64 of 64 permits back after" in out
+
+
+def test_input_rss_quick_form_runs():
+    out = _bench("-m", "bench.input_rss", "--rows", "1500", "--no-write")
+    assert "| 1,500 | JSONL |" in out and "| 1,500 | Parquet |" in out
+
+
+def test_every_benchmark_has_a_quick_form_in_the_tests():
+    # A benchmark nothing runs rots (issue 28): each bench/ module with a main is run by a test.
+    text = "".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
+    missing = []
+    for path in sorted((ROOT / "bench").glob("*.py")):
+        name = path.stem
+        if "def main(" not in path.read_text():
+            continue
+        if not any(ref in text for ref in (f"bench/{name}.py", f"bench.{name}", f"bench import {name}",
+                                           f"import {name}")):
+            missing.append(name)
+    assert not missing, missing
+
+
 def test_fleet_quick_form_joins_drains_and_kills_workers_and_loses_nothing(tmp_path):
     """bench/fleet.py's quick points: a worker joining mid-run, one drained and one killed (its
     batches reclaimed); every id exactly once (the run exits 1 otherwise)."""

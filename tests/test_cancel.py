@@ -4,9 +4,9 @@ kept, expiry; counts that add up and a verify that finds nothing after either.""
 import json
 import time
 
-from conductor import keys as K
-from conductor import lifecycle
 from conductor.client import Conductor
+from conductor.jobs import job_state
+from conductor.redis_contract import keys as K
 from conductor.verify import verify
 from tests.conftest import cli, item
 from tests.helpers import MK, contract, drain, quick, results_for
@@ -15,7 +15,7 @@ from tests.helpers import MK, contract, drain, quick, results_for
 def submitted(c: Conductor, n: int, job: str = "j", **kw) -> None:
     quick(c)
     c.submit([item(f"i{k}", 10 + k % 7 * 20) for k in range(n)], job)
-    lifecycle.start(c.r, job, **kw)
+    job_state.start(c.r, job, **kw)
 
 
 def results_by_id(c: Conductor, job: str) -> dict[str, dict]:
@@ -26,11 +26,11 @@ def results_by_id(c: Conductor, job: str) -> dict[str, dict]:
 
 
 def test_cancel_answers_waiting_items_keeps_in_flight_ones_and_ends_cancelled(cdr, monkeypatch):
-    monkeypatch.setattr(lifecycle, "STEP", 7)  # many bounded steps over the items hash
+    monkeypatch.setattr(job_state, "STEP", 7)  # many bounded steps over the items hash
     submitted(cdr, 300)
     batch, _ = cdr.claim(contract(16), "w")
     assert batch is not None and len(batch.items) == 16
-    d = lifecycle.cancel(cdr, "j")
+    d = job_state.cancel(cdr, "j")
     assert d["status"] == "cancelling" and d["cancelling_at"] and d["pending"] == 16
     assert d["request_counts"] == {"total": 300, "completed": 0, "failed": 284}
     # the answered items left the lanes: nothing waits, no claim finds work
@@ -38,7 +38,7 @@ def test_cancel_answers_waiting_items_keeps_in_flight_ones_and_ends_cancelled(cd
     assert cdr.claim(contract(16), "w2")[0] is None
     # the in-flight batch finishes and its results are kept
     assert cdr.complete(batch, results_for(batch)) == (16, 1)
-    d = lifecycle.describe(cdr, "j")
+    d = job_state.describe(cdr, "j")
     assert d["status"] == "cancelled" and d["cancelled_at"] >= d["cancelling_at"]
     assert d["request_counts"] == {"total": 300, "completed": 16, "failed": 284} and d["pending"] == 0
     res = results_by_id(cdr, "j")
@@ -52,18 +52,18 @@ def test_cancel_answers_waiting_items_keeps_in_flight_ones_and_ends_cancelled(cd
     rep = verify(cdr.r, "m", items=True)
     assert rep.ok, (rep.drift, rep.problems)
     # cancelling again changes nothing; a completed job cannot be cancelled
-    assert lifecycle.cancel(cdr, "j")["request_counts"]["failed"] == 284
+    assert job_state.cancel(cdr, "j")["request_counts"]["failed"] == 284
 
 
 def test_a_job_left_alone_completes_with_its_timestamps(cdr):
     submitted(cdr, 20, metadata={"team": "a"})
-    assert lifecycle.describe(cdr, "j")["status"] == "in_progress"
+    assert job_state.describe(cdr, "j")["status"] == "in_progress"
     drain(cdr, contract(8))
-    d = lifecycle.describe(cdr, "j")
+    d = job_state.describe(cdr, "j")
     assert d["status"] == "completed" and d["metadata"] == {"team": "a"}
     assert d["created_at"] <= d["in_progress_at"] <= d["finalizing_at"] <= d["completed_at"]
     try:
-        lifecycle.cancel(cdr, "j")
+        job_state.cancel(cdr, "j")
     except Exception as e:  # noqa: BLE001
         assert "completed: nothing to cancel" in str(e)
     else:
@@ -74,9 +74,9 @@ def test_a_job_past_its_window_expires_keeping_what_finished(cdr):
     submitted(cdr, 100, window_s=1, window="1s")
     batch, _ = cdr.claim(contract(10), "w")
     cdr.complete(batch, results_for(batch))
-    assert lifecycle.expire_due(cdr) == []
-    assert lifecycle.expire_due(cdr, now=time.time() + 2) == ["j"]
-    d = lifecycle.describe(cdr, "j")
+    assert job_state.expire_due(cdr) == []
+    assert job_state.expire_due(cdr, now=time.time() + 2) == ["j"]
+    d = job_state.describe(cdr, "j")
     assert d["status"] == "expired" and d["expired_at"] and d["completion_window"] == "1s"
     assert d["request_counts"] == {"total": 100, "completed": 10, "failed": 90}
     res = results_by_id(cdr, "j")
@@ -112,7 +112,7 @@ def test_verify_finds_an_ended_job_whose_counts_do_not_add_up(cdr):
     rep = verify(cdr.r, "m", items=True)
     assert not rep.ok and any("is cancelled but 20 of its 20 items here have no result" in p for p in rep.problems)
     cdr.r.hset(K.job_meta_key("j"), "status", "in_progress")
-    lifecycle.cancel(cdr, "j")  # a real cancel answers every item: the counts add up
+    job_state.cancel(cdr, "j")  # a real cancel answers every item: the counts add up
     assert verify(cdr.r, "m", items=True).ok
 
 
@@ -126,20 +126,35 @@ def test_a_worker_expires_a_job_past_its_window_without_serve(redis_url):
     c = Conductor.from_url(redis_url)
     quick(c)
     c.submit([item(f"i{k}", 10) for k in range(30)], "late")  # model m: no worker serves it
-    lifecycle.start(c.r, "late", window_s=1, window="1s")
+    job_state.start(c.r, "late", window_s=1, window="1s")
     quick(c, "other")
     p = subprocess.Popen([sys.executable, "-m", "conductor", "--redis", redis_url, "--log-level", "warning",
                           "worker", "--engine", "sim", "--model", "other", "--name", "wx", "--idle-exit", "30"],
                          cwd=str(ROOT))
     try:
         deadline = time.monotonic() + 20
-        while lifecycle.describe(c, "late", advance=False)["status"] != "expired":
-            assert time.monotonic() < deadline, lifecycle.describe(c, "late", advance=False)
+        while job_state.describe(c, "late", advance=False)["status"] != "expired":
+            assert time.monotonic() < deadline, job_state.describe(c, "late", advance=False)
             time.sleep(0.1)
     finally:
         p.terminate()
         p.wait(timeout=30)
-    d = lifecycle.describe(c, "late", advance=False)
+    d = job_state.describe(c, "late", advance=False)
     assert d["request_counts"] == {"total": 30, "completed": 0, "failed": 30}
     assert {r["error"]["code"] for r in results_by_id(c, "late").values()} == {"expired"}
     assert verify(c.r, "m", items=True).ok
+
+
+def test_expiry_has_one_owner_at_a_time(cdr):
+    """Serve replicas and maintenance lease holders all call expire_due_leased: whoever holds the
+    expiry lease sweeps, the others skip until it lapses."""
+    submitted(cdr, 10, window_s=1, window="1s")
+    assert job_state.expire_due_leased(cdr, "serve-a", lease_ms=60_000) == []  # nothing due yet; a holds it
+    cdr.r.zadd(K.JOB_DEADLINES_KEY, {"j": 1})  # due now
+    cdr.r.hset(K.job_meta_key("j"), "expires_at", 1)
+    assert job_state.expire_due_leased(cdr, "worker-b", lease_ms=60_000) is None
+    assert job_state.describe(cdr, "j", advance=False)["status"] == "in_progress"
+    assert job_state.expire_due_leased(cdr, "serve-a", lease_ms=60_000) == ["j"]
+    assert job_state.describe(cdr, "j", advance=False)["status"] == "expired"
+    cdr.r.delete(K.EXPIRY_LEASE_KEY)  # the holder's lease lapsed: the next caller takes over
+    assert job_state.expire_due_leased(cdr, "worker-b", lease_ms=60_000) == []

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from conductor import keys as K
 from conductor.client import Conductor, connect
 from conductor.embedded import EmbeddedRedis
 from conductor.errors import RedisUnavailable
+from conductor.redis_contract import keys as K
 from tests.conftest import ROOT, item
 
 MODEL = "chaos"
@@ -60,7 +60,7 @@ class Fleet:
 
     def __init__(self, url: str, logs: Path, time_scale: float, store: Path | None = None) -> None:
         self.url, self.logs, self.time_scale = url, logs, time_scale
-        self.store = ["--store", str(store)] if store else []  # the disk tier (conductor/tier.py)
+        self.store = ["--store", str(store)] if store else []  # the disk tier (conductor/tier/spill.py)
         self.procs: list[subprocess.Popen] = []
         self.spawned = 0
 
@@ -125,7 +125,7 @@ def run_chaos(tmp_path: Path, n: int, *, workers: int = 4, time_scale: float, ki
     store = tmp_path / "store" if resident_tokens else None
     fleet = Fleet(srv.url, logs, time_scale, store)
     try:
-        from conductor.store import Store
+        from conductor.tier.object_store import Store
         cdr = Conductor(connect(srv.url), store=Store(str(store)) if store else None)
         cdr.set_config(MODEL, {"quiet_ms": 300, "resident_tokens": resident_tokens})
         t0 = time.monotonic()

@@ -72,7 +72,7 @@ def test_latch_flags_both_or_neither(redis_url):
 
 def test_config_and_migrate(redis_url):
     out = cli("migrate", url=redis_url).stdout.decode()
-    assert "schema 3" in out
+    assert "schema 4" in out
     out = cli("config", "m", "--create", "quiet_ms=250", "mode=disk", url=redis_url).stdout.decode()
     assert "quiet_ms = 250" in out and "mode = disk" in out
     p = cli("config", "m", "nope=1", url=redis_url, check=False)
@@ -83,7 +83,7 @@ def test_trim_results_is_refused_while_work_is_left_then_trims(redis_url, tmp_pa
     import time
 
     from conductor.client import Conductor, connect
-    from conductor.records import Contract
+    from conductor.redis_contract.records import Contract
     from tests.helpers import drain, quick
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"id": f"i{k}", "model": "m", "prompt": "hi", "max_tokens": 4}) + "\n"

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from conductor.cli import build_parser
-from conductor.config import FIELDS
-from conductor.records import Contract
+from conductor.cli.main import build_parser
+from conductor.redis_contract.config import FIELDS
+from conductor.redis_contract.records import Contract
 from tests.conftest import ROOT, cli, item
 from tests.helpers import drain, quick
 

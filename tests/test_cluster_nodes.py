@@ -66,7 +66,7 @@ def test_a_model_whose_slot_moves_to_another_node_mid_run_loses_and_doubles_noth
     # the in-flight batches complete there. Every id once.
     from redis.crc import key_slot
 
-    from conductor.records import Contract
+    from conductor.redis_contract.records import Contract
     from tests.conftest import item
     from tests.helpers import drain, quick, results_for
     c = Conductor(connect(cluster.url))

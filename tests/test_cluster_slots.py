@@ -16,16 +16,18 @@ import redis
 
 from conductor.client import Conductor, connect
 from conductor.embedded import EmbeddedRedis
-from conductor.scripts import source
+from conductor.redis_contract.scripts import source
 from tests.conftest import ROOT, item
 
-# The modules that exercise every script and the commands around them, end to end through the
-# CLI and worker processes included; the crash-and-restart test covers CLUSTERDOWN after a restart.
-CORE = ["tests/test_e2e.py", "tests/test_submit.py", "tests/test_claim.py", "tests/test_complete.py",
-        "tests/test_reclaim.py", "tests/test_deadletter.py", "tests/test_verify.py", "tests/test_verify_cli.py",
-        "tests/test_verify_live.py", "tests/test_migrations.py", "tests/test_lifecycle.py",
-        "tests/test_worker_drain.py", "tests/test_cli.py", "tests/test_pause.py",
-        "tests/test_faults.py::test_client_rides_out_a_redis_crash_and_restart"]
+# The modules that run the scripts and the commands around them in this process, and the
+# crash-and-restart test (CLUSTERDOWN after a restart): the default run's form.
+CORE = ["tests/test_submit.py", "tests/test_claim.py", "tests/test_complete.py", "tests/test_reclaim.py",
+        "tests/test_deadletter.py", "tests/test_verify.py", "tests/test_verify_live.py", "tests/test_migrations.py",
+        "tests/test_lifecycle.py", "tests/test_faults.py::test_client_rides_out_a_redis_crash_and_restart"]
+# The long form (pytest -m slow) adds the modules that go end to end through the CLI and worker
+# processes: the same scripts, with the waits of processes starting and stopping.
+END_TO_END = ["tests/test_e2e.py", "tests/test_verify_cli.py", "tests/test_worker_drain.py", "tests/test_cli.py",
+              "tests/test_pause.py"]
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +62,11 @@ def test_two_models_one_job_on_a_cluster_node(cluster):
     assert c.status("j")["submitted"] == 200
 
 
-def test_core_modules_pass_on_a_one_node_cluster():
+@pytest.mark.parametrize("modules", [CORE, pytest.param(CORE + END_TO_END, marks=pytest.mark.slow)],
+                         ids=["core", "core-and-end-to-end"])
+def test_core_modules_pass_on_a_one_node_cluster(modules):
     env = dict(os.environ, CONDUCTOR_TEST_CLUSTER="1")
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *CORE],
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *modules],
                        cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=480)
     tail = (p.stdout + p.stderr)[-3000:]
     assert p.returncode == 0, tail

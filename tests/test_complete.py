@@ -3,9 +3,9 @@ import json
 import msgspec
 import pytest
 
-from conductor import keys as K
 from conductor.errors import BadInput
-from conductor.records import Contract
+from conductor.redis_contract import keys as K
+from conductor.redis_contract.records import Contract
 from conductor.verify import verify
 from tests.conftest import item
 from tests.helpers import quick, results_for

@@ -1,5 +1,5 @@
 """The disk tier (issue 18): items beyond a model's resident_tokens wait in store segments and are
-fed back into the lanes as they drain (conductor/tier.py, lua/register_segment.lua, submit.lua)."""
+fed back into the lanes as they drain (conductor/tier/spill.py, lua/register_segment.lua, submit.lua)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from conductor import keys as K
-from conductor import segments as S
-from conductor.client import Conductor, _submit_args
+from conductor.client import Conductor
 from conductor.errors import ConductorError
-from conductor.store import Store
-from conductor.tier import Feeder, read_segment
+from conductor.redis_contract import keys as K
+from conductor.redis_contract.script_calls import submit_args as _submit_args
+from conductor.tier import segments as S
+from conductor.tier.feeder import Feeder
+from conductor.tier.object_store import Store
+from conductor.tier.segments import read_segment
 from tests.conftest import cli, follow_with_workers, item
 from tests.helpers import MK, contract, quick, results_for
 
@@ -191,7 +193,7 @@ def test_a_feeder_that_died_after_loading_loads_nothing_twice(redis_url, tmp_pat
     c.submit(its, "j")
     name, rec = _segments(c)[0]
     seg = read_segment(c.tier.store, rec)
-    from conductor.tier import load_args
+    from conductor.redis_contract.script_calls import load_args
     first = c.scripts.submit(keys=[MK.base, MK.cfg, MK.state], args=load_args(seg))  # loaded, not dropped
     assert all(x >= 0 for x in first)
     again = c.scripts.submit(keys=[MK.base, MK.cfg, MK.state], args=load_args(seg))
@@ -371,7 +373,7 @@ def test_the_release_gate_counts_stored_tokens_and_stored_work_is_not_idle(redis
 
 
 def test_results_past_the_window_move_to_the_store_and_are_read_once(redis_url, tmp_path):
-    from conductor.results_store import offload_job, offload_model
+    from conductor.tier.result_segments import offload_job, offload_model
     store = str(tmp_path / "store")
     c = _tiered(redis_url, store, 0)
     c.set_config("m", {"results_window": 50})
@@ -405,14 +407,14 @@ def test_results_past_the_window_move_to_the_store_and_are_read_once(redis_url, 
 def test_a_cancel_answers_stored_items_and_feeding_runs_none_of_them(redis_url, tmp_path):
     """Items a cancel answers while they wait in store segments are not run when their segment is
     fed back: they leave the stored counters, nothing reaches a worker, every id has one result."""
-    from conductor import lifecycle
+    from conductor.jobs import job_state
     from conductor.verify import verify
     c = _tiered(redis_url, str(tmp_path / "store"), 1000)
     its = _items(200)
     c.submit(its, "j")
-    lifecycle.start(c.r, "j")
+    job_state.start(c.r, "j")
     assert _intake(c)["stored_items"] > 100
-    assert lifecycle.cancel(c, "j")["request_counts"]["failed"] == 200
+    assert job_state.cancel(c, "j")["request_counts"]["failed"] == 200
     got = _run_down(c, Feeder(c, c.tier.store, "m"))
     assert got == []  # nothing ran: every item had its cancelled result already
     st = _intake(c)
@@ -421,6 +423,6 @@ def test_a_cancel_answers_stored_items_and_feeding_runs_none_of_them(redis_url, 
     rows = [json.loads(r) for r in c.results("j")]
     assert sorted(r["id"] for r in rows) == sorted(it.id for it in its)
     assert {r["error"]["code"] for r in rows} == {"cancelled"}
-    assert lifecycle.describe(c, "j")["status"] == "cancelled"
+    assert job_state.describe(c, "j")["status"] == "cancelled"
     rep = verify(c.r, "m", items=True)
     assert rep.ok, (rep.drift, rep.problems)

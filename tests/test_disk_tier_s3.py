@@ -15,8 +15,8 @@ import pytest
 
 from conductor.client import Conductor
 from conductor.embedded import free_port
-from conductor.store import Store, StoreError
-from conductor.tier import Feeder
+from conductor.tier.feeder import Feeder
+from conductor.tier.object_store import Store, StoreError
 from tests.helpers import quick
 from tests.test_disk_tier import _intake, _items, _run_down, _segments
 

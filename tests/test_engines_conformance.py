@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from conductor.records import Batch, BatchItem
+from conductor.redis_contract.records import Batch, BatchItem
 from conductor.workers.engines import make_engine
 from conductor.workers.engines.base import Engine
 from conductor.workers.engines.sim import SimEngine

@@ -1,7 +1,7 @@
 """The sim engine's KV-capacity model: preemption loses generated tokens and recomputes the
 prompt; 'newest' protects old sequences so all finish exactly once; 'largest' thrashes."""
 
-from conductor.records import Batch, BatchItem
+from conductor.redis_contract.records import Batch, BatchItem
 from conductor.workers.engines.sim import SimEngine, SimParams, output_len
 
 

@@ -5,7 +5,7 @@ for each prompt alone; the prefix KV is computed once per shape; finished rows l
 import pytest
 import torch  # the torch extra is part of the README's test install: no skip here
 
-from conductor.records import Batch, BatchItem
+from conductor.redis_contract.records import Batch, BatchItem
 from conductor.workers.engines.torch_engine import TorchEngine
 
 

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from conductor import keys as K
 from conductor.client import Conductor
+from conductor.redis_contract import keys as K
 from conductor.workers.engines import make_engine
 from conductor.workers.engines.base import EngineConfigError, EngineUnavailable
 from tests.conftest import cli

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from prometheus_client.parser import text_string_to_metric_families
 
 from conductor.embedded import free_port
-from conductor.records import Contract
+from conductor.redis_contract.records import Contract
 from tests.conftest import ROOT, item
 from tests.helpers import quick
 

@@ -7,10 +7,10 @@ import time
 
 import redis
 
-from conductor import keys as K
 from conductor.client import Conductor, connect
 from conductor.embedded import EmbeddedRedis
-from conductor.records import Contract
+from conductor.redis_contract import keys as K
+from conductor.redis_contract.records import Contract
 from tests.conftest import item
 from tests.helpers import drain, quick, results_for
 

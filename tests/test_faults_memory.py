@@ -5,12 +5,12 @@ import time
 
 import pytest
 
-from conductor import keys as K
 from conductor.client import Conductor, connect
 from conductor.embedded import EmbeddedRedis
 from conductor.errors import QueueFull
-from conductor.records import Contract
-from conductor.retention import trim_job_results, trim_model
+from conductor.jobs.retention import trim_job_results, trim_model
+from conductor.redis_contract import keys as K
+from conductor.redis_contract.records import Contract
 from tests.conftest import item
 from tests.helpers import MK, drain, quick, results_for
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from conductor import keys as K
 from conductor.client import Conductor, connect
+from conductor.redis_contract import keys as K
 from conductor.workers.handoff_wire import Done, FrameReader, Hello, send
 from conductor.workers.host_agent import HostAgent
 from conductor.workers.shm_ring import KIND_BATCH, SHM_DIR, RingFull, RingReader, RingWriter

@@ -1,12 +1,12 @@
-"""JSONL and Parquet input, read in passes (conductor/input_files.py, conductor/submit_file.py)."""
+"""JSONL and Parquet input, read in passes (conductor/intake/input_files.py, conductor/intake/file_intake.py)."""
 
 import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from conductor import keys as K
-from conductor.input_files import chunks, scan
+from conductor.intake.input_files import chunks, scan
+from conductor.redis_contract import keys as K
 from tests.conftest import cli
 
 

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from conductor import keys as K
 from conductor.errors import Conflict
-from conductor.records import Contract
+from conductor.redis_contract import keys as K
+from conductor.redis_contract.records import Contract
 from tests.conftest import cli, item
 from tests.helpers import drain, quick, results_for, submit_argv
 from tests.test_cli_basics import one_line_error

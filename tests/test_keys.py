@@ -1,4 +1,4 @@
-"""Every key suffix a Lua script builds is one conductor/keys.py's layout table lists.
+"""Every key suffix a Lua script builds is one conductor/redis_contract/keys.py's layout table lists.
 
 The scripts derive per-shape, per-lane and per-job key names from KEYS[1] (``base``) with string
 concatenation, out of sight of the Python key helpers: a suffix typed differently in a script
@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import conductor.keys
+import conductor.redis_contract.keys
 from tests.conftest import ROOT
 
 # base .. ':name' / base .. ':name:' (model keys), ik .. ':name' (shape instance keys),
@@ -24,7 +24,7 @@ _PREFIX = {"base": "M", "ik": "M:inst:S:E", "jk": "M:job:J", "ji": "M:in:J"}
 
 
 def layout_keys() -> set[str]:
-    doc = conductor.keys.__doc__ or ""
+    doc = conductor.redis_contract.keys.__doc__ or ""
     return set(_ROW.findall(doc))
 
 
@@ -64,7 +64,7 @@ def test_every_suffix_the_scripts_build_is_in_the_layout():
     # The scan must actually see the scripts' keys for the check to mean anything.
     assert len(everything) >= 15, sorted(everything)
     assert {"M:lane", "M:lanetok", "M:lanemeta", "M:inst:S:E:ready", "M:job:J:items"} <= everything
-    assert not missing, f"key names built in lua/ but missing from conductor/keys.py's layout: {missing}"
+    assert not missing, f"key names built in lua/ but missing from conductor/redis_contract/keys.py's layout: {missing}"
 
 
 def test_the_check_catches_an_unlisted_suffix():
@@ -79,7 +79,7 @@ def test_the_check_catches_an_unlisted_suffix():
 def test_claim_reads_every_config_field_it_uses():
     # claim.lua loads only CLAIM_CFG (a read per field costs); a field used but not loaded would
     # be nil at run time, on whichever path uses it. The script as loaded: its includes inlined.
-    from conductor.scripts import source
+    from conductor.redis_contract.scripts import source
     claim = source("claim")
     loaded = set(re.findall(r"'(\w+)'", re.search(r"local CLAIM_CFG = \{(.*?)\}", claim, re.S).group(1)))
     used = set(re.findall(r"\bcfg\.(\w+)", claim))
@@ -138,10 +138,11 @@ def test_every_state_field_the_scripts_write_is_listed_in_keys():
             assert re.fullmatch(r"'\w+'", f), f"{p.name} writes M:state field {f}, not a literal: list it by name"
             written.setdefault(f.strip("'"), set()).add(p.name)
     assert len(written) >= 25, sorted(written)  # the scan sees the scripts' writes
-    missing = {f: sorted(w) for f, w in written.items() if f not in conductor.keys.STATE_FIELDS}
-    assert not missing, f"M:state fields written in lua/ but missing from conductor/keys.py STATE_FIELDS: {missing}"
+    missing = {f: sorted(w) for f, w in written.items() if f not in conductor.redis_contract.keys.STATE_FIELDS}
+    assert not missing, \
+        f"M:state fields written in lua/ but missing from conductor/redis_contract/keys.py STATE_FIELDS: {missing}"
     # and the list holds nothing that nobody writes (paused: Conductor.pause writes it)
-    assert set(conductor.keys.STATE_FIELDS) - set(written) == {"paused"}
+    assert set(conductor.redis_contract.keys.STATE_FIELDS) - set(written) == {"paused"}
 
 
 def test_the_state_scan_reads_multi_field_writes():

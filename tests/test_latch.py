@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conductor import keys as K
+from conductor.redis_contract import keys as K
 from conductor.workers.latch import AdmissionLatch, LatchConfigError
 from conductor.workers.worker import Worker, WorkerOptions
 from tests.conftest import cli

@@ -3,7 +3,7 @@
 import threading
 import time
 
-from conductor.signature import shape_signature
+from conductor.intake.signature import shape_signature
 from tests.conftest import item
 from tests.helpers import MK, contract, drain, results_for
 
@@ -236,7 +236,7 @@ def test_lane_hygiene_force_drains_a_small_idle_lane(cdr):
 
 
 def test_thrash_alarm_counts_short_shapes(cdr, caplog):
-    from conductor import metrics
+    from conductor.observability import metrics
     from conductor.workers.maintenance import Maintenance
     setup(cdr, activate_batches=0, drain_batches=100)
     m = Maintenance(cdr, "m", "w", interval_s=0)
@@ -256,7 +256,7 @@ def test_thrash_alarm_counts_short_shapes(cdr, caplog):
 
 
 def test_a_small_shape_run_in_the_batches_it_could_fill_is_not_thrashing(cdr, caplog):
-    from conductor import metrics
+    from conductor.observability import metrics
     from conductor.workers.maintenance import Maintenance
     setup(cdr, activate_batches=0, drain_batches=100)
     m = Maintenance(cdr, "m", "w", interval_s=0)

@@ -1,4 +1,4 @@
-"""conductor/scripts.py's include mechanism: includes nest, each file is inlined once, a cycle is
+"""conductor/redis_contract/scripts.py's include mechanism: includes nest, each file is inlined once, a cycle is
 an error; lib_generated.lua carries config.py's names and defaults and keys.py's group name into
 the Lua as loaded, so the two cannot drift (issue 14)."""
 
@@ -10,8 +10,8 @@ import re
 import pytest
 import redis
 
-from conductor import config, keys, scripts
-from conductor.scripts import NAMES, expand, source
+from conductor.redis_contract import config, keys, scripts
+from conductor.redis_contract.scripts import NAMES, expand, source
 from tests.conftest import ROOT
 
 

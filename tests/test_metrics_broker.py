@@ -4,8 +4,8 @@ import time
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from conductor.broker_metrics import ModelStateCollector
-from conductor.records import Contract
+from conductor.observability.broker_metrics import ModelStateCollector
+from conductor.redis_contract.records import Contract
 from tests.conftest import item
 from tests.helpers import MK, drain
 from tests.worker_kit import sim, worker

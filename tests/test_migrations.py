@@ -13,11 +13,11 @@ import msgspec
 import pytest
 import redis
 
-from conductor import keys as K
-from conductor import schema
-from conductor.client import Conductor, _submit_args, connect
-from conductor.formats import PreparedItem
-from conductor.records import Contract
+from conductor.client import Conductor, connect
+from conductor.redis_contract import keys as K
+from conductor.redis_contract import schema
+from conductor.redis_contract.records import Contract, PreparedItem
+from conductor.redis_contract.script_calls import submit_args as _submit_args
 from conductor.verify import verify
 from tests.conftest import item
 from tests.helpers import drain
@@ -132,8 +132,8 @@ def test_schema1_is_refused_until_migrated(r1):
 
 
 def test_lanes_become_lists_and_pending_work_is_reclaimed(r1):
-    assert schema.migrate(r1) == [2, 3]
-    assert r1.get("cdr:schema") == b"3"
+    assert schema.migrate(r1) == [2, 3, 4]
+    assert r1.get("cdr:schema") == b"4"
     i = inst()
     for lane, its in enumerate((LANE0, LANE1)):
         key = f"{BASE}:lane:{i}:{lane}"

@@ -7,8 +7,8 @@ import pytest
 
 from conductor.client import connect
 from conductor.errors import BadInput
-from conductor.formats import DEFAULT_MAX_TOKENS, parse_line
-from conductor.keys import ModelKeys
+from conductor.intake.formats import DEFAULT_MAX_TOKENS, parse_line
+from conductor.redis_contract.keys import ModelKeys
 from tests.conftest import cli
 
 

@@ -56,3 +56,20 @@ def test_every_package_folder_is_installed():
     for init in (ROOT / "conductor").rglob("__init__.py"):
         rel = init.parent.relative_to(ROOT)
         assert ".".join(rel.parts) in packages, rel
+
+
+def test_the_package_is_split_by_concern():
+    # Issue 28: one home per concept. The top level keeps what every part shares (the public API,
+    # the errors, the embedded redis-server for `conductor run` and tests); the rest lives in the
+    # subpackage of its concern.
+    top = sorted(p.name for p in (ROOT / "conductor").glob("*.py"))
+    assert top == ["__init__.py", "__main__.py", "embedded.py", "errors.py"], top
+    subpackages = sorted(p.parent.name for p in (ROOT / "conductor").glob("*/__init__.py"))
+    assert subpackages == ["api", "cli", "client", "intake", "jobs", "observability", "redis_contract", "tier",
+                           "verify"], subpackages
+
+
+def test_the_console_script_and_python_m_reach_the_cli():
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"conductor": "conductor.cli.main:main"}
+    assert "from conductor.cli.main import main" in (ROOT / "conductor" / "__main__.py").read_text()

@@ -6,9 +6,9 @@ import json
 import pytest
 import redis
 
-from conductor.deadletter import DeadLetter
 from conductor.errors import Paused
-from conductor.records import Contract
+from conductor.jobs.deadletter import DeadLetter
+from conductor.redis_contract.records import Contract
 from tests.conftest import cli, item
 from tests.helpers import MK, drain, quick, results_for
 from tests.worker_kit import run_until_done, submit, worker

@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 
-from conductor.records import Contract
+from conductor.redis_contract.records import Contract
 from tests.conftest import ROOT, cli, item
 from tests.helpers import drain, quick
 

@@ -5,7 +5,7 @@ consumer is deleted only once its pending list is empty."""
 import threading
 import time
 
-from conductor import keys as K
+from conductor.redis_contract import keys as K
 from conductor.workers.engines.sim import SimEngine
 from conductor.workers.worker import Worker, WorkerOptions
 from tests.conftest import item

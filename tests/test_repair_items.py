@@ -4,9 +4,9 @@ reclaimed list (or are cleared when they have a result); items with a result lea
 
 from __future__ import annotations
 
-from conductor import keys as K
-from conductor.records import Contract, Result, json_encoder
-from conductor.signature import shape_signature
+from conductor.intake.signature import shape_signature
+from conductor.redis_contract import keys as K
+from conductor.redis_contract.records import Contract, Result, json_encoder
 from conductor.verify import repair, verify
 from tests.conftest import cli, item
 from tests.helpers import MK, drain, quick, results_for

@@ -1,4 +1,4 @@
-"""The request path (conductor/request.py) against a real redis-server and real worker processes."""
+"""The request path (conductor/client/request.py) against a real redis-server and real worker processes."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 
 from conductor import AsyncRequestClient, RequestClient
 from conductor.client import Conductor, connect
+from conductor.client.permits import Permits
 from conductor.errors import BadInput, ClientClosed, QueueFull, RequestTimeout, UnknownModel
-from conductor.permits import Permits
 from tests.helpers import MK, quick
 from tests.test_doorbell import start_worker, stop, wait_live
 

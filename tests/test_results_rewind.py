@@ -12,7 +12,7 @@ from functools import partial
 
 from conductor.client import Conductor, connect
 from conductor.embedded import EmbeddedRedis
-from conductor.records import Contract
+from conductor.redis_contract.records import Contract
 from tests.conftest import ROOT
 from tests.helpers import drain, quick, results_for, wait_for
 from tests.netfault import ReplyDroppingProxy

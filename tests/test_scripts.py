@@ -1,14 +1,14 @@
-"""Every script of lua/ is registered in one place (conductor/scripts.py NAMES), and every script
+"""Every script of lua/ is registered in one place (conductor/redis_contract/scripts.py NAMES), and every script
 call goes through the client's one error mapping (issue 14)."""
 
 import re
 
 import pytest
 
-from conductor.deadletter import DeadLetter
 from conductor.errors import Paused
-from conductor.records import Contract
-from conductor.scripts import NAMES, Scripts, source
+from conductor.jobs.deadletter import DeadLetter
+from conductor.redis_contract.records import Contract
+from conductor.redis_contract.scripts import NAMES, Scripts, source
 from tests.conftest import ROOT, item
 from tests.helpers import MK, quick
 

@@ -142,7 +142,7 @@ def test_sdk_cancels_a_batch_mid_run_and_reads_its_files(serve, redis_url):
     rows = [request(i, url="/v1/completions") for i in range(200)]
     f = client.files.create(file=("in.jsonl", io.BytesIO(jsonl(rows))), purpose="batch")
     b = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
-    w = worker(redis_url, size=4, time_scale=200.0)
+    w = worker(redis_url, size=4, time_scale=50.0)  # a batch of 4 takes about a second: cancelled mid-run
     try:
         deadline = time.monotonic() + 60
         while client.batches.retrieve(b.id).request_counts.completed < 4:

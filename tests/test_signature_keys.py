@@ -2,8 +2,8 @@ import re
 
 import xxhash
 
-from conductor.keys import ModelKeys
-from conductor.signature import shape_signature
+from conductor.intake.signature import shape_signature
+from conductor.redis_contract.keys import ModelKeys
 
 
 def test_signature_is_stable_and_documented():

@@ -3,8 +3,8 @@ import json
 import pytest
 import redis
 
-from conductor import keys as K
 from conductor.errors import BadInput, QueueFull
+from conductor.redis_contract import keys as K
 from tests.conftest import item
 from tests.helpers import record, submit_argv
 
@@ -14,7 +14,7 @@ def lanes(c, inst):
 
 
 def inst_of(c, prefix=("sys",)):
-    from conductor.signature import shape_signature
+    from conductor.intake.signature import shape_signature
     sig = shape_signature(list(prefix))
     ep = int(c.r.hget(K.ModelKeys("m").shape(sig), "epoch"))
     return f"{sig}:{ep}"
@@ -137,7 +137,7 @@ def test_full_queue_is_a_typed_error_and_writes_nothing(cdr):
 def test_script_errors_name_the_field(cdr):
     mk = K.ModelKeys("m")
     cdr.ensure_model("m")
-    from conductor.client import _raise_script_error
+    from conductor.redis_contract.script_calls import raise_script_error as _raise_script_error
     with pytest.raises(redis.ResponseError) as e:
         cdr.scripts.submit(keys=[mk.base, mk.cfg, mk.state], args=submit_argv("j", ("x", "0" * 16, 0, 5)))
     with pytest.raises(BadInput) as ei:
@@ -147,7 +147,7 @@ def test_script_errors_name_the_field(cdr):
 
 def test_prefix_is_stored_once_per_shape(cdr):
     cdr.submit([item(i, 40, prefix=("big system prompt", "shots")) for i in range(50)], "j")
-    from conductor.signature import shape_signature
+    from conductor.intake.signature import shape_signature
     sig = shape_signature(["big system prompt", "shots"])
     assert cdr.prefix("m", sig) == ["big system prompt", "shots"]
     # item records carry only the prompt and payload, the prefix lives once in the shape record
@@ -163,7 +163,7 @@ def test_prefix_is_stored_once_per_shape(cdr):
 
 
 def test_bulk_submit_groups_shapes_and_keeps_arrival_order_within_each(cdr):
-    from conductor.client import _grouped_by_shape
+    from conductor.client.submit_stream import grouped_by_shape as _grouped_by_shape
     shapes = [("a",), ("b",), ("c",)]
     its = [item(i, 40, prefix=shapes[i % 3]) for i in range(3000)]  # interleaved, three calls' worth
     grouped = _grouped_by_shape(its)
@@ -184,7 +184,7 @@ def test_a_record_only_the_lenient_decoder_reads_still_reaches_the_worker(cdr):
     # decodes that batch record by record and the item arrives with its payload
     import math
 
-    from conductor.records import Contract
+    from conductor.redis_contract.records import Contract
     mk = K.ModelKeys("m")
     cdr.ensure_model("m")
     cdr.set_config("m", {"release_batches": 0, "activate_batches": 0, "quiet_ms": 0})
@@ -200,7 +200,7 @@ def test_a_record_whose_head_only_cjson_reads_is_handed_out_answerable(cdr):
     # A producer wrote the numbers in forms cjson (submit.lua's check) takes and JSON does not:
     # the item still reaches the worker with its id, job and tokens, marked unreadable, and the
     # rest of its batch decodes as usual.
-    from conductor.records import Contract
+    from conductor.redis_contract.records import Contract
     mk = K.ModelKeys("m")
     cdr.ensure_model("m")
     cdr.set_config("m", {"release_batches": 0, "activate_batches": 0, "quiet_ms": 0})
@@ -220,8 +220,8 @@ def test_a_producer_following_the_readme_protocol_with_raw_commands(cdr):
     import hashlib
     import time
 
-    from conductor.scripts import source
-    from conductor.signature import shape_signature
+    from conductor.intake.signature import shape_signature
+    from conductor.redis_contract.scripts import source
     from tests.helpers import drain
     r = cdr.r
     text = source("submit")
@@ -242,7 +242,7 @@ def test_a_producer_following_the_readme_protocol_with_raw_commands(cdr):
     lanes = r.evalsha(sha, 3, *keys, 30, "xj", *args)
     assert len(lanes) == 30 and -1 not in lanes
     assert r.evalsha(sha, 3, *keys, 30, "xj", *args) == [-1] * 30  # re-sent: nothing doubled
-    from conductor.records import Contract
+    from conductor.redis_contract.records import Contract
     batches = drain(cdr, Contract(model="ext", max_batch_size=64, max_batch_tokens=8192, max_input_len=4096))
     items = [it for b in batches for it in b.items]
     assert sorted(it.id for it in items) == sorted(f"x{i}" for i in range(30))
@@ -272,7 +272,7 @@ def test_submit_refuses_a_prefix_the_edge_refuses(cdr, prefix):
 
 
 def test_submit_prefix_rules_it_keeps(cdr):
-    from conductor.records import Contract
+    from conductor.redis_contract.records import Contract
     mk = K.ModelKeys("m")
     cdr.ensure_model("m")
     cdr.set_config("m", {"release_batches": 0, "activate_batches": 0, "quiet_ms": 0})

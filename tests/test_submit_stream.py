@@ -2,9 +2,9 @@
 
 import pytest
 
-from conductor import script_calls
-from conductor import submit_stream as client_mod
+from conductor.client import submit_stream as client_mod
 from conductor.errors import BadInput
+from conductor.redis_contract import script_calls
 from tests.conftest import item
 
 

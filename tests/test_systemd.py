@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from conductor import keys as K
-from conductor.cli import build_parser
+from conductor.cli.main import build_parser
+from conductor.redis_contract import keys as K
 from conductor.workers.sdnotify import Notifier, socket_address, watchdog_interval
 from tests.conftest import ROOT, item
 from tests.helpers import quick

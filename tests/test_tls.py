@@ -15,7 +15,7 @@ import redis
 from conductor.client import Conductor, connect
 from conductor.embedded import free_port
 from conductor.errors import RedisUnavailable
-from conductor.records import Contract
+from conductor.redis_contract.records import Contract
 from tests.conftest import ROOT, cli, item
 from tests.helpers import quick, results_for
 from tests.secure_redis import SecureRedis

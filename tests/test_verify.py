@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from conductor import keys as K
-from conductor.records import Contract
+from conductor.redis_contract import keys as K
+from conductor.redis_contract.records import Contract
 from conductor.verify import repair, verify
 from tests.conftest import item
 from tests.helpers import quick, results_for
@@ -165,7 +165,7 @@ def test_token_list_is_checked_against_the_records_and_repair_refuses_uneven_lan
 
 
 def test_results_trimmed_by_retention_are_checked_by_their_sum(cdr):
-    from conductor.retention import trim_job_results
+    from conductor.jobs.retention import trim_job_results
     from tests.helpers import drain
     quick(cdr)
     _submit_mix(cdr, n=12)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from conductor import keys as K
 from conductor.client import connect
+from conductor.redis_contract import keys as K
 from tests.conftest import cli
 
 

@@ -9,8 +9,8 @@ whose indices await re-derivation instead of reporting drift; ``repair`` re-deri
 
 from __future__ import annotations
 
-from conductor import keys as K
-from conductor.records import Contract
+from conductor.redis_contract import keys as K
+from conductor.redis_contract.records import Contract
 from conductor.verify import repair, verify
 from tests.conftest import item
 from tests.helpers import quick

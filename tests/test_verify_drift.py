@@ -7,7 +7,7 @@ import logging
 
 from prometheus_client import REGISTRY
 
-from conductor import keys as K
+from conductor.redis_contract import keys as K
 from conductor.verify import repair
 from conductor.workers.maintenance import Maintenance
 from tests.conftest import item

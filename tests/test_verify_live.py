@@ -15,7 +15,7 @@ import time
 import pytest
 
 from conductor.client import Conductor, connect
-from conductor.records import Contract
+from conductor.redis_contract.records import Contract
 from conductor.verify import repair, verify, verify_confirmed
 from tests.conftest import item
 from tests.helpers import quick, results_for

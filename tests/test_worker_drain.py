@@ -11,8 +11,8 @@ import time
 import urllib.request
 from collections import Counter
 
-from conductor import keys as K
 from conductor.embedded import free_port
+from conductor.redis_contract import keys as K
 from tests.conftest import ROOT, item
 from tests.helpers import MK, quick
 

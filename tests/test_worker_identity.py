@@ -12,9 +12,9 @@ import threading
 import time
 from collections import Counter
 
-from conductor import keys as K
-from conductor import script_calls as calls
 from conductor.client import Conductor, connect
+from conductor.redis_contract import keys as K
+from conductor.redis_contract import script_calls as calls
 from conductor.workers.identity import default_worker_name, systemd_instance
 from tests.conftest import ROOT, cli, item
 from tests.helpers import MK, quick

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from conductor import keys as K
 from conductor.client import Conductor, connect
+from conductor.redis_contract import keys as K
 from tests.conftest import item
 from tests.helpers import quick, submit_argv
 from tests.worker_kit import run_until_done, sim, submit, worker

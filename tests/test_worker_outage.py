@@ -12,8 +12,8 @@ import sys
 import time
 from collections import Counter
 
-from conductor import keys as K
 from conductor.client import Conductor, connect
+from conductor.redis_contract import keys as K
 from tests.conftest import ROOT, item
 from tests.helpers import MK, quick
 from tests.test_worker_drain import events, wait_for

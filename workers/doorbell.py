@@ -19,9 +19,10 @@ import time
 from collections.abc import Callable
 
 from conductor.client import Conductor
-from conductor.config import DEFAULTS
-from conductor.keys import ModelKeys
-from conductor.workers.transient import RIDE_OUT, is_transient
+from conductor.redis_contract.config import DEFAULTS
+from conductor.redis_contract.keys import ModelKeys
+
+from .transient import RIDE_OUT, is_transient
 
 BELL_CAP = 16  # as submit.lua and seal.lua trim it
 # Claim answers after which the next change is time-driven (quiet intake), not only a ring.

@@ -23,11 +23,12 @@ import time
 from dataclasses import dataclass, field
 
 from conductor.errors import ConductorError
-from conductor.records import Batch, Result, ResultError
-from conductor.workers.engines import make_engine
-from conductor.workers.engines.base import Engine, Finished
-from conductor.workers.handoff_wire import Done, Hello, Refused, Took, decode_handoff, send
-from conductor.workers.shm_ring import KIND_BATCH, RingReader
+from conductor.redis_contract.records import Batch, Result, ResultError
+
+from .engines import make_engine
+from .engines.base import Engine, Finished
+from .handoff_wire import Done, Hello, Refused, Took, decode_handoff, send
+from .shm_ring import KIND_BATCH, RingReader
 
 
 @dataclass

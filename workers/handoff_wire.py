@@ -15,7 +15,7 @@ import struct
 
 import msgspec
 
-from conductor.records import Batch, Contract, Result
+from conductor.redis_contract.records import Batch, Contract, Result
 
 FRAME = struct.Struct("<I")
 MAX_FRAME = 256 << 20  # a batch's results; anything larger is a broken peer

@@ -38,14 +38,15 @@ from typing import Any
 
 from conductor.client import Conductor
 from conductor.errors import ConductorError
-from conductor.records import Batch, BatchItem, Contract
-from conductor.workers.doorbell import Doorbell, poll_sleep
-from conductor.workers.engines.base import Finished
-from conductor.workers.handoff_wire import Done, FrameReader, Handoff, Hello, Message, Refused, Took, encode
-from conductor.workers.identity import default_worker_name
-from conductor.workers.shm_ring import KIND_BATCH, RingFull, RingWriter
-from conductor.workers.transient import RIDE_OUT, is_transient
-from conductor.workers.worker import Worker, WorkerOptions, event
+from conductor.redis_contract.records import Batch, BatchItem, Contract
+
+from .doorbell import Doorbell, poll_sleep
+from .engines.base import Finished
+from .handoff_wire import Done, FrameReader, Handoff, Hello, Message, Refused, Took, encode
+from .identity import default_worker_name
+from .shm_ring import KIND_BATCH, RingFull, RingWriter
+from .transient import RIDE_OUT, is_transient
+from .worker import Worker, WorkerOptions, event
 
 
 class _Remote:
@@ -106,7 +107,7 @@ class HostAgent(Worker):
             # a failed or interrupted start (SIGTERM while engines load) leaves no GPU process behind
             self.close_gpus()
             raise
-        super().__init__(conductor, _Remote(hello.kind, hello.contract), opts)  # type: ignore[arg-type]
+        super().__init__(conductor, _Remote(hello.kind, hello.contract), opts)
         self._room = threading.Condition(self._lock)
         self._completer: threading.Thread | None = None
 
@@ -312,7 +313,7 @@ class HostAgent(Worker):
             event("agent_stopped", worker=self.name, **self.summary())
 
     def _claim_loop(self) -> None:  # noqa: C901 - the worker loop's order (maintenance, room, claim, bell, exits) in one place
-        from conductor.workers.maintenance import Maintenance
+        from .maintenance import Maintenance
         maint = Maintenance.for_worker(self.c, self.contract.model, self.name, self.opts.heartbeat_ttl_s)
         bell = Doorbell(self.c, self.contract.model)
         idle_since, rung = time.monotonic(), False

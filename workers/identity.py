@@ -50,6 +50,7 @@ def host_name() -> str:
 def default_worker_name(env: Mapping[str, str] = os.environ, cgroup: str = "/proc/self/cgroup") -> str:
     host = socket.gethostname().split(".")[0] or "worker"
     inst = systemd_instance(env, cgroup)
+    # key names and hash tags take only these characters (conductor/redis_contract/keys.py)
     name = f"{host}-{inst}" if inst else host
     return _BAD.sub("_", name)[:128]
 

@@ -13,18 +13,23 @@ import threading
 import time
 from collections.abc import Callable
 
-from conductor import metrics
-from conductor import script_calls as calls
 from conductor.client import Conductor
-from conductor.keys import ModelKeys
-from conductor.lifecycle import expire_due
-from conductor.results_store import offload_model
-from conductor.retention import trim_model
-from conductor.store import StoreError
-from conductor.tier import Feeder
-from conductor.workers.transient import RIDE_OUT
+from conductor.jobs.job_state import expire_due_leased
+from conductor.jobs.retention import trim_model
+from conductor.observability import metrics
+from conductor.redis_contract import script_calls as calls
+from conductor.redis_contract.connection import StreamEntry
+from conductor.redis_contract.keys import ModelKeys
+from conductor.tier.feeder import Feeder
+from conductor.tier.object_store import StoreError
+from conductor.tier.result_segments import offload_model
+
+from .transient import RIDE_OUT
 
 log = logging.getLogger("conductor.maintenance")
+# What the sweep and the feeder ride out: a Redis failure, a paused model (Paused), memory full
+# (QueueFull), a store that does not answer.
+RIDE_OUT_OR_STORE: tuple[type[BaseException], ...] = (*RIDE_OUT, StoreError)
 
 
 class Maintenance:
@@ -53,7 +58,7 @@ class Maintenance:
         # dashboard then reads 0, not "no data"
         self._per_shape = metrics.BATCHES_PER_SHAPE.labels(model, owner)
         self._thrashing = metrics.THRASHING_SHAPES.labels(model, owner)
-        # The disk tier (conductor/tier.py): the lease holder feeds store segments into the lanes
+        # The disk tier (conductor/tier/spill.py): the lease holder feeds store segments into the lanes
         # as they drain, more often than it sweeps (a worker must not wait on its feeder).
         self.feeder = Feeder(conductor, conductor.tier.store, model) if conductor.tier is not None else None
         self.feed_interval_s = 0.05
@@ -80,14 +85,14 @@ class Maintenance:
             due = min(due, self._feed_next)
         return max(0.0, due - now)
 
-    def tick(self) -> dict | None:
+    def tick(self) -> dict[str, int] | None:
         now = time.monotonic()
         self._feed(now)
         if now < self._next:
             return None
         self._next = now + self.interval_s
         try:
-            if not calls.lease(self.keys, self.owner, self.lease_ms).run(self.c.scripts):
+            if not calls.lease(self.keys.maint_lease, self.owner, self.lease_ms).run(self.c.scripts):
                 self._held_until = 0.0
                 return None
             # fed only well inside the lease: another worker may take it once it lapses
@@ -101,13 +106,13 @@ class Maintenance:
             self._thrash_alarm()
             self._drift_check()
             trim_model(self.c, self.model)
-            # Jobs past their completion window end expired (issue 17), whatever serve does: the
-            # steps are idempotent, so lease holders of several models may race on one job.
-            expire_due(self.c)
+            # Jobs past their completion window end expired (issue 17): one sweeper at a time among
+            # the lease holders of every model and the serve replicas (conductor/jobs/job_state.py).
+            expire_due_leased(self.c, self.owner)
             if self.feeder is not None:  # the disk tier: results past the window go to the store
                 offload_model(self.c, self.feeder.store, self.model)
             return res
-        except (*RIDE_OUT, StoreError) as e:  # a Redis failure, a paused model (Paused), memory full
+        except RIDE_OUT_OR_STORE as e:  # a Redis failure, a paused model (Paused), memory full
             # (QueueFull), a store that does not answer
             if self.on_error is None or not self.on_error(e):
                 log.warning(json.dumps({"event": "maintenance_failed", "model": self.model, "error": str(e)}))
@@ -119,7 +124,7 @@ class Maintenance:
         self._feed_next = now + self.feed_interval_s
         try:
             self.feeder.feed()
-        except (*RIDE_OUT, StoreError) as e:
+        except RIDE_OUT_OR_STORE as e:
             if self.on_error is None or not self.on_error(e):
                 log.warning(json.dumps({"event": "feed_failed", "model": self.model, "error": str(e)}))
 
@@ -146,10 +151,12 @@ class Maintenance:
         items could fill (``could``: its tokens in reference budgets), did not pay for its switch: it
         ran in small pieces. A small shape run in the few batches it could fill is not thrashing."""
         if self._finished_cursor == "$":
-            last = self.c.r.xrevrange(self.keys.finished, count=1)
+            last: list[StreamEntry] = self.c.r.xrevrange(self.keys.finished, count=1)  # type: ignore[assignment]
             self._finished_cursor = last[0][0].decode() if last else "0-0"
             return
-        for eid, f in self.c.r.xrange(self.keys.finished, min=f"({self._finished_cursor}", count=1000):
+        rows: list[StreamEntry] = self.c.r.xrange(  # type: ignore[assignment]  # bytes replies
+            self.keys.finished, min=f"({self._finished_cursor}", count=1000)
+        for eid, f in rows:
             self._finished_cursor = eid.decode()
             batches = int(f[b"batches"])
             self.batches_per_shape.append(batches)

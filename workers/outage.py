@@ -25,8 +25,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from conductor.connection import pool_for
 from conductor.errors import RedisUnavailable
+from conductor.redis_contract.connection import pool_for
 
 log = logging.getLogger("conductor.worker")
 

@@ -11,8 +11,9 @@ import json
 import logging
 
 from conductor.client import Conductor
-from conductor.records import Batch
-from conductor.workers.engines.base import Engine
+from conductor.redis_contract.records import Batch
+
+from .engines.base import Engine
 
 log = logging.getLogger("conductor.worker")
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Mapping
 
 log = logging.getLogger("conductor.sdnotify")
 
@@ -24,7 +25,7 @@ def socket_address(path: str) -> str | bytes:
     return path
 
 
-def watchdog_interval(env: dict[str, str] | None = None, pid: int | None = None) -> float | None:
+def watchdog_interval(env: Mapping[str, str] | None = None, pid: int | None = None) -> float | None:
     """Seconds between WATCHDOG=1 pings (half of WATCHDOG_USEC), or None when no watchdog is set."""
     env = os.environ if env is None else env
     usec = env.get("WATCHDOG_USEC", "")

@@ -30,21 +30,22 @@ from dataclasses import dataclass, field
 
 import redis
 
-from conductor import keys as K
-from conductor import script_calls as calls
 from conductor.client import Conductor
-from conductor.connection import as_str
 from conductor.errors import ConductorError, Paused
-from conductor.records import Batch, Contract, Result, ResultError
-from conductor.workers.doorbell import Doorbell, poll_sleep
-from conductor.workers.engines.base import Engine, Finished
-from conductor.workers.identity import host_name, owner, owner_gone, stable_worker_name
-from conductor.workers.latch import AdmissionLatch
-from conductor.workers.outage import Link, cut_retries
-from conductor.workers.prewarm import Prewarm
-from conductor.workers.sdnotify import Notifier
-from conductor.workers.transient import RIDE_OUT, is_transient
-from conductor.workers.worker_metrics import WorkerMetrics
+from conductor.redis_contract import keys as K
+from conductor.redis_contract import script_calls as calls
+from conductor.redis_contract.connection import as_str
+from conductor.redis_contract.records import Batch, Contract, Result, ResultError
+
+from .doorbell import Doorbell, poll_sleep
+from .engines.base import Engine, Finished
+from .identity import host_name, owner, owner_gone, stable_worker_name
+from .latch import AdmissionLatch
+from .outage import Link, cut_retries
+from .prewarm import Prewarm
+from .sdnotify import Notifier
+from .transient import RIDE_OUT, is_transient
+from .worker_metrics import WorkerMetrics
 
 # Claim answers that mean work waits but is held back (quiet intake, a batch not yet full, the
 # release gate), as opposed to 'idle': nothing to do. Time idle after one counts as idle with work.
@@ -406,7 +407,7 @@ class Worker:
         idle_since = time.monotonic()
         sleep = 0.001
         # The reclaim sweep runs in whichever live worker holds the model's maintenance lease.
-        from conductor.workers.maintenance import Maintenance
+        from .maintenance import Maintenance
         maint = Maintenance.for_worker(self.c, self.contract.model, self.name, self.opts.heartbeat_ttl_s)
         maint.on_error = self._outage  # an outage is said once, by the link
         bell = Doorbell(self.c, self.contract.model) if self.opts.wake == "bell" else None

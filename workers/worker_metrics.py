@@ -1,4 +1,4 @@
-"""The worker's Prometheus figures (objects in conductor/metrics.py), bound to one model and worker.
+"""The worker's Prometheus figures (objects in conductor/observability/metrics.py), bound to one model and worker.
 
 Kept out of the loop's code so the loop reads as the ladder it is: each method is one moment
 of a turn (a batch claimed, a step taken, results written, the state at the end of a turn).
@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from conductor import metrics as M
-from conductor.records import Batch, Result
+from conductor.observability import metrics as M
+from conductor.redis_contract.records import Batch, Result
 
 
 class WorkerMetrics:

@@ -59,7 +59,7 @@ they have a result), and items with a result in a live lane. Items counted queue
 place, duplicated items and items no job knows stay ledger findings, for a human.
 """
 
-from conductor.packing import pad8
+from conductor.redis_contract.packing import pad8
 from conductor.verify.checks import Report, Row, verify, verify_confirmed
 from conductor.verify.drift import publish_drift, watch_drift
 from conductor.verify.repair import Change, repair, repair_items

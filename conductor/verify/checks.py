@@ -10,13 +10,13 @@ from typing import Any
 
 import redis
 
-from conductor import keys as K
-from conductor.connection import as_str
-from conductor.store import Store
+from conductor.redis_contract import keys as K
+from conductor.redis_contract.connection import as_str
+from conductor.tier.object_store import Store
 from conductor.verify.ledger import Ledger, ledger_records
 from conductor.verify.snapshot import Snapshot, as_int, classify, list_pages, oom, read_cfg, read_zset
-from conductor.verify.store import EXAMPLES as STORE_EXAMPLES
-from conductor.verify.store import store_truth
+from conductor.verify.tier_truth import EXAMPLES as STORE_EXAMPLES
+from conductor.verify.tier_truth import store_truth
 from conductor.verify.truth import InstRead, LaneTruth, find_orphans, job_truth, read_inflight, read_instance
 
 
@@ -200,9 +200,9 @@ class _Check:
         self.job_lifecycle(job, truth)
 
     def job_lifecycle(self, job: str, truth: dict[str, int]) -> None:
-        """A job its lifecycle calls ended (completed, cancelled, expired: conductor/lifecycle.py)
+        """A job its lifecycle calls ended (completed, cancelled, expired: conductor/jobs/job_state.py)
         must have a result for every item it holds here: its counts add up."""
-        from conductor.lifecycle import TERMINAL
+        from conductor.jobs.job_state import TERMINAL
         status = as_str(self.r.hget(K.job_meta_key(job), "status") or b"")
         left = truth["submitted"] - truth["done"]
         if status in TERMINAL and left:
@@ -224,7 +224,7 @@ class _Check:
             self.row(mk.state, fld, as_int(got[1][i]), sum(as_int(x[i]) for x in got[3::2]), f"state.{fld}")
 
     def store(self, jobs: list[str], store: Store | None) -> None:
-        """The disk tier (verify/store.py): the stored counters against the registry marks and the
+        """The disk tier (verify/tier_truth.py): the stored counters against the registry marks and the
         index records, each stored id placed in its segment, a missing or damaged segment's items."""
         mk = self.mk
         truth = store_truth(self.r, mk, store, jobs, self.rep.notes)

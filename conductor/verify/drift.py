@@ -19,7 +19,7 @@ _published: dict[str, set[str]] = {}
 
 def publish_drift(report: Report) -> None:
     """Set the drift gauge per (model, kind of counter); one critical log line when any differs."""
-    from conductor import metrics
+    from conductor.observability import metrics
 
     kinds = report.by_kind()
     for kind in _published.get(report.model, set()) - set(kinds):

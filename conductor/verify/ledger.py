@@ -6,7 +6,7 @@ from typing import Any
 
 import msgspec
 
-from conductor.connection import as_str
+from conductor.redis_contract.connection import as_str
 from conductor.verify.snapshot import EXAMPLES
 
 

@@ -10,11 +10,11 @@ from typing import Any
 
 import redis
 
-from conductor import keys as K
-from conductor import script_calls as calls
-from conductor.connection import as_str
 from conductor.errors import ConductorError
-from conductor.scripts import Scripts
+from conductor.redis_contract import keys as K
+from conductor.redis_contract import script_calls as calls
+from conductor.redis_contract.connection import as_str
+from conductor.redis_contract.scripts import Scripts
 from conductor.verify.checks import verify
 from conductor.verify.snapshot import FoundKeys, as_int, classify, read_zset, xrange_pages
 from conductor.verify.truth import find_orphans, job_truth, read_pending, read_reclaimed

@@ -7,10 +7,10 @@ from typing import Any
 
 import redis
 
-from conductor.store import Store
+from conductor.tier.object_store import Store
 from conductor.verify.checks import Report, verify
 from conductor.verify.repair import repair
-from conductor.verify.store import repair_store
+from conductor.verify.tier_truth import repair_store
 
 _ALWAYS_SHOWN = ("state.", "inst.", "staged.", "job.", "batches.")  # lane-level rows only when they differ
 

@@ -11,11 +11,11 @@ from typing import Any
 
 import redis
 
-from conductor import keys as K
-from conductor.config import DEFAULTS
-from conductor.connection import StreamEntry as Entry
-from conductor.connection import as_str
-from conductor.packing import lane_ready
+from conductor.redis_contract import keys as K
+from conductor.redis_contract.config import DEFAULTS
+from conductor.redis_contract.connection import StreamEntry as Entry
+from conductor.redis_contract.connection import as_str
+from conductor.redis_contract.packing import lane_ready
 
 PAGE = 1000  # entries per SCAN / HSCAN / XRANGE / lane LRANGE step
 SNAPSHOT = 10_000  # entries an instance (or the in-flight set) may hold to be read in one MULTI

@@ -9,8 +9,8 @@ from typing import Any
 import msgspec
 import redis
 
-from conductor import keys as K
-from conductor.connection import as_str
+from conductor.redis_contract import keys as K
+from conductor.redis_contract.connection import as_str
 from conductor.verify.ledger import Ledger, decode_rec, ledger_records
 from conductor.verify.snapshot import (
     EXAMPLES,
@@ -337,7 +337,7 @@ def job_truth(r: redis.Redis, mk: K.ModelKeys, job: str, ledger: Ledger | None) 
     ok, err, results, dup = _count_records(records, ledger is not None)
     if n_items > SNAPSHOT or n_results > SNAPSHOT:
         submitted = n_items  # the snapshot's count, not the pages'
-    # Fewer records than done items: retention trimmed the job's results (conductor/retention.py),
+    # Fewer records than done items: retention trimmed the job's results (conductor/jobs/retention.py),
     # so the ok/error split of the trimmed ones is gone. (A lost record looks the same.)
     return {"submitted": submitted, "completed": ok, "failed": err, "done": done, "results": results,
             "dup_results": dup, "trimmed": results < done,

@@ -4,18 +4,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from conductor.workers.engines.base import Engine, Finished
+from .base import Engine, Finished
 
 
 def make_engine(kind: str, **kw: Any) -> Engine:
     if kind == "sim":
-        from conductor.workers.engines.sim import SimEngine
+        from .sim import SimEngine
         return SimEngine(**kw)
     if kind == "torch":
-        from conductor.workers.engines.torch_engine import TorchEngine
+        from .torch_engine import TorchEngine
         return TorchEngine(**kw)
     if kind == "trtllm":
-        from conductor.workers.engines.trtllm import TrtllmEngine
+        from .trtllm import TrtllmEngine
         return TrtllmEngine(**kw)
     raise ValueError(f"engine: unknown engine {kind!r} (sim, torch, trtllm)")
 

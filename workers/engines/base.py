@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 from conductor.errors import ConductorError
-from conductor.records import Batch, BatchItem, Contract, ResultError
+from conductor.redis_contract.records import Batch, BatchItem, Contract, ResultError
 
 
 class EngineUnavailable(ConductorError):

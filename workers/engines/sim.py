@@ -37,9 +37,10 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from conductor.formats import estimate_tokens
-from conductor.records import Batch, BatchItem, Contract
-from conductor.workers.engines.base import ContractHolder, Finished, too_long
+from conductor.intake.formats import estimate_tokens
+from conductor.redis_contract.records import Batch, BatchItem, Contract
+
+from .base import ContractHolder, Finished, too_long
 
 
 @dataclass
@@ -204,7 +205,8 @@ class SimEngine(ContractHolder):
             self._spend(recompute * self.p.prefill_per_token)
         self._spend(self.p.decode_base + self.p.decode_per_seq * len(self._resident))
         c.output_tokens += len(self._resident)
-        done, keep = [], []
+        done: list[_Seq] = []
+        keep: list[_Seq] = []
         for q in self._resident:
             q.done += 1
             (done if q.done >= q.target else keep).append(q)

@@ -29,14 +29,16 @@ from __future__ import annotations
 import copy
 import inspect
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from conductor.records import Batch, BatchItem, Contract, ResultError
-from conductor.workers.engines.base import ContractHolder, EngineConfigError, EngineUnavailable, Finished, too_long
-from conductor.workers.engines.byte_tokenizer import ByteTokenizer
+from conductor.redis_contract.records import Batch, BatchItem, Contract, ResultError
 
-TINY_CONFIG = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+from .base import ContractHolder, EngineConfigError, EngineUnavailable, Finished, too_long
+from .byte_tokenizer import ByteTokenizer
+
+TINY_CONFIG: dict[str, Any] = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2)
 
 
@@ -88,11 +90,13 @@ class TorchEngine(ContractHolder):
             from transformers import LlamaConfig, LlamaForCausalLM
             torch.manual_seed(seed)
             cfg = LlamaConfig(**TINY_CONFIG)
-            self.lm = LlamaForCausalLM(cfg)
+            # Any: transformers types PreTrainedModel.to through a decorator that mypy reads as
+            # taking the model, not the device
+            self.lm: Any = LlamaForCausalLM(cfg)
             self.tok: Any = ByteTokenizer()
             self.eos = ByteTokenizer.eos_token_id
             self.pad = ByteTokenizer.pad_token_id
-            self._encode = lambda text, bos: self.tok.encode(text, bos=bos)
+            self._encode: Callable[[str, bool], list[int]] = lambda text, bos: self.tok.encode(text, bos=bos)
             limit = cfg.max_position_embeddings
         else:
             self.lm, self.tok, limit = self._load(model_path)
@@ -201,8 +205,10 @@ class TorchEngine(ContractHolder):
     @staticmethod
     def _mergeable(c: _Cohort) -> bool:
         layers = getattr(c.cache, "layers", None)
-        return bool(layers) and all(type(x).__name__ == "DynamicLayer" and getattr(x, "keys", None) is not None
-                                    and x.keys.dim() == 4 for x in layers)
+        if not layers:
+            return False
+        return all(type(x).__name__ == "DynamicLayer" and getattr(x, "keys", None) is not None
+                   and x.keys.dim() == 4 for x in layers)
 
     def _merge_into(self, a: _Cohort, b: _Cohort) -> None:
         """Append b's rows to a: left-pad the shorter cache (and mask) so both have one length."""

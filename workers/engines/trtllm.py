@@ -22,8 +22,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conductor.records import Batch, BatchItem, Contract, ResultError
-from conductor.workers.engines.base import ContractHolder, EngineConfigError, EngineUnavailable, Finished, too_long
+from conductor.redis_contract.records import Batch, BatchItem, Contract, ResultError
+
+from .base import ContractHolder, EngineConfigError, EngineUnavailable, Finished, too_long
 
 INSTALL_HINT = ("engine trtllm needs TensorRT-LLM, which is not installed here: on a machine with an NVIDIA GPU "
                 "and CUDA, pip install 'tensorrt-llm==1.2.*' (or use --engine torch / --engine sim)")

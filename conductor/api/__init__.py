@@ -1,0 +1,1 @@
+"""The HTTP API (``conductor serve``): OpenAI's Files and Batches API and the status page."""

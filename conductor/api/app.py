@@ -1,0 +1,86 @@
+"""``conductor serve``: OpenAI's Files and Batches API at ``/v1`` and a status page at ``/``.
+
+Stateless: batches are jobs (their lifecycle in ``cdr:job:J:meta``, conductor/jobs/job_state.py),
+file objects live in Redis and file bytes in a shared store directory
+(conductor/api/upload_store.py), so any number of replicas may serve behind one load balancer.
+This module puts the app together: authentication, the error replies, the expiry loop and the
+routers (conductor/api/files.py, conductor/api/batches.py, conductor/api/status_page.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from conductor.api.batches import batches_router
+from conductor.api.errors import ApiError, error_reply
+from conductor.api.files import files_router
+from conductor.api.status_page import status_router
+from conductor.api.upload_store import FileStore
+from conductor.client import Conductor
+from conductor.errors import ConductorError
+from conductor.jobs.job_state import expire_due_leased
+from conductor.tier.object_store import Store
+
+log = logging.getLogger(__name__)
+EXPIRY_EVERY_S = 5.0
+
+
+def make_app(redis_url: str, *, data_dir: str | None = None, api_keys: list[str] | None = None,
+             segment_store: Store | None = None) -> FastAPI:
+    """``segment_store``: the disk tier's (conductor/tier/): a batch's items beyond a model's
+    resident_tokens go to it, and its output file reads the results moved there."""
+    c = Conductor.from_url(redis_url, store=segment_store)
+    store = FileStore(c.r, data_dir)
+    keys = {k for k in (api_keys or []) if k}
+    stop = threading.Event()
+    owner = f"serve:{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+
+    def expiry_loop() -> None:
+        while not stop.wait(EXPIRY_EVERY_S):
+            try:
+                expire_due_leased(c, owner)
+            except Exception as e:  # noqa: BLE001 - a Redis hiccup must not end the loop
+                log.warning("expiry sweep: %s", e)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        t = threading.Thread(target=expiry_loop, name="expiry", daemon=True)
+        t.start()
+        yield
+        stop.set()
+        t.join(5)  # joined, not left to die with the interpreter
+
+    app = FastAPI(title="conductor", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.store = store
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        if keys:
+            got = request.headers.get("authorization", "")
+            token = got[7:] if got.lower().startswith("bearer ") else request.query_params.get("key", "")
+            if not any(secrets.compare_digest(token, k) for k in keys):
+                shown = (token[:3] + "*" * 4 + token[-4:]) if len(token) > 8 else "*" * len(token)
+                return error_reply(401, f"Incorrect API key provided: {shown}.", code="invalid_api_key")
+        return await call_next(request)
+
+    @app.exception_handler(ApiError)
+    async def api_error(_request: Request, e: ApiError) -> JSONResponse:
+        return error_reply(e.status, e.message, e.param, e.code, e.type)
+
+    @app.exception_handler(ConductorError)
+    async def conductor_error(_request: Request, e: ConductorError) -> JSONResponse:
+        return error_reply(400, str(e), getattr(e, "field", None))
+
+    app.include_router(files_router(c, store))
+    app.include_router(batches_router(c, store))
+    app.include_router(status_router(c))
+    return app

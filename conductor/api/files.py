@@ -1,0 +1,77 @@
+"""The Files API (``/v1/files``): uploads kept in the upload store (conductor/api/upload_store.py),
+and a batch's output and error files, which are not stored: its results in OpenAI's format, written
+out while they are downloaded (``file-out-<batch>``, ``file-err-<batch>``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from fastapi import APIRouter, File, Form, UploadFile
+from fastapi.responses import StreamingResponse
+
+from conductor.api.batches import batch_object, is_batch, result_lines
+from conductor.api.errors import ApiError, page
+from conductor.api.upload_store import ERROR_PREFIX, OUTPUT_PREFIX, FileStore
+from conductor.client import Conductor
+from conductor.errors import BadInput
+
+
+def files_router(c: Conductor, store: FileStore) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/files")
+    def upload(file: UploadFile = File(...), purpose: str = Form(...)) -> dict[str, Any]:  # noqa: B008
+        try:
+            return store.put(file.file, file.filename or "", purpose)
+        except BadInput as e:
+            raise ApiError(400, str(e), e.field) from None
+
+    @router.get("/v1/files")
+    def list_files(limit: int = 10000, after: str | None = None, purpose: str | None = None) -> dict[str, Any]:
+        objs, more = store.list(max(1, min(limit, 10000)), after)
+        if purpose:
+            objs = [o for o in objs if o["purpose"] == purpose]
+        return page(objs, more)
+
+    @router.get("/v1/files/{file_id}")
+    def get_file(file_id: str) -> dict[str, Any]:
+        return file_object(c, store, file_id)
+
+    @router.get("/v1/files/{file_id}/content")
+    def file_content(file_id: str) -> StreamingResponse:
+        file_object(c, store, file_id)
+        return StreamingResponse(_content(c, store, file_id), media_type="application/octet-stream")
+
+    @router.delete("/v1/files/{file_id}")
+    def delete_file(file_id: str) -> dict[str, Any]:
+        if not store.delete(file_id):
+            raise ApiError(404, f"No such File object: {file_id}", "id")
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    return router
+
+
+def file_object(c: Conductor, store: FileStore, file_id: str) -> dict[str, Any]:
+    """An uploaded file's object, or the output or error file of an ended batch; else 404."""
+    for prefix, failed in ((OUTPUT_PREFIX, False), (ERROR_PREFIX, True)):
+        if file_id.startswith(prefix):
+            job = file_id[len(prefix):]
+            obj = batch_object(c, job) if is_batch(c, job) else None
+            if obj and file_id in (obj["output_file_id"], obj["error_file_id"]):
+                size = sum(len(chunk) for chunk in result_lines(c, job, failed))
+                return {"id": file_id, "object": "file", "bytes": size, "created_at": obj["completed_at"] or
+                        obj["cancelled_at"] or obj["expired_at"] or obj["created_at"],
+                        "filename": f"batch_{'error' if failed else 'output'}.jsonl", "purpose": "batch_output",
+                        "status": "processed", "expires_at": None, "status_details": None}
+    obj = store.get(file_id)
+    if obj is None:
+        raise ApiError(404, f"No such File object: {file_id}", "id")
+    return obj
+
+
+def _content(c: Conductor, store: FileStore, file_id: str) -> Iterator[bytes]:
+    for prefix, failed in ((OUTPUT_PREFIX, False), (ERROR_PREFIX, True)):
+        if file_id.startswith(prefix):
+            return result_lines(c, file_id[len(prefix):], failed)
+    return store.chunks(file_id)

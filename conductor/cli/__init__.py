@@ -1,0 +1,1 @@
+"""The command line (``conductor``), one module per group of commands."""

@@ -1,0 +1,167 @@
+"""The read commands: ``results``, ``status``, ``jobs``, ``inspect`` (with ``--verify
+[--repair]``) and the ``exporter``; none writes, so a reader's credentials do."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+from conductor.cli.connect import conductor_from, url_from
+from conductor.errors import ConductorError
+
+if TYPE_CHECKING:
+    from conductor.client import Conductor
+
+
+def known_job(c: Conductor, job: str) -> list[str]:
+    """The job's models; an unknown job is an error (a typo would otherwise read nothing, or
+    follow forever)."""
+    models = c.job_models(job)
+    if not models:
+        raise ConductorError(f"job {job!r} is unknown to this Redis (conductor jobs lists the jobs)")
+    return models
+
+
+def cmd_results(args: argparse.Namespace) -> int:
+    from conductor.client.rewind import REWIND_WINDOW, Rewind
+    from conductor.observability.fleet import NoWorkerHint
+    c = conductor_from(args)
+    models = known_job(c, args.job)
+    hint = NoWorkerHint(c.r, models) if args.follow else None
+
+    def waiting() -> bool:
+        if hint is not None and not c.status(args.job)["done"]:
+            hint.check(c.job_models(args.job))
+        return False
+
+    if args.follow:
+        waiting()
+    rewinds = []
+
+    def rewound(rw: Rewind) -> None:
+        rewinds.append(rw)
+        lost = "" if rw.all_known else f" (more than the last {REWIND_WINDOW} it read: some may come twice)"
+        print(f"conductor: results stream {rw.stream} was rewound from {rw.read_up_to} to {rw.now_at}: a failover "
+              f"lost results Redis had acknowledged; {len(rw.ids)} results this reader printed past that point "
+              f"will be produced again and are skipped{lost}", file=sys.stderr, flush=True)
+
+    if args.errors and args.format != "openai":
+        raise ConductorError("--errors goes with --format openai")
+    out = open(args.output, "wb") if args.output else sys.stdout.buffer
+    try:
+        records = c.results(args.job, follow=args.follow, should_stop=waiting, on_rewind=rewound)
+        if args.format == "openai":
+            from conductor.jobs.openai_output import write_openai
+            with open(args.errors, "wb") if args.errors else _no_file() as errors:
+                write_openai(records, out, errors)
+            return 1 if rewinds else 0
+        for rec in records:
+            out.write(rec + b"\n")
+            if args.follow:
+                out.flush()
+    finally:
+        if args.output:
+            out.close()
+    return 1 if rewinds else 0
+
+
+def _no_file() -> Any:
+    import contextlib
+    return contextlib.nullcontext(None)
+
+
+def _status_line(st: dict[str, Any]) -> str:
+    return (f"job {st['job']}: submitted {st['submitted']}, completed {st['completed']}, "
+            f"failed {st['failed']}, pending {st['pending']}" + (f", lost {st['lost']}" if st.get("lost") else ""))
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from conductor.cli.progress import ProgressLine, Rate, fmt_eta
+    from conductor.observability.fleet import NoWorkerHint
+    c = conductor_from(args)
+    models = known_job(c, args.job)
+    st = c.status(args.job, models)
+    if not args.watch and not args.json:
+        from conductor.jobs.job_state import describe, render
+        print(render(describe(c, args.job, advance=False)), flush=True)  # read only: a reader may not write
+    if not args.watch or args.json:
+        while True:
+            print(json.dumps(st) if args.json else _status_line(st), flush=True)
+            if st["lost"] and (not args.watch or st["done"]):
+                return _lost(args.job, st)
+            if not args.watch:
+                return 0
+            if st["done"]:
+                return 1 if st["failed"] else 0
+            time.sleep(args.interval)
+            st = c.status(args.job, c.job_models(args.job))  # a later submit may have added a model
+    hint = NoWorkerHint(c.r, models)
+    if sys.stdout.isatty():
+        with ProgressLine(f"job {args.job}", st["submitted"], sys.stdout, unit="answered") as line:
+            while not st["done"]:
+                hint.check(c.job_models(args.job))
+                line.update(st["completed"] + st["failed"], st["submitted"], note=f"{st['failed']} failed")
+                time.sleep(args.interval)
+                st = c.status(args.job, c.job_models(args.job))
+            line.update(st["completed"] + st["failed"], st["submitted"], note=f"{st['failed']} failed")
+        print(_status_line(st), flush=True)
+    else:
+        rate = Rate()  # one plain line per interval, as before, with the rate and ETA added
+        while True:
+            answered = st["completed"] + st["failed"]
+            rate.add(answered, time.monotonic())
+            per_s = rate.per_s()
+            extra = "" if st["done"] else (f", {per_s:,.1f}/s, {fmt_eta(rate.eta_s(answered, st['submitted']))}"
+                                           if per_s is not None else "")
+            print(_status_line(st) + extra, flush=True)
+            if st["done"]:
+                break
+            hint.check(c.job_models(args.job))
+            time.sleep(args.interval)
+            st = c.status(args.job, c.job_models(args.job))
+    if st["lost"]:
+        return _lost(args.job, st)
+    return 1 if st["failed"] else 0
+
+
+def _lost(job: str, st: dict[str, Any]) -> int:
+    print(f"error: {st['lost']} item(s) the producer sent to job {job} are missing from this Redis "
+          f"(declared {st['declared']}, present {st['submitted']}): a failover to a replica that had not "
+          "received them, or a submit that stopped halfway. Submit the same file again with the same "
+          "--job: submission is idempotent, only the missing items are added.", file=sys.stderr)
+    return 3
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    from conductor.jobs.job_list import list_jobs, render
+    rows = list_jobs(conductor_from(args), limit=args.limit or None)
+    if args.json:
+        print(json.dumps([r.as_dict() for r in rows]))
+    else:
+        print(render(rows))
+    return 0
+
+
+def cmd_exporter(args: argparse.Namespace) -> int:
+    from conductor.observability.exporter import serve
+    return serve(url_from(args), args.port, args.host, starving_s=args.starving_s, top_shapes=args.top_shapes,
+                 jobs=args.jobs)
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from conductor.observability.model_view import model_overview, render
+    c = conductor_from(args)
+    models = [args.model] if args.model else c.models()
+    if args.verify or args.repair:
+        from conductor.verify import cli_verify
+        return cli_verify(c.r, models, do_repair=args.repair, show_all=args.all, ledger=not args.no_ledger,
+                          as_json=args.json, store=c.tier.store if c.tier else None)
+    views = [model_overview(c, m, lanes=args.lanes) for m in models]
+    if args.json:
+        print(json.dumps(views, default=str))
+    else:
+        print("\n".join(render(v) for v in views) or "no models")
+    return 0

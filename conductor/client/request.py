@@ -1,0 +1,348 @@
+"""The request path (seed 004): one answer at a time for services, over the same queue.
+
+``RequestClient(url, model=M)`` / ``AsyncRequestClient``: ``generate(prompt, ...)`` submits one
+item through submit.lua (same packing, purity, at-least-once delivery and idempotent result as
+any item) under the client's own request job (``rq.<hex>``) and blocks on the item's reply
+list (``cdr:{M}:reply:<job>:<id>``), to which complete.lua pushes the result as it writes it:
+no polling. The submit is sealed in the same round trip (seal.lua): a request must not wait
+quiet_ms for the release gate.
+
+Admission is the token-level queue's: the model's ``max_waiting_tokens`` refuses with
+``QueueFull`` (carrying the waiting figure). The permits (``max_in_flight``, 64 by default) only
+bound what one client has in flight; ``capacity()`` is advisory and never gates.
+
+Errors (conductor/errors.py): ``UnknownModel`` at construction when no live worker serves the
+model; ``QueueFull``; ``RequestTimeout`` (no permit or no result in time); ``ClientClosed``;
+``BadInput`` for a bad argument. Every one returns the request's permit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import secrets
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+import redis.asyncio as aioredis
+
+from conductor.client import Conductor
+from conductor.client.permits import Permits
+from conductor.errors import BadInput, ClientClosed, QueueFull, RequestTimeout, UnknownModel
+from conductor.intake.formats import from_native
+from conductor.observability.fleet import live_workers
+from conductor.redis_contract import keys as K
+from conductor.redis_contract import script_calls as calls
+from conductor.redis_contract.connection import connect
+from conductor.redis_contract.records import PreparedItem, Result, result_decoder
+from conductor.redis_contract.script_calls import raise_script_error
+
+MAX_TIMEOUT_S = 3600.0
+SAFETY_MARGIN_S = 5.0  # a permit not given back this long after its request's timeout returns by itself
+_CLOSED = b"\x00closed"  # pushed to in-flight reply lists by close(): their waiters wake at once
+_WAITING = re.compile(r"holds (\d+) waiting tokens")
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Advisory: how loaded the model's queue is against the live fleet's budgets."""
+
+    waiting_tokens: int
+    max_waiting_tokens: int  # 0: no ceiling
+    fleet_budget_tokens: int  # sum of live workers' max_batch_tokens
+    workers: int
+
+    @property
+    def batches_waiting(self) -> float:
+        """Waiting tokens in fleet-wide batches (0 with no live worker)."""
+        return self.waiting_tokens / self.fleet_budget_tokens if self.fleet_budget_tokens else 0.0
+
+
+def served_models(r: redis.Redis) -> list[str]:
+    return [m for m in sorted(x.decode() if isinstance(x, bytes) else x for x in r.smembers(K.MODELS_KEY))
+            if live_workers(r, m)]
+
+
+def _check_timeout(timeout: float) -> float:
+    if not isinstance(timeout, (int, float)) or not 0 < timeout <= MAX_TIMEOUT_S:
+        raise BadInput("timeout", f"must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {timeout!r}")
+    return float(timeout)
+
+
+def _queue_full(e: QueueFull) -> QueueFull:
+    m = _WAITING.search(str(e))
+    return QueueFull(str(e), waiting=int(m.group(1)) if m else None)
+
+
+def _script_reply(reply: Any) -> None:
+    if isinstance(reply, Exception):
+        try:
+            raise_script_error(reply)
+        except QueueFull as e:
+            raise _queue_full(e) from None
+
+
+class _Core:
+    """What the sync and async clients share: the job, the item, the keys, the permits."""
+
+    def __init__(self, url: str, model: str, max_in_flight: int) -> None:
+        self.url = url
+        self.c = Conductor(connect(url))  # checks the schema
+        self.mk = K.ModelKeys(model)
+        self.model = model
+        served = served_models(self.c.r)
+        if model not in served:
+            raise UnknownModel(model, served)
+        self.permits = Permits(max_in_flight)
+        self.job = f"{K.REQUEST_JOB_PREFIX}{secrets.token_hex(8)}"
+        self.c._register_job(self.job, model)
+        self.closed = False
+        self.waiting_on: set[str] = set()  # reply keys with a waiter, woken by close()
+        self.submit_sha = self.c.r.script_load(self.c.scripts.submit.script)
+        self.seal_sha = self.c.r.script_load(self.c.scripts.seal.script)
+
+    def item(self, prompt: str, prefix: tuple[str, ...] | list[str], max_tokens: int, payload: Any) -> PreparedItem:
+        return from_native({"id": secrets.token_hex(12), "model": self.model, "prefix": list(prefix),
+                            "prompt": prompt, "max_tokens": max_tokens, "payload": payload})
+
+    def commands(self, it: PreparedItem) -> list[tuple[Any, ...]]:
+        """The submit and the seal as EVALSHA commands (their KEYS from script_calls.py)."""
+        return [calls.submit(self.mk, self.job, [it]).command(self.submit_sha),
+                calls.seal(self.mk).command(self.seal_sha)]
+
+    def queue_capacity_reads(self, pipe: Any) -> None:
+        """What capacity() needs, queued on a pipeline (sync or asyncio): waiting tokens, the
+        model's ceiling, the registered contracts."""
+        pipe.hget(self.mk.intake, "tokens")
+        pipe.hget(self.mk.cfg, "max_waiting_tokens")
+        pipe.hgetall(self.mk.workers)
+
+    def result(self, raw: bytes | str) -> Result:
+        if raw == _CLOSED:
+            raise ClientClosed("the request client was closed while this request waited")
+        return result_decoder.decode(raw)
+
+    def capacity(self, state: Any, cfg_max: Any, contracts: dict[Any, Any], alive: list[str]) -> Capacity:
+        import json
+        budget = 0
+        for name in alive:
+            raw = contracts.get(name.encode())
+            if raw:
+                try:
+                    budget += int(json.loads(raw).get("max_batch_tokens", 0))
+                except (ValueError, AttributeError):
+                    pass
+        return Capacity(waiting_tokens=int(state or 0), max_waiting_tokens=int(cfg_max or 0),
+                        fleet_budget_tokens=budget, workers=len(alive))
+
+
+class _PermitCounts:
+    _core: _Core
+
+    @property
+    def available_permits(self) -> int:
+        return self._core.permits.available
+
+    @property
+    def in_flight(self) -> int:
+        return self._core.permits.in_flight
+
+
+class RequestClient(_PermitCounts):
+    """Blocking request client; thread-safe (each waiting request holds a connection of its own)."""
+
+    def __init__(self, url: str, *, model: str, max_in_flight: int = 64) -> None:
+        self._core = _Core(url, model, max_in_flight)
+        self.model, self.job = model, self._core.job
+        # Blocking reads wait as long as their request's timeout: no socket timeout under them.
+        self._block = redis.Redis.from_url(url, socket_timeout=None, socket_connect_timeout=10)
+        self._lock = threading.Lock()
+
+    def capacity(self) -> Capacity:
+        """Advisory load figure; reads Redis, never waits for a permit."""
+        r = self._core.c.r
+        pipe = r.pipeline(transaction=False)
+        self._core.queue_capacity_reads(pipe)
+        state, cfg_max, contracts = pipe.execute()
+        return self._core.capacity(state, cfg_max, contracts, live_workers(r, self.model))
+
+    def generate(self, prompt: str, *, prefix: tuple[str, ...] | list[str] = (), max_tokens: int,
+                 timeout: float, payload: Any = None) -> Result:
+        core = self._core
+        if core.closed:
+            raise ClientClosed("the request client is closed")
+        timeout = _check_timeout(timeout)
+        deadline = time.monotonic() + timeout
+        it = core.item(prompt, prefix, max_tokens, payload)  # bad input refused before a permit is taken
+        permit = core.permits.take(timeout + SAFETY_MARGIN_S, timeout)
+        if permit is None:
+            if core.closed:
+                raise ClientClosed("the request client was closed while this request waited for a permit")
+            raise RequestTimeout(f"no permit came back within {timeout:g}s ({core.permits.n} requests in flight)")
+        key = core.mk.reply(core.job, it.id)
+        try:
+            if core.closed:
+                raise ClientClosed("the request client is closed")
+            pipe = self._block.pipeline(transaction=False)
+            for cmd in core.commands(it):
+                pipe.execute_command(*cmd)
+            replies = pipe.execute(raise_on_error=False)
+            if isinstance(replies[0], redis.exceptions.NoScriptError):
+                core.submit_sha = self._block.script_load(core.c.scripts.submit.script)
+                core.seal_sha = self._block.script_load(core.c.scripts.seal.script)
+                replies = [self._block.execute_command(*core.commands(it)[0])]
+                self._block.execute_command(*core.commands(it)[1])
+            _script_reply(replies[0])
+            with self._lock:
+                if core.closed:
+                    raise ClientClosed("the request client was closed while this request was sent")
+                core.waiting_on.add(key)
+            try:
+                left = deadline - time.monotonic()
+                got = self._block.blpop([key], timeout=max(0.001, round(left, 3))) if left > 0 else None
+            finally:
+                with self._lock:
+                    core.waiting_on.discard(key)
+            if got is None:
+                raise RequestTimeout(f"no result within {timeout:g}s (item {it.id} of job {core.job} stays queued)")
+            return core.result(got[1])
+        finally:
+            core.permits.give(permit)
+
+    def close(self) -> None:
+        """Refuse new requests and wake every waiting one with ClientClosed (their permits return)."""
+        core = self._core
+        with self._lock:
+            core.closed = True
+            keys = list(core.waiting_on)
+        core.permits.close()
+        if keys:
+            pipe = core.c.r.pipeline(transaction=False)
+            for k in keys:
+                pipe.lpush(k, _CLOSED)
+                pipe.pexpire(k, 60_000)
+            pipe.execute()
+
+    def __enter__(self) -> RequestClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncRequestClient(_PermitCounts):
+    """asyncio request client; task-safe within its event loop. ``async with`` closes it."""
+
+    def __init__(self, url: str, *, model: str, max_in_flight: int = 64) -> None:
+        self._core = _Core(url, model, max_in_flight)
+        self.model, self.job = model, self._core.job
+        self._r = aioredis.Redis.from_url(url, socket_timeout=None, socket_connect_timeout=10)
+        self._waiters: deque[asyncio.Future[Any]] = deque()
+
+    async def capacity(self) -> Capacity:
+        async with self._r.pipeline(transaction=False) as pipe:
+            self._core.queue_capacity_reads(pipe)
+            state, cfg_max, contracts = await pipe.execute()
+        alive = await asyncio.to_thread(live_workers, self._core.c.r, self.model)
+        return self._core.capacity(state, cfg_max, contracts, alive)
+
+    def _give(self, permit: int) -> None:
+        self._core.permits.give(permit)
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                break
+
+    async def _take(self, hold_s: float, wait_s: float) -> int:
+        permits = self._core.permits
+        deadline = time.monotonic() + wait_s
+        while True:
+            if self._core.closed:
+                raise ClientClosed("the request client was closed while this request waited for a permit")
+            p = permits.try_take(hold_s)
+            if p is not None:
+                return p
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RequestTimeout(f"no permit came back within {wait_s:g}s ({permits.n} requests in flight)")
+            soonest = permits.next_deadline()
+            if soonest is not None:  # wake at a safety deadline too: a leaked permit comes back then
+                left = min(left, max(0.0, soonest - time.monotonic()) + 0.001)
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, left)
+            except TimeoutError:
+                pass
+
+    async def generate(self, prompt: str, *, prefix: tuple[str, ...] | list[str] = (), max_tokens: int,
+                       timeout: float, payload: Any = None) -> Result:
+        core = self._core
+        if core.closed:
+            raise ClientClosed("the request client is closed")
+        timeout = _check_timeout(timeout)
+        deadline = time.monotonic() + timeout
+        it = core.item(prompt, prefix, max_tokens, payload)
+        permit = await self._take(timeout + SAFETY_MARGIN_S, timeout)
+        key = core.mk.reply(core.job, it.id)
+        try:  # a cancelled task passes through here too (CancelledError): the permit returns
+            if core.closed:
+                raise ClientClosed("the request client is closed")
+            async with self._r.pipeline(transaction=False) as pipe:
+                for cmd in core.commands(it):
+                    pipe.execute_command(*cmd)
+                replies = await pipe.execute(raise_on_error=False)
+            if isinstance(replies[0], redis.exceptions.NoScriptError):
+                core.submit_sha = await self._r.script_load(core.c.scripts.submit.script)
+                core.seal_sha = await self._r.script_load(core.c.scripts.seal.script)
+                try:
+                    replies = [await self._r.execute_command(*core.commands(it)[0])]
+                except redis.ResponseError as e:
+                    replies = [e]
+                await self._r.execute_command(*core.commands(it)[1])
+            _script_reply(replies[0])
+            if core.closed:
+                raise ClientClosed("the request client was closed while this request was sent")
+            core.waiting_on.add(key)
+            try:
+                left = deadline - time.monotonic()
+                got = await self._r.blpop([key], timeout=max(0.001, round(left, 3))) if left > 0 else None
+            finally:
+                core.waiting_on.discard(key)
+            if got is None:
+                raise RequestTimeout(f"no result within {timeout:g}s (item {it.id} of job {core.job} stays queued)")
+            return core.result(got[1])
+        finally:
+            self._give(permit)
+
+    async def close(self) -> None:
+        core = self._core
+        core.closed = True
+        core.permits.close()
+        keys = list(core.waiting_on)
+        if keys:
+            async with self._r.pipeline(transaction=False) as pipe:
+                for k in keys:
+                    pipe.lpush(k, _CLOSED)
+                    pipe.pexpire(k, 60_000)
+                await pipe.execute()
+        for fut in self._waiters:
+            if not fut.done():
+                fut.set_result(None)
+
+    async def aclose(self) -> None:
+        """Close, then release the connections once the waiters have woken."""
+        await self.close()
+        await asyncio.sleep(0)
+        await self._r.aclose()
+
+    async def __aenter__(self) -> AsyncRequestClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

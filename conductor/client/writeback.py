@@ -1,0 +1,69 @@
+"""How a batch ends: its results written (complete.lua, confirmed on replicas with WAIT), given
+back by the worker (fail.lua), or taken from a dead consumer (reclaim.lua)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import redis
+
+from conductor.client.core import ConductorCore
+from conductor.redis_contract import keys as K
+from conductor.redis_contract import script_calls as calls
+from conductor.redis_contract.connection import as_str
+from conductor.redis_contract.records import Batch, Result
+
+
+class Writeback(ConductorCore):
+    def complete(self, batch: Batch, results: Sequence[Result], *, final: bool = True) -> tuple[int, int]:
+        """Write results (idempotent on item id); with ``final`` ack and delete the batch."""
+        written, acked = self._confirmed(calls.complete(K.ModelKeys(batch.model), batch.batch_id, results,
+                                                        final=final))
+        return written, acked
+
+    def fail(self, batch: Batch, consumer: str, reason: str) -> tuple[int, int]:
+        """Give back a batch the engine could not run: (items requeued, items dead-lettered)."""
+        requeued, dead = calls.fail(K.ModelKeys(batch.model), batch.batch_id, consumer, reason).run(self.scripts)
+        return requeued, dead
+
+    def reclaim_consumer(self, model: str, consumer: str, *, force: bool = False,
+                         min_idle_ms: int = 0, count: int = 100) -> dict[str, int]:
+        """Move ``consumer``'s pending batches to the reclaimed queue if it is dead (or ``force``)."""
+        mk = K.ModelKeys(model)
+        total = {"batches": 0, "items": 0, "dead": 0, "left": 0, "deleted": 0}
+        while True:
+            got = calls.reclaim(mk, consumer, force=force, min_idle_ms=min_idle_ms, count=count).run(self.scripts)
+            total["batches"] += got.batches
+            total["items"] += got.items
+            total["dead"] += got.dead
+            total["left"] = got.left
+            total["deleted"] = got.deleted
+            if got.batches < count:
+                return total
+
+    def consumers(self, model: str) -> list[dict[str, Any]]:
+        mk = K.ModelKeys(model)
+        try:
+            rows = self.r.xinfo_consumers(mk.batches, K.GROUP)
+        except redis.ResponseError:
+            return []
+        out = []
+        for row in rows:
+            row = {as_str(k): (as_str(v) if isinstance(v, bytes) else v) for k, v in row.items()}
+            row["alive"] = bool(self.r.exists(mk.heartbeat(row["name"])))
+            out.append(row)
+        return out
+
+    def reclaim_dead(self, model: str, *, min_idle_ms: int = 0) -> dict[str, int]:
+        """One reclaim sweep over every consumer of ``model`` without a live heartbeat."""
+        total = {"consumers": 0, "batches": 0, "items": 0, "dead": 0}
+        for row in self.consumers(model):
+            if row["alive"] and not min_idle_ms:
+                continue
+            res = self.reclaim_consumer(model, row["name"], min_idle_ms=min_idle_ms)
+            if res["batches"] or res["deleted"]:
+                total["consumers"] += 1
+            for k in ("batches", "items", "dead"):
+                total[k] += res[k]
+        return total

@@ -1,0 +1,114 @@
+"""The one intake path of a whole file, in bounded memory: ``conductor submit``, ``conductor run``
+and the Batch API (conductor/api/batches.py) all go through these steps.
+
+Three steps, each a pass over the file (``conductor/intake/input_files.py``), so that memory holds
+one chunk of items at a time whatever the file size:
+
+1. validate every line and count the items per model (nothing is sent; a refused line refuses
+   the file unless ``--skip-invalid``);
+2. ask Redis what submit would refuse (a paused model; for a job that exists already, ids it has
+   with other content or under another model), then record the per-model counts
+   (``Conductor.declare``): a refused file leaves nothing behind;
+3. send the items in chunks of SEND_CHUNK (``Conductor.submit``, which asks again per chunk:
+   another producer may have written meanwhile), then seal each model.
+
+Every check and read that can fail comes before the first write (the declaration of step 2).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from conductor.client import Conductor
+from conductor.errors import ConductorError, DuplicateId
+from conductor.intake.formats import MaxTokensDefault
+from conductor.intake.input_files import FileScan, scan
+from conductor.redis_contract import keys as K
+from conductor.redis_contract.records import PreparedItem
+
+# items per Conductor.submit (each call groups its items by shape, conductor/client/submit_stream.py): a chunk of 2 KB
+# prompts is some 20 MB of Python objects, a few round trips of checks per chunk cost nothing
+SEND_CHUNK = 5_000
+LARGE_SUBMIT = 10_000  # items from which a submit on a terminal shows its live line
+
+
+@dataclass
+class FileSubmit:
+    scan: FileScan
+    accepted: int = 0
+    duplicates: int = 0
+
+
+def check_file(path: str, *, skip_invalid: bool, rejects: str | None,
+               default_max_tokens: MaxTokensDefault | None = None) -> FileScan:
+    """Step 1; prints the first refusals on stderr and raises unless ``skip_invalid``.
+    ``default_max_tokens(model)``: the output cap of an OpenAI line without one (each pass the same)."""
+    found = scan(path, rejects=rejects, default_max_tokens=default_max_tokens)
+    if found.refused:
+        for e in found.errors:
+            print(f"error: {e}", file=sys.stderr)
+        if len(found.refused) > len(found.errors):
+            print(f"error: ... and {len(found.refused) - len(found.errors)} more", file=sys.stderr)
+        if not skip_invalid:
+            raise ConductorError(f"{len(found.refused)} invalid line(s) in {path}; nothing submitted "
+                                 "(--skip-invalid submits the valid ones)")
+    if not found.items:
+        raise ConductorError(f"{path} holds no {'valid ' if found.refused else ''}items: no job made")
+    return found
+
+
+def _by_model(chunk: list[tuple[int, PreparedItem]]) -> dict[str, list[PreparedItem]]:
+    out: dict[str, list[PreparedItem]] = {}
+    for _, it in chunk:
+        out.setdefault(it.model, []).append(it)
+    return out
+
+
+def _with_line(e: DuplicateId, chunk: list[tuple[int, PreparedItem]]) -> DuplicateId:
+    line = next((n for n, it in chunk if it.id == e.item_id), None)
+    return DuplicateId(e.item_id, e.detail, line)
+
+
+def prepare_job(c: Conductor, found: FileScan, job: str) -> None:
+    """Step 2: every refusal Redis would give, asked before the first write, then the declaration."""
+    exists = c.r.zscore(K.JOBS_KEY, job) is not None
+    if exists:
+        for chunk in found.chunks(SEND_CHUNK):
+            items = [it for _, it in chunk]
+            c.check_submit(items, job)
+            try:
+                c.check_ids_across_models(job, _by_model(chunk))
+            except DuplicateId as e:  # the job has the id under another model (an earlier run)
+                raise _with_line(e, chunk) from None
+    else:
+        # A new job has no ids to conflict with: only a paused model would refuse it.
+        c.check_paused(list(found.counts))
+    c.declare(job, found.counts)  # ids are distinct in a checked file
+
+
+def send_file(c: Conductor, found: FileScan, job: str, *, progress: Callable[[int], None] | None = None,
+              seal: bool = True, should_stop: Callable[[], bool] | None = None) -> FileSubmit:
+    """Step 3. ``progress(done)`` after every submit call; ``should_stop()`` is asked before each
+    chunk (a batch cancelled while it is submitted stops there: the models are sealed all the same)."""
+    out = FileSubmit(found)
+    done = 0
+    for chunk in found.chunks(SEND_CHUNK):
+        if should_stop is not None and should_stop():
+            break
+
+        def shown(k: int, base: int = done) -> None:
+            if progress is not None:
+                progress(base + k)
+        try:
+            rep = c.submit([it for _, it in chunk], job, progress=None if progress is None else shown)
+        except DuplicateId as e:
+            raise _with_line(e, chunk) from None
+        out.accepted += rep.accepted
+        out.duplicates += rep.duplicates
+        done += len(chunk)
+    if seal:
+        for model in sorted(found.counts):
+            c.seal(model)
+    return out

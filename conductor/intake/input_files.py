@@ -1,0 +1,229 @@
+"""Input files (JSONL and Parquet) read as a stream of validated items, in bounded memory.
+
+A file is read more than once instead of being held: a first pass validates every line (or row)
+and counts the items per model, a second sends them (``conductor/intake/file_intake.py``). Only the
+line numbers of refused lines and an 8-byte digest per item id (for the duplicate check: one id,
+one item of a job, sorted once) are kept, never the items.
+
+Parquet (pyarrow, read in record batches): either the native columns (``id``, ``model``,
+``prefix``, ``prompt``, ``input_tokens``, ``max_tokens``, ``payload``) or the OpenAI batch input
+columns (``custom_id``, ``method``, ``url``, ``body``; ``body`` a struct or a JSON string). A
+null cell is an absent field. Row numbers stand where JSONL has line numbers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from array import array
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from conductor.errors import BadInput
+from conductor.intake.formats import _NATIVE_FIELDS, MaxTokensDefault, from_native, from_openai, parse_line
+from conductor.redis_contract.records import PreparedItem
+
+PARQUET_MAGIC = b"PAR1"
+PARQUET_BATCH_ROWS = 1024
+_OPENAI_COLUMNS = {"custom_id", "method", "url", "body"}
+
+
+def is_parquet(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == PARQUET_MAGIC
+
+
+def _id_digest(item_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(item_id.encode(), digest_size=8).digest(), "little")
+
+
+def _drop_nulls(obj: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in obj.items() if v is not None}
+
+
+def _row_item(row: dict[str, Any], n: int, openai: bool, default_max_tokens: MaxTokensDefault | None) -> PreparedItem:
+    row = _drop_nulls(row)
+    if openai:
+        body = row.get("body")
+        if isinstance(body, str | bytes):
+            try:
+                body = msgspec.json.decode(body)
+            except msgspec.DecodeError as e:
+                raise BadInput("body", f"not valid JSON ({e})", n) from None
+        if isinstance(body, dict):
+            # a struct column has every field in every row: the ones this row lacks are null
+            body = _drop_nulls(body)
+            if isinstance(body.get("messages"), list):
+                body["messages"] = [_drop_nulls(m) if isinstance(m, dict) else m for m in body["messages"]]
+        row["body"] = body
+        return from_openai(row, n, default_max_tokens)
+    return from_native(row, n)
+
+
+def _raw_row(row: dict[str, Any]) -> bytes:
+    return json.dumps(row, default=str).encode()
+
+
+def iter_lines(path: str, default_max_tokens: MaxTokensDefault | None = None, *, parquet: bool = True,
+               ) -> Iterator[tuple[int, PreparedItem | BadInput, bytes]]:
+    """Every non-blank line (or row) of the file: its number, its item or why it is refused, and
+    its raw text (for --rejects). ``default_max_tokens(model)``: the output cap of an OpenAI line
+    without one (formats.parse_line). ``parquet`` False reads a file as JSON lines whatever its
+    first bytes (the Batch API takes JSONL, as OpenAI's does)."""
+    if parquet and is_parquet(path):
+        yield from _iter_parquet(path, default_max_tokens)
+        return
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            line = raw.rstrip(b"\r\n")
+            if not line.strip():
+                continue
+            try:
+                yield n, parse_line(line, n, default_max_tokens), line
+            except BadInput as e:
+                yield n, e, line
+
+
+def _iter_parquet(path: str, default_max_tokens: MaxTokensDefault | None,
+                  ) -> Iterator[tuple[int, PreparedItem | BadInput, bytes]]:
+    import pyarrow.parquet as pq
+    try:
+        pf = pq.ParquetFile(path, pre_buffer=False)
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several kinds for a damaged file
+        raise BadInput("file", f"not a readable Parquet file ({e})") from None
+    cols = set(pf.schema_arrow.names)
+    openai = "custom_id" in cols
+    allowed = _OPENAI_COLUMNS if openai else _NATIVE_FIELDS
+    unknown = sorted(cols - allowed)
+    if unknown:
+        raise BadInput(unknown[0], "unknown column (Parquet columns: " + ", ".join(sorted(allowed)) + ")")
+    n = 0
+    # one thread: pyarrow's thread pool buffers cost some 30 MB of RSS and reading is not the bottleneck
+    for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, use_threads=False):
+        for row in batch.to_pylist():
+            n += 1
+            try:
+                yield n, _row_item(row, n, openai, default_max_tokens), b""
+            except BadInput as e:
+                yield n, e, _raw_row(row)
+
+
+# A check of one valid item beyond its format (the Batch API's: an OpenAI request for its endpoint),
+# given the line number: raises BadInput to refuse the line.
+LineCheck = Callable[[int, PreparedItem], None]
+
+
+@dataclass
+class FileScan:
+    """What the first pass learnt: valid items per model and the numbers of refused lines."""
+
+    path: str
+    counts: dict[str, int] = field(default_factory=dict)
+    tokens: int = 0
+    refused: set[int] = field(default_factory=set)
+    refusals: list[BadInput] = field(default_factory=list)  # the first few, to show (each names line and field)
+    # the output cap of an OpenAI line without one, the same in every pass (formats.parse_line)
+    default_max_tokens: MaxTokensDefault | None = None
+    parquet: bool = True  # read the same way in every pass (iter_lines)
+
+    @property
+    def items(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def errors(self) -> list[str]:
+        return [str(e) for e in self.refusals]
+
+    def chunks(self, size: int) -> Iterator[list[tuple[int, PreparedItem]]]:
+        """The valid items, ``size`` at a time, with their line numbers (a pass over the file)."""
+        return chunks(self.path, self.refused, size, self.default_max_tokens, parquet=self.parquet)
+
+
+SHOWN_ERRORS = 20
+
+
+def scan(path: str, *, rejects: str | None = None, progress: Callable[[int], None] | None = None,  # noqa: C901 - one pass, its refusals recorded as found
+         default_max_tokens: MaxTokensDefault | None = None, check: LineCheck | None = None,
+         id_field: str = "id", shown: int = SHOWN_ERRORS, parquet: bool = True) -> FileScan:
+    """Validate every line (and ``check`` each valid item), count the valid items per model, and
+    refuse duplicate ids (the later lines; ``id_field`` names the field in the refusal). Refusals
+    are written to ``rejects`` (JSONL: line, field, error, raw) as found; the first ``shown`` are
+    kept in ``refusals``."""
+    out = FileScan(path, default_max_tokens=default_max_tokens, parquet=parquet)
+    digests = array("Q")
+    rej = open(rejects, "wb") if rejects else None  # noqa: SIM115 - closed below, written as found
+    try:
+        def refuse(n: int, e: BadInput, raw: bytes) -> None:
+            out.refused.add(n)
+            if len(out.refusals) < shown:
+                out.refusals.append(e)
+            if rej:
+                rej.write(json.dumps({"line": n, "field": e.field, "error": str(e),
+                                      "raw": raw.decode("utf-8", "replace")}).encode() + b"\n")
+
+        k = 0
+        for n, it, raw in iter_lines(path, default_max_tokens, parquet=parquet):
+            if isinstance(it, BadInput):
+                refuse(n, it, raw)
+                continue
+            if check is not None:
+                try:
+                    check(n, it)
+                except BadInput as e:
+                    refuse(n, e, raw)
+                    continue
+            digests.append(_id_digest(it.id))
+            out.counts[it.model] = out.counts.get(it.model, 0) + 1
+            out.tokens += it.input_tokens
+            k += 1
+            if progress and k % 10_000 == 0:
+                progress(k)
+        dups = _repeated(digests)
+        del digests
+        if dups:
+            # A second look at the few lines whose id digest repeats: the later ones are refused.
+            first: dict[str, tuple[int, str]] = {}
+            for n, it, raw in iter_lines(path, default_max_tokens, parquet=parquet):
+                if isinstance(it, BadInput) or n in out.refused or _id_digest(it.id) not in dups:
+                    continue
+                at, model = first.setdefault(it.id, (n, it.model))
+                if at != n:
+                    across = f" (there for model {model}: an id names one item of a job, across its models)" \
+                        if model != it.model else ""
+                    refuse(n, BadInput(id_field, f"duplicate of line {at}{across}", n), raw)
+                    out.counts[it.model] -= 1
+                    out.tokens -= it.input_tokens
+    finally:
+        if rej:
+            rej.close()
+    out.counts = {m: c for m, c in out.counts.items() if c > 0}
+    return out
+
+
+def _repeated(digests: array[int]) -> set[int]:
+    """The digests that occur more than once (a sorted copy: 8 bytes per id)."""
+    if len(digests) < 2:
+        return set()
+    import numpy as np
+    a = np.frombuffer(digests, dtype=np.uint64).copy()
+    a.sort()
+    same = a[1:] == a[:-1]
+    return {int(v) for v in a[1:][same]}
+
+
+def chunks(path: str, refused: set[int], size: int, default_max_tokens: MaxTokensDefault | None = None, *,
+           parquet: bool = True) -> Iterator[list[tuple[int, PreparedItem]]]:
+    """The valid items of a scanned file, ``size`` at a time, with their line numbers."""
+    buf: list[tuple[int, PreparedItem]] = []
+    for n, it, _ in iter_lines(path, default_max_tokens, parquet=parquet):
+        if n in refused or isinstance(it, BadInput):
+            continue
+        buf.append((n, it))
+        if len(buf) >= size:
+            yield buf
+            buf = []
+    if buf:
+        yield buf

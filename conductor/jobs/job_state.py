@@ -1,0 +1,255 @@
+"""A job's lifecycle: status, timestamps, request counts, metadata, completion window; cancel and expiry.
+
+The lifecycle lives in one global hash per job (``cdr:job:J:meta``, keys.py), next to the job's
+models; the request counts are the job's counters over its models (``Conductor.status``), never a
+copy. Statuses are OpenAI's: ``validating`` (a serve batch whose file is being read), ``in_progress``,
+``finalizing``, ``completed``, ``failed`` (the input was refused), ``expired``, ``cancelling``,
+``cancelled``. Moves that follow from the counters (in progress -> finalizing -> completed, cancelling
+-> cancelled, an expiring job -> expired) are made by whoever reads the job (``describe``): the CLI,
+any ``conductor serve`` replica; each move is an HSETNX of its timestamp, so readers racing agree.
+
+Cancel (and expiry, the same with the code ``expired``): the job's waiting items get an error
+result in bounded steps (lua/cancel.lua: one HSCAN page of the job's items per call), in-flight
+batches finish and keep their results, then the answered items leave the lanes (lua/repair_items.lua
+'done' per lane, lua/repair.lua per shape instance). The job ends ``cancelled`` (``expired``) once
+nothing is pending, with completed + failed = total.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from typing import Any
+
+import msgspec
+import redis
+
+from conductor.client import Conductor
+from conductor.errors import BadInput, ConductorError
+from conductor.redis_contract import keys as K
+from conductor.redis_contract import script_calls as calls
+from conductor.redis_contract.connection import as_str
+from conductor.redis_contract.scripts import ScriptClient
+
+log = logging.getLogger(__name__)
+
+STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled")
+TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
+_STAMPS = ("created_at", "in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
+           "cancelling_at", "cancelled_at", "expires_at")
+STEP = 1000  # items hash entries per cancel.lua call
+RESWEEP_S = 5.0  # a cancelling job with items pending (failed batches put back) is swept again this often
+MAX_METADATA = 16  # OpenAI's limits: 16 pairs, keys of 64 and values of 512 characters
+
+_WINDOW = re.compile(r"^(\d{1,6})([smhd])$")
+_UNIT = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_window(text: str, field: str = "completion_window") -> int:
+    """A completion window such as ``24h``, ``90m``, ``7d`` in seconds."""
+    m = _WINDOW.match(text or "") if isinstance(text, str) else None
+    if not m or int(m.group(1)) == 0:
+        raise BadInput(field, f"must be a whole number and a unit (s, m, h, d) such as 24h, got {text!r}")
+    return int(m.group(1)) * _UNIT[m.group(2)]
+
+
+def check_metadata(meta: Any, field: str = "metadata") -> dict[str, str]:
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict) or len(meta) > MAX_METADATA:
+        raise BadInput(field, f"must be an object of at most {MAX_METADATA} string pairs")
+    for k, v in meta.items():
+        if not isinstance(k, str) or not isinstance(v, str) or len(k) > 64 or len(v) > 512:
+            raise BadInput(f"{field}.{k}", "keys must be strings of at most 64 characters, values of at most 512")
+    return dict(meta)
+
+
+def start(r: redis.Redis, job: str, *, status: str = "in_progress", window_s: int | None = None,
+          window: str | None = None, metadata: dict[str, str] | None = None, **extra: str) -> None:
+    """Record a job's lifecycle (its creation; a re-submit of the same job keeps the first stamps)."""
+    now = int(time.time())
+    key = K.job_meta_key(job)
+    pipe = r.pipeline(transaction=False)  # a producer's ACL has no MULTI
+    pipe.hsetnx(key, "created_at", now)
+    pipe.hsetnx(key, "status", status)
+    if status == "in_progress":
+        pipe.hsetnx(key, "in_progress_at", now)
+    if window_s:
+        pipe.hsetnx(key, "completion_window", window or f"{window_s}s")
+        pipe.hsetnx(key, "expires_at", now + window_s)
+        pipe.zadd(K.JOB_DEADLINES_KEY, {job: now + window_s}, nx=True)
+    if metadata:
+        pipe.hsetnx(key, "metadata", msgspec.json.encode(metadata))
+    for k, v in extra.items():
+        pipe.hset(key, k, v)
+    pipe.execute()
+
+
+def set_status(r: redis.Redis, job: str, status: str, **fields: Any) -> None:
+    """Move to ``status`` (stamping ``<status>_at`` once) unless the job has ended already."""
+    key = K.job_meta_key(job)
+    if as_str(r.hget(key, "status"), absent="") in TERMINAL:
+        return
+    now = int(time.time())
+    pipe = r.pipeline(transaction=True)
+    pipe.hset(key, "status", status)
+    for k, v in fields.items():
+        pipe.hset(key, k, v)
+    pipe.hsetnx(key, f"{status}_at", now)
+    if status in TERMINAL:
+        pipe.zrem(K.JOB_DEADLINES_KEY, job)
+    pipe.execute()
+
+
+def describe(c: Conductor, job: str, *, advance: bool = True, now: float | None = None) -> dict[str, Any]:
+    """The job's lifecycle with its request counts; with ``advance`` the moves its counters call for
+    are made first (and an expired window is acted on)."""
+    meta = {as_str(k): as_str(v) for k, v in c.r.hgetall(K.job_meta_key(job)).items()}
+    st = c.status(job)
+    status = meta.get("status") or ("in_progress" if st["pending"] or not st["submitted"] else "completed")
+    if advance and status not in TERMINAL and status != "validating":
+        now = now or time.time()
+        ending = meta.get("ending")
+        expires = float(meta.get("expires_at") or 0)
+        if not ending and expires and now >= expires and meta:
+            end(c, job, "expired")
+            return describe(c, job, advance=False)
+        if st["pending"] == 0 and st["submitted"] > 0:
+            if ending:
+                set_status(c.r, job, ending)
+            else:
+                set_status(c.r, job, "finalizing")
+                set_status(c.r, job, "completed")
+            return describe(c, job, advance=False)
+        if ending and now - float(meta.get("swept_at") or 0) >= RESWEEP_S:
+            _sweep(c, job, ending)
+            return describe(c, job, advance=False)
+    if status in ("in_progress", "finalizing", "cancelling") and st["pending"] == 0 and st["submitted"] > 0:
+        status = meta.get("ending") or "completed"  # what a reader that may not write reports
+    out: dict[str, Any] = {"job": job, "status": status,
+                           "request_counts": {"total": st["submitted"], "completed": st["completed"],
+                                              "failed": st["failed"]},
+                           "pending": st["pending"], "models": sorted(st["models"]),
+                           "completion_window": meta.get("completion_window"),
+                           "metadata": msgspec.json.decode(meta["metadata"]) if meta.get("metadata") else None}
+    for stamp in _STAMPS:
+        out[stamp] = int(meta[stamp]) if meta.get(stamp) else None
+    for k in ("input_file_id", "endpoint", "errors", "ending"):
+        if meta.get(k):
+            out[k] = meta[k]
+    return out
+
+
+def cancel(c: Conductor, job: str) -> dict[str, Any]:
+    """``conductor cancel``: see the module's docstring. Cancelling a cancelled or cancelling job is a
+    no-op; a job that ended otherwise is refused."""
+    if not c.job_models(job) and not c.r.exists(K.job_meta_key(job)):
+        raise ConductorError(f"job {job!r} is unknown to this Redis (conductor jobs lists the jobs)")
+    status = describe(c, job)["status"]
+    if status in ("cancelled", "cancelling"):
+        return describe(c, job)
+    if status in TERMINAL:
+        raise ConductorError(f"job {job!r} is {status}: nothing to cancel")
+    return end(c, job, "cancelled")
+
+
+def end(c: Conductor, job: str, how: str) -> dict[str, Any]:
+    """End a job early: ``how`` is 'cancelled' (conductor cancel) or 'expired' (its window passed)."""
+    if how == "cancelled":
+        set_status(c.r, job, "cancelling", ending="cancelled")
+    else:
+        c.r.hset(K.job_meta_key(job), "ending", "expired")
+    _sweep(c, job, how)
+    return describe(c, job)
+
+
+def expire_due(c: Conductor, now: float | None = None) -> list[str]:
+    """End every job whose completion window has passed (``conductor expire``; the periodic sweep
+    is ``expire_due_leased``). The steps are idempotent."""
+    due = [as_str(j) for j in c.r.zrangebyscore(K.JOB_DEADLINES_KEY, "-inf", now or time.time())]
+    for job in due:
+        meta_status = as_str(c.r.hget(K.job_meta_key(job), "status"), absent="")
+        if meta_status in TERMINAL:
+            c.r.zrem(K.JOB_DEADLINES_KEY, job)
+            continue
+        describe(c, job, now=now)  # acts on the window, then moves to expired once nothing is in flight
+    return due
+
+
+# Expiry has one owner at a time: whoever holds this lease. Both the maintenance lease holders
+# (workers/maintenance.py, a worker of any model) and every serve replica (conductor/api/app.py)
+# ask for it, because a production deployment may run either without the other: a fleet scaled
+# to zero (deploy/keda) still owes a Batch API caller its answer when the window passes, and a job
+# submitted with --completion-window on the command line has no serve to end it. The lease keeps
+# the sweep to one process at a time (the steps are idempotent, but several sweepers only repeat
+# each other's reads); a holder that dies hands over once the lease lapses.
+EXPIRY_LEASE_MS = 15_000  # a few of the slowest caller's periods (serve: 5 s)
+
+
+def expire_due_leased(c: Conductor, owner: str, lease_ms: int = EXPIRY_LEASE_MS) -> list[str] | None:
+    """``expire_due`` if ``owner`` holds (or now takes) the expiry lease; None when another does."""
+    if not calls.lease(K.EXPIRY_LEASE_KEY, owner, lease_ms).run(c.scripts):
+        return None
+    return expire_due(c)
+
+
+def _sweep(c: Conductor, job: str, how: str) -> int:
+    """Every waiting item of the job answered (bounded steps), then withdrawn from the lanes."""
+    message = "the batch was cancelled before this request ran" if how == "cancelled" else \
+        "the batch's completion window passed before this request ran"
+    total = 0
+    c.r.hset(K.job_meta_key(job), "swept_at", time.time())
+    for model in c.job_models(job):
+        mk = K.ModelKeys(model)
+        cursor = "0"
+        while True:
+            step = calls.cancel(mk, job, model, cursor, STEP, how, message).run(c.scripts)
+            cursor = step.cursor
+            total += step.answered
+            if cursor == "0":
+                break
+        withdraw(c, model)
+    return total
+
+
+def withdraw(c: ScriptClient, model: str) -> int:
+    """Answered items out of the lanes of ``model``'s live shape instances (one lane per
+    repair_items.lua call, then one repair.lua call per instance that changed): items nothing
+    will run no longer hold a worker or count as waiting."""
+    r = c.r
+    mk = K.ModelKeys(model)
+    insts = {as_str(i) for i in r.zrange(mk.active, 0, -1)} | {as_str(i) for i in r.zrange(mk.staged, 0, -1)}
+    cleared = 0
+    for inst in sorted(insts):
+        changed = False
+        for lane in r.zrange(mk.inst_lanes(inst), 0, -1):
+            try:
+                n = calls.repair_items(mk, "done", f"{inst}:{as_str(lane)}").run(c.scripts).cleared
+            except (redis.ResponseError, ConductorError) as e:  # a lane claimed away meanwhile, a finished instance
+                log.debug("withdraw %s %s:%s: %s", model, inst, as_str(lane), e)
+                continue
+            cleared += int(n)
+            changed = changed or int(n) > 0
+        if changed:
+            try:
+                calls.repair(mk, inst, []).run(c.scripts)
+            except (redis.ResponseError, ConductorError) as e:
+                log.warning("withdraw %s %s: fill and ready not recounted: %s", model, inst, e)
+    return cleared
+
+
+def render(d: dict[str, Any]) -> str:
+    rc = d["request_counts"]
+    parts = [f"job {d['job']}: {d['status']}", f"total {rc['total']}, completed {rc['completed']}, "
+             f"failed {rc['failed']}, pending {d['pending']}"]
+    stamps = [f"{s[:-3]} {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(d[s]))}" for s in _STAMPS
+              if d.get(s)]
+    if stamps:
+        parts.append("; ".join(stamps))
+    if d.get("completion_window"):
+        parts.append(f"window {d['completion_window']}")
+    if d.get("metadata"):
+        parts.append("metadata " + msgspec.json.encode(d["metadata"]).decode())
+    return " | ".join(parts)
+

@@ -1,0 +1,111 @@
+"""Reaching Redis: the URL (cluster flag, redacted for messages), credentials and TLS probed once,
+a client with bounded-backoff reconnects, and the pool of the server that holds a key."""
+
+from __future__ import annotations
+
+import re
+import urllib.parse
+from typing import Any
+
+import redis
+from redis.backoff import ExponentialBackoff, NoBackoff
+from redis.retry import Retry
+
+from conductor.errors import RedisUnavailable
+
+
+def connect(url: str, *, timeout: float = 10.0) -> redis.Redis:
+    """A client with bounded-backoff reconnects; raises RedisUnavailable with one clear line.
+
+    ``?cluster=1`` on the URL (any node of a Redis Cluster) gives a cluster client: every key of
+    a model lives in one slot, so each script runs on the node that owns it.
+    """
+    shown = redact_url(url)
+    url, cluster = _cluster_flag(url)
+    try:
+        _refuse_bad_credentials_at_once(url, timeout)
+        if cluster:
+            cluster_client = redis.RedisCluster.from_url(
+                url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=8))
+            cluster_client.ping()
+            return cluster_client  # type: ignore[return-value]
+        client: redis.Redis = redis.Redis.from_url(
+            url,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=8),
+            # CLUSTERDOWN: a cluster node refused the command before running it (a restart or a
+            # failover in progress), so sending it again is safe.
+            retry_on_error=[redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError],
+            health_check_interval=30,
+        )
+        client.ping()
+    except ValueError as e:
+        raise RedisUnavailable(f"bad Redis URL {shown!r}: {e}") from None
+    except redis.AuthenticationError as e:
+        raise RedisUnavailable(f"Redis at {shown} refused the credentials: {e}") from None
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+        raise RedisUnavailable(f"cannot reach Redis at {shown}: {e}") from None
+    return client
+
+
+def _cluster_flag(url: str) -> tuple[str, bool]:
+    """The URL without its ``cluster`` query argument, and whether it asked for a cluster."""
+    parts = urllib.parse.urlsplit(url)
+    query = urllib.parse.parse_qsl(parts.query, keep_blank_values=True)
+    flags = [v for k, v in query if k == "cluster"]
+    if not flags:
+        return url, False
+    rest = urllib.parse.urlencode([(k, v) for k, v in query if k != "cluster"])
+    return urllib.parse.urlunsplit(parts._replace(query=rest)), flags[-1].lower() in ("1", "true", "yes")
+
+
+def redact_url(url: str) -> str:
+    """The URL without its password, for messages and logs."""
+    return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url)
+
+
+def _refuse_bad_credentials_at_once(url: str, timeout: float) -> None:
+    # redis-py's AuthenticationError is a ConnectionError, so the retrying client would spend
+    # its whole backoff (tens of seconds) on a wrong password: ask once, without retries.
+    probe = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                                 retry=Retry(NoBackoff(), 0))
+    try:
+        probe.ping()
+    except redis.AuthenticationError:
+        raise
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+        if "CERTIFICATE_VERIFY_FAILED" in str(e) or "WRONG_VERSION_NUMBER" in str(e):
+            raise RedisUnavailable(f"TLS with Redis at {redact_url(url)} failed (check ssl_ca_certs, and "
+                                   f"rediss:// against a TLS port): {e}") from None
+        # down or restarting: the retrying client waits for it
+    finally:
+        probe.close()
+
+
+def pool_for(r: redis.Redis, key: str) -> redis.ConnectionPool:
+    """The connection pool of the server holding ``key``: the client's own, or on a Redis
+    Cluster the pool of the node that owns the key's slot (a model's keys share one slot)."""
+    if isinstance(r, redis.RedisCluster):
+        node: Any = r.get_node_from_key(key)
+        pool: redis.ConnectionPool = node.redis_connection.connection_pool
+        return pool
+    return r.connection_pool
+
+
+# A stream entry as redis-py returns it on a client without decode_responses: (id, fields). redis-py's
+# annotations say bytes | str for every reply; the conductor's clients always get bytes.
+StreamEntry = tuple[bytes, dict[bytes, bytes]]
+
+
+def as_str(v: Any, *, absent: str | None = None, errors: str = "strict") -> str:
+    """A Redis reply value (bytes under decode_responses=False) as text: the one string helper.
+    ``absent``: the text of a missing field or key (None), for a caller that compares it; else it
+    reads "None". ``errors="replace"``: bytes that are not UTF-8 (an item id a producer wrote) show
+    with U+FFFD instead of raising, for a listing that must show every entry."""
+    if isinstance(v, bytes):
+        return v.decode("utf-8", errors)
+    if v is None and absent is not None:
+        return absent
+    return str(v)

@@ -1,0 +1,321 @@
+"""Every Redis key name the conductor uses, in one place.
+
+All keys of one model share the hash tag ``{model}`` so that every Lua script touches a
+single slot: the same scripts run on one Redis, on Valkey and on Redis Cluster. The Lua
+scripts receive ``KEYS[1] = ModelKeys.base`` (``cdr:{model}``) and derive per-shape and
+per-lane names from it with the same suffixes as below (tests/test_keys.py checks that every
+suffix the scripts build is one listed here).
+
+Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoch,
+``L`` = lane id, ``J`` = job name)::
+
+    cdr:schema                      string   schema version of this Redis (migrations/)
+    cdr:models                      set      models that have ever received items
+    cdr:jobs                        zset     job -> creation time (ms)
+    cdr:job:J:models                set      models a job submitted to
+    cdr:job:J:meta                  hash     the job's lifecycle (conductor/jobs/job_state.py): status, its
+                                             timestamps (s), completion window, metadata, and for a
+                                             batch made by conductor serve its input file and endpoint
+    cdr:jobs:deadlines              zset     job -> expires_at (s), jobs with a completion window
+    cdr:lease:expiry                string   who ends the jobs past their window now (TTL): a maintenance
+                                             lease holder or a serve replica (conductor/jobs/job_state.py)
+    cdr:batches                     zset     job -> created_at (s), the batches conductor serve made
+    cdr:files                       zset     file id -> created_at (s), files uploaded to conductor serve
+    cdr:file:F                      hash     an uploaded file's object (conductor/api/upload_store.py); its
+                                             bytes live in the store directory, not in Redis
+    M:cfg                           hash     per-model thresholds (conductor/redis_contract/config.py)
+    M:state                         hash     the fleet's model state: gate, cleanup, in-flight and finished
+                                             counters, pause (workers write it; producers only read it;
+                                             every field in STATE_FIELDS below)
+    M:intake                        hash     the producer's model counters: waiting tokens and items
+                                             (claim.lua takes them down), submitted, last_intake_ms,
+                                             sealed_ms; stored_tokens and stored_items: what waits in
+                                             store segments (register_segment.lua up, submit.lua down)
+    M:active                        zset     active or draining shape instance "S:E" -> activation time (ms)
+    M:affinity                      hash     worker -> the active instance it serves (it stays until empty)
+    M:warming                       hash     worker -> the staged instance it warms, its next (pre-warm signal)
+    M:staged                        zset     shape instance "S:E" -> waiting tokens, not yet active
+    M:staged_age                    zset     staged instance -> creation time (ms), for aging
+    M:finished                      stream   finished instances and their batch counts (thrash alarm)
+    M:shape:S                       hash     signature record: current intake epoch, prefix blob
+    M:inst:S:E                      hash     one shape instance (an epoch of a signature): state, counters
+    M:inst:S:E:lanes                zset     lane id -> representative length (rolling lanes)
+    M:inst:S:E:ready                zset     lane id -> lane id, lanes holding a full batch (round-robin)
+    M:inst:S:E:fill                 zset     lane id -> representative length, every non-empty lane: the
+                                             order in which a claim fills a batch from neighbouring lanes
+    M:inst:S:E:free                 set      retired lane ids, reused before new ones
+    M:inst:S:E:touch                zset     lane id -> last assignment time (ms), for lane hygiene
+    M:lane:S:E:L                    list     waiting items of one lane, in arrival order, each an item
+                                             record (below)
+    M:lanetok:S:E:L                 list     input tokens of each item of the lane, same order and length:
+                                             claim.lua packs from these without reading the items
+    M:lanemeta:S:E:L                hash     rep, items, tokens, last assignment time of one lane
+    M:batches                       stream   claimed batches; group "workers" holds in-flight ones.
+                                             Fields: sig ep lane n (items) plen (padded length)
+                                             w (consumer) ts (claimed at, ms) k (token) dv
+                                             (deliveries of its items) fl (flags). claim.lua puts each
+                                             new entry in its consumer's pending list with XCLAIM FORCE;
+                                             nothing reads the group with '>'
+    M:bat:T                         list     item records of the in-flight batch whose entry has k = T;
+                                             written by claim.lua (SORT BY nosort STORE, so item bytes
+                                             never pass through Lua), read by the claimer in the same
+                                             pipeline, deleted by complete/fail/reclaim
+    M:reclaimed                     list     batches taken back, served first; each msgpack
+                                             [sig, epoch, lane, deliveries, [tokens], [item records]]
+    M:dead                          stream   dead-lettered items with their last error (field "it" holds
+                                             the item record)
+    M:hb:W                          string   heartbeat of worker W (TTL)
+    M:lease:maint                   string   which worker runs the periodic sweep (TTL)
+    M:workers                       hash     worker -> registered contract (JSON)
+    M:busy                          hash     worker -> its busy time in ms (sequences in its engine) since it
+                                             started, as of its last heartbeat: the exporter's fleet balance
+    M:segs                          zset     store segments waiting to be fed (disk tier, conductor/tier/spill.py):
+                                             segment name -> registration sequence (oldest first)
+    M:seg:N                         hash     one segment's index record: job, sig, path, items, tokens,
+                                             lmin, lmax (input token range), sum (SHA-1 of the file), seq
+    M:in:J                          hash     the producer's job counters for this model: declared,
+                                             submitted, submitted_tokens
+    M:in:J:sums                     hash     the job's id registry: item id -> its content's sum (16 hex
+                                             digits of SHA-1(sig || record); '-' for an id submitted before
+                                             sums were kept): a re-submitted id must bring the same content
+                                             ('s<seq>:<sum>' while the item waits in the store segment
+                                             of that sequence number)
+    M:job:J                         hash     the fleet's job counters for this model: completed, failed
+    M:job:J:items                   hash     item id -> d: the item has its result (effectively-once)
+    M:job:J:results                 stream   result records of the job for this model, JSON
+    M:bell                          list     doorbell: submit.lua and seal.lua push a few entries (capped)
+                                             when work may have become claimable; idle workers BLPOP it
+    M:reply:J:I                     list     the result record of request item I of job J (a request job,
+                                             name starting "rq."), pushed by complete.lua with a short TTL;
+                                             the waiting RequestClient BLPOPs it (conductor/client/request.py)
+    M:job:J:rsegs                   list     result segments in the store (disk tier,
+                                             conductor/tier/result_segments.py), in stream order: JSON
+                                             {path, first, last, n, sum}
+
+Who may write what (deploy/redis/users.acl): a producer writes only M:intake, M:in:*, the shape,
+instance and lane keys (through submit.lua, seal.lua and declare.lua) and the global job and
+model registries; everything else, results and counters of finished work included, is the
+workers'. Schema 3 (migrations/0003) split the producer's keys from the workers'.
+
+An item record is the JSON array text ``[id, job, input_tokens, max_tokens, prompt, payload]``
+(``records.BatchItem`` decodes it as an array-like struct). The producer builds it
+(conductor/redis_contract/item_record.py, for submit.lua's ARGV and for store segments);
+submit.lua decodes it to check every field and stores the bytes as sent. Schema 2
+(migrations/0002) moved lanes from streams of fields to these lists. Schema 4 (migrations/0004)
+moved what the scripts used to convert on the fly: the one active instance once named in M:state
+(field ``active``) is in M:active, and every dead letter holds its item record (``it``).
+"""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "cdr"
+SCHEMA_KEY = f"{PREFIX}:schema"
+MODELS_KEY = f"{PREFIX}:models"
+JOBS_KEY = f"{PREFIX}:jobs"
+# Jobs whose names start with this are request jobs (conductor/client/request.py): complete.lua also
+# hands each new result to the waiting caller on M:reply:J:I.
+REQUEST_JOB_PREFIX = "rq."
+GROUP = "workers"
+
+# Every field of M:state, with what it holds; tests/test_keys.py checks that every field a script
+# of lua/ writes there is listed. Counters are whole numbers; *_ms fields are times in ms. (The
+# waiting counters and intake times are the producer's, in M:intake: see the layout above.)
+STATE_FIELDS: dict[str, str] = {
+    "completed": "items completed with a result (complete.lua)",
+    "failed": "items completed with an error result, dead-lettered ones included",
+    "gate": "1 once the release gate opened (it stays open)",
+    "gate_opened_ms": "when the release gate opened",
+    "cleanup": "1 while the model is in cleanup mode (lua/lib_cleanup.lua; claim.lua ends it on new intake)",
+    "cleanup_since_ms": "when the current cleanup period began",
+    "cleanup_entries": "cleanup periods entered",
+    "cleanup_ms": "time spent in cleanup periods that ended",
+    "cleanup_batches": "batches dispatched in cleanup",
+    "cleanup_items": "items dispatched in cleanup",
+    "batches": "batches ever dispatched",
+    "inflight_batches": "batches claimed and not yet completed, failed or reclaimed",
+    "inflight_items": "items of the in-flight batches",
+    "reclaimed_items": "items in M:reclaimed, served before the lanes",
+    "requeued_items": "items ever given back to M:reclaimed (reclaim.lua, fail.lua)",
+    "reclaims": "batches taken back from dead or lease-lost consumers",
+    "dead_lettered": "items ever dead-lettered",
+    "dead_retried": "dead-lettered items sent back by dead_retry.lua",
+    "activations": "shape instances activated",
+    "preemptions": "active instances stepped back to staged by aging",
+    "shapes_finished": "shape instances emptied and finished",
+    "warming": "the shape instance last marked warming (for inspect)",
+    "warmings": "instances marked warming (pre-warm signals)",
+    "neighbour_fills": "batches filled from more than one lane",
+    "hygiene_drains": "small idle lanes force-drained by lane hygiene",
+    "lanes_retired": "lanes emptied, quiet, and their ids returned for reuse",
+    "reindexes": "shape instances whose fill/ready indices were re-derived (lib.lua reindex)",
+    "sweep_ms": "when claim.lua next sweeps for aging and lane hygiene",
+    "paused": "1 while the model is paused (Conductor.pause): every writing script refuses",
+}
+
+# Names end up inside key names and hash tags: keep them printable and free of the
+# characters that would break the tag ({}) or the ':' separated layout.
+_NAME_RE = re.compile(r"^[A-Za-z0-9._/@+=-]{1,128}$")
+
+
+def check_name(kind: str, value: str) -> str:
+    if not isinstance(value, str) or not _NAME_RE.match(value):
+        raise ValueError(
+            f"{kind}: {value!r} is not a valid name (1-128 characters from A-Z a-z 0-9 . _ / @ + = -)"
+        )
+    return value
+
+
+def job_models_key(job: str) -> str:
+    return f"{PREFIX}:job:{job}:models"
+
+
+def job_meta_key(job: str) -> str:
+    return f"{PREFIX}:job:{job}:meta"
+
+
+JOB_DEADLINES_KEY = f"{PREFIX}:jobs:deadlines"
+# Who ends the jobs past their completion window now (conductor/jobs/job_state.py expire_due_leased).
+EXPIRY_LEASE_KEY = f"{PREFIX}:lease:expiry"
+FILES_KEY = f"{PREFIX}:files"
+BATCHES_KEY = f"{PREFIX}:batches"
+
+
+def file_key(file_id: str) -> str:
+    return f"{PREFIX}:file:{file_id}"
+
+
+class ModelKeys:
+    """Key names for one model; every name carries the model's hash tag."""
+
+    __slots__ = ("model", "base")
+
+    def __init__(self, model: str) -> None:
+        self.model = check_name("model", model)
+        self.base = f"{PREFIX}:{{{model}}}"
+
+    @property
+    def cfg(self) -> str:
+        return f"{self.base}:cfg"
+
+    @property
+    def state(self) -> str:
+        return f"{self.base}:state"
+
+    @property
+    def staged(self) -> str:
+        return f"{self.base}:staged"
+
+    @property
+    def active(self) -> str:
+        return f"{self.base}:active"
+
+    @property
+    def affinity(self) -> str:
+        return f"{self.base}:affinity"
+
+    @property
+    def warming(self) -> str:
+        return f"{self.base}:warming"
+
+    @property
+    def staged_age(self) -> str:
+        return f"{self.base}:staged_age"
+
+    @property
+    def finished(self) -> str:
+        return f"{self.base}:finished"
+
+    @property
+    def batches(self) -> str:
+        return f"{self.base}:batches"
+
+    @property
+    def reclaimed(self) -> str:
+        return f"{self.base}:reclaimed"
+
+    @property
+    def dead(self) -> str:
+        return f"{self.base}:dead"
+
+    @property
+    def workers(self) -> str:
+        return f"{self.base}:workers"
+
+    @property
+    def busy(self) -> str:
+        return f"{self.base}:busy"
+
+    def shape(self, sig: str) -> str:
+        return f"{self.base}:shape:{sig}"
+
+    def inst(self, inst: str) -> str:
+        """``inst`` is ``"S:E"``: a signature and its epoch."""
+        return f"{self.base}:inst:{inst}"
+
+    def inst_lanes(self, inst: str) -> str:
+        return f"{self.base}:inst:{inst}:lanes"
+
+    def inst_ready(self, inst: str) -> str:
+        return f"{self.base}:inst:{inst}:ready"
+
+    def inst_fill(self, inst: str) -> str:
+        return f"{self.base}:inst:{inst}:fill"
+
+    def inst_free(self, inst: str) -> str:
+        return f"{self.base}:inst:{inst}:free"
+
+    def lane(self, inst: str, lane: int | str) -> str:
+        return f"{self.base}:lane:{inst}:{lane}"
+
+    def lane_tok(self, inst: str, lane: int | str) -> str:
+        return f"{self.base}:lanetok:{inst}:{lane}"
+
+    def batch_items(self, token: str) -> str:
+        return f"{self.base}:bat:{token}"
+
+    def lanemeta(self, inst: str, lane: int | str) -> str:
+        return f"{self.base}:lanemeta:{inst}:{lane}"
+
+    @property
+    def maint_lease(self) -> str:
+        return f"{self.base}:lease:maint"
+
+    def heartbeat(self, worker: str) -> str:
+        return f"{self.base}:hb:{worker}"
+
+    def job(self, job: str) -> str:
+        return f"{self.base}:job:{job}"
+
+    @property
+    def intake(self) -> str:
+        return f"{self.base}:intake"
+
+    @property
+    def segs(self) -> str:
+        return f"{self.base}:segs"
+
+    def seg(self, name: str) -> str:
+        return f"{self.base}:seg:{name}"
+
+    def job_intake(self, job: str) -> str:
+        return f"{self.base}:in:{job}"
+
+    def job_items(self, job: str) -> str:
+        return f"{self.base}:job:{job}:items"
+
+    def job_sums(self, job: str) -> str:
+        return f"{self.base}:in:{job}:sums"
+
+    def job_results(self, job: str) -> str:
+        return f"{self.base}:job:{job}:results"
+
+    @property
+    def doorbell(self) -> str:
+        return f"{self.base}:bell"
+
+    def reply(self, job: str, item_id: str) -> str:
+        return f"{self.base}:reply:{job}:{item_id}"
+    def job_rsegs(self, job: str) -> str:
+        return f"{self.base}:job:{job}:rsegs"

@@ -1,0 +1,117 @@
+"""The disk tier's feeder (issue 18): the worker that holds the maintenance lease
+(workers/maintenance.py) loads store segments back into the lanes as they drain, under the
+model's resident_tokens ceiling, oldest first with the active shapes' segments before the others.
+
+Lanes and shape instances are assigned when a segment is loaded, by submit.lua's own rule
+(conductor/tier/spill.py says why segments are per signature). A feeder that died between
+loading a segment and dropping its index record loads it again: submit.lua places each stored id
+once, so the second load places nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from conductor.redis_contract import keys as K
+from conductor.redis_contract import script_calls as calls
+from conductor.redis_contract.connection import as_str
+from conductor.redis_contract.scripts import ScriptClient
+from conductor.tier import segments as S
+from conductor.tier.object_store import Store
+from conductor.tier.spill import ceiling
+
+log = logging.getLogger("conductor.tier")
+
+
+class Feeder:
+    """The worker's side (the maintenance lease holder): segments back into lanes as they drain."""
+
+    def __init__(self, client: ScriptClient, store: Store, model: str) -> None:
+        self.c = client
+        self.store = store
+        self.mk = K.ModelKeys(model)
+        self.loaded_segments = 0
+        self.loaded_items = 0
+        self.load_s = 0.0  # time spent in load(), for the feed rate (bench/disk_tier.py)
+        # whether segments may still wait after the last feed (the lease holder then wakes at the
+        # feed interval instead of blocking on the doorbell until its next sweep: workers/maintenance.py)
+        self.more = True
+
+    def feed(self, max_segments: int = 64) -> int:
+        """Load segments while the lanes have room under the ceiling; the items placed."""
+        mk, r = self.mk, self.c.r
+        placed = 0
+        self.more = True
+        for _ in range(max_segments):
+            limit = ceiling(r, mk)
+            waiting = int(as_str(r.hget(mk.intake, "tokens") or 0))
+            if limit > 0 and waiting >= limit:
+                break
+            pick = self.next_segment()
+            if pick is None:
+                self.more = False
+                break
+            name, rec = pick
+            # Under the ceiling, or one segment when the lanes are empty (a segment is at most a
+            # quarter of the ceiling it was cut for; a lowered ceiling must not stall the backlog).
+            if limit > 0 and waiting > 0 and waiting + int(rec["tokens"]) > limit:
+                break
+            n = self.load(name, rec)
+            if n < 0:
+                continue  # a bad segment, marked; the next one
+            placed += n
+        return placed
+
+    def next_segment(self) -> tuple[str, dict[str, str]] | None:
+        """The oldest good segment of an active shape, else of a warming one, else the oldest."""
+        mk, r = self.mk, self.c.r
+        names = [as_str(n) for n in r.zrange(mk.segs, 0, 255)]
+        if not names:
+            return None
+        pipe = r.pipeline(transaction=False)
+        for n in names:
+            pipe.hgetall(mk.seg(n))
+        pipe.zrange(mk.active, 0, -1)
+        pipe.hvals(mk.warming)
+        *recs, active, warming = pipe.execute()
+        active_sigs = {as_str(i).split(":")[0] for i in active}
+        warming_sigs = {as_str(i).split(":")[0] for i in warming}
+        good = [(n, {as_str(k): as_str(v) for k, v in rec.items()}) for n, rec in zip(names, recs, strict=True)
+                if rec and b"bad" not in rec]
+        for sigs in (active_sigs, warming_sigs):
+            for n, rec in good:
+                if rec["sig"] in sigs:
+                    return n, rec
+        return good[0] if good else None
+
+    def load(self, name: str, rec: dict[str, str]) -> int:
+        """One segment into its shape's lanes; the items placed, or -1 when it is missing or
+        damaged (then marked bad for `inspect --verify`, and left registered). A store that does
+        not answer raises StoreError: nothing is marked."""
+        t0 = time.perf_counter()
+        try:
+            return self._load(name, rec)
+        finally:
+            self.load_s += time.perf_counter() - t0
+
+    def _load(self, name: str, rec: dict[str, str]) -> int:
+        mk = self.mk
+        try:
+            seg = S.read_segment(self.store, rec)
+        except (FileNotFoundError, S.BadSegment) as e:  # a store that fails to answer raises StoreError
+            why = "missing" if isinstance(e, FileNotFoundError) else f"{e}"
+            self.c.r.hset(mk.seg(name), "bad", why[:500])
+            log.error(json.dumps({"event": "segment_bad", "model": mk.model, "segment": name, "error": why}))
+            return -1
+        # Paused, or Redis full, raise as Paused or QueueFull: the worker's maintenance rides them out.
+        placed = sum(1 for lane in calls.load_segment(mk, seg).run(self.c.scripts) if lane >= 0)
+        pipe = self.c.r.pipeline(transaction=True)
+        pipe.zrem(mk.segs, name)
+        pipe.delete(mk.seg(name))
+        pipe.execute()
+        self.store.delete(rec["path"])
+        self.loaded_segments += 1
+        self.loaded_items += placed
+        return placed

@@ -1,0 +1,146 @@
+"""``inspect --verify`` and ``--repair`` for the disk tier (conductor/tier/spill.py).
+
+Checked, for a model with anything in the store: every registered segment's file is there and is
+what its index record says (its SHA-1, count, tokens, job and shape: the whole file is read);
+``M:intake`` stored_items against the registry marks of stored ids ('s<seq>:<sum>' in each job's
+``M:in:J:sums``) and stored_tokens against the index records. With the item ledger, each stored
+id is placed in its segment ("store <seq>"), so it is neither lost nor duplicated (the rows,
+findings and ledger places: ``checks.py``, ``_Check.store``).
+
+A segment that is missing or damaged is a finding that names its items; ``--repair`` answers
+each of them with an error result (lua/fail_stored.lua, code ``store_segment_lost``) and drops
+the index record: they count as failed, never silently gone. A store that does not answer is a
+note (nothing concluded).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import redis
+
+from conductor.redis_contract import keys as K
+from conductor.redis_contract import script_calls as calls
+from conductor.redis_contract.connection import as_str
+from conductor.redis_contract.records import Result, ResultError, json_encoder
+from conductor.redis_contract.scripts import Scripts
+from conductor.tier import segments as S
+from conductor.tier.object_store import Store, StoreError
+from conductor.verify.snapshot import as_int
+
+EXAMPLES = 5
+ERROR_CODE = "store_segment_lost"
+
+
+@dataclass
+class LostSegment:
+    """A registered segment whose file is missing or damaged (its items cannot be fed): the
+    finding, with the ids it holds. The error its read raised is tier.segments.BadSegment."""
+
+    name: str
+    rec: dict[str, str]
+    why: str
+    ids: list[str]
+
+
+@dataclass
+class StoreTruth:
+    """What the counters of the disk tier count: the index records and the registry marks."""
+
+    rec_items: int  # M:intake stored_items
+    rec_tokens: int  # M:intake stored_tokens
+    index: list[tuple[str, dict[str, str]]]  # registered segments: name -> index record
+    stored: dict[str, list[tuple[str, str]]]  # seq -> [(job, id)] of ids marked as stored
+    bad: list[LostSegment] = field(default_factory=list)
+
+    @property
+    def items(self) -> int:
+        return sum(len(v) for v in self.stored.values())
+
+    @property
+    def tokens(self) -> int:
+        return sum(as_int(rec.get("tokens")) for _, rec in self.index)
+
+
+def _index(r: redis.Redis, mk: K.ModelKeys) -> list[tuple[str, dict[str, str]]]:
+    names = [as_str(n) for n in r.zrange(mk.segs, 0, -1)]
+    pipe = r.pipeline(transaction=False)
+    for n in names:
+        pipe.hgetall(mk.seg(n))
+    return [(n, {as_str(k): as_str(v) for k, v in rec.items()}) for n, rec in zip(names, pipe.execute(), strict=True)
+            if rec]
+
+
+def _stored_ids(r: redis.Redis, mk: K.ModelKeys, jobs: list[str]) -> dict[str, list[tuple[str, str]]]:
+    """seq -> [(job, id)] of every id whose registry mark says it waits in a store segment."""
+    out: dict[str, list[tuple[str, str]]] = {}
+    for job in jobs:
+        for iid, mark in r.hscan_iter(mk.job_sums(job), count=1000):
+            m = as_str(mark)
+            if m.startswith("s") and ":" in m:
+                out.setdefault(m[1:].split(":", 1)[0], []).append((job, as_str(iid)))
+    return out
+
+
+def store_truth(r: redis.Redis, mk: K.ModelKeys, store: Store | None, jobs: list[str],
+                notes: list[str] | None = None) -> StoreTruth | None:
+    """The tier's counters and their truth, with the missing or damaged segments (their files are
+    read when ``store`` is given); None when nothing of the model is or was counted in the store."""
+    index = _index(r, mk)
+    rec_items, rec_tokens = (as_int(v) for v in r.hmget(mk.intake, "stored_items", "stored_tokens"))
+    if not index and not rec_items and not rec_tokens:
+        return None
+    truth = StoreTruth(rec_items, rec_tokens, index, _stored_ids(r, mk, jobs))
+    if store is None:
+        if index and notes is not None:
+            notes.append(f"{mk.model}: {len(index)} store segment(s) registered; no store given (--store, "
+                         "CONDUCTOR_STORE): their files were not checked")
+        return truth
+    for name, rec in index:
+        why = _damage(store, name, rec, mk, notes)
+        if why:
+            ids = [iid for job, iid in truth.stored.get(rec.get("seq", ""), []) if job == rec.get("job")]
+            truth.bad.append(LostSegment(name, rec, why, ids))
+    return truth
+
+
+def _damage(store: Store, name: str, rec: dict[str, str], mk: K.ModelKeys, notes: list[str] | None) -> str:
+    """Why a segment's file is not what its index record says ('' when it is, or when the store
+    did not answer: then a note)."""
+    try:
+        S.read_segment(store, rec)
+        return ""
+    except FileNotFoundError:
+        return "missing from the store"
+    except S.BadSegment as e:
+        return f"damaged ({e})"
+    except StoreError as e:
+        if notes is not None:
+            notes.append(f"{mk.model}: store segment {name} not checked: {e}")
+        return ""
+
+
+def repair_store(r: redis.Redis, model: str, store: Store | None) -> list[str]:
+    """Answer the items of every missing or damaged segment with an error result; one line each."""
+    mk = K.ModelKeys(model)
+    jobs = sorted(as_str(j) for j in r.zrange(K.JOBS_KEY, 0, -1)
+                  if r.sismember(K.job_models_key(as_str(j)), model))
+    truth = store_truth(r, mk, store, jobs)
+    if truth is None or store is None:
+        return []
+    scripts = Scripts(r)
+    out = []
+    now = int(time.time() * 1000)
+    for b in truth.bad:
+        job = b.rec["job"]
+        msg = (f"the store segment that held this item ({b.rec.get('path')}) is {b.why}: the item was not run; "
+               f"submit it again under another job id")
+        answers = [(iid, json_encoder.encode(Result(
+            id=iid, model=model, job=job, output="", output_tokens=0, error=ResultError(ERROR_CODE, msg),
+            shape=b.rec.get("sig", ""), epoch=0, lane=-1, batch="", batch_size=0, batch_padded_len=0, input_tokens=0,
+            worker="repair", claimed_at=0, finished_at=now, deliveries=0))) for iid in b.ids]
+        failed, skipped = calls.fail_stored(mk, b.name, job, answers).run(scripts)
+        out.append(f"store segment {b.name} ({b.why}): {failed} item(s) of job {job} answered with error "
+                   f"{ERROR_CODE}" + (f", {skipped} placed meanwhile" if skipped else ""))
+    return out
