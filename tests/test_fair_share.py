@@ -170,6 +170,12 @@ def test_service_counted_per_tenant_agrees_with_the_results(cdr):
     rows = {r.tenant: r for r in tenant_rows(cdr, "m")}
     assert rows["A"].served_in == want["A"][0] and rows["B"].served_out == want["B"][1]
     assert abs(rows["A"].share_last_minute + rows["B"].share_last_minute - 1) < 1e-9
+    # the exporter serves the same per tenant
+    from conductor.observability.broker_metrics import ModelStateCollector
+    got = {(s.name, s.labels.get("tenant"), s.labels.get("kind")): s.value
+           for fam in ModelStateCollector(cdr).collect() for s in fam.samples if s.name.startswith("conductor_tenant")}
+    assert got[("conductor_tenant_served_tokens_total", "A", "in")] == want["A"][0]
+    assert got[("conductor_tenant_share_ratio", "B", None)] == rows["B"].share_last_minute
 
 
 def test_tenant_weights_through_the_cli(redis_url, cdr):
