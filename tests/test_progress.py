@@ -21,9 +21,10 @@ ANSI = re.compile(rb"\x1b\[[0-9;?]*[A-Za-z]")
 
 
 def on_pty(argv: list[str], url: str, timeout: float = 120, env: dict | None = None,
-           typed: bytes | None = None) -> tuple[int, bytes]:
+           typed: bytes | None = None, wrote: threading.Event | None = None) -> tuple[int, bytes]:
     """Run ``conductor argv`` with stdout and stderr on a pseudo-terminal; (exit status, what it wrote).
-    ``typed``: the terminal is its stdin too, and this is what the user types."""
+    ``typed``: the terminal is its stdin too, and this is what the user types. ``wrote``: set once it
+    wrote something."""
     master, slave = pty.openpty()
     stdin = subprocess.DEVNULL if typed is None else slave
     p = subprocess.Popen([sys.executable, "-m", "conductor", *argv], stdin=stdin, stdout=slave,
@@ -45,6 +46,8 @@ def on_pty(argv: list[str], url: str, timeout: float = 120, env: dict | None = N
                 if not chunk:
                     break
                 out += chunk
+                if wrote is not None:
+                    wrote.set()
             elif p.poll() is not None:
                 break
         return p.wait(timeout=max(1.0, deadline - time.monotonic())), out
@@ -104,9 +107,14 @@ def test_submit_of_a_large_file_shows_its_line(redis_url, tmp_path):
     assert b"submitted 0 items (12000 already there)" in p.stderr
 
 
-def _finish_slowly(cdr, batches_apart_s=0.3):
+def _finish_slowly(cdr, batches_apart_s=0.3, start: threading.Event | None = None):
+    """Complete the job a batch at a time, after ``start`` is set (the watcher printed its first
+    line: on a loaded machine its start-up alone can take longer than the whole job) or a second."""
     def go():
-        time.sleep(1.0)
+        if start is None:
+            time.sleep(1.0)
+        else:
+            start.wait(60)
         while True:
             b, why = cdr.claim(C, "w")
             if b is None:
@@ -126,8 +134,9 @@ def test_status_watch_is_one_live_line_with_rate_and_eta(redis_url, cdr):
     from conductor.client import Conductor, connect
     quick(cdr)
     cdr.submit([item(f"i{k}", 10) for k in range(64)], "w")
-    t = _finish_slowly(Conductor(connect(redis_url)))
-    code, out = on_pty(["status", "w", "--watch", "--interval", "0.2"], redis_url, timeout=60)
+    started = threading.Event()
+    t = _finish_slowly(Conductor(connect(redis_url)), start=started)
+    code, out = on_pty(["status", "w", "--watch", "--interval", "0.2"], redis_url, timeout=60, wrote=started)
     t.join(30)
     text = ANSI.sub(b"", out).decode()
     assert code == 0, text
@@ -139,10 +148,18 @@ def test_status_watch_in_a_pipe_adds_rate_and_eta_to_its_lines(redis_url, cdr):
     from conductor.client import Conductor, connect
     quick(cdr)
     cdr.submit([item(f"i{k}", 10) for k in range(64)], "w")
-    t = _finish_slowly(Conductor(connect(redis_url)))
-    p = cli("status", "w", "--watch", "--interval", "0.2", url=redis_url, timeout=60)
+    started = threading.Event()
+    t = _finish_slowly(Conductor(connect(redis_url)), start=started)
+    lines = []
+    with subprocess.Popen([sys.executable, "-m", "conductor", "status", "w", "--watch", "--interval", "0.2"],
+                          env=dict(os.environ, CONDUCTOR_REDIS_URL=redis_url), cwd=str(ROOT),
+                          stdout=subprocess.PIPE) as p:
+        assert p.stdout is not None
+        for raw in p.stdout:  # each line is flushed as it is written
+            lines.append(raw.decode().rstrip("\n"))
+            started.set()
+        assert p.wait(60) == 0
     t.join(30)
-    lines = p.stdout.decode().splitlines()
     assert any(re.fullmatch(r"job w: submitted 64, completed \d+, failed 0, pending \d+, [\d.,]+/s, ETA [\d:]+", ln)
                for ln in lines), lines
     assert lines[-1] == "job w: submitted 64, completed 64, failed 0, pending 0"
