@@ -28,6 +28,13 @@
 -- Request jobs (a name starting 'rq.', conductor/request.py): each newly written result is also
 --   pushed to cdr:{model}:reply:<job>:<id> (a list, expiring after 60 s) for the caller blocked on
 --   it; written once with the result, so a re-delivered item answers its caller once.
+-- The end stamp (one truth about a job, conductor/jobs/job_state.py): the call that gives the last
+--   item of a job's part on this model its result sets 'ended_ms' (the time of that result, from its
+--   stream id) and 'end' (the job's 'ending' field, set by a cancel or an expiry, else 'completed')
+--   in the job's counters cdr:{model}:job:<job>. The last item: a result was written now, and
+--   completed + failed reaches submitted, with every item the producer declared submitted
+--   (cdr:{model}:in:<job>: declared, submitted), so a submit still sending does not end the job.
+--   Readers report the stamp; none writes one. Request jobs are not stamped (they never end).
 --@include lib.lua
 --@include lib_batch_members.lua
 
@@ -82,7 +89,7 @@ local refused = acl_refused(function(ok)
       seen[job] = true
       local jk = base .. ':job:' .. job
       if not (ok('HMGET', jk .. ':items') and ok('HSET', jk .. ':items') and ok('XADD', jk .. ':results')
-          and ok('HINCRBY', jk)) then
+          and ok('HINCRBY', jk) and ok('HMGET', jk) and ok('HSET', jk) and ok('HMGET', base .. ':in:' .. job)) then
         return false
       end
       if is_request(job) and not (ok('LPUSH', base .. ':reply:' .. job .. ':0') and ok('PEXPIRE', base .. ':reply:' .. job .. ':0')) then
@@ -152,19 +159,26 @@ for _, job in ipairs(order) do
     local got = redis.call('HMGET', base .. ':job:' .. job .. ':items', unpack(g.ids, s, math.min(s + 1999, #g.ids)))
     for j = 1, #got do g.state[s + j - 1] = got[j] end
   end
+  if not is_request(job) then  -- what the end stamp needs, read before any write
+    local jc = redis.call('HMGET', base .. ':job:' .. job, 'completed', 'failed', 'ending')
+    local ic = redis.call('HMGET', base .. ':in:' .. job, 'submitted', 'declared')
+    g.answered = (tonumber(jc[1]) or 0) + (tonumber(jc[2]) or 0)
+    g.ending = jc[3]
+    g.submitted, g.declared = tonumber(ic[1]) or 0, tonumber(ic[2]) or 0
+  end
 end
 
 local written, done_ok, done_err = 0, 0, 0
 for _, job in ipairs(order) do
   local g, jk = jobs[job], base .. ':job:' .. job
-  local marks, seen, ok_n, err_n = {}, {}, 0, 0
+  local marks, seen, ok_n, err_n, last = {}, {}, 0, 0, nil
   for j, id in ipairs(g.ids) do
     if g.state[j] ~= 'd' and not seen[id] then
       seen[id] = true
       local o = g.at[j]
       marks[#marks + 1] = id
       marks[#marks + 1] = 'd'
-      redis.call('XADD', jk .. ':results', '*', 'id', id, 'r', ARGV[o + 3])
+      last = redis.call('XADD', jk .. ':results', '*', 'id', id, 'r', ARGV[o + 3])
       if is_request(job) then
         local rk = base .. ':reply:' .. job .. ':' .. id
         redis.call('LPUSH', rk, ARGV[o + 3])
@@ -178,6 +192,10 @@ for _, job in ipairs(order) do
   end
   if ok_n > 0 then redis.call('HINCRBY', jk, 'completed', ok_n) end
   if err_n > 0 then redis.call('HINCRBY', jk, 'failed', err_n) end
+  if last and g.submitted and g.submitted > 0 and g.submitted >= g.declared
+      and g.answered + ok_n + err_n >= g.submitted then
+    redis.call('HSET', jk, 'ended_ms', string.match(last, '^%d+'), 'end', g.ending or 'completed')
+  end
   written, done_ok, done_err = written + ok_n + err_n, done_ok + ok_n, done_err + err_n
 end
 if done_ok > 0 then redis.call('HINCRBY', state_key, 'completed', done_ok) end
