@@ -23,7 +23,8 @@ from conductor.cli.args import (
 )
 from conductor.cli.connect import DEFAULT_URL
 from conductor.cli.read import cmd_exporter, cmd_inspect, cmd_jobs, cmd_results, cmd_status
-from conductor.cli.submit import cmd_run, cmd_submit
+from conductor.cli.run import Interrupted, cmd_run
+from conductor.cli.submit import cmd_submit
 from conductor.cli.workers import cmd_agent, cmd_worker, consumer_flags, engine_flags
 from conductor.errors import ConductorError
 
@@ -58,11 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     def command(name: str, help: str, fn: Callable[[argparse.Namespace], int], **kw: Any) -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help, description=help, formatter_class=DefaultsFormatter, **kw)
         c.set_defaults(fn=fn)
+        global_flags_after(c)
         return c
 
     s = command("submit", "validate and submit a JSONL or Parquet file, print the job id, exit", cmd_submit)
     s.add_argument("file", help="JSON lines or Parquet: native or OpenAI batch format (README: Input lines)")
-    s.add_argument("--job", help="job id (default: the file's name without its extension)")
+    s.add_argument("--job", help="job id (default: the file's name without its extension); a job that exists is "
+                                 "resumed: ids it has are skipped")
     s.add_argument("--skip-invalid", action="store_true", help="submit the valid lines, reject the others")
     s.add_argument("--rejects", metavar="FILE", help="write rejected lines here (JSON lines with line, field, error)")
     s.add_argument("--quiet", action="store_true", help="print only the job id")
@@ -183,13 +186,30 @@ def build_parser() -> argparse.ArgumentParser:
     engine_flags(run, model_required=False)
     run.add_argument("--workers", type=positive_int, default=2, help="worker processes per model")
     run.add_argument("-o", "--output", required=True, metavar="FILE", help="where the results go (JSON lines)")
-    run.add_argument("--job", help="job id (default: the file's name without its extension)")
+    run.add_argument("--job", help="job id (default: the file's name without its extension; when this Redis has "
+                                   "that job, the first free NAME-2, NAME-3, ...)")
+    run.add_argument("--resume", action="store_true",
+                     help="continue the job (--job, or the file's name) where it stopped; refused when the job ran "
+                          "with other engine or contract options")
     run.add_argument("--quiet-ms", type=non_negative_int,
                      help="intake silence before cleanup mode (model config quiet_ms; default: the model's)")
     run.add_argument("--skip-invalid", action="store_true", help="submit the valid lines, reject the others")
     run.add_argument("--rejects", metavar="FILE", help="write rejected lines here (JSON lines with line, field, "
                                                        "error)")
     return p
+
+
+def global_flags_after(c: argparse.ArgumentParser) -> None:
+    """The global options are taken after the command too (``conductor run F --redis URL``, as
+    the commands' own messages suggest): SUPPRESS leaves the value given before the command, or
+    the global default, in place unless the option is given here."""
+    g = c.add_argument_group("global options (also before the command)")
+    g.add_argument("--redis", metavar="URL", default=argparse.SUPPRESS, help="Redis URL (as before the command)")
+    g.add_argument("--store", metavar="URL", default=argparse.SUPPRESS, help="disk tier store (as before the command)")
+    g.add_argument("--wait-replicas", type=non_negative_int, metavar="N", default=argparse.SUPPRESS,
+                   help="replicas to wait for (as before the command)")
+    g.add_argument("--log-level", type=log_level, metavar="LEVEL", default=argparse.SUPPRESS,
+                   help=f"one of {', '.join(LOG_LEVELS)} (as before the command)")
 
 
 class _RawEpilogFormatter(DefaultsFormatter):
@@ -222,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         if e.filename is None:
             raise
         return _fail(f"{e.strerror}: {e.filename}")
+    except Interrupted as e:
+        return 128 + e.signum
     except KeyboardInterrupt:
         return 130
     except _redis_error() as e:
