@@ -40,8 +40,8 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="conductor", description=__doc__, formatter_class=DefaultsFormatter,
                epilog="Exit status: 0 done; 1 finished but not clean (items failed or pending, counter drift); "
-                      "2 refused (bad arguments or input, unknown job or model, Redis unreachable); "
-                      "130 interrupted; 141 the reader of the output went away.")
+                      "2 refused (bad arguments or input, unknown job or model, Redis unreachable) or a write "
+                      "failed; 130 interrupted (run: SIGTERM=143, SIGHUP=129); 141 the reader of the output went away.")
     p.add_argument("--version", action="version", version=f"conductor {_version()}")
     p.add_argument("--redis", metavar="URL",
                    help=f"Redis URL; rediss:// for TLS, ?cluster=1 for Redis Cluster "
