@@ -95,6 +95,11 @@ if num(st.reclaimed_items) > 0 then
   local r = take_reclaimed(c)
   if r then return r end
 end
+-- 1b. Interactive work (issue 26): before the gate and before this worker's own shape.
+if redis.call('EXISTS', base .. ':hot') == 1 then
+  local r = serve_hot(c)
+  if r then return r end
+end
 -- 2. The release gate.
 local waiting = num(intake.tokens)
 local quiet = quiet_since(c, num(intake.last_intake_ms))
@@ -123,6 +128,11 @@ for _ = 1, SHAPE_VISITS do
   indexed(c, active, info)
   if c.sweep then
     active, info = preempt_aged(c, active, info)
+    active, info = rebalance(c, active, info)
+  elseif info.state == 'active' and fair_due(c, info.tenant or '', fair_gap(c, info)) then
+    active, info = rebalance(c, active, info)
+  end
+  if c.sweep then
     local r = hygiene(c, active, info)
     if r then return r end
   end

@@ -37,6 +37,7 @@
 --   Readers report the stamp; none writes one. Request jobs are not stamped (they never end).
 --@include lib.lua
 --@include lib_batch_members.lua
+--@include lib_service.lua
 
 local base, state_key, batches_key = KEYS[1], KEYS[2], KEYS[3]
 local bid, final, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
@@ -77,7 +78,7 @@ local REPLY_TTL_MS = 60000
 
 -- Every command this call may run, on the keys it may run it on, before the first write.
 local refused = acl_refused(function(ok)
-  if not (ok('HGET', state_key) and ok('HINCRBY', state_key) and ok('XRANGE', batches_key)
+  if not (ok('HGET', state_key) and ok('HINCRBY', state_key) and ok('XRANGE', batches_key) and service_ok(ok, base)
       and ok('XPENDING', batches_key) and ok('XACK', batches_key) and ok('XDEL', batches_key)
       and ok('XINFO', 'STREAM', batches_key) and ok('LRANGE', base .. ':bat:0') and ok('DEL', base .. ':bat:0')) then
     return false
@@ -89,7 +90,8 @@ local refused = acl_refused(function(ok)
       seen[job] = true
       local jk = base .. ':job:' .. job
       if not (ok('HMGET', jk .. ':items') and ok('HSET', jk .. ':items') and ok('XADD', jk .. ':results')
-          and ok('HINCRBY', jk) and ok('HMGET', jk) and ok('HSET', jk) and ok('HMGET', base .. ':in:' .. job)) then
+          and ok('HINCRBY', jk) and ok('HGET', base .. ':in:' .. job) and ok('HMGET', jk) and ok('HSET', jk)
+          and ok('HMGET', base .. ':in:' .. job)) then
         return false
       end
       if is_request(job) and not (ok('LPUSH', base .. ':reply:' .. job .. ':0') and ok('PEXPIRE', base .. ':reply:' .. job .. ':0')) then
@@ -168,6 +170,7 @@ for _, job in ipairs(order) do
   end
 end
 
+local served = service_counter(base)  -- lib_service.lua
 local written, done_ok, done_err = 0, 0, 0
 for _, job in ipairs(order) do
   local g, jk = jobs[job], base .. ':job:' .. job
@@ -185,6 +188,7 @@ for _, job in ipairs(order) do
         redis.call('PEXPIRE', rk, REPLY_TTL_MS)
       end
       if ARGV[o + 2] == 'ok' then ok_n = ok_n + 1 else err_n = err_n + 1 end
+      add_tokens(g, ARGV[o + 3])
     end
   end
   for s = 1, #marks, 2000 do
@@ -192,6 +196,7 @@ for _, job in ipairs(order) do
   end
   if ok_n > 0 then redis.call('HINCRBY', jk, 'completed', ok_n) end
   if err_n > 0 then redis.call('HINCRBY', jk, 'failed', err_n) end
+  if ok_n + err_n > 0 then served(job, g.pin or 0, g.pout or 0) end
   if last and g.submitted and g.submitted > 0 and g.submitted >= g.declared
       and g.answered + ok_n + err_n >= g.submitted then
     redis.call('HSET', jk, 'ended_ms', string.match(last, '^%d+'), 'end', g.ending or 'completed')

@@ -11,6 +11,7 @@
 --   batch from the values claim.lua read (scripts are atomic: nothing else moves them meanwhile).
 --@include lib.lua
 --@include lib_lifecycle.lua
+--@include lib_fair.lua
 --@include lib_lanes.lua
 
 -- RPUSH of a whole list in slices: unpack() stops near 8,000 values, and an error there would
@@ -124,7 +125,11 @@ local function take_batch(c, inst, parts, acc, flags, info)
   redis.call('HSET', ik, 'tokens', inst_tokens, 'items', num(info.items) - acc.k, 'batches', num(info.batches) + 1,
     'rr', first, 'taken', num(info.taken) + acc.sum, 'claimed_ms', now)
   if #parts > 1 then redis.call('HINCRBY', c.state_key, 'neighbour_fills', 1) end
-  if info.state ~= 'staged' then maybe_warm(c, inst_tokens) end
+  if info.state ~= 'staged' and not c.hot then maybe_warm(c, inst_tokens, info.tenant) end
+  -- the tenant's service (lib_fair.lua): padded input tokens and the items' output limits
+  local placed = num(info.in_items)
+  charge(c, info.tenant, c.disk and acc.sum or acc.k * pad8(acc.maxlen), acc.k,
+    placed > 0 and num(info.in_out) / placed or 0)
   local sig, ep = string.match(inst, '^(%x+):(%d+)$')
   return deliver(c, sig, tonumber(ep), tonumber(first), acc.maxlen, flags, 1, acc.k, acc.sum, acc.k, 0)
 end

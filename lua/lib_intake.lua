@@ -10,10 +10,24 @@
 --   lanes only grow (a lane's rep never shrinks) and are never merged.
 --@include lib.lua
 
+-- The job's class (job_class.lua), read once per call: {tenant, prio, deadline (ms, 0: none), own}
+-- (own: the job is its own tenant in batch priority, whose items use the plain signature).
+local function job_class(base, job)
+  local h = redis.call('HMGET', base .. ':in:' .. job, 'tenant', 'prio', 'deadline_ms')
+  local tenant, prio = h[1] or job, h[2] or 'batch'
+  return {tenant = tenant, prio = prio, deadline = tonumber(h[3]) or 0, own = tenant == job and prio == 'batch'}
+end
+
+-- The signature whose instances take the items of a job of this class.
+local function qualified(class, sig)
+  if class.own then return sig end
+  return string.sub(redis.sha1hex(sig .. '|' .. class.tenant .. '|' .. class.prio), 1, 16)
+end
+
 -- The signature's instance that takes this call's items, read (and staged anew when needed)
 -- once per call: {inst, ik, st (its state), reps and ids (its lanes by rep), touched, order,
 -- tokens, items, max_lanes}.
-local function shape_ctx(s, sig)
+local function shape_ctx(s, sig, depth_sig)
   local base, cfg, now = s.base, s.cfg, s.now
   local ctx = s.ctxs[sig]
   if ctx then return ctx end
@@ -26,9 +40,16 @@ local function shape_ctx(s, sig)
     st = 'staged'
     local ik = base .. ':inst:' .. sig .. ':' .. ep
     redis.call('HSET', shape_key, 'epoch', ep)
+    local class = s.class
     redis.call('HSET', ik, 'state', 'staged', 'sig', sig, 'epoch', ep, 'created_ms', now,
-      'tokens', 0, 'items', 0, 'batches', 0, 'lane_seq', 0, 'rr', -1, 'idx', index_version(cfg))
+      'tokens', 0, 'items', 0, 'batches', 0, 'lane_seq', 0, 'rr', -1, 'idx', index_version(cfg),
+      'tenant', class.tenant, 'prio', class.prio, 'deadline', class.deadline)
     redis.call('ZADD', base .. ':staged_age', 'NX', now, sig .. ':' .. ep)
+  elseif s.class.deadline > 0 then
+    -- an instance's deadline is its jobs' earliest
+    local ik = base .. ':inst:' .. sig .. ':' .. ep
+    local d = tonumber(redis.call('HGET', ik, 'deadline') or '0') or 0
+    if d == 0 or s.class.deadline < d then redis.call('HSET', ik, 'deadline', s.class.deadline) end
   end
   local inst = sig .. ':' .. ep
   local ik = base .. ':inst:' .. inst
@@ -44,7 +65,7 @@ local function shape_ctx(s, sig)
   local max_lanes = cfg.lane_max
   if cfg.lane_depth > 0 then
     local have = redis.call('HMGET', ik, 'tokens', 'items')
-    local d = s.depth[sig]
+    local d = s.depth[depth_sig or sig]  -- what the call brings, counted under its items' own signature
     local full = math.max((num(have[1]) + d.tokens) / cfg.budget_tokens, (num(have[2]) + d.items) / cfg.budget_items)
     max_lanes = math.min(max_lanes, math.max(1, math.ceil(cfg.lane_depth * full)))
   end
@@ -137,6 +158,8 @@ local function grow_lanes(s, ctx)
     if ctx.st == 'staged' or ctx.st == 'warming' then
       redis.call('ZADD', base .. ':staged', tokens, ctx.inst)
     end
+    -- interactive work: claimed before any other at the next claim (lib_serve.lua serve_hot)
+    if s.class.prio == 'interactive' then redis.call('ZADD', base .. ':hot', 'NX', now, ctx.inst) end
   end
 end
 

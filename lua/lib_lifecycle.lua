@@ -11,6 +11,7 @@
 --   keys deleted) only once empty and served by no live worker.
 --@include lib.lua
 --@include lib_cleanup.lua
+--@include lib_fair.lua
 
 local function inst_key(base, inst) return base .. ':inst:' .. inst end
 
@@ -37,7 +38,8 @@ end
 -- An instance's waiting input tokens, and its remaining work in input-token units: those tokens
 -- plus decode_weight times its waiting items' output limits (priced at the mean limit of what it
 -- took in, lib_intake.lua): what the fleet balances, since decoding, not prefill, fills a GPU's time.
-local WORK_FIELDS = {'tokens', 'items', 'in_items', 'in_out', 'state', 'warming_for', 'claimed_ms', 'activated_ms'}
+local WORK_FIELDS = {'tokens', 'items', 'in_items', 'in_out', 'state', 'warming_for', 'claimed_ms', 'activated_ms',
+  'tenant', 'prio', 'deadline'}
 local function inst_work(c, inst)
   local h = hmget_named(inst_key(c.base, inst), WORK_FIELDS)
   local tokens, placed = num(h.tokens), num(h.in_items)
@@ -45,39 +47,42 @@ local function inst_work(c, inst)
   return tokens, tokens + c.cfg.decode_weight * num(h.items) * mean_out, mean_out, h
 end
 
--- Which of two staged instances goes first: the one with the longer decodes (mean output limit),
--- so that a job's end is made of short ones (a worker's last batch decodes for as many steps as its
--- longest output, whatever else the fleet has left); then the one with more work.
-local function before(out_a, work_a, out_b, work_b)
-  if out_a ~= out_b then return out_a > out_b end
-  return work_a > work_b
+-- Which of two staged instances of one tenant goes first: the one due earlier (a deadline before
+-- none; earliest deadline first, issue 26), then the one with the longer decodes (mean output
+-- limit), so that a job's end is made of short ones (a worker's last batch decodes for as many
+-- steps as its longest output, whatever else the fleet has left), then the one with more work.
+-- a, b: {inst, tokens, work, out, deadline}.
+local function before(a, b)
+  local da, db = a[5], b[5]
+  if da ~= db and (da > 0 or db > 0) then return da > 0 and (db == 0 or da < db) end
+  if a[4] ~= b[4] then return a[4] > b[4] end
+  return a[3] > b[3]
 end
 
--- The staged instance that goes first (before()) that no other worker is warming (each worker
--- warms one at a time, so at most a fleet's worth are skipped), among the STAGED_LOOK with the most
--- tokens, holding at least `need` tokens: (inst, tokens, work, the work of all it looked at) or nil.
+-- Whether a staged instance is free for this worker to start: not another live worker's next
+-- (each worker warms one at a time, so at most a fleet's worth are skipped).
+local function free_for(c, h)
+  return h.state ~= 'warming' or h.warming_for == c.consumer or not h.warming_for or not alive(c.base, h.warming_for)
+end
+
+-- The staged instance that goes first (before()) of `tenant`'s (any tenant's when nil) that no
+-- other worker is warming, among the STAGED_LOOK with the most tokens, holding at least `need`
+-- tokens: (inst, tokens, work) or nil. Every staged instance another worker's next: the first
+-- rather than let it wait on a worker that may not come back for it soon (its prewarm is lost).
 local STAGED_LOOK = 64
-local function top_staged(c, need)
-  local top = redis.call('ZREVRANGE', c.base .. ':staged', 0, STAGED_LOOK - 1)
-  local best, any, sum = nil, nil, 0
-  for _, inst in ipairs(top) do
+local function top_staged(c, need, tenant)
+  local best, any = nil, nil
+  for _, inst in ipairs(redis.call('ZREVRANGE', c.base .. ':staged', 0, STAGED_LOOK - 1)) do
     local tokens, work, out, h = inst_work(c, inst)
-    sum = sum + work
-    if tokens >= (need or 0) then
-      local cand = {inst, tokens, work, out}
-      if not any or before(out, work, any[4], any[3]) then any = cand end
-      -- a dead worker's reservation (its heartbeat key gone) lapses
-      if (not best or before(out, work, best[4], best[3])) and (h.state ~= 'warming' or h.warming_for == c.consumer
-          or not h.warming_for or not alive(c.base, h.warming_for)) then
-        best = cand
-      end
+    if tokens >= (need or 0) and (not tenant or (h.tenant or '') == tenant) then
+      local cand = {inst, tokens, work, out, num(h.deadline)}
+      if not any or before(cand, any) then any = cand end
+      if (not best or before(cand, best)) and free_for(c, h) then best = cand end
     end
   end
-  -- Every staged instance is another worker's next: take the first rather than let it wait on a
-  -- worker that may not come back for it soon (its prewarm is lost, nothing else).
   best = best or any
-  if best then return best[1], best[2], best[3], sum end
-  return nil, 0, 0, 0
+  if best then return best[1], best[2], best[3] end
+  return nil, 0, 0
 end
 
 local function attach(c, inst)
@@ -85,13 +90,14 @@ local function attach(c, inst)
   return inst
 end
 
-local function activate(c, inst, reason)
+-- detached: activated without becoming this worker's shape (interactive work, serve_hot).
+local function activate(c, inst, reason, detached)
   local ik = inst_key(c.base, inst)
   redis.call('ZREM', c.base .. ':staged', inst)
   redis.call('ZREM', c.base .. ':staged_age', inst)
   redis.call('HSET', ik, 'state', 'active', 'activated_ms', c.now, 'activated_by', reason)
   redis.call('ZADD', c.active_key, c.now, inst)
-  attach(c, inst)
+  if not detached then attach(c, inst) end
   redis.call('HINCRBY', c.state_key, 'activations', 1)
   if c.warming_now == inst then
     redis.call('HDEL', c.warming_key, c.consumer)
@@ -151,18 +157,79 @@ local function activation_need(c, cleanup)
   return math.min(c.cfg.budget_tokens, c.cfg.activate_batches * c.cfg.budget_tokens)
 end
 
--- The next shape for this worker (seeds 001, 003, and the fleet of issue 24): an aged one first
--- (no shape waits for ever behind popular ones). Else, as longest-processing-time first does
--- offline, the largest piece of work: an instance left by its workers (dead, preempted) first;
--- then an active instance whose workers hold more than a fair share each (the model's remaining
--- work over its live workers) is joined, the most loaded first, while the share this worker would
--- take of it is no smaller than the staged candidate, so a deep shape ends up split over as many
--- workers as its work deserves; otherwise the staged instance that goes first (top_staged) and
--- holds a full batch (activate_batches 0, or cleanup: anything) starts; with none, the active
--- instance with the most work per worker is joined while it holds a batch beyond one for each of
--- its workers: no worker idles while another's shape holds work it could take, and none joins a
--- shape that is about to be finished, unless its workers took nothing from it for hygiene_idle_ms.
-local function pick_next(c, cleanup)
+-- What the model holds, per tenant and class, as pick_next weighs it. For each tenant with work
+-- waiting (its background work apart, under its own record): the live workers serving it, its
+-- remaining work, its active instance whose workers hold the most work each (over: load, over_work,
+-- over_k), the one with the most work per worker once one more joins (help), an instance left by its
+-- workers (orphan) and its staged candidate (cand: before(), holding at least `need` tokens, this
+-- worker's warming one first). Also returns an instance whose workers took nothing from it for
+-- hygiene_idle_ms (stuck). Finishes active instances that emptied with no live worker on them.
+local function survey(c, need)
+  local cfg, now, budget = c.cfg, c.now, c.cfg.budget_tokens
+  local actives = redis.call('ZRANGE', c.active_key, 0, -1)
+  local n = #actives > 0 and attachments(c) or {}
+  local ten, stuck = {}, nil
+  local function rec(h)
+    local bg = h.prio == 'background'
+    local name = h.tenant or ''
+    local key = bg and (name .. '|background') or name
+    local x = ten[key]
+    if not x then
+      x = {name = name, bg = bg, workers = 0, work = 0, load = 0, over_work = 0, over_k = 0, hshare = 0}
+      ten[key] = x
+    end
+    return x
+  end
+  for _, inst in ipairs(actives) do
+    local t, w, _, h = inst_work(c, inst)
+    local k = n[inst] or 0
+    if t > 0 then
+      local x = rec(h)
+      x.workers, x.work = x.workers + k, x.work + w
+      if k == 0 then x.orphan = x.orphan or inst end
+      -- only an instance holding a batch beyond one per worker, this one included, is joined:
+      -- none that its workers are about to finish
+      local room = t > (k + 1) * budget
+      if room and k > 0 and w / k > x.load then x.over, x.load, x.over_work, x.over_k = inst, w / k, w, k end
+      if room and w / (k + 1) > x.hshare then x.help, x.hshare = inst, w / (k + 1) end
+      -- its workers live but took nothing from it for hygiene_idle_ms (gated, or stuck): helped
+      if now - math.max(num(h.claimed_ms), num(h.activated_ms)) >= cfg.hygiene_idle_ms then stuck = inst end
+    else
+      finish(c, inst)  -- emptied, and no live worker serves it
+    end
+  end
+  for _, inst in ipairs(redis.call('ZREVRANGE', c.base .. ':staged', 0, STAGED_LOOK - 1)) do
+    local tokens, work, out, h = inst_work(c, inst)
+    local x = rec(h)
+    x.work = x.work + work
+    if tokens >= need then
+      local cand = {inst, tokens, work, out, num(h.deadline)}
+      local mine = inst == c.warming_now and h.state == 'warming'
+      if mine then cand[6] = true end  -- the one this worker prepared for goes first
+      if not x.any or before(cand, x.any) then x.any = cand end
+      if free_for(c, h) and (not x.cand or x.cand[6] ~= true and (mine or before(cand, x.cand))) then x.cand = cand end
+    end
+  end
+  for _, x in pairs(ten) do x.cand = x.cand or x.any end
+  return ten, stuck, n
+end
+
+-- The next shape for this worker (seeds 001, 003, the fleet of issue 24 and the fair share of
+-- issue 26): an aged one first (no shape waits for ever behind popular ones). Else the tenants with
+-- work waiting are taken in order, background work last: the one furthest below its share of the
+-- fleet (its weight over the waiting tenants' weights) first, then the one with the smallest virtual
+-- counter (lib_fair.lua); `only` keeps to one tenant (a fair switch, claim.lua). Within a tenant, as
+-- longest-processing-time first does offline, the largest piece of its work: an instance left by
+-- its workers; then an active instance whose workers hold more than the tenant's fair share each
+-- (its remaining work over the workers it deserves) is joined, the most loaded first, while the
+-- share this worker would take of it is no smaller than the staged candidate, so a deep shape
+-- ends up split over as many workers as its work deserves; otherwise its staged instance that goes
+-- first (before()) and holds a full batch (activate_batches 0, quiet intake, or cleanup: anything)
+-- starts; with none, its active instance with the most work per worker is joined while it holds a
+-- batch beyond one per worker: no worker idles while another's shape holds work it could take, and
+-- none joins a shape that is about to be finished, unless its workers took nothing from it for
+-- hygiene_idle_ms.
+local function pick_next(c, cleanup, only)
   local cfg, now = c.cfg, c.now
   local old = aged(c)
   if old then
@@ -171,57 +238,58 @@ local function pick_next(c, cleanup)
     redis.call('HSET', inst_key(c.base, old), 'state', 'draining', 'draining_ms', now)
     return old
   end
-  local actives = redis.call('ZRANGE', c.active_key, 0, -1)
-  local n = #actives > 0 and attachments(c) or {}
   local budget = cfg.budget_tokens
-  local total = 0
-  -- over: the active instance whose workers hold the most work each (load); help: the one with the
-  -- most work per worker once this one joins, among those holding a batch beyond one per worker
-  local over, load, over_work, help, hshare, stuck = nil, 0, 0, nil, 0, nil
-  for _, inst in ipairs(actives) do
-    local t, w, _, h = inst_work(c, inst)
-    local k = n[inst] or 0
-    total = total + w
-    if t > 0 then
-      if k == 0 then return attach(c, inst) end  -- left by its workers: nothing else serves it
-      -- only an instance holding a batch beyond one per worker, this one included, is joined:
-      -- none that its workers are about to finish
-      local room = t > (k + 1) * budget
-      if room and w / k > load then over, load, over_work = inst, w / k, w end
-      if room and w / (k + 1) > hshare then help, hshare = inst, w / (k + 1) end
-      -- its workers live but took nothing from it for hygiene_idle_ms (gated, or stuck): helped
-      if now - math.max(num(h.claimed_ms), num(h.activated_ms)) >= cfg.hygiene_idle_ms then stuck = inst end
-    else
-      finish(c, inst)  -- emptied, and no live worker serves it
+  local ten, stuck = survey(c, activation_need(c, cleanup))
+  local keys, names, fg = {}, {}, {}
+  for key, x in pairs(ten) do
+    if not only or x.name == only then
+      keys[#keys + 1] = key
+      if not x.bg then fg[key] = x end
+      names[#names + 1] = x.name
     end
   end
-  local need = activation_need(c, cleanup)
-  local cand, ctok, cwork, staged_work = nil, 0, 0, 0
-  local warming_now = c.warming_now
-  if warming_now ~= '' and redis.call('HGET', inst_key(c.base, warming_now), 'state') == 'warming' then
-    ctok, cwork = inst_work(c, warming_now)
-    if ctok >= need then cand, staged_work = warming_now, cwork end
+  -- the fleet is counted only when there is a share to weigh: an idle worker's claim stays cheap
+  local fleet, def, vtc = nil, {}, {}
+  local function fleet_n()
+    fleet = fleet or fleet_size(c)
+    return fleet
   end
-  local top, ttok, twork, tsum = top_staged(c, need)
-  if not cand then cand, ctok, cwork = top, ttok, twork end
-  total = total + math.max(staged_work, tsum)
-  -- the fleet is counted only when there is a join to weigh: an idle worker's claim stays cheap
-  if over and (not cand or over_work / ((n[over] or 0) + 1) >= cwork) and load > total / fleet_size(c) then
-    return attach(c, over)
+  if #keys > 1 then
+    local pool = next(fg) and fg or ten
+    def = deficits(c, pool, fleet_n())
+    vtc = counters(c, names)
+    table.sort(keys, function(a, b)
+      local xa, xb = ten[a], ten[b]
+      if xa.bg ~= xb.bg then return xb.bg end
+      local da, db = def[a] or -math.huge, def[b] or -math.huge
+      if da ~= db then return da > db end
+      if vtc[xa.name] ~= vtc[xb.name] then return vtc[xa.name] < vtc[xb.name] end
+      return a < b
+    end)
   end
-  if cand then
-    local why = 'cleanup'
-    if cand == warming_now then why = 'warmed'
-    elseif ctok >= cfg.activate_batches * budget then why = 'threshold'
-    elseif ctok >= budget then why = 'depth' end
-    if why == 'cleanup' and not c.cleanup then
-      -- below every threshold, started because intake is quiet: the workload's tail (seed 001)
-      c.cleanup = true
-      enter_cleanup(c.state_key, c.now)
+  for _, key in ipairs(keys) do
+    local x = ten[key]
+    if x.orphan then return attach(c, x.orphan) end  -- left by its workers: nothing else serves it
+    local cand = x.cand
+    if x.over and (not cand or x.over_work / (x.over_k + 1) >= cand[3]) then
+      local deserved = def[key] and math.max(1, x.workers + def[key]) or fleet_n()
+      if x.load > x.work / deserved then return attach(c, x.over) end
     end
-    return activate(c, cand, why)
+    if cand then
+      local inst, ctok = cand[1], cand[2]
+      local why = 'cleanup'
+      if cand[6] then why = 'warmed'
+      elseif ctok >= cfg.activate_batches * budget then why = 'threshold'
+      elseif ctok >= budget then why = 'depth' end
+      if why == 'cleanup' and not c.cleanup then
+        -- below every threshold, started because intake is quiet: the workload's tail (seed 001)
+        c.cleanup = true
+        enter_cleanup(c.state_key, c.now)
+      end
+      return activate(c, inst, why)
+    end
+    if x.help then return attach(c, x.help) end
   end
-  if help then return attach(c, help) end
   -- Rather than idle while another worker's instance holds items it has not served for a while,
   -- help it: nothing waits on one worker alone.
   if stuck then return attach(c, stuck) end
@@ -231,13 +299,13 @@ end
 -- Pre-warm (seed 003): when the active instance runs low, mark the staged instance with the
 -- most tokens (at least one full batch) as warming (one at a time) and tell the workers,
 -- so graphs and caches are ready before the switch.
-local function maybe_warm(c, inst_tokens)
+local function maybe_warm(c, inst_tokens, tenant)
   local cfg = c.cfg
   if inst_tokens >= cfg.prewarm_batches * cfg.budget_tokens then return end
   local cur = c.warming_now
   if cur ~= '' and redis.call('HGET', inst_key(c.base, cur), 'state') == 'warming' then return end
   -- The shape pick_next would start: one holding a full batch (in cleanup any, however small).
-  local top = top_staged(c, activation_need(c, c.cleanup))
+  local top = top_staged(c, activation_need(c, c.cleanup), tenant)
   if not top then return end
   redis.call('HSET', inst_key(c.base, top), 'state', 'warming', 'warming_ms', c.now, 'warming_for', c.consumer)
   redis.call('HSET', c.warming_key, c.consumer, top)

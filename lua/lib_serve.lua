@@ -13,7 +13,8 @@
 --@include lib_deliver.lua
 
 -- The fields of a shape instance every claim reads, once (take_batch uses them too).
-local INST_FIELDS = {'state', 'rr', 'tokens', 'last_intake_ms', 'idx', 'items', 'batches', 'taken'}
+local INST_FIELDS = {'state', 'rr', 'tokens', 'last_intake_ms', 'idx', 'items', 'batches', 'taken', 'tenant',
+  'in_items', 'in_out'}
 local function inst_info(c, inst) return hmget_named(inst_key(c.base, inst), INST_FIELDS) end
 
 -- The instance's fill and ready indices follow the config they were derived under (lib.lua
@@ -31,6 +32,107 @@ local function preempt_aged(c, inst, info)
   info = inst_info(c, inst)
   indexed(c, inst, info)
   return inst, info
+end
+
+-- Interactive work first (issue 26): the oldest interactive instance with items waiting gives
+-- this worker a batch of whatever it holds, shortest lanes first, without becoming its shape (the
+-- worker's affinity stays where it was, so it goes back to its own shape next); a staged one is
+-- activated for it. An emptied one leaves M:hot (pick_next finishes it). Returns the reply, or nil
+-- when no interactive item waits.
+local function serve_hot(c)
+  local hot_key = c.base .. ':hot'
+  for _ = 1, 4 do
+    local inst = redis.call('ZRANGE', hot_key, 0, 0)[1]
+    if not inst then return nil end
+    local info = inst_info(c, inst)
+    if info.state and num(info.items) > 0 then
+      if info.state == 'staged' or info.state == 'warming' then
+        activate(c, inst, 'interactive', true)
+        info.state = 'active'
+      end
+      indexed(c, inst, info)
+      local parts, acc = plan_batch(c, inst, nil)
+      if #parts > 0 then
+        if num(info.items) - acc.k <= 0 then redis.call('ZREM', hot_key, inst) end
+        c.hot = true
+        return take_batch(c, inst, parts, acc, c.cleanup and 1 or 0, info)
+      end
+    end
+    redis.call('ZREM', hot_key, inst)
+  end
+  return nil
+end
+
+-- FAIR_GAP_BATCHES of this worker's batches' worth of service, in its tenant's counter's units: how
+-- far its tenant may lead before it lends this worker to one behind (each lending costs a shape
+-- switch; the issue's bound on the service gap is two batches).
+local FAIR_GAP_BATCHES = 1.5
+local function fair_gap(c, info)
+  local placed, items = num(info.in_items), num(info.items)
+  local mean_out = placed > 0 and num(info.in_out) / placed or 0
+  -- a batch of this instance as claim charges it (lib_fair.lua charge): its items' padded tokens
+  -- under this worker's contract, and their output limits
+  local per_item = items > 0 and pad8(math.ceil(num(info.tokens) / items)) or c.max_tokens
+  local n = math.max(1, math.min(c.max_items, math.floor(c.max_tokens / per_item)))
+  return FAIR_GAP_BATCHES * n * (per_item + c.cfg.decode_weight * mean_out) / tenant_weight(c, info.tenant or '')
+end
+
+-- Fair share between tenants (issue 26, lib_fair.lua), swept with aging and checked between sweeps
+-- when this worker's tenant leads (fair_due): the returning tenants'
+-- counters are lifted; then, if this worker's tenant holds a whole worker more than its share while
+-- another waiting tenant lacks one (and is not ahead in service), or this worker's tenant leads one
+-- no better staffed by more than two of its batches' worth of service, this worker leaves its
+-- instance (as aging preempts it: its lanes stay, another worker or a later claim serves it) for
+-- that tenant's work.
+-- Returns the instance to serve and its fields.
+local function rebalance(c, inst, info)
+  if info.state ~= 'active' then return inst, info end
+  local ten = survey(c, activation_need(c, c.cleanup))
+  local names, keys, fg = {}, {}, {}
+  for key, x in pairs(ten) do
+    if not x.bg then
+      keys[#keys + 1] = key
+      names[#names + 1] = x.name
+      fg[key] = x
+    end
+  end
+  if #keys < 1 then return inst, info end
+  local vtc = counters(c, names)
+  lift_returning(c, names, vtc)
+  if #keys < 2 then return inst, info end
+  local mine = info.tenant or ''
+  if ten[mine] then ten[mine].workers = ten[mine].workers + 1 end  -- this worker, left out of attachments
+  local def = deficits(c, fg, fleet_size(c))
+  local dmine = def[mine]
+  if not dmine then return inst, info end
+  local gap = fair_gap(c, info)
+  local to, best = nil, nil
+  for _, key in ipairs(keys) do
+    local x = ten[key]
+    if key ~= mine and (x.cand or x.help or x.orphan) then
+      local lead = vtc[mine] - vtc[x.name]
+      -- a whole worker too many for one a whole worker short, unless that would serve a tenant
+      -- already ahead in service
+      local short = dmine <= -1 + 1e-9 and def[key] >= 1 - 1e-9 and lead > -gap
+      -- service, not workers, is what is shared: a tenant whose counter leads one no better staffed
+      -- (for its weight) by two batches' worth lends it this worker, whatever the staffing says
+      local behind = def[key] >= dmine - 1e-9 and lead > gap
+      if (short or behind) and (not best or def[key] > best or (def[key] == best and vtc[x.name] < vtc[to])) then
+        to, best = x.name, def[key]
+      end
+    end
+  end
+  if not to then return inst, info end
+  preempt(c, inst)
+  redis.call('HINCRBY', c.state_key, 'fair_switches', 1)
+  local nxt = pick_next(c, c.cleanup, to)
+  if not nxt then  -- nothing it could take after all: back to its own shape
+    activate(c, inst, 'fair')
+    return inst, inst_info(c, inst)
+  end
+  info = inst_info(c, nxt)
+  indexed(c, nxt, info)
+  return nxt, info
 end
 
 -- Aging and lane hygiene look for work that has waited seconds to minutes, so they are checked

@@ -36,6 +36,12 @@
 --   the same position. The producer builds the record: building it here cost over a quarter
 --   of the server time per item (bench/RESULTS.md, bench/submit_profile.py), and the decode
 --   that checks it is needed anyway.
+-- The job's class (tenant, priority, deadline: job_class.lua, read from M:in:J) places its items:
+--   a job of its own tenant in batch priority uses the signature's instances (several such jobs
+--   of one shape share them, as always); any other class uses instances of a qualified signature
+--   (16 hex digits of SHA-1 of signature, tenant and priority), so that no instance mixes tenants or
+--   priority classes and a claim can choose between them (issue 26). An instance records its
+--   tenant, priority and the earliest deadline of its jobs; an interactive one waits in M:hot.
 -- Invariants: every argument is checked before the first write (all or nothing per call);
 --   a lane list and its token list always have the same length, in the same order;
 --   lanes only grow and are never merged; a draining or finished shape instance never takes
@@ -81,8 +87,10 @@ end
 refused = submit_refused(base, state_key, intake_key, job)
 if refused then return refused end
 local now = now_ms()
+-- The job's class (job_class.lua): a job without one is its own tenant, batch, without a deadline.
+local class = job_class(base, job)
 -- The submit context lib_intake.lua takes.
-local intake = {base = base, cfg = cfg, now = now, depth = call.depth, ctxs = {}}
+local intake = {base = base, cfg = cfg, now = now, depth = call.depth, ctxs = {}, class = class}
 
 local job_sums = base .. ':in:' .. job .. ':sums'
 local known, fresh_sums, conflicts, from_store, answered =
@@ -107,10 +115,18 @@ for i = 0, n - 1 do
     gone_items, gone_tokens = gone_items + 1, gone_tokens + tok
   else
     seen[id] = true
-    local sig, prefix = ARGV[o], ARGV[o + 2]
-    local ctx = shape_ctx(intake, sig)
-    if prefixes[sig] then
-      redis.call('HSETNX', base .. ':shape:' .. sig, 'prefix', prefixes[sig])
+    local sig = ARGV[o]
+    local qsig = qualified(class, sig)
+    local ctx = shape_ctx(intake, qsig, sig)
+    if prefixes[sig] ~= false then
+      -- the signature's prefix, stored once under the signature (what a producer's next call may
+      -- leave out) and under a qualified signature's key, which workers read it from
+      local prefix = prefixes[sig]
+      if prefix then redis.call('HSETNX', base .. ':shape:' .. sig, 'prefix', prefix) end
+      if qsig ~= sig then
+        prefix = prefix or redis.call('HGET', base .. ':shape:' .. sig, 'prefix')
+        redis.call('HSETNX', base .. ':shape:' .. qsig, 'prefix', prefix)
+      end
       prefixes[sig] = false
     end
     local lane, rep = choose_lane(cfg, ctx, tok)

@@ -132,6 +132,45 @@ def claim_joins_a_deep_shape(c: Conductor) -> Call:
     return call
 
 
+def _classed(c: Conductor, job: str, tenant: str = "", priority: str = "batch") -> None:
+    from conductor.redis_contract.records import JobClass
+    c.set_job_class(job, ["m"], JobClass(tenant, priority))
+
+
+def claim_interactive_first(c: Conductor) -> Call:
+    """Interactive work is served first, whatever the worker's own shape (issue 26)."""
+    quick(c, budget_tokens=64, budget_items=4, activate_batches=1, quiet_ms=60000)
+    c.submit([item(f"a{i}", 10, prefix=("A",)) for i in range(12)], "j")
+    assert c.claim(contract(4, 64, max_input_len=4096), "w")[0] is not None
+    _classed(c, "rq.x", priority="interactive")
+    c.submit([item("q", 10, prefix=("A",))], "rq.x")
+    call = claim_call(size=4, tokens=64)
+    call.check = lambda r: not r.exists(MK.hot) and r.hget(MK.state, "batches") == b"2"
+    return call
+
+
+def claim_fair_switch(c: Conductor) -> Call:
+    """Two tenants on a fleet of two: the worker whose tenant leads in service by far is lent to the
+    other tenant at the sweep (lua/lib_serve.lua rebalance)."""
+    quick(c, budget_tokens=64, budget_items=4, activate_batches=1, quiet_ms=60000)
+    for w in ("w0", "w"):
+        c.r.set(MK.heartbeat(w), 1)
+        c.r.hset(MK.workers, w, "{}")
+    _classed(c, "ja", tenant="A")
+    _classed(c, "jb", tenant="B")
+    c.submit([item(f"a{i}", 10, prefix=("A",)) for i in range(40)], "ja")
+    c.submit([item(f"b{i}", 10, prefix=("B",)) for i in range(40)], "jb")
+    assert c.claim(contract(4, 64, max_input_len=4096), "w")[0] is not None
+    assert c.claim(contract(4, 64, max_input_len=4096), "w0")[0] is not None
+    mine = c.r.hget(MK.affinity, "w").decode()
+    tenant = c.r.hget(MK.inst(mine), "tenant").decode()
+    c.r.hset(MK.vtc, tenant, 10**9)  # far ahead in service
+    c.r.hset(MK.state, "sweep_ms", 0)
+    call = claim_call(size=4, tokens=64)
+    call.check = lambda r: r.hget(MK.state, "fair_switches") == b"1"
+    return call
+
+
 def claim_aging_preempts(c: Conductor) -> Call:
     quick(c, budget_tokens=64, budget_items=4, quiet_ms=60000, aging_ms=0)
     c.submit([item(f"a{i}", 10 + i % 3 * 30, prefix=("A",)) for i in range(40)], "j")
@@ -206,6 +245,15 @@ def claim_leaves_cleanup(c: Conductor) -> Call:
     quick(c)
     c.r.hset(MK.state, mapping={"cleanup": 1, "cleanup_since_ms": 1})
     return claim_call()
+
+
+# ------------------------------------------------------------------ job class
+
+def job_class_new(c: Conductor) -> Call:
+    quick(c)
+    call = Call("job_class", [MK.job_intake("j"), MK.state], ["T", "interactive", 0])
+    call.check = lambda r: r.hget(MK.job_intake("j"), "prio") == b"interactive"
+    return call
 
 
 # ------------------------------------------------------------------ submit
@@ -545,9 +593,11 @@ def take_name_none_free(c: Conductor) -> Call:
 
 SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "claim": [claim_warming, claim_warmed_shape_activates, claim_reclaimed_part, claim_reclaimed_whole,
-              claim_finish_and_next, claim_joins_a_deep_shape, claim_aging_preempts, claim_hygiene_drains,
+              claim_finish_and_next, claim_joins_a_deep_shape, claim_interactive_first, claim_fair_switch,
+              claim_aging_preempts, claim_hygiene_drains,
               claim_hygiene_retires_empty,
               claim_hygiene_big_lane, claim_reindexes, claim_enters_cleanup, claim_leaves_cleanup],
+    "job_class": [job_class_new],
     "submit": [submit_new_shapes, submit_leaves_cleanup_reuses_lane, submit_known_shape_without_prefix,
                submit_from_store],
     "register_segment": [register_segment_new],

@@ -230,3 +230,11 @@ def test_returns_counts_a_worker_coming_back_to_an_instance_it_left():
     class E:
         instances = ["a:1", "a:1", "b:1", "a:1", "c:1", "b:1", "b:1"]
     assert returns(E()) == 2  # back to a:1 once, to b:1 once
+
+
+def test_fairness_quick_form_runs_every_scenario():
+    """bench/fairness.py's small forms: tenants' shares, a late tenant, interactive requests, deadlines
+    and the cost against first-come-first-served; the goals are reported, not asserted."""
+    out = _bench("bench/fairness.py", "--quick", "--no-write", timeout=300)
+    for name in ("shares-1:1", "shares-3:1", "late", "interactive", "deadlines", "cost"):
+        assert f"| {name} |" in out, out[-2000:]

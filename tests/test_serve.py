@@ -16,6 +16,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+import redis
 from openai import OpenAI
 
 from conductor.embedded import free_port
@@ -103,8 +104,8 @@ def test_sdk_runs_a_batch_end_to_end(serve, redis_url):
     assert client.files.retrieve(f.id).filename == "in.jsonl"
     assert client.files.content(f.id).content == jsonl(rows)
     b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h",
-                              metadata={"team": "eval"})
-    assert b.status in ("validating", "in_progress") and b.metadata == {"team": "eval"}
+                              metadata={"team": "eval", "tenant": "eval-team"})
+    assert b.status in ("validating", "in_progress") and b.metadata == {"team": "eval", "tenant": "eval-team"}
     w = worker(redis_url)
     try:
         b = follow(client, b.id, {"completed", "failed"})
@@ -112,6 +113,9 @@ def test_sdk_runs_a_batch_end_to_end(serve, redis_url):
         stop(w)
     assert b.status == "completed", b.errors
     assert (b.request_counts.total, b.request_counts.completed, b.request_counts.failed) == (40, 39, 1)
+    # metadata.tenant billed the batch to that tenant (issue 26), due at the end of its window
+    cls = redis.Redis.from_url(redis_url).hmget(f"cdr:{{m}}:in:{b.id}", "tenant", "deadline_ms")
+    assert cls[0] == b"eval-team" and abs(int(cls[1]) / 1000 - (b.created_at + 86400)) < 60
     assert b.created_at <= b.in_progress_at <= b.finalizing_at <= b.completed_at
     out, err = lines_of(client, b.output_file_id), lines_of(client, b.error_file_id)
     ids = [x["custom_id"] for x in out + err]

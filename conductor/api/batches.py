@@ -32,7 +32,7 @@ from conductor.jobs.openai_output import converted
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.config import ModelDefaults
 from conductor.redis_contract.connection import as_str
-from conductor.redis_contract.records import PreparedItem
+from conductor.redis_contract.records import JobClass, PreparedItem
 
 log = logging.getLogger(__name__)
 _enc = msgspec.json.Encoder()
@@ -84,14 +84,16 @@ def create(c: Conductor, store: FileStore, body: dict[str, Any]) -> dict[str, An
     try:
         window_s = job_state.parse_window(window)
         meta = job_state.check_metadata(body.get("metadata"))
+        # metadata.tenant bills the batch to a tenant (issue 26); its completion window is its deadline
+        job_class = JobClass(meta.get("tenant", ""), "batch", int((time.time() + window_s) * 1000))
     except BadInput as e:
-        raise ApiError(400, str(e), e.field) from None
+        raise ApiError(400, str(e), f"metadata.{e.field}" if e.field == "tenant" else e.field) from None
     job = "batch_" + secrets.token_hex(12)
     job_state.start(c.r, job, status="validating", window_s=window_s, window=window, metadata=meta,
                     input_file_id=str(file_id), endpoint=endpoint)
     c.r.zadd(K.BATCHES_KEY, {job: int(time.time())})
-    threading.Thread(target=submit_batch_file, args=(c, store, job, file_id, endpoint), name=f"submit-{job}",
-                     daemon=True).start()
+    threading.Thread(target=submit_batch_file, args=(c, store, job, file_id, endpoint, job_class),
+                     name=f"submit-{job}", daemon=True).start()
     return batch_object(c, job)
 
 
@@ -149,7 +151,8 @@ def _openai_request(endpoint: str) -> LineCheck:
     return check
 
 
-def submit_batch_file(c: Conductor, store: FileStore, job: str, file_id: str, endpoint: str) -> None:
+def submit_batch_file(c: Conductor, store: FileStore, job: str, file_id: str, endpoint: str,
+                      job_class: JobClass | None = None) -> None:
     """Check every line (OpenAI's way: any bad line fails the batch, naming each), ask what Redis
     would refuse, then submit in steps; a file is read in passes rather than held."""
     try:
@@ -159,7 +162,7 @@ def submit_batch_file(c: Conductor, store: FileStore, job: str, file_id: str, en
         if errors:
             _fail(c, job, errors)
             return
-        prepare_job(c, found, job)
+        prepare_job(c, found, job, job_class)
         send_file(c, found, job, should_stop=lambda: _cancelled(c, job))
         if _cancelled(c, job):
             job_state.end(c, job, "cancelled")

@@ -130,3 +130,26 @@ def cmd_trim_results(args: argparse.Namespace) -> int:
         raise ConductorError(f"trim-results: {e}") from None
     print(f"trimmed {n} result records of job {args.job}")
     return 0
+
+
+def cmd_tenant(args: argparse.Namespace) -> int:
+    from conductor.errors import BadInput
+    from conductor.jobs.tenants import render, set_weight, tenant_rows
+    c = conductor_from(args)
+    if args.weight is not None:
+        try:
+            set_weight(c, args.tenant, args.weight)
+        except BadInput as e:
+            raise ConductorError(str(e)) from None
+    rows = [r for m in c.models() for r in tenant_rows(c, m) if r.tenant == args.tenant]
+    print(render(rows) if rows else f"tenant {args.tenant}: weight {args.weight if args.weight is not None else 1:g}, "
+          "nothing served or waiting yet")
+    return 0
+
+
+def cmd_tenants(args: argparse.Namespace) -> int:
+    from conductor.jobs.tenants import render, tenant_rows
+    c = conductor_from(args)
+    rows = [r for m in ([args.model] if args.model else c.models()) for r in tenant_rows(c, m)]
+    print(json.dumps([r.as_dict() for r in rows]) if args.json else render(rows))
+    return 0

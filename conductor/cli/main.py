@@ -9,7 +9,16 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from conductor.cli.admin import cmd_config, cmd_dead_letter, cmd_migrate, cmd_pause, cmd_reclaim, cmd_trim_results
+from conductor.cli.admin import (
+    cmd_config,
+    cmd_dead_letter,
+    cmd_migrate,
+    cmd_pause,
+    cmd_reclaim,
+    cmd_tenant,
+    cmd_tenants,
+    cmd_trim_results,
+)
 from conductor.cli.args import (
     LOG_LEVELS,
     DefaultsFormatter,
@@ -24,7 +33,7 @@ from conductor.cli.args import (
 from conductor.cli.connect import DEFAULT_URL
 from conductor.cli.read import cmd_exporter, cmd_inspect, cmd_jobs, cmd_results, cmd_status
 from conductor.cli.run import Interrupted, cmd_run
-from conductor.cli.submit import cmd_submit
+from conductor.cli.submit import add_class_flags, cmd_submit
 from conductor.cli.workers import cmd_agent, cmd_worker, consumer_flags, engine_flags
 from conductor.errors import ConductorError
 
@@ -71,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quiet", action="store_true", help="print only the job id")
     from conductor.cli.batch_api import add_commands, add_submit_flags
     add_submit_flags(s)
+    add_class_flags(s)
 
     w = command("worker", "run one worker (one per GPU)", cmd_worker)
     engine_flags(w)
@@ -164,6 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
                                                                   "(to pause it before its first item)")
         pa.set_defaults(resume=resume)
 
+    tn = command("tenant", "show a tenant, or set its weight: its share of the fleet among tenants with work "
+                           "waiting", cmd_tenant)
+    tn.add_argument("tenant", help="tenant name (conductor submit --tenant T)")
+    tn.add_argument("--weight", type=float, help="its weight (default 1): weight 3 gets three times the share of 1")
+    ts = command("tenants", "every tenant: weight, service, share of the last minute, waiting work", cmd_tenants)
+    ts.add_argument("model", nargs="?", help="one model (default: all)")
+    ts.add_argument("--json", action="store_true", help="one JSON list of tenant objects")
+
     rc = command("reclaim", "one reclaim sweep of a model's dead consumers", cmd_reclaim)
     rc.add_argument("model", help="model name (conductor inspect lists them)")
     rc.add_argument("--min-idle-ms", type=non_negative_int, default=0,
@@ -196,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--skip-invalid", action="store_true", help="submit the valid lines, reject the others")
     run.add_argument("--rejects", metavar="FILE", help="write rejected lines here (JSON lines with line, field, "
                                                        "error)")
+    add_class_flags(run)
     return p
 
 

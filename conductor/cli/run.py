@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from conductor.cli.output import Output, refuse_overwrite
 from conductor.cli.run_summary import RunSummary
-from conductor.cli.submit import default_job, rejects_output
+from conductor.cli.submit import default_job, job_class, rejects_output
 from conductor.errors import ConductorError
 
 if TYPE_CHECKING:
@@ -211,7 +211,7 @@ def _run(args: argparse.Namespace, found: Any, stop: _StopFlag) -> int:  # noqa:
         c = Conductor.from_url(url, store=store_from(args.store))
         job = choose_job(c, args)
         from conductor.intake.file_intake import prepare_job
-        prepare_job(c, found, job)
+        prepare_job(c, found, job, job_class(args))
         from conductor.jobs.job_state import start
         start(c.r, job, run=json.dumps(run_options(args)))
         out = Output(args.output)

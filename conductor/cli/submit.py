@@ -15,10 +15,31 @@ from typing import Any
 from conductor.cli.connect import conductor_from
 from conductor.cli.output import Output, refuse_overwrite
 from conductor.errors import ConductorError
+from conductor.redis_contract.records import JobClass
 
 
 def default_job(path: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", Path(path).stem)[:100] or "job"
+
+
+def add_class_flags(p: argparse.ArgumentParser) -> None:
+    """The job's class (conductor/jobs/job_class.py): whose work it is and how urgent."""
+    p.add_argument("--tenant", default="", help="who the job's work is for: tenants share the fleet by weight "
+                                                "(conductor tenant T --weight W); default: the job is its own")
+    p.add_argument("--priority", default="batch", choices=("interactive", "batch", "background"),
+                   help="interactive: claimed before any other work; background: only what nothing else wants")
+    p.add_argument("--deadline", metavar="WHEN", help="when the job is due (1h, 90m, 2d from now, or an ISO 8601 "
+                                                      "time): within a tenant the job due first goes first, and "
+                                                      "conductor jobs reports one past it")
+
+
+def job_class(args: argparse.Namespace) -> JobClass:
+    from conductor.errors import BadInput
+    from conductor.jobs.job_class import parse_deadline
+    try:
+        return JobClass(args.tenant, args.priority, parse_deadline(args.deadline, "--deadline"))
+    except BadInput as e:
+        raise ConductorError(str(e)) from None
 
 
 @contextmanager
@@ -57,7 +78,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     redis_client()
     c = conductors[0]
     job = args.job or default_job(args.file)
-    prepare_job(c, found, job)  # nothing is written when any part of the file would be refused
+    prepare_job(c, found, job, job_class(args))  # nothing is written when any part of the file would be refused
     from conductor.cli.batch_api import start_job
     start_job(c, job, args)
     live = sys.stderr.isatty() and found.items >= LARGE_SUBMIT and not args.quiet

@@ -65,6 +65,9 @@ class ConductorCore:
         calls.ensure_model(mk, defaults).run(self.scripts)
         if not self.r.sismember(K.MODELS_KEY, model):
             self.r.sadd(K.MODELS_KEY, model)
+            # tenant weights set before this model existed (conductor/jobs/tenants.py); its own win
+            for tenant, weight in self.r.hgetall(K.TENANTS_KEY).items():
+                self.r.hsetnx(mk.tenants, tenant, weight)
         self._models_ready.add(model)
         return mk
 

@@ -38,7 +38,7 @@ from conductor.observability.fleet import live_workers
 from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.connection import connect
-from conductor.redis_contract.records import PreparedItem, Result, result_decoder
+from conductor.redis_contract.records import JobClass, PreparedItem, Result, result_decoder
 from conductor.redis_contract.script_calls import raise_script_error
 
 MAX_TIMEOUT_S = 3600.0
@@ -89,7 +89,7 @@ def _script_reply(reply: Any) -> None:
 class _Core:
     """What the sync and async clients share: the job, the item, the keys, the permits."""
 
-    def __init__(self, url: str, model: str, max_in_flight: int) -> None:
+    def __init__(self, url: str, model: str, max_in_flight: int, job_class: JobClass) -> None:
         self.url = url
         self.c = Conductor(connect(url))  # checks the schema
         self.mk = K.ModelKeys(model)
@@ -100,6 +100,8 @@ class _Core:
         self.permits = Permits(max_in_flight)
         self.job = f"{K.REQUEST_JOB_PREFIX}{secrets.token_hex(8)}"
         self.c._register_job(self.job, model)
+        # interactive by default: claimed before any batch work at the next claim (issue 26)
+        self.c.set_job_class(self.job, [model], job_class)
         self.closed = False
         self.waiting_on: set[str] = set()  # reply keys with a waiter, woken by close()
         self.submit_sha = self.c.r.script_load(self.c.scripts.submit.script)
@@ -155,8 +157,9 @@ class _PermitCounts:
 class RequestClient(_PermitCounts):
     """Blocking request client; thread-safe (each waiting request holds a connection of its own)."""
 
-    def __init__(self, url: str, *, model: str, max_in_flight: int = 64) -> None:
-        self._core = _Core(url, model, max_in_flight)
+    def __init__(self, url: str, *, model: str, max_in_flight: int = 64, tenant: str = "",
+                 priority: str = "interactive") -> None:
+        self._core = _Core(url, model, max_in_flight, JobClass(tenant, priority))
         self.model, self.job = model, self._core.job
         # Blocking reads wait as long as their request's timeout: no socket timeout under them.
         self._block = redis.Redis.from_url(url, socket_timeout=None, socket_connect_timeout=10)
@@ -237,8 +240,9 @@ class RequestClient(_PermitCounts):
 class AsyncRequestClient(_PermitCounts):
     """asyncio request client; task-safe within its event loop. ``async with`` closes it."""
 
-    def __init__(self, url: str, *, model: str, max_in_flight: int = 64) -> None:
-        self._core = _Core(url, model, max_in_flight)
+    def __init__(self, url: str, *, model: str, max_in_flight: int = 64, tenant: str = "",
+                 priority: str = "interactive") -> None:
+        self._core = _Core(url, model, max_in_flight, JobClass(tenant, priority))
         self.model, self.job = model, self._core.job
         self._r = aioredis.Redis.from_url(url, socket_timeout=None, socket_connect_timeout=10)
         self._waiters: deque[asyncio.Future[Any]] = deque()

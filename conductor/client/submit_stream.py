@@ -17,7 +17,7 @@ from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.connection import as_str
 from conductor.redis_contract.item_record import content_sum, record_head
-from conductor.redis_contract.records import PreparedItem
+from conductor.redis_contract.records import JobClass, PreparedItem
 
 # One submit.lua call blocks Redis for a time per item, so the chunk bounds every other client's
 # wait; two calls in flight let the client encode the next call while Redis runs the last one
@@ -103,6 +103,15 @@ class Submitting(ConductorCore):
             self._register_job(job, model)
             mk = self._intake_model(model)
             self._confirmed(calls.declare(mk, job, n))
+
+    def set_job_class(self, job: str, models: Iterable[str], job_class: JobClass) -> None:
+        """The job's tenant, priority and deadline on each of its models (lua/job_class.lua), before
+        its first item there: they decide which shape instances take its items. Refused (Conflict)
+        when the job has items already under another class."""
+        check_name("job", job)
+        for model in models:
+            self._confirmed(calls.job_class(self._intake_model(model), job, job_class.tenant, job_class.priority,
+                                            job_class.deadline_ms))
 
     def check_ids_across_models(self, job: str, by_model: dict[str, list[PreparedItem]]) -> None:
         """Refuse ids the job already has under another of its models (one read per 1,000 ids and

@@ -26,7 +26,7 @@ from conductor.errors import ConductorError, DuplicateId
 from conductor.intake.formats import MaxTokensDefault
 from conductor.intake.input_files import FileScan, Writer, scan
 from conductor.redis_contract import keys as K
-from conductor.redis_contract.records import PreparedItem
+from conductor.redis_contract.records import JobClass, PreparedItem
 
 # items per Conductor.submit (each call groups its items by shape, conductor/client/submit_stream.py): a chunk of 2 KB
 # prompts is some 20 MB of Python objects, a few round trips of checks per chunk cost nothing
@@ -71,8 +71,9 @@ def _with_line(e: DuplicateId, chunk: list[tuple[int, PreparedItem]]) -> Duplica
     return DuplicateId(e.item_id, e.detail, line)
 
 
-def prepare_job(c: Conductor, found: FileScan, job: str) -> None:
-    """Step 2: every refusal Redis would give, asked before the first write, then the declaration."""
+def prepare_job(c: Conductor, found: FileScan, job: str, job_class: JobClass | None = None) -> None:
+    """Step 2: every refusal Redis would give, asked before the first write, then the job's class
+    (its tenant, priority and deadline: which instances take its items) and the declaration."""
     exists = c.r.zscore(K.JOBS_KEY, job) is not None
     if exists:
         for chunk in found.chunks(SEND_CHUNK):
@@ -85,6 +86,8 @@ def prepare_job(c: Conductor, found: FileScan, job: str) -> None:
     else:
         # A new job has no ids to conflict with: only a paused model would refuse it.
         c.check_paused(list(found.counts))
+    if job_class is not None:
+        c.set_job_class(job, found.counts, job_class)
     c.declare(job, found.counts)  # ids are distinct in a checked file
 
 

@@ -144,7 +144,29 @@ class ModelStateCollector(Collector):
                 for status in ("submitted", "completed", "failed", "pending"):
                     job_items.add_metric([row.job, status], float(getattr(row, status)))
         return [*gauges.values(), *counters.values(), cleanup_s, pressure, starving, lanes, pending, per_consumer,
-                dead, alive, balance, shape_tokens, shape_items, job_items]
+                dead, alive, balance, shape_tokens, shape_items, job_items, *_tenant_families(c)]
+
+
+def _tenant_families(c: Conductor) -> list[Metric]:
+    """Per tenant and model (issue 26): served tokens, waiting tokens, the last minute's share, weight."""
+    from conductor.jobs.tenants import tenant_rows
+    tl = ["model", "tenant"]
+    served = CounterMetricFamily("conductor_tenant_served_tokens", "Tokens served to each tenant (its items' "
+                                 "results): padded input (kind=in) and output (kind=out)", labels=[*tl, "kind"])
+    waiting = GaugeMetricFamily("conductor_tenant_waiting_tokens", "Input tokens of each tenant's items waiting",
+                                labels=tl)
+    share = GaugeMetricFamily("conductor_tenant_share_ratio", "Each tenant's share of the service (input + "
+                              "decode_weight x output tokens) over the last minute", labels=tl)
+    weight = GaugeMetricFamily("conductor_tenant_weight", "Each tenant's weight (conductor tenant T --weight W)",
+                               labels=tl)
+    for model in c.models():
+        for t in tenant_rows(c, model):
+            served.add_metric([model, t.tenant, "in"], float(t.served_in))
+            served.add_metric([model, t.tenant, "out"], float(t.served_out))
+            waiting.add_metric([model, t.tenant], float(t.waiting_tokens))
+            share.add_metric([model, t.tenant], t.share_last_minute)
+            weight.add_metric([model, t.tenant], t.weight)
+    return [served, waiting, share, weight]
 
 
 def _num(v: Any) -> float:

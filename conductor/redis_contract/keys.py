@@ -17,6 +17,7 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
                                              timestamps (s), completion window, metadata, and for a
                                              batch made by conductor serve its input file and endpoint
     cdr:jobs:deadlines              zset     job -> expires_at (s), jobs with a completion window
+    cdr:tenants                     hash     tenant -> weight (`conductor tenant`), copied to each model's M:tenants
     cdr:lease:expiry                string   who ends the jobs past their window now (TTL): a maintenance
                                              lease holder or a serve replica (conductor/jobs/job_state.py)
     cdr:batches                     zset     job -> created_at (s), the batches conductor serve made
@@ -67,6 +68,18 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     M:hb:W                          string   heartbeat of worker W (TTL)
     M:lease:maint                   string   which worker runs the periodic sweep (TTL)
     M:workers                       hash     worker -> registered contract (JSON)
+    M:tenants                       hash     tenant -> weight (`conductor tenant T --weight W`; default 1): its
+                                             share of the fleet among the tenants with work waiting (issue 26)
+    M:vtc                           hash     tenant -> virtual token counter: the service its batches cost
+                                             (padded input tokens + decode_weight x output limits) over its
+                                             weight, charged at claim, lifted on return (lua/lib_fair.lua)
+    M:vtc_seen                      hash     tenant -> when a claim's sweep last saw its work waiting (ms)
+    M:served                        hash     "T:in" / "T:out" -> padded input tokens and output tokens of
+                                             tenant T's completed items (complete.lua; verify checks them)
+    M:served10:N                    hash     the same, for the ten seconds N (s // 10), expiring: the last
+                                             minute's shares
+    M:hot                           zset     interactive shape instance -> when its items began waiting: served
+                                             before any other work (lua/lib_serve.lua serve_hot)
     M:busy                          hash     worker -> its busy time in ms (sequences in its engine) since it
                                              started, as of its last heartbeat: the exporter's fleet balance
     M:segs                          zset     store segments waiting to be fed (disk tier, conductor/tier/spill.py):
@@ -74,7 +87,8 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     M:seg:N                         hash     one segment's index record: job, sig, path, items, tokens,
                                              lmin, lmax (input token range), sum (SHA-1 of the file), seq
     M:in:J                          hash     the producer's job counters for this model: declared,
-                                             submitted, submitted_tokens
+                                             submitted, submitted_tokens; its class (lua/job_class.lua):
+                                             tenant, prio (interactive, batch, background), deadline_ms
     M:in:J:sums                     hash     the job's id registry: item id -> its content's sum (16 hex
                                              digits of SHA-1(sig || record); '-' for an id submitted before
                                              sums were kept): a re-submitted id must bring the same content
@@ -143,6 +157,7 @@ STATE_FIELDS: dict[str, str] = {
     "dead_retried": "dead-lettered items sent back by dead_retry.lua",
     "activations": "shape instances activated",
     "preemptions": "active instances stepped back to staged by aging",
+    "fair_switches": "workers that left their shape for a tenant short of its share (lua/lib_serve.lua rebalance)",
     "shapes_finished": "shape instances emptied and finished",
     "warming": "the shape instance last marked warming (for inspect)",
     "warmings": "instances marked warming (pre-warm signals)",
@@ -176,6 +191,9 @@ def job_meta_key(job: str) -> str:
 
 
 JOB_DEADLINES_KEY = f"{PREFIX}:jobs:deadlines"
+# tenant -> weight, the registry `conductor tenant` writes beside each model's M:tenants (a model made
+# later takes the weights from here: conductor/client/core.py ensure_model)
+TENANTS_KEY = f"{PREFIX}:tenants"
 # Who ends the jobs past their completion window now (conductor/jobs/job_state.py expire_due_leased).
 EXPIRY_LEASE_KEY = f"{PREFIX}:lease:expiry"
 FILES_KEY = f"{PREFIX}:files"
@@ -246,6 +264,29 @@ class ModelKeys:
     @property
     def busy(self) -> str:
         return f"{self.base}:busy"
+
+    @property
+    def tenants(self) -> str:
+        return f"{self.base}:tenants"
+
+    @property
+    def vtc(self) -> str:
+        return f"{self.base}:vtc"
+
+    @property
+    def vtc_seen(self) -> str:
+        return f"{self.base}:vtc_seen"
+
+    @property
+    def served(self) -> str:
+        return f"{self.base}:served"
+
+    def served10(self, tens: int) -> str:
+        return f"{self.base}:served10:{tens}"
+
+    @property
+    def hot(self) -> str:
+        return f"{self.base}:hot"
 
     def shape(self, sig: str) -> str:
         return f"{self.base}:shape:{sig}"

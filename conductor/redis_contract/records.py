@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+
+from conductor.errors import BadInput
+from conductor.redis_contract.keys import check_name
 
 
 class PreparedItem(msgspec.Struct, frozen=True):
@@ -166,3 +170,24 @@ def _lenient_int(text: str) -> int:
         except (ValueError, OverflowError):
             continue
     return 0
+
+
+PRIORITIES = ("interactive", "batch", "background")
+
+
+@dataclass(frozen=True)
+class JobClass:
+    """A job's tenant, priority class and deadline (lua/job_class.lua; conductor/jobs/job_class.py)."""
+
+    tenant: str = ""  # '' : the job is its own tenant
+    priority: str = "batch"
+    deadline_ms: int = 0  # 0: none
+
+    def __post_init__(self) -> None:
+        if self.tenant:
+            try:
+                check_name("tenant", self.tenant)
+            except ValueError as e:
+                raise BadInput("tenant", str(e).split(": ", 1)[-1]) from None
+        if self.priority not in PRIORITIES:
+            raise BadInput("priority", f"must be one of {', '.join(PRIORITIES)}, got {self.priority!r}")

@@ -158,6 +158,12 @@ def declare(mk: K.ModelKeys, job: str, count: int) -> Call[int]:
     return Call("declare", [mk.job_intake(job), mk.state], [count], _int)
 
 
+def job_class(mk: K.ModelKeys, job: str, tenant: str, priority: str, deadline_ms: int) -> Call[list[Any]]:
+    """lua/job_class.lua: the job's class as stored, [tenant, priority, deadline_ms] (tenant '' : the job)."""
+    return Call("job_class", [mk.job_intake(job), mk.state], [tenant, priority, deadline_ms],
+                lambda r: [as_str(r[0]), as_str(r[1]), int(r[2])])
+
+
 def seal(mk: K.ModelKeys) -> Call[int]:
     """lua/seal.lua: the seal time (ms, the server's clock)."""
     return Call("seal", [mk.state, mk.intake, mk.doorbell], [], _int)  # the bell wakes a worker at once

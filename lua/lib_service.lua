@@ -1,0 +1,37 @@
+-- lib_service.lua: what complete.lua counts of the service each job and tenant received (issue 26):
+-- the padded input tokens (a result's batch_padded_len) and output tokens of every newly written
+-- result, to its job (M:job:J served_in, served_out) and to its job's tenant (M:in:J tenant, else
+-- the job) in M:served and in the ten-second bucket M:served10:N (N = seconds // 10, expiring after
+-- 120 s), as fields "T:in" and "T:out". `conductor tenants` and the exporter read them.
+-- Keys: M:job:J (HINCRBY), M:in:J (HGET tenant), M:served and M:served10:N (HINCRBY, EXPIRE).
+-- Invariant: counted once per result written (complete.lua calls it for results it writes now).
+--@include lib.lua
+
+-- A result's padded input tokens and output tokens, read from its JSON without decoding it: a JSON
+-- string escapes its quotes, so these patterns match only the fields themselves.
+-- Adds them to g.pin and g.pout.
+local function add_tokens(g, r)
+  g.pin = (g.pin or 0) + (tonumber(string.match(r, ',"batch_padded_len":(%d+)')) or 0)
+  g.pout = (g.pout or 0) + (tonumber(string.match(r, ',"output_tokens":(%d+)')) or 0)
+end
+
+-- What counting may run (lib.lua acl_refused's ok), before complete.lua's first write.
+local function service_ok(ok, base)
+  return ok('TIME') and ok('HINCRBY', base .. ':served') and ok('HINCRBY', base .. ':served10:0')
+    and ok('EXPIRE', base .. ':served10:0')
+end
+
+-- A counting function for this call: served(job, padded_in, out).
+local function service_counter(base)
+  local bucket = base .. ':served10:' .. math.floor(tonumber(redis.call('TIME')[1]) / 10)
+  return function(job, pin, pout)
+    redis.call('HINCRBY', base .. ':job:' .. job, 'served_in', pin)
+    redis.call('HINCRBY', base .. ':job:' .. job, 'served_out', pout)
+    local tenant = redis.call('HGET', base .. ':in:' .. job, 'tenant') or job
+    for _, key in ipairs({base .. ':served', bucket}) do
+      redis.call('HINCRBY', key, tenant .. ':in', pin)
+      redis.call('HINCRBY', key, tenant .. ':out', pout)
+    end
+    redis.call('EXPIRE', bucket, 120)
+  end
+end
