@@ -25,9 +25,9 @@
 -- ARGV[5] code     the results' error code: 'cancelled' or 'expired'
 -- ARGV[6] message  the results' error message, at most 1,000 bytes
 -- Returns: {next cursor ('0' after a lane), items answered now, items skipped because in flight}.
--- The end stamp (as complete.lua's): every call sets 'ending' (the code) in the job's counters, so
---   a batch in flight that finishes later stamps the job with it; the call that answers the job's
---   last item here sets 'ended_ms' (now) and 'end' (the code) there too.
+-- The end stamp (lib_job_end.lua): every call sets 'ending' (the code) in the job's counters, so a
+--   batch in flight that finishes later stamps the job with it; the call that answers the job's
+--   last item stamps 'ended_ms' (now) and 'end' (the code) itself.
 -- Errors, with nothing written: 'ERR_ARG <field>: ...'; 'NOPERM ...' when the caller's ACL refuses
 --   a command this call may run (lib.lua acl_refused); 'PAUSED ...'.
 -- Invariant: as complete.lua: an item gets its done mark at most once, together with one result
@@ -36,6 +36,7 @@
 --   Every read (the pending batches and their items, the HSCAN page or the lane, the counters)
 --   comes before the first write.
 --@include lib.lua
+--@include lib_job_end.lua
 
 local base, state_key, batches_key, job_key, items_key, results_key, registry_key =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
@@ -63,13 +64,11 @@ if code ~= 'cancelled' and code ~= 'expired' then
 end
 if #message > 1000 then return redis.error_reply('ERR_ARG message: longer than 1000 bytes') end
 
-local intake_key = base .. ':in:' .. job  -- the producer's counters beside the registry (keys.py M:in:J)
 local refused = acl_refused(function(ok)
   return ok('HGET', state_key) and ok('HINCRBY', state_key) and ok('XPENDING', batches_key)
     and ok('XRANGE', batches_key) and ok('LRANGE', base .. ':bat:0') and ok('HSCAN', registry_key)
     and ok('HMGET', items_key) and ok('HSET', items_key) and ok('XADD', results_key) and ok('HINCRBY', job_key) and ok('TIME')
-    and ok('HMGET', job_key) and ok('HSET', job_key) and ok('HMGET', intake_key)
-    and (not lane_key or ok('LRANGE', lane_key))
+    and job_end_ok(ok, base, job) and (not lane_key or ok('LRANGE', lane_key))
 end)
 if refused then return refused end
 refused = paused(state_key)
@@ -153,8 +152,7 @@ for s = 1, #page_ids, 2000 do
   end
 end
 
-local counts = redis.call('HMGET', job_key, 'completed', 'failed')
-local intake = redis.call('HMGET', intake_key, 'submitted', 'declared')
+local ends = job_end_read(base, job)
 
 -- The writes: one result, one done mark and one failed count per item, as complete.lua writes them
 -- (kept in this one block so that a move of the worker-owned keys re-points it in one place).
@@ -177,11 +175,6 @@ if #ids > 0 then
   redis.call('HINCRBY', job_key, 'failed', #ids)
   redis.call('HINCRBY', state_key, 'failed', #ids)
 end
-local submitted, declared = tonumber(intake[1]) or 0, tonumber(intake[2]) or 0
-local answered = (tonumber(counts[1]) or 0) + (tonumber(counts[2]) or 0) + #ids
-if #ids > 0 and submitted > 0 and submitted >= declared and answered >= submitted then
-  redis.call('HSET', job_key, 'ending', code, 'ended_ms', now, 'end', code)
-else
-  redis.call('HSET', job_key, 'ending', code)
-end
+redis.call('HSET', job_key, 'ending', code)
+job_end_stamp(base, job, ends, #ids, now, code)
 return {page[1], #ids, skipped}

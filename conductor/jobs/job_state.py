@@ -12,7 +12,8 @@ when every part has (``status_of``: completed, cancelled or expired). No reader 
 status from the same fields, the moment the last result is written.
 
 Cancel (and expiry, the same with the code ``expired``): the job's waiting items get an error
-result in bounded steps (lua/cancel.lua: one HSCAN page of the job's items per call), in-flight
+result in bounded steps (lua/cancel.lua: one lane per call, so that the answer keeps the item's
+payload and input tokens from its record; then one HSCAN page of the job's items per call), in-flight
 batches finish and keep their results, then the answered items leave the lanes (lua/repair_items.lua
 'done' per lane, lua/repair.lua per shape instance). The job ends ``cancelled`` (``expired``) once
 nothing is pending, with completed + failed = total.
