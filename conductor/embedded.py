@@ -2,18 +2,23 @@
 
 It listens on 127.0.0.1 and a free port, keeps its files in a temporary folder, and is
 stopped (and the folder removed) on exit. ``kill()`` and ``restart()`` exist for tests that
-break things for real.
+break things for real. With ``die_with_parent`` (``conductor run``) the server also gets SIGTERM
+from the kernel when the process that started it dies, however it dies (Linux), so that a
+SIGKILLed run leaves no server behind.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -28,6 +33,28 @@ def free_port() -> int:
         return port
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def tie_to_parent(sig: int = signal.SIGTERM, own_group: bool = True) -> Callable[[], None]:
+    """A ``preexec_fn`` for a child that must not outlive the process starting it: the kernel sends
+    it ``sig`` when this thread of the parent ends, even by SIGKILL (Linux; elsewhere only the
+    group). ``own_group``: the child leads a process group of its own, so a terminal's Ctrl-C
+    reaches only the parent, which then stops its children in order. Call it, and start the child,
+    from the thread that lives as long as the child should (the main thread)."""
+    parent = os.getpid()
+    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+    def setup() -> None:
+        if own_group:
+            os.setpgid(0, 0)
+        if prctl is not None:
+            prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+            if os.getppid() != parent:  # the parent died before the line above: act as the kernel would
+                os.kill(os.getpid(), sig)
+    return setup
+
+
 def find_server() -> str:
     path = os.environ.get("CONDUCTOR_REDIS_SERVER") or shutil.which("redis-server")
     if not path:
@@ -40,7 +67,7 @@ def find_server() -> str:
 class EmbeddedRedis:
     def __init__(self, *, port: int | None = None, appendonly: bool = False, appendfsync: str = "always",
                  extra: list[str] | None = None, dir: str | None = None, cluster: bool = False,
-                 own_all_slots: bool = True) -> None:
+                 own_all_slots: bool = True, die_with_parent: bool = False) -> None:
         self.port = port or free_port()
         # cluster: a Redis Cluster node; with own_all_slots a one-node cluster owning every slot,
         # so that Redis itself refuses a command or script touching keys of two slots
@@ -55,6 +82,7 @@ class EmbeddedRedis:
         self._own_dir = dir is None
         self.dir = Path(dir or tempfile.mkdtemp(prefix="conductor-redis-"))
         self.proc: subprocess.Popen[bytes] | None = None
+        self.die_with_parent = die_with_parent
 
     @property
     def url(self) -> str:
@@ -73,7 +101,8 @@ class EmbeddedRedis:
 
     def start(self, timeout: float = 10.0) -> EmbeddedRedis:
         self.proc = subprocess.Popen(self.args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     preexec_fn=tie_to_parent(own_group=False) if self.die_with_parent else None)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -16,18 +16,27 @@
 -- KEYS[7] registry the job's id registry (keys.py ModelKeys.job_sums): every id submitted
 -- ARGV[1] job      the job name (written into each result)
 -- ARGV[2] model    the model name (written into each result)
--- ARGV[3] cursor   HSCAN cursor ('0' to start)
+-- ARGV[3] cursor   HSCAN cursor ('0' to start), or 'lane:S:E:L': answer this job's waiting items of
+--                  one lane cdr:{model}:lane:S:E:L instead (conductor/jobs/job_state.py walks the lanes
+--                  first, so that those answers carry the item's input tokens and payload, which only
+--                  its record holds; the registry pass then answers the rest, wherever they wait,
+--                  with input_tokens 0 and payload null)
 -- ARGV[4] count    HSCAN COUNT, 1..10000
 -- ARGV[5] code     the results' error code: 'cancelled' or 'expired'
 -- ARGV[6] message  the results' error message, at most 1,000 bytes
--- Returns: {next cursor, items answered now, items skipped because in flight}.
+-- Returns: {next cursor ('0' after a lane), items answered now, items skipped because in flight}.
+-- The end stamp (lib_job_end.lua): every call sets 'ending' (the code) in the job's counters, so a
+--   batch in flight that finishes later stamps the job with it; the call that answers the job's
+--   last item stamps 'ended_ms' (now) and 'end' (the code) itself.
 -- Errors, with nothing written: 'ERR_ARG <field>: ...'; 'NOPERM ...' when the caller's ACL refuses
 --   a command this call may run (lib.lua acl_refused); 'PAUSED ...'.
 -- Invariant: as complete.lua: an item gets its done mark at most once, together with one result
 --   record and one count in the job's and the model's 'failed' counters, so submitted = completed +
 --   failed + pending holds after every call; an item in a pending batch is never answered here.
---   Every read (the pending batches and their items, the HSCAN page) comes before the first write.
+--   Every read (the pending batches and their items, the HSCAN page or the lane, the counters)
+--   comes before the first write.
 --@include lib.lua
+--@include lib_job_end.lua
 
 local base, state_key, batches_key, job_key, items_key, results_key, registry_key =
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
@@ -39,7 +48,14 @@ end
 if not model or #model < 1 or #model > 128 or not string.match(model, '^[%w%._/@+=-]+$') then
   return redis.error_reply('ERR_ARG model: invalid model name')
 end
-if not cursor or #cursor > 20 or not string.match(cursor, '^%d+$') or not u64_ok(cursor) then
+local lane_key = nil
+if cursor and string.sub(cursor, 1, 5) == 'lane:' then
+  local sg, ep, ln = string.match(cursor, '^lane:(%x+):(%d+):(%d+)$')
+  if not sg or #sg ~= 16 or #ep > 15 or #ln > 15 then
+    return redis.error_reply('ERR_ARG cursor: a lane is "lane:S:E:L" (a signature, an epoch and a lane id)')
+  end
+  lane_key = base .. ':lane:' .. sg .. ':' .. ep .. ':' .. ln
+elseif not cursor or #cursor > 20 or not string.match(cursor, '^%d+$') or not u64_ok(cursor) then
   return redis.error_reply('ERR_ARG cursor: must be an HSCAN cursor (a whole number below 2^64)')
 end
 if not int_in(count, 1, 10000) then return redis.error_reply('ERR_ARG count: must be an integer in 1..10000') end
@@ -52,6 +68,7 @@ local refused = acl_refused(function(ok)
   return ok('HGET', state_key) and ok('HINCRBY', state_key) and ok('XPENDING', batches_key)
     and ok('XRANGE', batches_key) and ok('LRANGE', base .. ':bat:0') and ok('HSCAN', registry_key)
     and ok('HMGET', items_key) and ok('HSET', items_key) and ok('XADD', results_key) and ok('HINCRBY', job_key) and ok('TIME')
+    and job_end_ok(ok, base, job) and (not lane_key or ok('LRANGE', lane_key))
 end)
 if refused then return refused end
 refused = paused(state_key)
@@ -87,10 +104,44 @@ for _, p in ipairs(pending) do
   end
 end
 
-local page = redis.call('HSCAN', registry_key, cursor, 'COUNT', count)
+-- The end of the JSON string whose opening quote is at s[i]: the index of its closing quote.
+local function string_end(str, i)
+  local j = i + 1
+  while true do
+    local k = string.find(str, '["\\]', j)
+    if not k then return nil end
+    if string.byte(str, k) == 92 then j = k + 2 else return k end
+  end
+end
+
+-- id, job, input tokens and the payload's JSON text of an item record (keys.py: [id, job,
+-- input_tokens, max_tokens, prompt, payload]); the payload keeps the bytes its producer sent.
+local function record_parts(rec)
+  local id, rjob, tok, at = string.match(rec, '^%["([^"\\]*)","([^"\\]*)",(%d+),%d+,()"')
+  local q = at and string_end(rec, at)
+  local payload = q and string.match(rec, '^,(.*)%]$', q + 1)
+  if payload then return id, rjob, tonumber(tok), payload end
+  local okd, d = pcall(cjson.decode, rec)
+  if not (okd and type(d) == 'table' and type(d[1]) == 'string') then return nil end
+  local oke, p = pcall(cjson.encode, d[6])
+  return d[1], d[2], tonumber(d[3]) or 0, (d[6] ~= nil and oke) and p or 'null'
+end
+
+local page, page_ids, recs = {'0'}, {}, {}
+if lane_key then
+  for _, rec in ipairs(redis.call('LRANGE', lane_key, 0, -1)) do
+    local id, rjob, tok, payload = record_parts(rec)
+    if rjob == job and id and not recs[id] then
+      recs[id] = {tok, payload}
+      page_ids[#page_ids + 1] = id
+    end
+  end
+else
+  page = redis.call('HSCAN', registry_key, cursor, 'COUNT', count)
+  local flat = page[2]
+  for j = 1, #flat, 2 do page_ids[#page_ids + 1] = flat[j] end
+end
 local ids, skipped = {}, 0
-local flat, page_ids = page[2], {}
-for j = 1, #flat, 2 do page_ids[#page_ids + 1] = flat[j] end
 for s = 1, #page_ids, 2000 do
   local marks = redis.call('HMGET', items_key, unpack(page_ids, s, math.min(s + 1999, #page_ids)))
   for j = 1, #marks do
@@ -101,16 +152,19 @@ for s = 1, #page_ids, 2000 do
   end
 end
 
+local ends = job_end_read(base, job)
+
 -- The writes: one result, one done mark and one failed count per item, as complete.lua writes them
 -- (kept in this one block so that a move of the worker-owned keys re-points it in one place).
 local now = now_ms()
 local head = ',"model":' .. json_str(model) .. ',"job":' .. json_str(job) ..
   ',"output":"","output_tokens":0,"error":{"code":' .. json_str(code) .. ',"message":' .. json_str(message) ..
-  '},"shape":"","epoch":0,"lane":0,"batch":"","batch_size":0,"batch_padded_len":0,"input_tokens":0,' ..
-  '"worker":"","claimed_at":0,"finished_at":' .. now .. ',"deliveries":0,"payload":null}'
+  '},"shape":"","epoch":0,"lane":0,"batch":"","batch_size":0,"batch_padded_len":0,"input_tokens":'
+local tail = ',"worker":"","claimed_at":0,"finished_at":' .. now .. ',"deliveries":0,"payload":'
 local marks = {}
 for _, id in ipairs(ids) do
-  redis.call('XADD', results_key, '*', 'id', id, 'r', '{"id":' .. json_str(id) .. head)
+  local rec = recs[id] or {0, 'null'}
+  redis.call('XADD', results_key, '*', 'id', id, 'r', '{"id":' .. json_str(id) .. head .. rec[1] .. tail .. rec[2] .. '}')
   marks[#marks + 1] = id
   marks[#marks + 1] = 'd'
 end
@@ -121,4 +175,6 @@ if #ids > 0 then
   redis.call('HINCRBY', job_key, 'failed', #ids)
   redis.call('HINCRBY', state_key, 'failed', #ids)
 end
+redis.call('HSET', job_key, 'ending', code)
+job_end_stamp(base, job, ends, #ids, now, code)
 return {page[1], #ids, skipped}

@@ -27,9 +27,11 @@
 -- While the model is paused (conductor pause) it refuses with 'PAUSED ...', nothing written.
 -- Request jobs (a name starting 'rq.', conductor/request.py): each newly written result is also
 --   pushed to cdr:{model}:reply:<job>:<id> (a list, expiring after 60 s) for the caller blocked on
---   it; written once with the result, so a re-delivered item answers its caller once.
+--   it; written once with the result, so a re-delivered item answers its caller once. The call that
+--   writes a job's last result stamps its end (lib_job_end.lua); a request job's never ends.
 --@include lib.lua
 --@include lib_batch_members.lua
+--@include lib_job_end.lua
 --@include lib_service.lua
 
 local base, state_key, batches_key = KEYS[1], KEYS[2], KEYS[3]
@@ -37,12 +39,8 @@ local bid, final, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
 if not stream_id_ok(bid) then
   return redis.error_reply('ERR_ARG batch_id: must be a stream id like 1700000000000-0 (two whole numbers below 2^64)')
 end
-if final ~= '0' and final ~= '1' then
-  return redis.error_reply('ERR_ARG final: must be 0 or 1')
-end
-if not int_in(n, 0, 65536) then
-  return redis.error_reply('ERR_ARG n: result count must be an integer in 0..65536')
-end
+if final ~= '0' and final ~= '1' then return redis.error_reply('ERR_ARG final: must be 0 or 1') end
+if not int_in(n, 0, 65536) then return redis.error_reply('ERR_ARG n: result count must be an integer in 0..65536') end
 if #ARGV ~= 3 + 4 * n then
   return redis.error_reply('ERR_ARG argv: expected ' .. (3 + 4 * n) .. ' arguments, got ' .. #ARGV)
 end
@@ -83,7 +81,7 @@ local refused = acl_refused(function(ok)
       seen[job] = true
       local jk = base .. ':job:' .. job
       if not (ok('HMGET', jk .. ':items') and ok('HSET', jk .. ':items') and ok('XADD', jk .. ':results')
-          and ok('HINCRBY', jk) and ok('HGET', base .. ':in:' .. job)) then
+          and ok('HINCRBY', jk) and ok('HGET', base .. ':in:' .. job) and job_end_ok(ok, base, job)) then
         return false
       end
       if is_request(job) and not (ok('LPUSH', base .. ':reply:' .. job .. ':0') and ok('PEXPIRE', base .. ':reply:' .. job .. ':0')) then
@@ -153,20 +151,21 @@ for _, job in ipairs(order) do
     local got = redis.call('HMGET', base .. ':job:' .. job .. ':items', unpack(g.ids, s, math.min(s + 1999, #g.ids)))
     for j = 1, #got do g.state[s + j - 1] = got[j] end
   end
+  if not is_request(job) then g.ends = job_end_read(base, job) end
 end
 
 local served = service_counter(base)  -- lib_service.lua
 local written, done_ok, done_err = 0, 0, 0
 for _, job in ipairs(order) do
   local g, jk = jobs[job], base .. ':job:' .. job
-  local marks, seen, ok_n, err_n = {}, {}, 0, 0
+  local marks, seen, ok_n, err_n, last = {}, {}, 0, 0, nil
   for j, id in ipairs(g.ids) do
     if g.state[j] ~= 'd' and not seen[id] then
       seen[id] = true
       local o = g.at[j]
       marks[#marks + 1] = id
       marks[#marks + 1] = 'd'
-      redis.call('XADD', jk .. ':results', '*', 'id', id, 'r', ARGV[o + 3])
+      last = redis.call('XADD', jk .. ':results', '*', 'id', id, 'r', ARGV[o + 3])
       if is_request(job) then
         local rk = base .. ':reply:' .. job .. ':' .. id
         redis.call('LPUSH', rk, ARGV[o + 3])
@@ -182,6 +181,7 @@ for _, job in ipairs(order) do
   if ok_n > 0 then redis.call('HINCRBY', jk, 'completed', ok_n) end
   if err_n > 0 then redis.call('HINCRBY', jk, 'failed', err_n) end
   if ok_n + err_n > 0 then served(job, g.pin or 0, g.pout or 0) end
+  if last and g.ends then job_end_stamp(base, job, g.ends, ok_n + err_n, string.match(last, '^%d+')) end
   written, done_ok, done_err = written + ok_n + err_n, done_ok + ok_n, done_err + err_n
 end
 if done_ok > 0 then redis.call('HINCRBY', state_key, 'completed', done_ok) end

@@ -32,13 +32,13 @@ def test_missing_package_is_a_clear_error(tmp_path):
 
 
 def test_worker_that_cannot_build_its_engine_exits_with_one_line_and_writes_nothing(redis_url, tmp_path):
-    p = cli("worker", "--engine", "trtllm", "--model", "m", "--model-path", str(tmp_path / "absent"),
+    p = cli("worker", "--engine", "trtllm", "--model", "m", "--create", "--model-path", str(tmp_path / "absent"),
             url=redis_url, check=False, timeout=60)
     err = p.stderr.decode()
     want = "conductor: --model-path" if HAVE_TRTLLM else "conductor: engine trtllm needs TensorRT-LLM"
     assert p.returncode == 2 and err.startswith(want), err
     assert "Traceback" not in err
     assert Conductor.from_url(redis_url).r.hgetall(K.ModelKeys("m").workers) == {}
-    p = cli("worker", "--engine", "torch", "--model", "m", "--model-path", str(tmp_path / "absent"),
+    p = cli("worker", "--engine", "torch", "--model", "m", "--create", "--model-path", str(tmp_path / "absent"),
             url=redis_url, check=False, timeout=60)
     assert p.returncode == 2 and p.stderr.decode().startswith("conductor: --model-path"), p.stderr.decode()

@@ -211,7 +211,8 @@ def test_a_stopped_agent_finishes_or_hands_back_what_it_holds(cdr, redis_url):
 
 def test_agent_errors_are_one_line(redis_url):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    base = [sys.executable, "-m", "conductor", "--redis", redis_url, "--log-level", "warning", "agent", "--model", "m"]
+    base = [sys.executable, "-m", "conductor", "--redis", redis_url, "--log-level", "warning", "agent", "--model", "m",
+            "--create"]
     p = subprocess.run([*base, "--engine", "torch"], env=env, capture_output=True, text=True, timeout=60)
     assert (p.returncode, p.stderr) == (2, "conductor: --model-path: required with --engine torch\n")
     # the engine cannot start in its GPU processes (TensorRT-LLM is not installed here)

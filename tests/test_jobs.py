@@ -39,13 +39,15 @@ def test_jobs_lists_every_job_with_its_counters_and_state(redis_url, cdr, tmp_pa
     listed = json.loads(cli("jobs", "--json", url=redis_url).stdout)
     got = {r["job"]: (r["models"], r["submitted"], r["completed"], r["failed"], r["pending"], r["state"])
            for r in listed}
-    assert got == {"done-job": (["m"], 3, 3, 0, 0, "done"), "failing-job": (["m"], 2, 0, 2, 0, "failed"),
-                   "open-job": (["m", "n"], 5, 0, 0, 5, "running")}
+    # OpenAI's status names, as conductor status and the Batch API show them (issue 29): a job whose
+    # items all failed is completed (failed means its input was refused)
+    assert got == {"done-job": (["m"], 3, 3, 0, 0, "completed"), "failing-job": (["m"], 2, 0, 2, 0, "completed"),
+                   "open-job": (["m", "n"], 5, 0, 0, 5, "in_progress")}
     assert [r["job"] for r in listed] == ["done-job", "failing-job", "open-job"]  # oldest first
     assert all(r["created_ms"] > 0 for r in listed)
     text = cli("jobs", url=redis_url).stdout.decode().splitlines()
     assert text[0].split() == ["job", "created", "models", "submitted", "completed", "failed", "pending", "state"]
-    assert text[3].split()[0] == "open-job" and text[3].split()[-6:] == ["m,n", "5", "0", "0", "5", "running"]
+    assert text[3].split()[0] == "open-job" and text[3].split()[-6:] == ["m,n", "5", "0", "0", "5", "in_progress"]
     assert [r["job"] for r in json.loads(cli("jobs", "--json", "--limit", "1", url=redis_url).stdout)] == \
         ["open-job"]
 

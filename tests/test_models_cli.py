@@ -11,7 +11,8 @@ def test_config_refuses_an_unknown_model_unless_create(redis_url, cdr):
     cdr.submit([item("a", 10, model="demo-7b")], "j")
     for argv in (["config", "demo-7c", "quiet_ms=5"], ["config", "demo-7c"]):
         err = one_line_error(cli(*argv, url=redis_url, check=False))
-        assert "model 'demo-7c' is unknown to this Redis (known: demo-7b); --create makes it" in err
+        assert "model 'demo-7c' is unknown to this Redis; did you mean 'demo-7b'? (known: demo-7b); --create makes it" \
+            in err
     assert cdr.models() == ["demo-7b"] and not cdr.r.exists("cdr:{demo-7c}:cfg")
     out = cli("config", "demo-7c", "--create", "quiet_ms=5", url=redis_url).stdout.decode()
     assert "quiet_ms = 5" in out and cdr.models() == ["demo-7b", "demo-7c"]

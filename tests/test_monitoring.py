@@ -77,6 +77,31 @@ def test_every_metric_the_dashboard_rules_and_keda_name_is_served_live(redis_url
     assert worker_side[("conductor_finished_sequences_total", (("model", "demo-7b"), ("worker", "w1")))] == 200
 
 
+def test_every_series_the_dashboard_and_alerts_name_is_served_from_the_start(redis_url, tmp_path):
+    """Issue 29: the drift panel was blank on a healthy system, conductor_counter_drift appearing only
+    after the first periodic check (60 s). Here, with the default interval, a worker that has not
+    run anything and an exporter serve every named series within seconds of starting."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "CONDUCTOR_VERIFY_INTERVAL_S"}
+    env["CONDUCTOR_REDIS_URL"] = redis_url
+    w = subprocess.Popen([sys.executable, "-m", "conductor", "worker", "--engine", "sim", "--model", "demo-7b",
+                          "--create", "--name", "w1", "--metrics-port", str(port)],
+                         env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        with exporter(redis_url) as eport:
+            deadline = time.monotonic() + 30
+            while True:
+                served = {name for name, _ in scrape(port)} | {name for name, _ in scrape(eport)}
+                missing = sorted(named_metrics() - served)
+                if not missing:
+                    break
+                assert time.monotonic() < deadline, f"not served 30 s after the start: {missing}"
+                time.sleep(0.2)
+    finally:
+        w.send_signal(signal.SIGTERM)
+        assert w.wait(30) == 0
+
+
 def _ports(service: dict) -> set[int]:
     """The ports a service of the compose file listens on, from its command line."""
     cmd = service.get("command", [])

@@ -31,3 +31,53 @@ def test_ci_type_checks_the_package_with_mypy_strict():
                or o.get("ignore_errors")]
     assert not skipped, skipped
     assert any(dep.startswith("mypy==") for dep in cfg["project"]["optional-dependencies"]["test"])
+
+
+def _block_after(heading: str) -> list[str]:
+    """The first indented code block after ``heading`` in README.md, one command per line."""
+    text = (ROOT / "README.md").read_text()
+    lines = text[text.index(heading):].splitlines()[1:]
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("    "))
+    block = []
+    for ln in lines[start:]:
+        if not ln.startswith("    "):
+            break
+        block.append(ln[4:])
+    return block
+
+
+def test_using_it_runs_as_written_after_the_setup_line(redis_url, tmp_path):
+    """Issue 29: "Using it" began with a `conductor` that was not on PATH, a prompts.jsonl that is
+    examples/prompts.jsonl, a Redis nothing started, and redis-cli recipes for fields that moved.
+    The block runs here line by line in bash, from a folder holding the clone's examples; the
+    test's own Redis stands for the one the block starts, and this checkout's .venv for the one
+    the setup line makes."""
+    import subprocess
+    import sys
+
+    block = _block_after("## Using it")
+    assert block[0].startswith("source .venv/bin/activate") and "redis-server" in block[1]
+    script = []
+    for ln in block:
+        if ln.startswith("source .venv/bin/activate"):
+            script.append(f'export PATH="{ROOT / ".venv" / "bin"}:{sys.exec_prefix}/bin:$PATH"')
+        elif "redis-server" in ln:
+            continue
+        else:
+            script.append(ln.replace("redis://127.0.0.1:6379/0", redis_url))
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    p = subprocess.run(["bash", "-euo", "pipefail", "-c", "\n".join(script)], cwd=str(tmp_path),
+                       capture_output=True, timeout=240)
+    assert p.returncode == 0, (p.stdout.decode()[-2000:], p.stderr.decode()[-2000:])
+    assert len((tmp_path / "labels-1.jsonl").read_text().splitlines()) == 1000
+    assert "labels-1" in p.stdout.decode() and "completed" in p.stdout.decode()
+    # the redis-cli recipes read keys that hold what their comments say, after that job
+    recipes = [ln.split("#")[0].split()[1:] for ln in _block_after("## Inspecting with redis-cli")
+               if ln.startswith("redis-cli HGETALL")]
+    assert len(recipes) >= 4
+    for cmd in recipes:
+        got = subprocess.run(["redis-cli", "-u", redis_url, cmd[0], cmd[1].strip("'")], capture_output=True,
+                             timeout=30).stdout.split()
+        assert got, cmd
+        if cmd[1].endswith(":job:labels-1'"):
+            assert b"ended_ms" in got and b"completed" in got

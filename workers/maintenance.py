@@ -52,7 +52,10 @@ class Maintenance:
         if verify_interval_s is None:
             verify_interval_s = float(os.environ.get("CONDUCTOR_VERIFY_INTERVAL_S", "60"))
         self.verify_interval_s = verify_interval_s
-        self._verify_next = time.monotonic() + verify_interval_s
+        # The first check comes with the first lease: the drift series (the dashboard's panel, the
+        # ConductorCounterDrift alert) then exist from the start, with a measured value, instead
+        # of a blank panel until the first interval has passed (after a small job, never).
+        self._verify_next = time.monotonic()
         self.verify_thread: threading.Thread | None = None
         # bound now, so the series exist (at 0) before the first shape finishes: an alert or a
         # dashboard then reads 0, not "no data"

@@ -32,8 +32,10 @@ class Prewarm:
         this worker (a switch, a shape shared with other workers, a lane opened or grown since), and
         the warming instance the claim named."""
         serving = f"{batch.shape}:{batch.epoch}"
-        if serving != self.serving or batch.padded_len not in self.lens.get(serving, ()):
-            self.serving = serving
+        # A switch to the instance warmed last is no news: its lanes were prepared (and logged) then.
+        new = batch.padded_len not in self.lens.get(serving, ())
+        self.serving = serving
+        if new:
             self.prepare(serving)
         if batch.warming and batch.warming not in self.lens:
             self.prepare(batch.warming)

@@ -26,14 +26,22 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def known_model(c: Conductor, model: str, create: bool = False) -> None:
-    """A typo would otherwise register a model for good (cdr:models, its config and group)."""
+def did_you_mean(name: str, known: list[str]) -> str:
+    """``; did you mean 'demo-7b'?`` when a known name is close to ``name``, else ''."""
+    import difflib
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(repr(k) for k in close)}?" if close else ""
+
+
+def known_model(c: Conductor, model: str, create: bool | None = False) -> None:
+    """A typo would otherwise register a model for good (cdr:models, its config and group), or read
+    an empty one and find nothing wrong. ``create`` None: the command cannot make one (a reader)."""
     if create or c.r.sismember(K.MODELS_KEY, model):
         return
     known = c.models()
     shown = ", ".join(known[:10]) + (f" and {len(known) - 10} more" if len(known) > 10 else "")
-    raise ConductorError(f"model {model!r} is unknown to this Redis (known: {shown or 'none'}); "
-                         "--create makes it")
+    raise ConductorError(f"model {model!r} is unknown to this Redis{did_you_mean(model, known)} "
+                         f"(known: {shown or 'none'})" + ("" if create is None else "; --create makes it"))
 
 
 def cmd_pause(args: argparse.Namespace) -> int:
@@ -63,6 +71,11 @@ def cmd_config(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise ConductorError(str(e)) from None
     if values:
+        from conductor.redis_contract.config import check_relations
+        try:
+            check_relations(c.config(args.model), values)
+        except ValueError as e:
+            raise ConductorError(str(e)) from None
         c.set_config(args.model, values)
     # Showing writes nothing (a reader or producer may look): an unset threshold shows its default.
     from conductor.redis_contract.config import DEFAULTS

@@ -32,7 +32,8 @@ from conductor.cli.args import (
 )
 from conductor.cli.connect import DEFAULT_URL
 from conductor.cli.read import cmd_exporter, cmd_inspect, cmd_jobs, cmd_results, cmd_status
-from conductor.cli.submit import add_class_flags, cmd_run, cmd_submit
+from conductor.cli.run import Interrupted, cmd_run
+from conductor.cli.submit import add_class_flags, cmd_submit
 from conductor.cli.workers import cmd_agent, cmd_worker, consumer_flags, engine_flags
 from conductor.errors import ConductorError
 
@@ -48,8 +49,8 @@ def _version() -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="conductor", description=__doc__, formatter_class=DefaultsFormatter,
                epilog="Exit status: 0 done; 1 finished but not clean (items failed or pending, counter drift); "
-                      "2 refused (bad arguments or input, unknown job or model, Redis unreachable); "
-                      "130 interrupted; 141 the reader of the output went away.")
+                      "2 refused (bad arguments or input, unknown job or model, Redis unreachable) or a write "
+                      "failed; 130 interrupted (run: SIGTERM=143, SIGHUP=129); 141 the reader of the output went away.")
     p.add_argument("--version", action="version", version=f"conductor {_version()}")
     p.add_argument("--redis", metavar="URL",
                    help=f"Redis URL; rediss:// for TLS, ?cluster=1 for Redis Cluster "
@@ -67,11 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     def command(name: str, help: str, fn: Callable[[argparse.Namespace], int], **kw: Any) -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help, description=help, formatter_class=DefaultsFormatter, **kw)
         c.set_defaults(fn=fn)
+        global_flags_after(c)
         return c
 
     s = command("submit", "validate and submit a JSONL or Parquet file, print the job id, exit", cmd_submit)
     s.add_argument("file", help="JSON lines or Parquet: native or OpenAI batch format (README: Input lines)")
-    s.add_argument("--job", help="job id (default: the file's name without its extension)")
+    s.add_argument("--job", help="job id (default: the file's name without its extension); a job that exists is "
+                                 "resumed: ids it has are skipped")
     s.add_argument("--skip-invalid", action="store_true", help="submit the valid lines, reject the others")
     s.add_argument("--rejects", metavar="FILE", help="write rejected lines here (JSON lines with line, field, error)")
     s.add_argument("--quiet", action="store_true", help="print only the job id")
@@ -201,7 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine_flags(run, model_required=False)
     run.add_argument("--workers", type=positive_int, default=2, help="worker processes per model")
     run.add_argument("-o", "--output", required=True, metavar="FILE", help="where the results go (JSON lines)")
-    run.add_argument("--job", help="job id (default: the file's name without its extension)")
+    run.add_argument("--job", help="job id (default: the file's name without its extension; when this Redis has "
+                                   "that job, the first free NAME-2, NAME-3, ...)")
+    run.add_argument("--resume", action="store_true",
+                     help="continue the job (--job, or the file's name) where it stopped; refused when the job ran "
+                          "with other engine or contract options")
     run.add_argument("--quiet-ms", type=non_negative_int,
                      help="intake silence before cleanup mode (model config quiet_ms; default: the model's)")
     run.add_argument("--skip-invalid", action="store_true", help="submit the valid lines, reject the others")
@@ -209,6 +216,19 @@ def build_parser() -> argparse.ArgumentParser:
                                                        "error)")
     add_class_flags(run)
     return p
+
+
+def global_flags_after(c: argparse.ArgumentParser) -> None:
+    """The global options are taken after the command too (``conductor run F --redis URL``, as
+    the commands' own messages suggest): SUPPRESS leaves the value given before the command, or
+    the global default, in place unless the option is given here."""
+    g = c.add_argument_group("global options (also before the command)")
+    g.add_argument("--redis", metavar="URL", default=argparse.SUPPRESS, help="Redis URL (as before the command)")
+    g.add_argument("--store", metavar="URL", default=argparse.SUPPRESS, help="disk tier store (as before the command)")
+    g.add_argument("--wait-replicas", type=non_negative_int, metavar="N", default=argparse.SUPPRESS,
+                   help="replicas to wait for (as before the command)")
+    g.add_argument("--log-level", type=log_level, metavar="LEVEL", default=argparse.SUPPRESS,
+                   help=f"one of {', '.join(LOG_LEVELS)} (as before the command)")
 
 
 class _RawEpilogFormatter(DefaultsFormatter):
@@ -241,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
         if e.filename is None:
             raise
         return _fail(f"{e.strerror}: {e.filename}")
+    except Interrupted as e:
+        return 128 + e.signum
     except KeyboardInterrupt:
         return 130
     except _redis_error() as e:

@@ -14,6 +14,10 @@ from typing import IO, Any
 
 PLAIN_EVERY_S = 5.0
 _WINDOW_S = 10.0  # the rate is measured over this much recent time: a stall shows as a falling rate
+# An ETA needs this much measured progress: one early item after a slow start (workers loading)
+# would otherwise promise a day ("ETA 27:39:58") for a job of minutes.
+_ETA_MIN_S = 1.0
+_ETA_MIN_DONE = 2
 
 
 def plain_every_s() -> float:
@@ -35,8 +39,14 @@ class Rate:
 
     def __init__(self) -> None:
         self._samples: deque[tuple[float, int]] = deque()
+        self._moved = False
 
     def add(self, done: int, now: float) -> None:
+        # Time before the first progress (workers starting, a queue ahead) is no measure of the
+        # pace: the window starts when something first moved.
+        if not self._moved and self._samples:
+            self._moved = done != self._samples[0][1]
+            self._samples.clear()
         self._samples.append((now, done))
         while len(self._samples) > 2 and now - self._samples[1][0] >= _WINDOW_S:
             self._samples.popleft()
@@ -48,9 +58,14 @@ class Rate:
         return (d1 - d0) / (t1 - t0) if t1 > t0 else None
 
     def eta_s(self, done: int, total: int) -> float | None:
-        rate = self.per_s()
         if done >= total:
             return 0.0
+        if len(self._samples) < 2:
+            return None
+        (t0, d0), (t1, d1) = self._samples[0], self._samples[-1]
+        if t1 - t0 < _ETA_MIN_S or d1 - d0 < _ETA_MIN_DONE:
+            return None
+        rate = self.per_s()
         return (total - done) / rate if rate else None
 
 

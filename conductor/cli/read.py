@@ -7,10 +7,13 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from conductor.cli.connect import conductor_from, url_from
+from conductor.cli.output import Output, refuse_overwrite
 from conductor.errors import ConductorError
+from conductor.redis_contract.connection import as_str
 
 if TYPE_CHECKING:
     from conductor.client import Conductor
@@ -21,7 +24,11 @@ def known_job(c: Conductor, job: str) -> list[str]:
     follow forever)."""
     models = c.job_models(job)
     if not models:
-        raise ConductorError(f"job {job!r} is unknown to this Redis (conductor jobs lists the jobs)")
+        from conductor.cli.admin import did_you_mean
+        from conductor.redis_contract import keys as K
+        recent = [as_str(j) for j in c.r.zrevrange(K.JOBS_KEY, 0, 999)]
+        raise ConductorError(f"job {job!r} is unknown to this Redis{did_you_mean(job, recent)} "
+                             "(conductor jobs lists them)")
     return models
 
 
@@ -50,27 +57,36 @@ def cmd_results(args: argparse.Namespace) -> int:
 
     if args.errors and args.format != "openai":
         raise ConductorError("--errors goes with --format openai")
-    out = open(args.output, "wb") if args.output else sys.stdout.buffer
+    refuse_overwrite([], {"-o": args.output, "--errors": args.errors})
+    out = Output(args.output)
+    errors = Output(args.errors) if args.errors else None
     try:
-        records = c.results(args.job, follow=args.follow, should_stop=waiting, on_rewind=rewound)
-        if args.format == "openai":
-            from conductor.jobs.openai_output import write_openai
-            with open(args.errors, "wb") if args.errors else _no_file() as errors:
-                write_openai(records, out, errors)
-            return 1 if rewinds else 0
-        for rec in records:
-            out.write(rec + b"\n")
-            if args.follow:
-                out.flush()
-    finally:
-        if args.output:
-            out.close()
+        _write(c.results(args.job, follow=args.follow, should_stop=waiting, on_rewind=rewound), args, out, errors)
+    except BaseException:
+        out.discard()  # an interrupted read leaves an earlier file as it was, never a truncated one
+        if errors is not None:
+            errors.discard()
+        raise
+    out.commit()
+    if errors is not None:
+        errors.commit()
+    if not args.follow:
+        st = c.status(args.job)
+        if st["pending"]:
+            print(f"conductor: job {args.job} is still running: {st['pending']} of {st['submitted']} items have "
+                  "no result yet (--follow waits for them)", file=sys.stderr)
     return 1 if rewinds else 0
 
 
-def _no_file() -> Any:
-    import contextlib
-    return contextlib.nullcontext(None)
+def _write(records: Iterator[bytes], args: argparse.Namespace, out: Output, errors: Output | None) -> None:
+    if args.format == "openai":
+        from conductor.jobs.openai_output import write_openai
+        write_openai(records, out, errors)
+        return
+    for rec in records:
+        out.write(rec + b"\n")
+        if args.follow:
+            out.flush()
 
 
 def _status_line(st: dict[str, Any]) -> str:
@@ -154,6 +170,9 @@ def cmd_exporter(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from conductor.observability.model_view import model_overview, render
     c = conductor_from(args)
+    if args.model:
+        from conductor.cli.admin import known_model
+        known_model(c, args.model, create=None)
     models = [args.model] if args.model else c.models()
     if args.verify or args.repair:
         from conductor.verify import cli_verify

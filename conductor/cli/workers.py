@@ -35,6 +35,9 @@ def consumer_flags(p: argparse.ArgumentParser, whose: str) -> None:
     p.add_argument("--idle-exit", type=non_negative_float,
                    help="exit after this many seconds with nothing to do (default: never)")
     p.add_argument("--max-batches", type=positive_int, help="exit after claiming this many batches (default: no limit)")
+    p.add_argument("--create", action="store_true",
+                   help="serve the model even if Redis does not know it yet (a fleet started before its first "
+                        "submit); without it an unknown model (a typo) is refused")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -71,6 +74,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     except LatchConfigError as e:
         raise ConductorError(str(e)) from None
     stop_cleanly_until_ready()
+    from conductor.cli.admin import known_model
+    c = conductor_from(args)
+    known_model(c, args.model, args.create)  # before the engine loads: a typo costs no minutes
     engine = build_engine(args)
     if args.metrics_port:
         from prometheus_client import start_http_server
@@ -79,7 +85,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                          pending_ceiling=args.pending_ceiling, drain_s=args.drain_s,
                          heartbeat_ttl_s=args.heartbeat_ttl, idle_exit_s=args.idle_exit,
                          max_batches=args.max_batches)
-    w = Worker(conductor_from(args), engine, opts)
+    w = Worker(c, engine, opts)
     w.install_signals()
     w.run()
     return 0
@@ -92,7 +98,8 @@ def cmd_agent(args: argparse.Namespace) -> int:
         raise ConductorError(f"--model-path: required with --engine {args.engine}")
     stop_cleanly_until_ready()
     c = conductor_from(args)
-    c.r.ping()  # an unreachable Redis is refused before GPU processes load their engines
+    from conductor.cli.admin import known_model
+    known_model(c, args.model, args.create)  # also refuses an unreachable Redis before engines load
     opts = WorkerOptions(name=args.name or "", drain_s=args.drain_s, heartbeat_ttl_s=args.heartbeat_ttl,
                          idle_exit_s=args.idle_exit, max_batches=args.max_batches)
     agent = HostAgent(c, {"kind": args.engine, **engine_kwargs(args)}, args.gpus, opts, depth=args.depth,

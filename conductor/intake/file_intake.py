@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from conductor.client import Conductor
 from conductor.errors import ConductorError, DuplicateId
 from conductor.intake.formats import MaxTokensDefault
-from conductor.intake.input_files import FileScan, scan
+from conductor.intake.input_files import FileScan, Writer, scan
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.records import JobClass, PreparedItem
 
@@ -41,7 +41,7 @@ class FileSubmit:
     duplicates: int = 0
 
 
-def check_file(path: str, *, skip_invalid: bool, rejects: str | None,
+def check_file(path: str, *, skip_invalid: bool, rejects: str | Writer | None,
                default_max_tokens: MaxTokensDefault | None = None) -> FileScan:
     """Step 1; prints the first refusals on stderr and raises unless ``skip_invalid``.
     ``default_max_tokens(model)``: the output cap of an OpenAI line without one (each pass the same)."""

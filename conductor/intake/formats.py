@@ -12,6 +12,13 @@ Two formats are accepted, detected per line:
   prefix). The payload of such an item is ``{"custom_id"}`` (plus ``"url"`` for a completion), which
   the OpenAI output format (conductor/jobs/openai_output.py) reads back.
 
+Request options of an OpenAI line (``temperature``, ``top_p``, ``stop``, ``seed``,
+``response_format`` of type text) travel with the item in its payload, under ``"options"``, to the
+engine, which honours what it can (``request_options``; README: "Request options"). An option no
+engine here can honour (``n`` > 1, ``logprobs``, tools, a JSON ``response_format``, a penalty) is
+refused with its field named; a field this module does not know is refused too, so that nothing a
+caller asked for is silently dropped.
+
 When ``input_tokens`` is absent it is estimated as ``ceil(utf8_bytes(prefix + prompt) / 4)``
 (at least 1), a common rule of thumb for English BPE vocabularies; producers that know their
 tokenizer should send the real count.
@@ -48,11 +55,26 @@ def estimate_tokens(prefix: list[str] | tuple[str, ...], prompt: str) -> int:
     return max(1, math.ceil(n / 4))
 
 
+_JSON_KINDS = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "a list",
+               dict: "an object", type(None): "null"}
+
+
+def kind(v: Any) -> str:
+    """A value's JSON kind, as the line's author wrote it ("a string", "null"), not Python's type."""
+    return _JSON_KINDS.get(type(v), type(v).__name__)
+
+
+def _missing(obj: dict[str, Any], field: str, name: str, line: int | None) -> None:
+    if field not in obj:
+        raise BadInput(name, "missing", line)
+
+
 def _int(obj: dict[str, Any], field: str, lo: int, hi: int, line: int | None, name: str | None = None) -> int:
     v = obj.get(field)
     name = name or field
+    _missing(obj, field, name, line)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise BadInput(name, f"must be an integer, got {type(v).__name__}", line)
+        raise BadInput(name, f"must be an integer, got {kind(v)}", line)
     if v < lo or v > hi:
         raise BadInput(name, f"must be between {lo} and {hi}, got {v}", line)
     return v
@@ -61,8 +83,9 @@ def _int(obj: dict[str, Any], field: str, lo: int, hi: int, line: int | None, na
 def _str(obj: dict[str, Any], field: str, line: int | None, name: str | None = None, allow_empty: bool = True) -> str:
     v = obj.get(field)
     name = name or field
+    _missing(obj, field, name, line)
     if not isinstance(v, str):
-        raise BadInput(name, f"must be a string, got {type(v).__name__}", line)
+        raise BadInput(name, f"must be a string, got {kind(v)}", line)
     if not allow_empty and not v:
         raise BadInput(name, "must not be empty", line)
     return v
@@ -103,12 +126,12 @@ def from_native(obj: dict[str, Any], line: int | None = None) -> PreparedItem:
     model = _check_model(_str(obj, "model", line), line)
     prefix = obj.get("prefix", [])
     if not isinstance(prefix, list):
-        raise BadInput("prefix", f"must be a list of strings, got {type(prefix).__name__}", line)
+        raise BadInput("prefix", f"must be a list of strings, got {kind(prefix)}", line)
     if len(prefix) > MAX_PREFIX_PARTS:
         raise BadInput("prefix", f"more than {MAX_PREFIX_PARTS} components", line)
     for i, p in enumerate(prefix):
         if not isinstance(p, str):
-            raise BadInput(f"prefix[{i}]", f"must be a string, got {type(p).__name__}", line)
+            raise BadInput(f"prefix[{i}]", f"must be a string, got {kind(p)}", line)
     prompt = _str(obj, "prompt", line)
     tokens = None
     if obj.get("input_tokens") is not None:
@@ -132,7 +155,7 @@ def _content(v: Any, line: int | None, name: str) -> str:
     if isinstance(v, str):
         return v
     if not isinstance(v, list) or not v:
-        raise BadInput(name, f"must be a string or a non-empty list of text parts, got {type(v).__name__}", line)
+        raise BadInput(name, f"must be a string or a non-empty list of text parts, got {kind(v)}", line)
     texts = []
     for i, part in enumerate(v):
         if not isinstance(part, dict) or part.get("type") != "text":
@@ -167,17 +190,109 @@ def from_openai(obj: dict[str, Any], line: int | None = None,
     if not isinstance(body, dict):
         raise BadInput("body", "must be an object", line)
     model = _check_model(_str(body, "model", line, "body.model"), line, "body.model")
-    if body.get("n", 1) != 1:
-        raise BadInput("body.n", "only n=1 is served", line)
-    if body.get("stream"):
-        raise BadInput("body.stream", "a batch line does not stream", line)
+    options = request_options_of(body, line)
     prefix, prompt = _completion_prompt(body, line) if url == COMPLETIONS_URL else _chat_prompt(body, line)
     max_tokens = _max_tokens(body, model, line, default_max_tokens)
-    # The payload travels with the item to its result: what the OpenAI output format needs.
+    # The payload travels with the item to its result: what the OpenAI output format needs, and
+    # the request options for the engine (stored with the item, so a rerun samples the same way).
     payload: dict[str, Any] = {"custom_id": id_}
     if url == COMPLETIONS_URL:
         payload["url"] = url
+    if options:
+        payload["options"] = options
     return _prepare(id_, model, prefix, prompt, None, max_tokens, payload, line)
+
+
+# The body fields of a request line: what makes the item, the options carried to the engine, and
+# those accepted only at the value that asks for nothing (OpenAI's clients send some by default).
+_BODY_ITEM = frozenset({"model", "messages", "prompt", "max_tokens", "max_completion_tokens"})
+CARRIED_OPTIONS = ("temperature", "top_p", "stop", "seed", "response_format")
+_NEUTRAL: dict[str, Any] = {"n": 1, "stream": False, "frequency_penalty": 0, "presence_penalty": 0,
+                             "logit_bias": {}, "logprobs": False, "top_logprobs": 0, "tools": [], "functions": [],
+                             "tool_choice": "none", "parallel_tool_calls": None, "stream_options": None}
+_WHY_NOT = {"n": "only n=1 is served", "stream": "a batch line does not stream"}
+_NO_EFFECT = frozenset({"user", "metadata", "store"})  # identify the request; no engine's answer depends on them
+MAX_STOP = 4
+_SEED_RANGE = (-(2 ** 63), 2 ** 63 - 1)
+
+
+def request_options_of(body: dict[str, Any], line: int | None = None) -> dict[str, Any]:
+    """The options of a request body an engine is to honour, checked; a field no engine here honours
+    is refused with its name (``body.logprobs``), never dropped. Null is an absent field."""
+    out: dict[str, Any] = {}
+    for name, v in body.items():
+        field = f"body.{name}"
+        if v is None or name in _BODY_ITEM or name in _NO_EFFECT:
+            continue
+        if name in _NEUTRAL:
+            # parallel_tool_calls means nothing without tools
+            if name != "parallel_tool_calls" and not _same(v, _NEUTRAL[name]):
+                raise BadInput(field, _WHY_NOT.get(name, f"not served: no engine here honours {name} "
+                                                         "(README: Request options)"), line)
+            continue
+        check = _OPTION_CHECKS.get(name)
+        if check is None:
+            served = ", ".join(sorted(_BODY_ITEM | set(CARRIED_OPTIONS) | _NO_EFFECT))
+            raise BadInput(field, f"not served (body fields: {served}; README: Request options)", line)
+        value = check(v, field, line)
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def _temperature(v: Any, field: str, line: int | None) -> float:
+    return _number(v, 0.0, 2.0, field, line)
+
+
+def _top_p(v: Any, field: str, line: int | None) -> float:
+    p = _number(v, 0.0, 1.0, field, line)
+    if p == 0:
+        raise BadInput(field, "must be above 0", line)
+    return p
+
+
+def _seed(v: Any, field: str, line: int | None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not _SEED_RANGE[0] <= v <= _SEED_RANGE[1]:
+        raise BadInput(field, f"must be a 64-bit integer, got {kind(v)}", line)
+    return v
+
+
+def _stop(v: Any, field: str, line: int | None) -> list[str] | None:
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(x, str) and x for x in stops):
+        raise BadInput(field, f"must be a non-empty string or a list of at most {MAX_STOP} of them", line)
+    return stops or None
+
+
+def _response_format(v: Any, field: str, line: int | None) -> None:
+    """{"type": "text"} is what every engine gives (nothing to carry); JSON output is refused."""
+    if not isinstance(v, dict) or v.get("type") != "text" or set(v) != {"type"}:
+        raise BadInput(field, 'only {"type": "text"} is served: no engine here constrains its output to JSON', line)
+
+
+_OPTION_CHECKS: dict[str, Callable[[Any, str, int | None], Any]] = {
+    "temperature": _temperature, "top_p": _top_p, "seed": _seed, "stop": _stop, "response_format": _response_format}
+
+
+def _same(v: Any, neutral: Any) -> bool:
+    """``v`` asks for what ``neutral`` does (True is not 1 here, nor 0.0 False)."""
+    return v == neutral and (type(v) is bool) == (type(neutral) is bool)
+
+
+def _number(v: Any, lo: float, hi: float, field: str, line: int | None) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not lo <= v <= hi:
+        raise BadInput(field, f"must be a number from {lo:g} to {hi:g}, got {v!r}", line)
+    return float(v)
+
+
+def request_options(payload: Any) -> dict[str, Any]:
+    """The request options an item carries (in its payload, as ``from_openai`` stores them); {} for
+    an item without (a native line)."""
+    if isinstance(payload, dict) and "custom_id" in payload:
+        opts = payload.get("options")
+        if isinstance(opts, dict):
+            return opts
+    return {}
 
 
 def _completion_prompt(body: dict[str, Any], line: int | None) -> tuple[list[str], str]:
@@ -188,7 +303,7 @@ def _completion_prompt(body: dict[str, Any], line: int | None) -> tuple[list[str
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]  # OpenAI accepts a one-string list
     if not isinstance(prompt, str):
-        raise BadInput("body.prompt", f"must be a string, got {type(prompt).__name__}", line)
+        raise BadInput("body.prompt", f"must be a string, got {kind(prompt)}", line)
     return [], prompt
 
 
@@ -210,12 +325,17 @@ def _chat_prompt(body: dict[str, Any], line: int | None) -> tuple[list[str], str
     return [f"{r}: {c}" for r, c in parts[:-1]], parts[-1][1]
 
 
+_BOM = b"\xef\xbb\xbf"
+
+
 def parse_line(raw: bytes | str, line: int | None = None,
                default_max_tokens: MaxTokensDefault | None = None) -> PreparedItem:
     """One input line as an item. ``default_max_tokens(model)`` gives the output cap of an OpenAI line
     without one (the model's ``default_max_tokens`` setting; DEFAULT_MAX_TOKENS when None)."""
     if isinstance(raw, str):
         raw = raw.encode("utf-8")
+    if raw.startswith(_BOM) and line in (None, 1):
+        raw = raw[len(_BOM):]  # a file saved "with BOM" (Windows editors, Excel's UTF-8 CSV export)
     if len(raw) > MAX_LINE_BYTES:
         raise BadInput("line", f"longer than {MAX_LINE_BYTES} bytes", line)
     try:
@@ -227,7 +347,7 @@ def parse_line(raw: bytes | str, line: int | None = None,
     except msgspec.DecodeError as e:
         raise BadInput("line", f"not valid JSON ({e})", line) from None
     if not isinstance(obj, dict):
-        raise BadInput("line", f"must be a JSON object, got {type(obj).__name__}", line)
+        raise BadInput("line", f"must be a JSON object, got {kind(obj)}", line)
     if "custom_id" in obj:
         return from_openai(obj, line, default_max_tokens)
     if "id" in obj:

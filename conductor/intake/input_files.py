@@ -18,7 +18,7 @@ import json
 from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -111,6 +111,13 @@ def _iter_parquet(path: str, default_max_tokens: MaxTokensDefault | None,
                 yield n, e, _raw_row(row)
 
 
+class Writer(Protocol):
+    """Where refused lines go when the caller opens the file itself (the CLI writes it under a
+    temporary name and names the path in a write error: conductor/cli/output.py)."""
+
+    def write(self, data: bytes, /) -> Any: ...
+
+
 # A check of one valid item beyond its format (the Batch API's: an OpenAI request for its endpoint),
 # given the line number: raises BadInput to refuse the line.
 LineCheck = Callable[[int, PreparedItem], None]
@@ -145,7 +152,7 @@ class FileScan:
 SHOWN_ERRORS = 20
 
 
-def scan(path: str, *, rejects: str | None = None, progress: Callable[[int], None] | None = None,  # noqa: C901 - one pass, its refusals recorded as found
+def scan(path: str, *, rejects: str | Writer | None = None, progress: Callable[[int], None] | None = None,  # noqa: C901 - one pass, its refusals recorded as found
          default_max_tokens: MaxTokensDefault | None = None, check: LineCheck | None = None,
          id_field: str = "id", shown: int = SHOWN_ERRORS, parquet: bool = True) -> FileScan:
     """Validate every line (and ``check`` each valid item), count the valid items per model, and
@@ -154,7 +161,8 @@ def scan(path: str, *, rejects: str | None = None, progress: Callable[[int], Non
     kept in ``refusals``."""
     out = FileScan(path, default_max_tokens=default_max_tokens, parquet=parquet)
     digests = array("Q")
-    rej = open(rejects, "wb") if rejects else None  # noqa: SIM115 - closed below, written as found
+    opened = open(rejects, "wb") if isinstance(rejects, str) else None  # noqa: SIM115 - closed below
+    rej: Writer | None = opened if opened is not None else rejects if not isinstance(rejects, str) else None
     try:
         def refuse(n: int, e: BadInput, raw: bytes) -> None:
             out.refused.add(n)
@@ -197,8 +205,8 @@ def scan(path: str, *, rejects: str | None = None, progress: Callable[[int], Non
                     out.counts[it.model] -= 1
                     out.tokens -= it.input_tokens
     finally:
-        if rej:
-            rej.close()
+        if opened is not None:
+            opened.close()
     out.counts = {m: c for m, c in out.counts.items() if c > 0}
     return out
 

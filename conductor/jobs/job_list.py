@@ -1,4 +1,6 @@
-"""The job list (``conductor jobs``): every job Redis knows, with its counters over its models."""
+"""The job list (``conductor jobs``): every job Redis knows, with its counters over its models and
+its status, the same one ``conductor status``, the Batch API and the status page show
+(``job_state.status_of``)."""
 
 from __future__ import annotations
 
@@ -20,19 +22,22 @@ class JobRow:
     completed: int = 0
     failed: int = 0
     pending: int = 0
+    lost: int = 0
+    meta_status: str | None = field(default=None, repr=False)
+    ending: str | None = field(default=None, repr=False)
+    ends: list[str] = field(default_factory=list, repr=False)
 
     @property
     def state(self) -> str:
-        """running: items wait or run; done: every item has a result, none failed; failed: every
-        item has a result, some are errors; empty: nothing was ever accepted."""
-        if self.pending > 0:
-            return "running"
-        if self.submitted == 0:
-            return "empty"
-        return "failed" if self.failed else "done"
+        """OpenAI's status names, as ``job_state.status_of`` derives them."""
+        from conductor.jobs.job_state import status_of
+        return status_of(self.meta_status, self.ending, self.submitted, self.pending, self.lost, self.ends)
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "state": self.state}
+        row = asdict(self)
+        for k in ("meta_status", "ending", "ends", "lost"):
+            del row[k]
+        return {**row, "state": self.state}
 
 
 def list_jobs(c: Conductor, limit: int | None = None) -> list[JobRow]:
@@ -43,21 +48,27 @@ def list_jobs(c: Conductor, limit: int | None = None) -> list[JobRow]:
     pipe = c.r.pipeline(transaction=False)
     for row in rows:
         pipe.smembers(K.job_models_key(row.job))
-    for row, models in zip(rows, pipe.execute(), strict=True):
-        row.models = sorted(as_str(m) for m in models)
+        pipe.hmget(K.job_meta_key(row.job), "status", "ending")
+    got = iter(pipe.execute())
+    for row in rows:
+        row.models = sorted(as_str(m) for m in next(got))
+        row.meta_status, row.ending = (as_str(v) if v is not None else None for v in next(got))
     pipe = c.r.pipeline(transaction=False)
     for row in rows:
         for m in row.models:
-            pipe.hget(K.ModelKeys(m).job_intake(row.job), "submitted")
-            pipe.hmget(K.ModelKeys(m).job(row.job), "completed", "failed")
+            pipe.hmget(K.ModelKeys(m).job_intake(row.job), "submitted", "declared")
+            pipe.hmget(K.ModelKeys(m).job(row.job), "completed", "failed", "end")
     counts = iter(pipe.execute())
     for row in rows:
         for _ in row.models:
-            sub = int(next(counts) or 0)
-            done, failed = (int(v or 0) for v in next(counts))
+            sub, declared = (int(v or 0) for v in next(counts))
+            done, failed, end = next(counts)
             row.submitted += sub
-            row.completed += done
-            row.failed += failed
+            row.lost += max(0, declared - sub)
+            row.completed += int(done or 0)
+            row.failed += int(failed or 0)
+            if end is not None:
+                row.ends.append(as_str(end))
         row.pending = row.submitted - row.completed - row.failed
     return rows
 

@@ -4,12 +4,16 @@ The lifecycle lives in one global hash per job (``cdr:job:J:meta``, keys.py), ne
 models; the request counts are the job's counters over its models (``Conductor.status``), never a
 copy. Statuses are OpenAI's: ``validating`` (a serve batch whose file is being read), ``in_progress``,
 ``finalizing``, ``completed``, ``failed`` (the input was refused), ``expired``, ``cancelling``,
-``cancelled``. Moves that follow from the counters (in progress -> finalizing -> completed, cancelling
--> cancelled, an expiring job -> expired) are made by whoever reads the job (``describe``): the CLI,
-any ``conductor serve`` replica; each move is an HSETNX of its timestamp, so readers racing agree.
+``cancelled``. One truth about a job's end: whoever gives the last item of a job's part on a model
+its result (complete.lua in a worker, cancel.lua in a canceller) stamps that part's end time and
+how it ended (``ended_ms``, ``end`` in the model's job counters ``cdr:{M}:job:J``); a job has ended
+when every part has (``status_of``: completed, cancelled or expired). No reader writes a state:
+``conductor jobs``, ``conductor status``, the Batch API and the status page all derive the same
+status from the same fields, the moment the last result is written.
 
 Cancel (and expiry, the same with the code ``expired``): the job's waiting items get an error
-result in bounded steps (lua/cancel.lua: one HSCAN page of the job's items per call), in-flight
+result in bounded steps (lua/cancel.lua: one lane per call, so that the answer keeps the item's
+payload and input tokens from its record; then one HSCAN page of the job's items per call), in-flight
 batches finish and keep their results, then the answered items leave the lanes (lua/repair_items.lua
 'done' per lane, lua/repair.lua per shape instance). The job ends ``cancelled`` (``expired``) once
 nothing is pending, with completed + failed = total.
@@ -102,12 +106,53 @@ def set_status(r: redis.Redis, job: str, status: str, **fields: Any) -> None:
     pipe.execute()
 
 
+def status_of(meta_status: str | None, ending: str | None, submitted: int, pending: int, lost: int,
+              ends: list[str]) -> str:
+    """A job's one status: ``failed`` (its input was refused) as recorded; ended when every item has
+    its result (how: the parts' end stamps ``ends``, or the cancel or expiry under way); else what
+    the lifecycle recorded, ``cancelling`` while a cancel is answering its items."""
+    if meta_status in TERMINAL:
+        return meta_status  # failed at validation (or a stamp of an older version)
+    if submitted > 0 and pending <= 0 and lost <= 0:
+        for how in ("cancelled", "expired"):
+            if how in ends or ending == how:
+                return how
+        return "completed"
+    if ending == "cancelled":
+        return "cancelling"
+    return meta_status or "in_progress"
+
+
+def _ends(c: Conductor, job: str, models: list[str]) -> tuple[list[str], int | None]:
+    """Each part's end stamp (complete.lua, cancel.lua) and the job's end time in ms: the latest
+    stamp, or, for a part that ended without one (its last item dead-lettered), the time of its
+    last result (its stream id); None while a part is running."""
+    pipe = c.r.pipeline(transaction=False)
+    for m in models:
+        pipe.hmget(K.ModelKeys(m).job(job), "ended_ms", "end")
+    ends, times, unstamped = [], [], []
+    for m, (ms, how) in zip(models, pipe.execute() if models else [], strict=True):
+        if ms is None:
+            unstamped.append(m)
+        else:
+            times.append(int(ms))
+            ends.append(as_str(how, absent="completed"))
+    for m in unstamped:
+        last = c.r.xrevrange(K.ModelKeys(m).job_results(job), "+", "-", count=1)
+        if not last:
+            return ends, None
+        times.append(int(as_str(last[0][0]).split("-")[0]))
+    return ends, max(times) if times else None
+
+
 def describe(c: Conductor, job: str, *, advance: bool = True, now: float | None = None) -> dict[str, Any]:
-    """The job's lifecycle with its request counts; with ``advance`` the moves its counters call for
-    are made first (and an expired window is acted on)."""
+    """The job's lifecycle with its request counts; with ``advance`` an expired window is acted on
+    (and a cancel's items put back meanwhile answered): the expiry owner's moves, never a state."""
     meta = {as_str(k): as_str(v) for k, v in c.r.hgetall(K.job_meta_key(job)).items()}
     st = c.status(job)
-    status = meta.get("status") or ("in_progress" if st["pending"] or not st["submitted"] else "completed")
+    models = sorted(st["models"])
+    ends, ended_ms = _ends(c, job, models)
+    status = status_of(meta.get("status"), meta.get("ending"), st["submitted"], st["pending"], st["lost"], ends)
     if advance and status not in TERMINAL and status != "validating":
         now = now or time.time()
         ending = meta.get("ending")
@@ -115,18 +160,14 @@ def describe(c: Conductor, job: str, *, advance: bool = True, now: float | None 
         if not ending and expires and now >= expires and meta:
             end(c, job, "expired")
             return describe(c, job, advance=False)
-        if st["pending"] == 0 and st["submitted"] > 0:
-            if ending:
-                set_status(c.r, job, ending)
-            else:
-                set_status(c.r, job, "finalizing")
-                set_status(c.r, job, "completed")
-            return describe(c, job, advance=False)
         if ending and now - float(meta.get("swept_at") or 0) >= RESWEEP_S:
             _sweep(c, job, ending)
             return describe(c, job, advance=False)
-    if status in ("in_progress", "finalizing", "cancelling") and st["pending"] == 0 and st["submitted"] > 0:
-        status = meta.get("ending") or "completed"  # what a reader that may not write reports
+    if advance and status in TERMINAL and meta.get("expires_at"):
+        c.r.zrem(K.JOB_DEADLINES_KEY, job)  # nothing left to expire
+    if status in TERMINAL and status != "failed" and ended_ms is not None:
+        for stamp in ("finalizing_at", f"{status}_at"):
+            meta.setdefault(stamp, str(ended_ms // 1000))
     out: dict[str, Any] = {"job": job, "status": status,
                            "request_counts": {"total": st["submitted"], "completed": st["completed"],
                                               "failed": st["failed"]},
@@ -138,6 +179,8 @@ def describe(c: Conductor, job: str, *, advance: bool = True, now: float | None 
     for k in ("input_file_id", "endpoint", "errors", "ending"):
         if meta.get(k):
             out[k] = meta[k]
+    if status in TERMINAL and ended_ms is not None:
+        out["ended_ms"] = ended_ms
     return out
 
 
@@ -195,13 +238,20 @@ def expire_due_leased(c: Conductor, owner: str, lease_ms: int = EXPIRY_LEASE_MS)
 
 
 def _sweep(c: Conductor, job: str, how: str) -> int:
-    """Every waiting item of the job answered (bounded steps), then withdrawn from the lanes."""
+    """Every waiting item of the job answered (bounded steps), then withdrawn from the lanes. The
+    lanes first, one per cancel.lua call: an answer made there keeps the item's input tokens and
+    payload (its record is in the lane); then the id registry, for items waiting anywhere else."""
     message = "the batch was cancelled before this request ran" if how == "cancelled" else \
         "the batch's completion window passed before this request ran"
     total = 0
     c.r.hset(K.job_meta_key(job), "swept_at", time.time())
     for model in c.job_models(job):
         mk = K.ModelKeys(model)
+        insts = {as_str(i) for i in c.r.zrange(mk.active, 0, -1)} | {as_str(i) for i in c.r.zrange(mk.staged, 0, -1)}
+        for inst in sorted(insts):
+            for lane in c.r.zrange(mk.inst_lanes(inst), 0, -1):
+                total += calls.cancel(mk, job, model, f"lane:{inst}:{as_str(lane)}", STEP, how, message).run(
+                    c.scripts).answered
         cursor = "0"
         while True:
             step = calls.cancel(mk, job, model, cursor, STEP, how, message).run(c.scripts)

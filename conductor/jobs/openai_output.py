@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Iterator
-from typing import Any, BinaryIO
+from typing import Any, Protocol
 
 import msgspec
 
@@ -65,7 +65,11 @@ def output_line(res: dict[str, Any]) -> tuple[dict[str, Any], bool]:
     return line, False
 
 
-def write_openai(records: Iterable[bytes], out: BinaryIO, errors: BinaryIO | None) -> tuple[int, int]:
+class Sink(Protocol):
+    def write(self, data: bytes, /) -> Any: ...
+
+
+def write_openai(records: Iterable[bytes], out: Sink, errors: Sink | None) -> tuple[int, int]:
     """Native result records to OpenAI lines: successes to ``out``; failures to ``errors``, or to
     ``out`` when no error file is given. Returns (lines written to out, lines written to errors)."""
     n_out = n_err = 0

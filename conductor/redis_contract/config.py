@@ -95,3 +95,28 @@ class ModelDefaults:
                 value = DEFAULTS["default_max_tokens"]
             self._cache[model] = value if value >= 1 else DEFAULTS["default_max_tokens"]
         return self._cache[model]
+
+
+# Pairs of fields where the first must not exceed the second: a threshold set past its partner is
+# accepted by each field's own check and then quietly means something else (lane_thr_min above
+# lane_thr_max opens fewer lanes as the budget fills, the opposite of the rule).
+ORDERED: tuple[tuple[str, str], ...] = (("lane_thr_min", "lane_thr_max"), ("lane_floor", "lane_cap"))
+AT_LEAST_ONE = ("lane_max", "max_deliveries", "budget_tokens", "budget_items", "default_max_tokens")
+
+
+def check_relations(current: dict[str, str], new: dict[str, Any]) -> None:
+    """Refuses ``new`` values that, with the ``current`` ones (unset: the defaults), break a relation
+    between fields; only relations a new value takes part in are judged."""
+    def value(name: str) -> Any:
+        if name in new:
+            return new[name]
+        try:
+            return parse_value(name, current[name]) if name in current else DEFAULTS[name]
+        except ValueError:
+            return DEFAULTS[name]
+    for lo, hi in ORDERED:
+        if (lo in new or hi in new) and value(lo) > value(hi):
+            raise ValueError(f"config: {lo} ({value(lo)}) must not exceed {hi} ({value(hi)})")
+    for name in AT_LEAST_ONE:
+        if name in new and new[name] < 1:
+            raise ValueError(f"config: {name} must be at least 1, got {new[name]}")

@@ -12,7 +12,10 @@ would on a GPU. Parameters (``SimParams``), all in simulated seconds:
   prefix tokens of every item; a switch to a shape not held loses the oldest.
 * graph cache: keyed by (lane padded length, shape, epoch); a miss costs ``graph_build``.
   ``prewarm`` builds graphs ahead, off the critical path.
-* output length: drawn deterministically from the item id, between 1/4 and all of max_tokens.
+* output length: drawn deterministically from the item id (and its request's ``seed``, when it has
+  one: the same seed gives the same output, another seed another length), between 1/4 and all of
+  max_tokens. A request's ``stop`` strings cut the placeholder text before the first one found, and
+  its output tokens in proportion. ``temperature`` and ``top_p`` change nothing: nothing is sampled.
 * ``kv_capacity_tokens`` (0: unlimited): the KV memory, in tokens. A sequence holds its
   padded prompt plus what it generated so far. When a decode step would need more, sequences
   are preempted: their KV is dropped, so are the tokens they generated, and each comes back,
@@ -37,7 +40,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from conductor.intake.formats import estimate_tokens
+from conductor.intake.formats import estimate_tokens, request_options
 from conductor.redis_contract.records import Batch, BatchItem, Contract
 
 from .base import ContractHolder, Finished, too_long
@@ -87,9 +90,21 @@ class _Seq:
         self.order, self.fin, self.prompt, self.target, self.done = order, fin, prompt, target, 0
 
 
-def output_len(item_id: str, max_tokens: int) -> int:
-    frac = (xxhash.xxh64_intdigest(item_id.encode("utf-8")) % 10_000) / 10_000
+def output_len(item_id: str, max_tokens: int, seed: int | None = None) -> int:
+    key = item_id if seed is None else f"{item_id}\0{seed}"
+    frac = (xxhash.xxh64_intdigest(key.encode("utf-8")) % 10_000) / 10_000
     return max(1, min(max_tokens, round(max_tokens * (0.25 + 0.75 * frac))))
+
+
+def sim_output(it: BatchItem) -> tuple[str, int]:
+    """The placeholder text of ``it`` and its output tokens, under its request options."""
+    opts = request_options(it.payload)
+    n = output_len(it.id, it.max_tokens, opts.get("seed"))
+    text = f"<sim output: {n} tokens>"
+    cut = min((i for i in (text.find(s) for s in opts.get("stop", ())) if i >= 0), default=-1)
+    if cut >= 0:
+        n, text = max(1, n * cut // len(text)), text[:cut]
+    return text, n
 
 
 class SimEngine(ContractHolder):
@@ -164,9 +179,9 @@ class SimEngine(ContractHolder):
             cost += self.p.graph_build
         self._spend(cost)
         for it in items:
-            n = output_len(it.id, it.max_tokens)
+            text, n = sim_output(it)
             self._seq += 1
-            fin = Finished(batch, it, f"<sim output: {n} tokens>", n)
+            fin = Finished(batch, it, text, n)
             if self.p.kv_capacity_tokens:
                 self._resident.append(_Seq(self._seq, fin, plen, n))
             else:

@@ -21,7 +21,15 @@ How a batch runs:
   once and its KV rows are dropped (``batch_select_indices``); columns no live row needs any
   more are cut off the front. Caches whose layers are not plain key/value tensors (sliding
   windows, hybrid models) are not merged: such batches decode as separate cohorts.
-* Greedy decoding: the same prompt gives the same output, in any batch.
+* Greedy decoding: the same prompt gives the same output, in any batch. A request's options
+  (conductor/intake/formats.py ``request_options``) are honoured per row: ``temperature`` above 0
+  samples (with ``top_p``, nucleus sampling; ``top_p`` alone samples at temperature 1), from a
+  generator of the row's own seeded with ``seed`` (or with the item id), so a row samples the same
+  tokens in any batch; ``stop`` ends the row before the first stop string its text contains;
+  ``max_tokens`` (``max_completion_tokens``) caps its length.
+* Prefix hits are counted in the item's own ``input_tokens`` (its share of the prompt the cached
+  prefix covers): the tokenizer's count of a prompt differs from the producer's, and the hit
+  ratio ``conductor run`` reports is against ``input_tokens``.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from conductor.intake.formats import request_options
 from conductor.redis_contract.records import Batch, BatchItem, Contract, ResultError
 
 from .base import ContractHolder, EngineConfigError, EngineUnavailable, Finished, too_long
@@ -64,6 +73,43 @@ class TorchCounters:
     merges: int = 0
 
 
+class _Sampling:
+    """One row's request options: how its next token is chosen and when its text ends."""
+
+    __slots__ = ("temperature", "top_p", "gen", "stop")
+
+    def __init__(self, torch: Any, item: BatchItem, device: str) -> None:
+        opts = request_options(item.payload)
+        top_p = opts.get("top_p")
+        temperature = opts.get("temperature", 1.0 if top_p is not None else 0.0)
+        self.temperature = float(temperature)
+        self.top_p = float(top_p) if top_p is not None else 1.0
+        self.stop: list[str] = list(opts.get("stop", ()))
+        self.gen = None
+        if self.temperature > 0:
+            seed = opts.get("seed")
+            self.gen = torch.Generator(device=device)
+            self.gen.manual_seed((seed if seed is not None else hash_id(item.id)) % (2 ** 63))
+
+    @property
+    def greedy(self) -> bool:
+        return self.gen is None
+
+    def pick(self, torch: Any, logits: Any) -> int:
+        """The next token from one row's logits (1-D)."""
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        if self.top_p < 1.0:
+            sorted_p, order = probs.sort(descending=True)
+            keep = sorted_p.cumsum(-1) - sorted_p < self.top_p  # the smallest set reaching top_p
+            probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+        return int(torch.multinomial(probs, 1, generator=self.gen))
+
+
+def hash_id(item_id: str) -> int:
+    import hashlib
+    return int.from_bytes(hashlib.blake2b(item_id.encode(), digest_size=8).digest(), "little")
+
+
 @dataclass
 class _Cohort:
     batches: list[Batch]  # per row: the batch the row's item came in
@@ -73,6 +119,7 @@ class _Cohort:
     pos: Any  # (rows,) position id of the next token
     last: Any  # (rows,) the token to feed next
     out: list[list[int]] = field(default_factory=list)
+    sampling: list[_Sampling] = field(default_factory=list)  # per row
 
 
 class TorchEngine(ContractHolder):
@@ -191,11 +238,14 @@ class TorchEngine(ContractHolder):
         if pre_cache is not None:
             cache = copy.deepcopy(pre_cache)
             cache.batch_repeat_interleave(len(rows))
-            self.counters.prefix_hit_tokens += p * len(rows)
+            # in the item's own input_tokens: its tokenizer count may be several times the producer's
+            self.counters.prefix_hit_tokens += sum(min(it.input_tokens, it.input_tokens * p // (p + len(suf)))
+                                                   for it, suf in zip(rows, suffixes, strict=True))
         logits, cache = self._forward(ids, mask, pos_all[:, p:], cache)
         self.counters.prefill_tokens += sum(len(x) for x in suffixes)
-        c = _Cohort([batch] * len(rows), rows, cache, mask, pos_all[:, -1] + 1, logits.argmax(-1),
-                    [[] for _ in rows])
+        sampling = [_Sampling(torch, it, self.device) for it in rows]
+        c = _Cohort([batch] * len(rows), rows, cache, mask, pos_all[:, -1] + 1, self._pick(logits, sampling),
+                    [[] for _ in rows], sampling)
         self.cohorts.append(c)
         done = self._harvest(c)
         if len(self.cohorts) > 1 and c in self.cohorts and self._mergeable(self.cohorts[0]) and self._mergeable(c):
@@ -223,6 +273,7 @@ class TorchEngine(ContractHolder):
         a.batches += b.batches
         a.items += b.items
         a.out += b.out
+        a.sampling += b.sampling
         self.cohorts.remove(b)
         self.counters.merges += 1
 
@@ -237,6 +288,18 @@ class TorchEngine(ContractHolder):
                 x.keys, x.values = x.keys[:, :, first:], x.values[:, :, first:]
             c.mask = c.mask[:, first:]
 
+    def _pick(self, logits: Any, sampling: list[_Sampling]) -> Any:
+        """Each row's next token: the argmax, or a draw for a row whose request samples."""
+        nxt = logits.argmax(-1)
+        for r, s in enumerate(sampling):
+            if not s.greedy:
+                nxt[r] = s.pick(self.torch, logits[r])
+        return nxt
+
+    def _text(self, ids: list[int]) -> str:
+        return str(self.tok.decode(ids) if isinstance(self.tok, ByteTokenizer)
+                   else self.tok.decode(ids, skip_special_tokens=True))
+
     def _harvest(self, c: _Cohort) -> list[Finished]:
         """Record each row's new token; rows that end leave the cohort and its cache."""
         done, keep = [], []
@@ -244,9 +307,16 @@ class TorchEngine(ContractHolder):
             it = c.items[r]
             if tok != self.eos:
                 c.out[r].append(tok)
-            if tok == self.eos or len(c.out[r]) >= it.max_tokens:
-                text = self.tok.decode(c.out[r]) if isinstance(self.tok, ByteTokenizer) \
-                    else self.tok.decode(c.out[r], skip_special_tokens=True)
+            stops = c.sampling[r].stop if c.sampling else []
+            text = self._text(c.out[r]) if stops else ""
+            cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+            if tok == self.eos or len(c.out[r]) >= it.max_tokens or cut >= 0:
+                if cut >= 0:  # the row ends before its stop string, which is not part of the answer
+                    text = text[:cut]
+                    while c.out[r] and len(self._text(c.out[r])) > cut:
+                        c.out[r].pop()
+                else:
+                    text = self._text(c.out[r])
                 done.append(Finished(c.batches[r], it, text, len(c.out[r])))
                 self.counters.finished += 1
                 self.counters.output_tokens += len(c.out[r])
@@ -260,6 +330,7 @@ class TorchEngine(ContractHolder):
                 c.items = [c.items[r] for r in keep]
                 c.batches = [c.batches[r] for r in keep]
                 c.out = [c.out[r] for r in keep]
+                c.sampling = [c.sampling[r] for r in keep]
                 self._trim(c)
             else:
                 self.cohorts.remove(c)
@@ -271,7 +342,7 @@ class TorchEngine(ContractHolder):
             c.mask = self.torch.cat([c.mask, self.torch.ones_like(c.mask[:, :1])], dim=1)
             logits, c.cache = self._forward(c.last[:, None], c.mask, c.pos[:, None], c.cache)
             c.pos = c.pos + 1
-            c.last = logits.argmax(-1)
+            c.last = self._pick(logits, c.sampling)
             done += self._harvest(c)
         if self.cohorts or done:
             self.counters.decode_steps += 1

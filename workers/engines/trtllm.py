@@ -7,7 +7,8 @@ latch decides how many are alive; the engine does the packing. ``step`` collects
 requests that finished, waiting a few milliseconds when none has.
 
 * ``SamplingParams(max_tokens=...)`` is always set from the item: its default is 32 tokens,
-  which would silently cut every longer answer.
+  which would silently cut every longer answer. A request's options (``temperature``, ``top_p``,
+  ``seed``, ``stop``: conductor/intake/formats.py ``request_options``) go into it as given.
 * ``KvCacheConfig(enable_block_reuse=True)``: KV blocks of a prompt prefix already seen are
   reused, which is where a batch of one shape saves its shared prefix.
 * The prompt is built as in the torch engine: ``"\\n".join(prefix) + "\\n" + prompt``.
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from conductor.intake.formats import request_options
 from conductor.redis_contract.records import Batch, BatchItem, Contract, ResultError
 
 from .base import ContractHolder, EngineConfigError, EngineUnavailable, Finished, too_long
@@ -74,7 +76,9 @@ class TrtllmEngine(ContractHolder):
                     "input_too_long", f"prompt is {len(ids)} tokens for this model's tokenizer; "
                     f"this engine takes max_input_len {limit}")))
             else:
-                params = self._SamplingParams(max_tokens=it.max_tokens)
+                opts = {k: v for k, v in request_options(it.payload).items()
+                        if k in ("temperature", "top_p", "seed", "stop")}
+                params = self._SamplingParams(max_tokens=it.max_tokens, **opts)
                 self._pending.append((batch, it, self.llm.generate_async(ids, sampling_params=params)))
         return refused
 
