@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     consumer_flags(ag, "this agent's")
 
     add_commands(command)
+    from conductor.cli.retry import add_commands as add_ledger_commands
+    add_ledger_commands(command)
 
     jb = command("jobs", "list jobs: created, models, submitted, completed, failed, pending, state", cmd_jobs)
     jb.add_argument("--json", action="store_true", help="one JSON list of job objects")

@@ -113,6 +113,11 @@ def status_of(meta_status: str | None, ending: str | None, submitted: int, pendi
     the lifecycle recorded, ``cancelling`` while a cancel is answering its items."""
     if meta_status in TERMINAL:
         return meta_status  # failed at validation (or a stamp of an older version)
+    if ending in ("cancelled", "expired") and pending <= 0:
+        # Ended early with nothing left in Redis: lines never submitted (an intake stopped by the
+        # end, or a serve that died while validating: ``lost``, or nothing sent at all) are answered
+        # by the end itself, derived from the input (conductor/verify/job_ledger.py).
+        return "cancelled" if "cancelled" in ends or ending == "cancelled" else ending
     if submitted > 0 and pending <= 0 and lost <= 0:
         for how in ("cancelled", "expired"):
             if how in ends or ending == how:
@@ -153,7 +158,7 @@ def describe(c: Conductor, job: str, *, advance: bool = True, now: float | None 
     models = sorted(st["models"])
     ends, ended_ms = _ends(c, job, models)
     status = status_of(meta.get("status"), meta.get("ending"), st["submitted"], st["pending"], st["lost"], ends)
-    if advance and status not in TERMINAL and status != "validating":
+    if advance and status not in TERMINAL:  # validating too: a batch whose intake died must end
         now = now or time.time()
         ending = meta.get("ending")
         expires = float(meta.get("expires_at") or 0)

@@ -1,0 +1,111 @@
+"""``conductor verify-job`` (the job ledger, conductor/verify/job_ledger.py) and ``conductor retry``
+(conductor/jobs/retry.py): every input line of a job against its answers, and the lines that want
+another run as a new job. Kept apart from cli/main.py, which only calls in."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from conductor.client import Conductor
+from conductor.errors import BadInput, ConductorError
+from conductor.redis_contract import keys as K
+from conductor.redis_contract.connection import as_str
+
+
+def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
+    v = command("verify-job", "check every input line of a job against its answers (completed, failed, cancelled, "
+                "expired, pending); exit 1 on a line with no answer (job ended) or two", cmd_verify_job)
+    v.add_argument("job", help="job id (conductor jobs lists them)")
+    _input_flags(v)
+    v.add_argument("--json", action="store_true", help="the ledger as one JSON object")
+    r = command("retry", "submit a job's cancelled, expired or failed lines as a new job, from its kept input",
+                cmd_retry)
+    r.add_argument("job", help="the job that ended (conductor jobs lists them)")
+    r.add_argument("--job", dest="new_job", required=True, metavar="NEW", help="the new job's id")
+    r.add_argument("--only", metavar="KINDS", help="a comma-separated subset of cancelled,expired,failed (default: all)")
+    r.add_argument("--include-permanent", action="store_true",
+                   help="also retry lines failed for a permanent reason (input_too_long)")
+    _input_flags(r)
+
+
+def _input_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", metavar="FILE", help="the file the job was submitted from (default: the batch's "
+                                                   "uploaded file, or the file conductor submit recorded)")
+    p.add_argument("--data-dir", metavar="DIR", help="conductor serve's --data-dir, where a batch's uploaded file is "
+                                                     "kept (default: as serve's)")
+
+
+def kept_input(c: Conductor, job: str, args: argparse.Namespace) -> str | None:
+    """``--input``, else the batch's uploaded file, else the file a CLI submit recorded."""
+    if args.input:
+        if not os.path.isfile(args.input):
+            raise ConductorError(f"--input: no such file: {args.input}")
+        return str(args.input)
+    from conductor.api.upload_store import FileStore
+    file_id = as_str(c.r.hget(K.job_meta_key(job), "input_file_id"), absent="")
+    if file_id:
+        path = FileStore(c.r, args.data_dir).path(file_id)
+        return str(path) if path.exists() else None
+    from conductor.verify.job_ledger import kept_input as recorded
+    path_s = recorded(c, job)
+    return path_s if path_s and os.path.isfile(path_s) else None
+
+
+def _known(c: Conductor, job: str) -> None:
+    if not c.job_models(job) and not c.r.exists(K.job_meta_key(job)):
+        raise ConductorError(f"job {job!r} is unknown to this Redis (conductor jobs lists the jobs)")
+
+
+def cmd_verify_job(args: argparse.Namespace) -> int:
+    from conductor.cli.connect import conductor_from
+    from conductor.verify.job_ledger import build
+    c = conductor_from(args)
+    _known(c, args.job)
+    led = build(c, args.job, kept_input(c, args.job, args))
+    print(json.dumps(led.to_json()) if args.json else led.render(), flush=True)
+    return 0 if led.clean else 1
+
+
+def cmd_retry(args: argparse.Namespace) -> int:
+    from conductor.cli.connect import conductor_from
+    from conductor.intake.file_intake import check_file, prepare_job, send_file
+    from conductor.jobs import retry
+    from conductor.jobs.job_state import start
+    from conductor.redis_contract.config import ModelDefaults
+    try:
+        only = retry.parse_only(args.only)
+    except BadInput as e:
+        raise ConductorError(str(e)) from None
+    c = conductor_from(args)
+    if c.r.zscore(K.JOBS_KEY, args.new_job) is not None or c.r.exists(K.job_meta_key(args.new_job)):
+        raise ConductorError(f"--job: job {args.new_job!r} exists already: name a new one")
+    source = kept_input(c, args.job, args)
+    p = retry.plan(c, args.job, source, only, args.include_permanent)
+    print(p.render(), file=sys.stderr)
+    if not p.ids:
+        print(f"nothing to retry in job {args.job}", file=sys.stderr)
+        return 0
+    path = retry_file(args.data_dir, args.new_job)
+    with open(path, "wb") as out:
+        retry.write_lines(str(source), p.ids, out)
+    found = check_file(str(path), skip_invalid=False, rejects=None, default_max_tokens=ModelDefaults(lambda: c.r).max_tokens)
+    prepare_job(c, found, args.new_job, retry.job_class_of(c, args.job))
+    start(c.r, args.new_job, metadata=retry.retry_metadata(c, args.job), input_path=str(path))
+    sent = send_file(c, found, args.new_job)
+    print(args.new_job)
+    print(f"submitted {sent.accepted} items to job {args.new_job} (retry of {args.job}; input kept in {path})",
+          file=sys.stderr)
+    return 0
+
+
+def retry_file(data_dir: str | None, job: str) -> Path:
+    """Where a retry's input is kept, beside serve's uploads: the new job's ledger reads it."""
+    from conductor.api.upload_store import default_dir
+    root = (Path(data_dir) if data_dir else default_dir()) / "retries"
+    root.mkdir(parents=True, exist_ok=True)
+    return root / f"{job}.jsonl"
