@@ -27,7 +27,8 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
                 cmd_retry)
     r.add_argument("job", help="the job that ended (conductor jobs lists them)")
     r.add_argument("--job", dest="new_job", required=True, metavar="NEW", help="the new job's id")
-    r.add_argument("--only", metavar="KINDS", help="a comma-separated subset of cancelled,expired,failed (default: all)")
+    r.add_argument("--only", metavar="KINDS",
+                   help="a comma-separated subset of cancelled,expired,failed (default: all)")
     r.add_argument("--include-permanent", action="store_true",
                    help="also retry lines failed for a permanent reason (input_too_long)")
     _input_flags(r)
@@ -93,7 +94,8 @@ def cmd_retry(args: argparse.Namespace) -> int:
     path = retry_file(args.data_dir, args.new_job)
     with open(path, "wb") as out:
         retry.write_lines(str(source), p.ids, out)
-    found = check_file(str(path), skip_invalid=False, rejects=None, default_max_tokens=ModelDefaults(lambda: c.r).max_tokens)
+    found = check_file(str(path), skip_invalid=False, rejects=None,
+                       default_max_tokens=ModelDefaults(lambda: c.r).max_tokens)
     prepare_job(c, found, args.new_job, retry.job_class_of(c, args.job))
     start(c.r, args.new_job, metadata=retry.retry_metadata(c, args.job), input_path=str(path))
     sent = send_file(c, found, args.new_job)

@@ -152,7 +152,7 @@ def _kind(code: str) -> str:
 def build(c: Conductor, job: str, input_path: str | None) -> JobLedger:
     """The ledger of ``job``; ``input_path`` the kept input file (None: the id registry)."""
     d = job_state.describe(c, job, advance=False)
-    status, ending = d["status"], d.get("ending")
+    status = d["status"]
     got = answers(c.results(job))
     use_file = bool(input_path) and os.path.exists(str(input_path))
     led = JobLedger(job, status, f"input file {input_path}" if use_file else "the job's id registry in Redis")

@@ -1,0 +1,291 @@
+"""Every input line answered exactly once (issue 25): cancel and expiry in each state of a batch
+(validating, in_progress, finalizing), the lines never submitted answered from the kept input, the
+request counts equal to the files and to the job ledger (``conductor verify-job``), and retry.
+
+One real ``conductor serve`` for the module, driven by the official ``openai`` SDK; items are run by
+claiming and completing in this process (tests/helpers.py drain), which is what a worker does."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from conductor.client import Conductor, connect
+from conductor.embedded import EmbeddedRedis, free_port
+from conductor.intake.file_intake import prepare_job
+from conductor.intake.input_files import scan
+from conductor.jobs import job_state
+from conductor.redis_contract import keys as K
+from conductor.redis_contract.config import ModelDefaults
+from conductor.verify import job_ledger
+from tests.conftest import ROOT, cli
+from tests.helpers import contract, quick, results_for, wait_for
+from tests.test_serve import jsonl, request
+
+KEY = "sk-test-ledger"
+
+
+class Serve:
+    def __init__(self, url: str, base: str, data: Path) -> None:
+        self.url, self.base, self.data = url, base, data
+        self.client = OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
+        self.c = Conductor(connect(url))
+
+
+@pytest.fixture(scope="module")
+def serve(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+    """One serve for the module (each test makes batches of its own; nothing here flushes Redis)."""
+    data = tmp_path_factory.mktemp("files")
+    r = connect(redis_server.url)
+    r.flushall()  # once, before serve: its batches live until the module ends
+    port = free_port()
+    env = dict(os.environ, CONDUCTOR_REDIS_URL=redis_server.url, CONDUCTOR_API_KEYS=KEY)
+    p = subprocess.Popen([sys.executable, "-m", "conductor", "serve", "--port", str(port), "--data-dir", str(data)],
+                         env=env, cwd=str(ROOT))
+    base = f"http://127.0.0.1:{port}"
+    s = Serve(redis_server.url, base, data)
+    try:
+        wait_for(lambda: _up(base) or p.poll() is not None, "serve did not start", timeout=60)
+        assert p.poll() is None
+        yield s
+    finally:
+        p.terminate()
+        assert p.wait(10) == 0
+
+
+def _up(base: str) -> bool:
+    try:
+        urllib.request.urlopen(urllib.request.Request(base + "/", headers={"Authorization": f"Bearer {KEY}"}),
+                               timeout=2).read()
+        return True
+    except OSError:
+        return False
+
+
+def _rows(tag: str, n: int) -> list[dict]:
+    rows = [request(i) for i in range(n)]
+    for r in rows:
+        r["custom_id"] = f"{tag}-{r['custom_id']}"
+    return rows
+
+
+def _upload(s: Serve, rows: list[dict]) -> str:
+    return s.client.files.create(file=("in.jsonl", io.BytesIO(jsonl(rows))), purpose="batch").id
+
+
+def _lines(s: Serve, file_id: str | None) -> list[dict]:
+    return [] if file_id is None else [json.loads(x) for x in s.client.files.content(file_id).text.splitlines()]
+
+
+def _run(s: Serve, n: int | None = None) -> int:
+    """Claim and complete up to about ``n`` items of model m (all with None), as a worker would."""
+    quick(s.c, "m")
+    done = 0
+    deadline = time.monotonic() + 30
+    while n is None or done < n:
+        b, why = s.c.claim(contract(size=4 if n else 64), "w")
+        if b is None:
+            if why == "idle":
+                break
+            assert time.monotonic() < deadline, why
+            time.sleep(0.02)
+            continue
+        s.c.complete(b, results_for(b))
+        done += len(b.items)
+    return done
+
+
+def _validating(s: Serve, rows: list[dict], sent: int, window_s: int | None = None) -> str:
+    """A batch as a serve that died while it submitted leaves it: validating, its file declared,
+    only its first ``sent`` lines in Redis, no thread of any serve at work on it."""
+    file_id = _upload(s, rows)
+    job = f"batch_{os.urandom(12).hex()}"
+    job_state.start(s.c.r, job, status="validating", window_s=window_s, input_file_id=file_id,
+                    endpoint="/v1/chat/completions")
+    s.c.r.zadd(K.BATCHES_KEY, {job: int(time.time())})
+    quick(s.c, "m")
+    found = scan(str(s.data / f"{file_id}.jsonl"), default_max_tokens=ModelDefaults(lambda: s.c.r).max_tokens,
+                 id_field="custom_id", parquet=False)
+    prepare_job(s.c, found, job)
+    first = next(found.chunks(sent))
+    s.c.submit([it for _, it in first], job)
+    return job
+
+
+def _check_exact(s: Serve, batch_id: str, rows: list[dict], status: str, code: str) -> tuple[list, list]:
+    """The batch ended ``status``: every custom_id once over its two files, the counts equal to the
+    files and to the job ledger, and every unanswered line in the error file with ``code``."""
+    b = s.client.batches.retrieve(batch_id)
+    assert b.status == status, b
+    out, err = _lines(s, b.output_file_id), _lines(s, b.error_file_id)
+    assert sorted(x["custom_id"] for x in out + err) == sorted(r["custom_id"] for r in rows)
+    assert {x["error"]["code"] for x in err} <= {code}
+    rc = b.request_counts
+    assert (rc.total, rc.completed, rc.failed) == (len(rows), len(out), len(err))
+    led = job_ledger.build(s.c, batch_id, str(s.data / f"{b.input_file_id}.jsonl"))
+    assert led.clean and led.request_counts() == {"total": rc.total, "completed": rc.completed, "failed": rc.failed}
+    return out, err
+
+
+def _follow(s: Serve, batch_id: str, until: set[str], timeout: float = 60):  # noqa: ANN202
+    got = {}
+
+    def ended() -> bool:
+        got["b"] = s.client.batches.retrieve(batch_id)
+        return got["b"].status in until
+    wait_for(ended, f"batch {batch_id} did not reach {until}", timeout)
+    return got["b"]
+
+
+def test_cancel_and_expire_a_batch_left_validating_by_a_dead_serve(serve: Serve) -> None:
+    rows = _rows("v", 30)
+    job = _validating(serve, rows, 10)
+    assert serve.client.batches.retrieve(job).status == "validating"
+    assert _run(serve, 4) >= 4  # a worker answered some of what was sent
+    c = serve.client.batches.cancel(job)
+    assert c.status == "cancelled", c
+    out, err = _check_exact(serve, job, rows, "cancelled", "cancelled")
+    assert 4 <= len(out) <= 10 and len(err) == 30 - len(out)  # the 20 never sent are answered too
+    # expiry acts on validating: a window of one second, no cancel
+    rows = _rows("ve", 12)
+    job = _validating(serve, rows, 5, window_s=1)
+    _follow(serve, job, {"expired"}, timeout=30)  # the GET (or serve's expiry loop) ends it
+    out, err = _check_exact(serve, job, rows, "expired", "expired")
+    assert out == [] and len(err) == 12
+    # nothing sent at all (serve died before the first chunk): still every line answered
+    rows = _rows("v0", 6)
+    job = _validating(serve, rows, 1)
+    serve.c.r.delete(*[K.ModelKeys("m").job_intake(job)])  # as if the declaration was all that was left
+    assert serve.client.batches.cancel(job).status == "cancelled"
+    _check_exact(serve, job, rows, "cancelled", "cancelled")
+
+
+def test_cancel_and_expire_in_progress_and_finalizing(serve: Serve) -> None:
+    # in_progress, cancelled with part of it done
+    rows = _rows("p", 20)
+    b = serve.client.batches.create(input_file_id=_upload(serve, rows), endpoint="/v1/chat/completions",
+                                    completion_window="24h")
+    _follow(serve, b.id, {"in_progress"})
+    _run(serve, 4)
+    assert serve.client.batches.cancel(b.id).status == "cancelled"
+    out, err = _check_exact(serve, b.id, rows, "cancelled", "cancelled")
+    assert out and err
+    # in_progress, expired by its window
+    rows = _rows("pe", 8)
+    b = serve.client.batches.create(input_file_id=_upload(serve, rows), endpoint="/v1/chat/completions",
+                                    completion_window="2s")
+    _follow(serve, b.id, {"expired"}, timeout=30)
+    _check_exact(serve, b.id, rows, "expired", "expired")
+    # finalizing (the status the lifecycle records while a batch's last lines are written) ends the same way
+    rows = _rows("f", 6)
+    b = serve.client.batches.create(input_file_id=_upload(serve, rows), endpoint="/v1/chat/completions",
+                                    completion_window="24h")
+    _follow(serve, b.id, {"in_progress"})
+    serve.c.r.hset(K.job_meta_key(b.id), "status", "finalizing")
+    assert serve.client.batches.retrieve(b.id).status == "finalizing"
+    assert serve.client.batches.cancel(b.id).status == "cancelled"
+    _check_exact(serve, b.id, rows, "cancelled", "cancelled")
+
+
+def _post(s: Serve, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(s.base + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_retry_after_cancel_covers_every_line_once(serve: Serve) -> None:
+    rows = _rows("r", 24)
+    job = _validating(serve, rows, 8)  # 16 lines never sent
+    _run(serve, 4)
+    serve.client.batches.cancel(job)
+    old_out, old_err = _check_exact(serve, job, rows, "cancelled", "cancelled")
+    code, new = _post(serve, f"/v1/batches/{job}/retry", {})
+    assert code == 200, new
+    assert new["metadata"]["retry_of"] == job and new["id"] != job
+    _follow(serve, new["id"], {"in_progress"})
+    _run(serve)
+    b = _follow(serve, new["id"], {"completed"})
+    new_rows = [r for r in rows if r["custom_id"] in {x["custom_id"] for x in old_err}]
+    new_out, new_err = _check_exact(serve, b.id, new_rows, "completed", "")
+    ids = [x["custom_id"] for x in old_out + new_out + new_err]
+    assert sorted(ids) == sorted(r["custom_id"] for r in rows)  # the union: every line once
+    # nothing left to retry in a completed batch; a bad body names its field
+    assert _post(serve, f"/v1/batches/{b.id}/retry", {})[0] == 409
+    code, bad = _post(serve, f"/v1/batches/{job}/retry", {"only": ["done"]})
+    assert code == 400 and bad["error"]["param"] == "only"
+
+
+def test_cli_retry_after_expiry_and_verify_job(redis_url: str, tmp_path: Path) -> None:
+    """A CLI job expired by its window, retried with conductor retry (the recorded input file; a line
+    failed for input_too_long left out unless asked), checked by conductor verify-job, which also
+    finds a doctored second answer."""
+    c = Conductor(connect(redis_url))
+    quick(c, "m")
+    src = tmp_path / "in.jsonl"
+    lines = [{"id": f"x{i}", "model": "m", "prompt": f"p{i}", "input_tokens": 30 if i < 4 else 10,
+              "max_tokens": 4} for i in range(16)]
+    src.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    env = {"XDG_DATA_HOME": str(tmp_path / "data")}
+    cli("submit", str(src), "--job", "old", "--completion-window", "1s", url=redis_url, env=env)
+    from tests.worker_kit import sim, worker
+    # x0-x3 (a full batch of their own) are too long for it; at most one batch in flight at a time
+    w = worker(c, sim(max_input_len=20), pending_ceiling=4)
+    for _ in range(200):  # runs a part: x0-x3 fail input_too_long, a batch completes, 4 or more lines wait
+        w.turn()
+        st = c.status("old")
+        if st["completed"] >= 1 and st["failed"] >= 1:
+            break
+    assert 0 < c.status("old")["pending"], c.status("old")
+    assert cli("verify-job", "old", url=redis_url, env=env, check=False).returncode == 0  # in flight, clean
+    wait_for(lambda: time.time() >= float(c.r.hget(K.job_meta_key("old"), "expires_at") or 0), "window", 10)
+    cli("expire", url=redis_url, env=env)
+    for _ in range(200):  # a batch in flight finishes and keeps its results; nothing else is claimed
+        if job_state.describe(c, "old")["status"] == "expired":
+            break
+        w.turn()
+    assert job_state.describe(c, "old")["status"] == "expired"
+    v = cli("verify-job", "old", "--json", url=redis_url, env=env)
+    led = json.loads(v.stdout)
+    assert led["clean"] and led["inputs"] == 16 and led["codes"] == {"input_too_long": 4}
+    done = led["answers"]["completed"]
+    assert done + led["answers"]["expired"] + 4 == 16 and led["answers"]["expired"] >= 4
+    r = cli("retry", "old", "--job", "new", url=redis_url, env=env)
+    assert r.stdout.decode().strip() == "new" and "input_too_long" in r.stderr.decode()
+    run_until = time.monotonic() + 30
+    while not c.status("new")["done"]:
+        w.turn()
+        assert time.monotonic() < run_until
+    old_ok = {x.id for x in c.read_results("old") if x.error is None}
+    new_all = [x.id for x in c.read_results("new")]
+    long = {"x0", "x1", "x2", "x3"}
+    assert not long & set(new_all) and sorted(old_ok | set(new_all) | long) == sorted(x["id"] for x in lines)
+    assert not old_ok & set(new_all)  # every line answered once over the two jobs
+    meta = json.loads(c.r.hget(K.job_meta_key("new"), "metadata"))
+    assert meta == {"retry_of": "old"}
+    assert cli("verify-job", "new", url=redis_url, env=env, check=False).returncode == 0
+    # --include-permanent retries x0 too; --only expired leaves the failed line out
+    r = cli("retry", "old", "--job", "again", "--only", "failed", "--include-permanent", url=redis_url, env=env)
+    assert c.status("again")["submitted"] == 4
+    # a doctored second answer: verify-job exits 1 naming the id
+    mk = K.ModelKeys("m")
+    eid, fields = c.r.xrange(mk.job_results("new"), count=1)[0]
+    c.r.xadd(mk.job_results("new"), {k: v for k, v in fields.items()})
+    bad = cli("verify-job", "new", url=redis_url, env=env, check=False)
+    assert bad.returncode == 1 and fields[b"id"].decode() in bad.stdout.decode()
+    assert "twice" in bad.stdout.decode()
+    assert cli("retry", "new", "--job", "x", "--only", "nope", url=redis_url, env=env, check=False).returncode == 2
