@@ -49,19 +49,23 @@ def serve(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory)
     data = tmp_path_factory.mktemp("files")
     r = connect(redis_server.url)
     r.flushall()  # once, before serve: its batches live until the module ends
-    port = free_port()
-    env = dict(os.environ, CONDUCTOR_REDIS_URL=redis_server.url, CONDUCTOR_API_KEYS=KEY)
-    p = subprocess.Popen([sys.executable, "-m", "conductor", "serve", "--port", str(port), "--data-dir", str(data)],
-                         env=env, cwd=str(ROOT))
-    base = f"http://127.0.0.1:{port}"
-    s = Serve(redis_server.url, base, data)
+    p, base = start_serve(redis_server.url, data)
     try:
-        wait_for(lambda: _up(base) or p.poll() is not None, "serve did not start", timeout=60)
-        assert p.poll() is None
-        yield s
+        yield Serve(redis_server.url, base, data)
     finally:
         p.terminate()
         assert p.wait(10) == 0
+
+
+def start_serve(url: str, data: Path, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    port = port or free_port()
+    env = dict(os.environ, CONDUCTOR_REDIS_URL=url, CONDUCTOR_API_KEYS=KEY)
+    p = subprocess.Popen([sys.executable, "-m", "conductor", "serve", "--port", str(port), "--data-dir", str(data)],
+                         env=env, cwd=str(ROOT))
+    base = f"http://127.0.0.1:{port}"
+    wait_for(lambda: _up(base) or p.poll() is not None, "serve did not start", timeout=60)
+    assert p.poll() is None
+    return p, base
 
 
 def _up(base: str) -> bool:
