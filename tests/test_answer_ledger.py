@@ -256,6 +256,8 @@ def test_cli_retry_after_expiry_and_verify_job(redis_url: str, tmp_path: Path) -
             break
     assert 0 < c.status("old")["pending"], c.status("old")
     assert cli("verify-job", "old", url=redis_url, env=env, check=False).returncode == 0  # in flight, clean
+    ins = cli("inspect", "m", "--verify", url=redis_url, env=env)  # with the ledger of each job in flight
+    assert "ledger: job old (in_progress): 16 input lines" in ins.stdout.decode(), ins.stdout.decode()
     wait_for(lambda: time.time() >= float(c.r.hget(K.job_meta_key("old"), "expires_at") or 0), "window", 10)
     cli("expire", url=redis_url, env=env)
     for _ in range(200):  # a batch in flight finishes and keeps its results; nothing else is claimed

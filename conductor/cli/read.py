@@ -176,8 +176,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     models = [args.model] if args.model else c.models()
     if args.verify or args.repair:
         from conductor.verify import cli_verify
-        return cli_verify(c.r, models, do_repair=args.repair, show_all=args.all, ledger=not args.no_ledger,
-                          as_json=args.json, store=c.tier.store if c.tier else None)
+        status = cli_verify(c.r, models, do_repair=args.repair, show_all=args.all, ledger=not args.no_ledger,
+                            as_json=args.json, store=c.tier.store if c.tier else None)
+        if args.json or args.no_ledger:
+            return status
+        from conductor.cli.retry import verify_jobs_in_flight  # the job ledgers (verify-job) of jobs in flight
+        return verify_jobs_in_flight(c, models) or status
     views = [model_overview(c, m, lanes=args.lanes) for m in models]
     if args.json:
         print(json.dumps(views, default=str))

@@ -111,3 +111,24 @@ def retry_file(data_dir: str | None, job: str) -> Path:
     root = (Path(data_dir) if data_dir else default_dir()) / "retries"
     root.mkdir(parents=True, exist_ok=True)
     return root / f"{job}.jsonl"
+
+
+INSPECT_JOBS = 100  # the newest jobs whose ledgers ``inspect --verify`` checks
+
+
+def verify_jobs_in_flight(c: Conductor, models: list[str]) -> int:
+    """``inspect --verify``: the ledger of each job in flight on ``models`` (the newest
+    INSPECT_JOBS jobs), one paragraph each; 1 when one has a line answered twice or an answer to no
+    input line (a line with no answer yet is pending, not a finding, while the job runs)."""
+    from conductor.jobs.job_list import list_jobs
+    from conductor.jobs.job_state import TERMINAL
+    from conductor.verify.job_ledger import build
+    status = 0
+    no_input = argparse.Namespace(input=None, data_dir=None)
+    for row in list_jobs(c, INSPECT_JOBS):
+        if row.state in TERMINAL or not set(row.models) & set(models):
+            continue
+        led = build(c, row.job, kept_input(c, row.job, no_input))
+        print("ledger: " + led.render().replace("\n", "\n  "))
+        status = status or (0 if led.clean else 1)
+    return status
