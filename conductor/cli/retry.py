@@ -74,10 +74,7 @@ def cmd_verify_job(args: argparse.Namespace) -> int:
 
 def cmd_retry(args: argparse.Namespace) -> int:
     from conductor.cli.connect import conductor_from
-    from conductor.intake.file_intake import check_file, prepare_job, send_file
     from conductor.jobs import retry
-    from conductor.jobs.job_state import start
-    from conductor.redis_contract.config import ModelDefaults
     try:
         only = retry.parse_only(args.only)
     except BadInput as e:
@@ -92,15 +89,9 @@ def cmd_retry(args: argparse.Namespace) -> int:
         print(f"nothing to retry in job {args.job}", file=sys.stderr)
         return 0
     path = retry_file(args.data_dir, args.new_job)
-    with open(path, "wb") as out:
-        retry.write_lines(str(source), p.ids, out)
-    found = check_file(str(path), skip_invalid=False, rejects=None,
-                       default_max_tokens=ModelDefaults(lambda: c.r).max_tokens)
-    prepare_job(c, found, args.new_job, retry.job_class_of(c, args.job))
-    start(c.r, args.new_job, metadata=retry.retry_metadata(c, args.job), input_path=str(path))
-    sent = send_file(c, found, args.new_job)
+    accepted = retry.submit(c, args.job, args.new_job, str(source), p, str(path))
     print(args.new_job)
-    print(f"submitted {sent.accepted} items to job {args.new_job} (retry of {args.job}; input kept in {path})",
+    print(f"submitted {accepted} items to job {args.new_job} (retry of {args.job}; input kept in {path})",
           file=sys.stderr)
     return 0
 

@@ -144,3 +144,17 @@ def retry_metadata(c: Conductor, job: str) -> dict[str, str]:
     meta: dict[str, Any] = dict(msgspec.json.decode(raw)) if raw else {}
     meta["retry_of"] = job
     return job_state.check_metadata(meta)
+
+
+def submit(c: Conductor, old: str, new: str, source: str, chosen: Plan, path: str) -> int:
+    """The chosen lines of ``source`` written to ``path`` (the new job's kept input) and submitted as
+    job ``new`` through the file intake, in the old job's class, naming it in ``metadata.retry_of``.
+    Returns the items accepted."""
+    from conductor.intake.file_intake import check_file, prepare_job, send_file
+    from conductor.redis_contract.config import ModelDefaults
+    with open(path, "wb") as out:
+        write_lines(source, chosen.ids, out)
+    found = check_file(path, skip_invalid=False, rejects=None, default_max_tokens=ModelDefaults(lambda: c.r).max_tokens)
+    prepare_job(c, found, new, job_class_of(c, old))
+    job_state.start(c.r, new, metadata=retry_metadata(c, old), input_path=path)
+    return send_file(c, found, new).accepted
