@@ -295,3 +295,29 @@ def test_cli_retry_after_expiry_and_verify_job(redis_url: str, tmp_path: Path) -
     assert bad.returncode == 1 and fields[b"id"].decode() in bad.stdout.decode()
     assert "twice" in bad.stdout.decode()
     assert cli("retry", "new", "--job", "x", "--only", "nope", url=redis_url, env=env, check=False).returncode == 2
+
+
+def test_refused_lines_are_answered_as_validation_in_the_cli_error_file(redis_url: str, tmp_path: Path) -> None:
+    """A --skip-invalid submit: the refused lines (a bad field, a repeated id) are the ledger's
+    'validation' answers and lines of the OpenAI error file, so output + error lines = input lines."""
+    c = Conductor(connect(redis_url))
+    quick(c, "m")
+    rows = [{"id": f"s{i}", "model": "m", "prompt": f"p{i}", "input_tokens": 10, "max_tokens": 4} for i in range(8)]
+    rows[2]["max_tokens"] = -1  # refused: a bad field
+    rows.append(dict(rows[5]))  # refused: a repeated id
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    cli("submit", str(src), "--job", "sk", "--skip-invalid", url=redis_url)
+    while not c.status("sk")["done"]:
+        b, why = c.claim(contract(), "w")
+        if b is not None:
+            c.complete(b, results_for(b))
+    cli("results", "sk", "--format", "openai", "-o", str(tmp_path / "out.jsonl"), "--errors",
+        str(tmp_path / "err.jsonl"), url=redis_url)
+    out = (tmp_path / "out.jsonl").read_text().splitlines()
+    err = [json.loads(x) for x in (tmp_path / "err.jsonl").read_text().splitlines()]
+    assert len(out) == 7 and len(out) + len(err) == len(rows)
+    assert [x["error"]["code"] for x in err] == ["validation", "validation"]
+    assert "duplicate of line 6" in err[1]["error"]["message"]
+    led = json.loads(cli("verify-job", "sk", "--json", url=redis_url).stdout)
+    assert led["clean"] and led["answers"] == {"completed": 7, "validation": 2} and led["inputs"] == 9

@@ -108,24 +108,40 @@ def _show(ids: list[str]) -> str:
     return ", ".join(ids[:EXAMPLES]) + (" ..." if len(ids) > EXAMPLES else "")
 
 
-def input_ids(path: str) -> Iterator[str | None]:
-    """The id of every non-blank input line (None for a line with none: refused at validation). A
-    JSON line is only decoded, not checked (the intake checked it); Parquet goes the intake's way."""
-    if is_parquet(path):
-        for _n, it, _raw in iter_lines(path):
-            yield None if isinstance(it, Exception) else it.id
+def input_ids(path: str, checked: bool = False) -> Iterator[str | None]:
+    """The id of every non-blank input line, None for a line the intake refuses."""
+    for _n, iid, _why in input_lines_of(path, checked):
+        yield iid
+
+
+def input_lines_of(path: str, checked: bool = False) -> Iterator[tuple[int, str | None, str]]:
+    """(line number, id, why refused) of every non-blank input line: the id None and the reason
+    given for a line the intake refuses. ``checked``: each line parsed as the intake parses it (a
+    line with an id and a bad field, a later line repeating an id: refused, as the intake refuses
+    them); else a JSON line is only decoded for its id (a batch's file, checked whole before any
+    line of it was submitted)."""
+    if checked or is_parquet(path):
+        seen: dict[str, int] = {}
+        for n, it, _raw in iter_lines(path):
+            if isinstance(it, Exception):
+                yield n, None, str(it)
+            elif it.id in seen:
+                yield n, None, f"duplicate of line {seen[it.id]}"
+            else:
+                seen[it.id] = n
+                yield n, it.id, ""
         return
     with open(path, "rb") as f:
-        for raw in f:
+        for n, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
             try:
                 obj = _dec.decode(raw)
             except msgspec.DecodeError:
-                yield None
+                yield n, None, f"line {n}: not JSON"
                 continue
             iid = obj.get("custom_id", obj.get("id")) if isinstance(obj, dict) else None
-            yield iid if isinstance(iid, str) and iid else None
+            yield (n, iid, "") if isinstance(iid, str) and iid else (n, None, f"line {n}: no id")
 
 
 def registry_ids(c: Conductor, job: str) -> Iterator[str | None]:
@@ -157,7 +173,7 @@ def build(c: Conductor, job: str, input_path: str | None) -> JobLedger:
     use_file = bool(input_path) and os.path.exists(str(input_path))
     led = JobLedger(job, status, f"input file {input_path}" if use_file else "the job's id registry in Redis")
     seen: set[str] = set()
-    for iid in input_ids(str(input_path)) if use_file else registry_ids(c, job):
+    for iid in input_ids(str(input_path), checked=True) if use_file else registry_ids(c, job):
         led.inputs += 1
         if iid is None or iid in seen:  # refused by the intake (no id, or an id repeated)
             led.kinds["validation"] += 1
@@ -231,3 +247,19 @@ def unsent_lines(c: Conductor, job: str, answered: set[str], input_path: str | N
         line, _failed = output_line({"id": iid, "job": job, "payload": {"custom_id": iid},
                                      "error": {"code": status, "message": _MESSAGES[status]}})
         yield line
+
+
+def derived_lines(c: Conductor, job: str, input_path: str, answered: set[str]) -> Iterator[dict[str, Any]]:
+    """The error lines (OpenAI's format) no result record holds, for a job that has ended, from its
+    kept input: each line the intake refused (code ``validation``, with the reason and line) and,
+    for a job that ended early, each line never submitted (``unsent_lines``)."""
+    status = job_state.describe(c, job, advance=False)["status"]
+    if status not in job_state.TERMINAL or not os.path.exists(input_path):
+        return
+    for n, iid, why in input_lines_of(input_path, checked=True):
+        if iid is None:
+            line, _failed = output_line({"id": f"line-{n}", "job": job, "payload": None,
+                                         "error": {"code": "validation", "message": why}})
+            line["custom_id"] = None
+            yield line
+    yield from unsent_lines(c, job, answered, input_path, status)
