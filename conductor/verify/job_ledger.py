@@ -147,7 +147,7 @@ def input_lines_of(path: str, checked: bool = False) -> Iterator[tuple[int, str 
 def registry_ids(c: Conductor, job: str) -> Iterator[str | None]:
     """The ids the job submitted (its id registry on each model), for a job without a kept input."""
     for model in c.job_models(job):
-        for iid in c.r.hscan_iter(K.ModelKeys(model).job_sums(job), count=1000, no_values=True):
+        for iid, _sum in c.r.hscan_iter(K.ModelKeys(model).job_sums(job), count=1000):  # NOVALUES is 7.4's
             yield as_str(iid)
 
 
