@@ -218,6 +218,8 @@ def test_retry_after_cancel_covers_every_line_once(serve: Serve) -> None:
     _run(serve, 4)
     serve.client.batches.cancel(job)
     old_out, old_err = _check_exact(serve, job, rows, "cancelled", "cancelled")
+    v = cli("verify-job", job, "--data-dir", str(serve.data), url=serve.url)  # the batch's file, from serve's dir
+    assert "24 input lines" in v.stdout.decode() and "16 never submitted" in v.stdout.decode(), v.stdout
     code, new = _post(serve, f"/v1/batches/{job}/retry", {})
     assert code == 200, new
     assert new["metadata"]["retry_of"] == job and new["id"] != job

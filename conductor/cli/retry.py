@@ -47,11 +47,12 @@ def kept_input(c: Conductor, job: str, args: argparse.Namespace) -> str | None:
         if not os.path.isfile(args.input):
             raise ConductorError(f"--input: no such file: {args.input}")
         return str(args.input)
-    from conductor.api.upload_store import FileStore
+    from conductor.api.upload_store import FileStore, default_dir
     file_id = as_str(c.r.hget(K.job_meta_key(job), "input_file_id"), absent="")
     if file_id:
-        path = FileStore(c.r, args.data_dir).path(file_id)
-        return str(path) if path.exists() else None
+        root = Path(args.data_dir) if args.data_dir else default_dir()
+        path = FileStore(c.r, root).path(file_id) if root.is_dir() else None  # (a FileStore makes its root)
+        return str(path) if path is not None and path.exists() else None
     from conductor.verify.job_ledger import kept_input as recorded
     path_s = recorded(c, job)
     return path_s if path_s and os.path.isfile(path_s) else None
