@@ -171,7 +171,8 @@ def test_cancel_and_expire_a_batch_left_validating_by_a_dead_serve(serve: Serve)
     rows = _rows("v0", 6)
     job = _validating(serve, rows, 1)
     serve.c.r.delete(*[K.ModelKeys("m").job_intake(job)])  # as if the declaration was all that was left
-    assert serve.client.batches.cancel(job).status == "cancelled"
+    gone = serve.client.batches.cancel(job)
+    assert gone.status == "cancelled" and gone.cancelled_at
     _check_exact(serve, job, rows, "cancelled", "cancelled")
 
 

@@ -173,6 +173,8 @@ def describe(c: Conductor, job: str, *, advance: bool = True, now: float | None 
     if status in TERMINAL and status != "failed" and ended_ms is not None:
         for stamp in ("finalizing_at", f"{status}_at"):
             meta.setdefault(stamp, str(ended_ms // 1000))
+    elif status in ("cancelled", "expired") and meta.get("swept_at"):  # ended before anything was submitted
+        meta.setdefault(f"{status}_at", str(int(float(meta["swept_at"]))))
     out: dict[str, Any] = {"job": job, "status": status,
                            "request_counts": {"total": st["submitted"], "completed": st["completed"],
                                               "failed": st["failed"]},

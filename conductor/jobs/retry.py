@@ -74,6 +74,9 @@ def plan(c: Conductor, job: str, input_path: str | None, only: Iterable[str] = K
     status = job_state.describe(c, job)["status"]
     if status not in job_state.TERMINAL:
         raise ConductorError(f"job {job!r} is {status}: retry it once it has ended (conductor cancel ends it now)")
+    if status == "failed" and not c.job_models(job):
+        raise ConductorError(f"job {job!r} failed at validation (its errors name each line): nothing of it ran, "
+                             "so there is nothing to retry; fix the file and submit it again")
     if not input_path:
         raise ConductorError(f"job {job!r} has no kept input (it was not submitted from a file this host keeps): "
                              "name the file it was submitted from with --input FILE")
