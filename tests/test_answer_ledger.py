@@ -338,3 +338,24 @@ def test_cancel_while_a_live_serve_submits_the_file(serve: Serve) -> None:
     _follow(serve, b.id, {"cancelled"})
     wait_for(lambda: serve.c.status(b.id)["pending"] == 0, "items sent after the cancel", 30)
     _check_exact(serve, b.id, rows, "cancelled", "cancelled")  # (here: 5,000 of 12,000 lines were sent)
+
+
+def test_the_ledger_of_a_job_without_a_kept_input_reads_the_registry(cdr: Conductor) -> None:
+    """No file kept (a library submit): the ids Redis holds are the input. An id compacted out of
+    the registry is still one line; a result for an id nobody submitted is a phantom."""
+    quick(cdr, "m")
+    from tests.conftest import item
+    cdr.submit([item(f"k{i}", 10) for i in range(5)], "lib")
+    while not cdr.status("lib")["done"]:
+        b, _why = cdr.claim(contract(), "w")
+        if b is not None:
+            cdr.complete(b, results_for(b))
+    led = job_ledger.build(cdr, "lib", None)
+    assert led.clean and led.inputs == 5 and led.kinds["completed"] == 5 and "registry" in led.source
+    cdr.r.hdel(K.ModelKeys("m").job_sums("lib"), "k3")  # as a compaction of answered ids leaves it
+    assert job_ledger.build(cdr, "lib", None).clean
+    mk = K.ModelKeys("m")
+    _eid, fields = cdr.r.xrange(mk.job_results("lib"), count=1)[0]
+    cdr.r.xadd(mk.job_results("lib"), {b"id": b"zz", b"r": fields[b"r"].replace(fields[b"id"], b"zz")})
+    led = job_ledger.build(cdr, "lib", None)
+    assert not led.clean and led.phantom == ["zz"] and led.inputs == 5, led.render()

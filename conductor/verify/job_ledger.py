@@ -167,8 +167,7 @@ def _kind(code: str) -> str:
 
 def build(c: Conductor, job: str, input_path: str | None) -> JobLedger:
     """The ledger of ``job``; ``input_path`` the kept input file (None: the id registry)."""
-    d = job_state.describe(c, job, advance=False)
-    status = d["status"]
+    status = job_state.describe(c, job, advance=False)["status"]
     got = answers(c.results(job))
     use_file = bool(input_path) and os.path.exists(str(input_path))
     led = JobLedger(job, status, f"input file {input_path}" if use_file else "the job's id registry in Redis")
@@ -180,29 +179,45 @@ def build(c: Conductor, job: str, input_path: str | None) -> JobLedger:
             continue
         seen.add(iid)
         codes = got.get(iid)
-        if not codes:
-            if status in ENDED_EARLY:
-                led.kinds[status] += 1
-                led.derived += 1
-            elif led.terminal:
-                led.missing.append(iid)
-            else:
-                led.kinds["pending"] += 1
-            continue
-        if len(codes) > 1:
-            led.doubled.append(iid)
-        led.kinds[_kind(codes[0])] += 1
-        if _kind(codes[0]) == "failed":
-            led.codes[codes[0]] += 1
+        if codes:
+            _answered(led, iid, codes)
+        elif status in ENDED_EARLY:
+            led.kinds[status] += 1
+            led.derived += 1
+        elif led.terminal:
+            led.missing.append(iid)
+        else:
+            led.kinds["pending"] += 1
     led.phantom = [iid for iid in got if iid not in seen]
     if not use_file:
-        st = c.status(job)
-        led.lost = 0 if status in ENDED_EARLY else st["lost"]
-        if status in ENDED_EARLY and st["lost"]:
-            led.derived += st["lost"]  # lines the end answered, known only by their count
-            led.kinds[status] += st["lost"]
-            led.inputs += st["lost"]
+        _registry_counts(c, led, got, len(seen))
     return led
+
+
+def _answered(led: JobLedger, iid: str, codes: list[str]) -> None:
+    if len(codes) > 1:
+        led.doubled.append(iid)
+    led.kinds[_kind(codes[0])] += 1
+    if _kind(codes[0]) == "failed":
+        led.codes[codes[0]] += 1
+
+
+def _registry_counts(c: Conductor, led: JobLedger, got: dict[str, list[str]], held: int) -> None:
+    """What the registry cannot name: ids compacted out of it, lines declared and never sent."""
+    st = c.status(led.job)
+    if led.phantom and held < st["submitted"]:
+        # The registry holds fewer ids than were submitted (answered ids compacted out of it to
+        # bound memory): an answer to an id it no longer holds is that id's, not a phantom's.
+        gone = st["submitted"] - held
+        for iid in led.phantom[:gone]:
+            led.inputs += 1
+            _answered(led, iid, got[iid])
+        led.phantom = led.phantom[gone:]
+    led.lost = 0 if led.status in ENDED_EARLY else st["lost"]
+    if led.status in ENDED_EARLY and st["lost"]:
+        led.derived += st["lost"]  # lines the end answered, known only by their count
+        led.kinds[led.status] += st["lost"]
+        led.inputs += st["lost"]
 
 
 def kept_input(c: Conductor, job: str) -> str | None:
