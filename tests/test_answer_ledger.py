@@ -248,7 +248,8 @@ def test_cli_retry_after_expiry_and_verify_job(redis_url: str, tmp_path: Path) -
               "max_tokens": 4} for i in range(16)]
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
     env = {"XDG_DATA_HOME": str(tmp_path / "data")}
-    cli("submit", str(src), "--job", "old", "--completion-window", "1s", url=redis_url, env=env)
+    cli("submit", str(src), "--job", "old", "--completion-window", "1s", "--tenant", "t1", "--priority", "background",
+        url=redis_url, env=env)
     from tests.worker_kit import sim, worker
     # x0-x3 (a full batch of their own) are too long for it; at most one batch in flight at a time
     w = worker(c, sim(max_input_len=20), pending_ceiling=4)
@@ -286,6 +287,7 @@ def test_cli_retry_after_expiry_and_verify_job(redis_url: str, tmp_path: Path) -
     assert not old_ok & set(new_all)  # every line answered once over the two jobs
     meta = json.loads(c.r.hget(K.job_meta_key("new"), "metadata"))
     assert meta == {"retry_of": "old"}
+    assert c.r.hmget(K.ModelKeys("m").job_intake("new"), "tenant", "prio") == [b"t1", b"background"]  # its class
     assert cli("verify-job", "new", url=redis_url, env=env, check=False).returncode == 0
     # --include-permanent retries x0 too; --only expired leaves the failed line out
     r = cli("retry", "old", "--job", "again", "--only", "failed", "--include-permanent", url=redis_url, env=env)
@@ -359,3 +361,7 @@ def test_the_ledger_of_a_job_without_a_kept_input_reads_the_registry(cdr: Conduc
     cdr.r.xadd(mk.job_results("lib"), {b"id": b"zz", b"r": fields[b"r"].replace(fields[b"id"], b"zz")})
     led = job_ledger.build(cdr, "lib", None)
     assert not led.clean and led.phantom == ["zz"] and led.inputs == 5, led.render()
+    eid, fields = cdr.r.xrange(mk.job_results("lib"), count=1)[0]  # a result lost: a line with no answer
+    cdr.r.xdel(mk.job_results("lib"), eid)
+    led = job_ledger.build(cdr, "lib", None)
+    assert led.missing == [fields[b"id"].decode()] and "with no answer" in led.render()
