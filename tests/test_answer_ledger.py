@@ -326,6 +326,14 @@ def test_refused_lines_are_answered_as_validation_in_the_cli_error_file(redis_ur
     assert "duplicate of line 6" in err[1]["error"]["message"]
     led = json.loads(cli("verify-job", "sk", "--json", url=redis_url).stdout)
     assert led["clean"] and led["answers"] == {"completed": 7, "validation": 2} and led["inputs"] == 9
+    # the same file cancelled before it ran: each line once, refused ones 'validation', the rest 'cancelled'
+    cli("submit", str(src), "--job", "sk2", "--skip-invalid", url=redis_url)
+    cli("cancel", "sk2", url=redis_url)
+    cli("results", "sk2", "--format", "openai", "-o", str(tmp_path / "out2.jsonl"), "--errors",
+        str(tmp_path / "err2.jsonl"), url=redis_url)
+    err = [json.loads(x) for x in (tmp_path / "err2.jsonl").read_text().splitlines()]
+    assert (tmp_path / "out2.jsonl").read_text() == "" and len(err) == len(rows)
+    assert sorted(x["error"]["code"] for x in err) == ["cancelled"] * 7 + ["validation"] * 2
 
 
 def test_cancel_while_a_live_serve_submits_the_file(serve: Serve) -> None:

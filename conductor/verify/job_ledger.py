@@ -247,15 +247,16 @@ def ended_counts(c: Conductor, job: str, rc: dict[str, int], input_path: str | N
 
 
 def unsent_lines(c: Conductor, job: str, answered: set[str], input_path: str | None,
-                 status: str | None = None) -> Iterator[dict[str, Any]]:
+                 status: str | None = None, checked: bool = False) -> Iterator[dict[str, Any]]:
     """The error lines (OpenAI's format) of the input lines a job that ended early never submitted:
-    each with the end's code (``cancelled``, ``expired``) and the same ids every time it is read."""
+    each with the end's code (``cancelled``, ``expired``) and the same ids every time it is read.
+    ``checked``: lines the intake refuses are left out (``input_lines_of``; a batch has none)."""
     if status is None:
         status = job_state.describe(c, job, advance=False)["status"]
     if status not in ENDED_EARLY or not input_path or not os.path.exists(input_path):
         return
     seen: set[str] = set()
-    for iid in input_ids(input_path):
+    for iid in input_ids(input_path, checked):
         if iid is None or iid in answered or iid in seen:
             continue
         seen.add(iid)
@@ -277,4 +278,4 @@ def derived_lines(c: Conductor, job: str, input_path: str, answered: set[str]) -
                                          "error": {"code": "validation", "message": why}})
             line["custom_id"] = None
             yield line
-    yield from unsent_lines(c, job, answered, input_path, status)
+    yield from unsent_lines(c, job, answered, input_path, status, checked=True)
