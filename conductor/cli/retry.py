@@ -102,7 +102,7 @@ def retry_file(data_dir: str | None, job: str) -> Path:
     from conductor.api.upload_store import default_dir
     root = (Path(data_dir) if data_dir else default_dir()) / "retries"
     root.mkdir(parents=True, exist_ok=True)
-    return root / f"{job}.jsonl"
+    return root / (job.replace("/", "_") + ".jsonl")  # a job name may hold '/'; a file name may not
 
 
 INSPECT_JOBS = 100  # the newest jobs whose ledgers ``inspect --verify`` checks
