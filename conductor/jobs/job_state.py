@@ -16,7 +16,9 @@ result in bounded steps (lua/cancel.lua: one lane per call, so that the answer k
 payload and input tokens from its record; then one HSCAN page of the job's items per call), in-flight
 batches finish and keep their results, then the answered items leave the lanes (lua/repair_items.lua
 'done' per lane, lua/repair.lua per shape instance). The job ends ``cancelled`` (``expired``) once
-nothing is pending, with completed + failed = total.
+nothing is pending, with completed + failed = total. Cancel and expiry act on a job in any state
+that has not ended, ``validating`` included (a batch whose intake died): lines its intake never
+submitted are answered by the end itself, derived from the kept input (conductor/verify/job_ledger.py).
 """
 
 from __future__ import annotations
