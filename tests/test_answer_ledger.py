@@ -373,3 +373,23 @@ def test_the_ledger_of_a_job_without_a_kept_input_reads_the_registry(cdr: Conduc
     cdr.r.xdel(mk.job_results("lib"), eid)
     led = job_ledger.build(cdr, "lib", None)
     assert led.missing == [fields[b"id"].decode()] and "with no answer" in led.render()
+
+
+def test_lines_an_intake_sends_after_the_expiry_are_answered_too(cdr: Conductor) -> None:
+    """Expired while its intake still sends (declared 10, sent 4): the job reads expired at once,
+    stays among the deadlines, and the next expiry sweep answers the 6 sent afterwards."""
+    from tests.conftest import item
+    quick(cdr, "m")
+    its = [item(f"e{i}", 10) for i in range(10)]
+    cdr.declare("late", {"m": 10})
+    cdr.submit(its[:4], "late")
+    job_state.start(cdr.r, "late", window_s=1)
+    job_state.expire_due(cdr, now=time.time() + 2)
+    assert job_state.describe(cdr, "late", now=time.time() + 2)["status"] == "expired"
+    assert cdr.r.zscore(K.JOB_DEADLINES_KEY, "late") is not None  # 6 lines may still come
+    cdr.submit(its[4:], "late")
+    job_state.expire_due(cdr, now=time.time() + 2 + job_state.RESWEEP_S)
+    d = job_state.describe(cdr, "late", now=time.time() + 2 + job_state.RESWEEP_S)
+    assert d["status"] == "expired" and d["request_counts"] == {"total": 10, "completed": 0, "failed": 10}
+    assert sorted(x.id for x in cdr.read_results("late")) == sorted(it.id for it in its)
+    assert cdr.r.zscore(K.JOB_DEADLINES_KEY, "late") is None  # every line in: nothing more to look at

@@ -46,6 +46,7 @@ _STAMPS = ("created_at", "in_progress_at", "finalizing_at", "completed_at", "fai
            "cancelling_at", "cancelled_at", "expires_at")
 STEP = 1000  # items hash entries per cancel.lua call
 RESWEEP_S = 5.0  # a cancelling job with items pending (failed batches put back) is swept again this often
+LINGER_S = 600.0  # an expired job whose intake had not sent every line is looked at this long after its last sweep
 MAX_METADATA = 16  # OpenAI's limits: 16 pairs, keys of 64 and values of 512 characters
 
 _WINDOW = re.compile(r"^(\d{1,6})([smhd])$")
@@ -170,8 +171,11 @@ def describe(c: Conductor, job: str, *, advance: bool = True, now: float | None 
         if ending and now - float(meta.get("swept_at") or 0) >= RESWEEP_S:
             _sweep(c, job, ending)
             return describe(c, job, advance=False)
-    if advance and status in TERMINAL and meta.get("expires_at"):
-        c.r.zrem(K.JOB_DEADLINES_KEY, job)  # nothing left to expire
+    if advance and status in TERMINAL and meta.get("expires_at") and (
+            st["lost"] <= 0 or (now or time.time()) - float(meta.get("swept_at") or 0) > LINGER_S):
+        # nothing left to expire; a job that ended before its intake sent every line (lost) stays a
+        # while, so that lines a still running intake adds are answered by the next sweep too
+        c.r.zrem(K.JOB_DEADLINES_KEY, job)
     if status in TERMINAL and status != "failed" and ended_ms is not None:
         for stamp in ("finalizing_at", f"{status}_at"):
             meta.setdefault(stamp, str(ended_ms // 1000))
