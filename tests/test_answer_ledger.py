@@ -259,7 +259,6 @@ def test_cli_retry_after_expiry_and_verify_job(redis_url: str, tmp_path: Path) -
         if st["completed"] >= 1 and st["failed"] >= 1:
             break
     assert 0 < c.status("old")["pending"], c.status("old")
-    assert cli("verify-job", "old", url=redis_url, env=env, check=False).returncode == 0  # in flight, clean
     ins = cli("inspect", "m", "--verify", url=redis_url, env=env)  # with the ledger of each job in flight
     assert "ledger: job old (in_progress): 16 input lines" in ins.stdout.decode(), ins.stdout.decode()
     wait_for(lambda: time.time() >= float(c.r.hget(K.job_meta_key("old"), "expires_at") or 0), "window", 10)
@@ -299,7 +298,6 @@ def test_cli_retry_after_expiry_and_verify_job(redis_url: str, tmp_path: Path) -
     bad = cli("verify-job", "new", url=redis_url, env=env, check=False)
     assert bad.returncode == 1 and fields[b"id"].decode() in bad.stdout.decode()
     assert "twice" in bad.stdout.decode()
-    assert cli("retry", "new", "--job", "x", "--only", "nope", url=redis_url, env=env, check=False).returncode == 2
 
 
 def test_refused_lines_are_answered_as_validation_in_the_cli_error_file(redis_url: str, tmp_path: Path) -> None:
