@@ -17,11 +17,14 @@ Every check and read that can fail comes before the first write (the declaration
 
 from __future__ import annotations
 
+import queue
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from conductor.client import Conductor
+from conductor.client.submit_stream import SubmitReport
 from conductor.errors import ConductorError, DuplicateId
 from conductor.intake.formats import MaxTokensDefault
 from conductor.intake.input_files import FileScan, Writer, scan
@@ -59,6 +62,56 @@ def check_file(path: str, *, skip_invalid: bool, rejects: str | Writer | None,
     return found
 
 
+class Prefetched:
+    """The chunks of a checked file, read and parsed one chunk ahead by a thread of their own: the
+    parse of chunk k+1 runs while Redis runs chunk k's submit.lua calls (the socket wait releases
+    the GIL), instead of after it. At most two chunks are held besides the one being sent.
+    A ``with`` block ends the reader however the sending stops."""
+
+    _END = object()
+
+    def __init__(self, found: FileScan, size: int) -> None:
+        self._q: queue.Queue[object] = queue.Queue(maxsize=1)
+        self._stop = threading.Event()
+        self._chunks = found.chunks(size)
+        self._thread = threading.Thread(target=self._read, name="intake-read", daemon=True)
+
+    def _put(self, x: object) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._q.put(x, timeout=0.2)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _read(self) -> None:
+        try:
+            for chunk in self._chunks:
+                if not self._put(chunk):
+                    return
+            self._put(self._END)
+        except BaseException as e:  # noqa: BLE001 - handed to the sender, raised there
+            self._put(e)
+
+    def __enter__(self) -> Iterator[list[tuple[int, PreparedItem]]]:
+        self._thread.start()
+        return self._iter()
+
+    def _iter(self) -> Iterator[list[tuple[int, PreparedItem]]]:
+        while True:
+            x = self._q.get()
+            if x is self._END:
+                return
+            if isinstance(x, BaseException):
+                raise x
+            yield x  # type: ignore[misc]
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
 def _by_model(chunk: list[tuple[int, PreparedItem]]) -> dict[str, list[PreparedItem]]:
     out: dict[str, list[PreparedItem]] = {}
     for _, it in chunk:
@@ -91,27 +144,34 @@ def prepare_job(c: Conductor, found: FileScan, job: str, job_class: JobClass | N
     c.declare(job, found.counts)  # ids are distinct in a checked file
 
 
+def send_chunk(c: Conductor, chunk: list[tuple[int, PreparedItem]], job: str, *,
+               progress: Callable[[int], None] | None = None) -> SubmitReport:
+    """One chunk of a checked file (its lines numbered) into the job; a refused id names its line."""
+    try:
+        return c.submit([it for _, it in chunk], job, progress=progress)
+    except DuplicateId as e:
+        raise _with_line(e, chunk) from None
+
+
 def send_file(c: Conductor, found: FileScan, job: str, *, progress: Callable[[int], None] | None = None,
               seal: bool = True, should_stop: Callable[[], bool] | None = None) -> FileSubmit:
     """Step 3. ``progress(done)`` after every submit call; ``should_stop()`` is asked before each
     chunk (a batch cancelled while it is submitted stops there: the models are sealed all the same)."""
     out = FileSubmit(found)
     done = 0
-    for chunk in found.chunks(SEND_CHUNK):
-        if should_stop is not None and should_stop():
-            break
-
-        def shown(k: int, base: int = done) -> None:
-            if progress is not None:
-                progress(base + k)
-        try:
-            rep = c.submit([it for _, it in chunk], job, progress=None if progress is None else shown)
-        except DuplicateId as e:
-            raise _with_line(e, chunk) from None
-        out.accepted += rep.accepted
-        out.duplicates += rep.duplicates
-        done += len(chunk)
+    with Prefetched(found, SEND_CHUNK) as chunks:
+        for chunk in chunks:
+            if should_stop is not None and should_stop():
+                break
+            rep = send_chunk(c, chunk, job, progress=None if progress is None else _from(progress, done))
+            out.accepted += rep.accepted
+            out.duplicates += rep.duplicates
+            done += len(chunk)
     if seal:
         for model in sorted(found.counts):
             c.seal(model)
     return out
+
+
+def _from(progress: Callable[[int], None], base: int) -> Callable[[int], None]:
+    return lambda k: progress(base + k)
