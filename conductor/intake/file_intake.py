@@ -163,7 +163,7 @@ def send_file(c: Conductor, found: FileScan, job: str, *, progress: Callable[[in
         for chunk in chunks:
             if should_stop is not None and should_stop():
                 break
-            rep = send_chunk(c, chunk, job, progress=None if progress is None else _from(progress, done))
+            rep = send_chunk(c, chunk, job, progress=None if progress is None else shifted(progress, done))
             out.accepted += rep.accepted
             out.duplicates += rep.duplicates
             done += len(chunk)
@@ -173,5 +173,5 @@ def send_file(c: Conductor, found: FileScan, job: str, *, progress: Callable[[in
     return out
 
 
-def _from(progress: Callable[[int], None], base: int) -> Callable[[int], None]:
+def shifted(progress: Callable[[int], None], base: int) -> Callable[[int], None]:
     return lambda k: progress(base + k)

@@ -16,6 +16,8 @@ a line is refused, ``in_progress`` once every chunk is in (cancelled when cancel
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -24,7 +26,7 @@ import redis
 from conductor.client import Conductor
 from conductor.errors import BadInput, ConductorError, QueueFull, RedisUnavailable
 from conductor.intake import intake_task as T
-from conductor.intake.file_intake import SEND_CHUNK, check_file, prepare_job, send_chunk
+from conductor.intake.file_intake import SEND_CHUNK, Prefetched, check_file, prepare_job, send_chunk, shifted
 from conductor.intake.formats import CHAT_URL
 from conductor.intake.input_files import FileScan, LineCheck, scan
 from conductor.jobs import job_state
@@ -46,8 +48,8 @@ class Defaults:
     """``default_max_tokens`` per model: the recorded values of a resumed task, else the model's
     setting now (remembered, to be recorded once the file is checked)."""
 
-    def __init__(self, c: Conductor, recorded: dict[str, int] | None) -> None:
-        self.live = ModelDefaults(lambda: c.r)
+    def __init__(self, client: Callable[[], Any], recorded: dict[str, int] | None) -> None:
+        self.live = ModelDefaults(client)
         self.seen: dict[str, int] = dict(recorded or {})
 
     def __call__(self, model: str) -> int:
@@ -97,32 +99,45 @@ def _scan(c: Conductor, task: T.Task, defaults: Defaults) -> FileScan:
     return check_file(task.path, skip_invalid=task.skip_invalid, rejects=None, default_max_tokens=defaults)
 
 
-def run(c: Conductor, job: str, owner: str, found: FileScan | None = None,
-        defaults: Defaults | None = None) -> str:
+@dataclass
+class Outcome:
+    """How a run of the task ended (done, stopped, failed; 'lost' when another process holds it now,
+    'paused' when left for a resumer after a transient error) and what this run sent."""
+
+    state: str = ""
+    accepted: int = 0
+    duplicates: int = 0
+    progress: Callable[[int], None] | None = None  # items of the file sent so far, after each call
+
+
+def run(c: Conductor, job: str, owner: str, found: FileScan | None = None, defaults: Defaults | None = None,
+        progress: Callable[[int], None] | None = None) -> Outcome:
     """Run the job's intake task, whose lease ``owner`` holds, from its cursor; ``found`` (with the
-    ``defaults`` it was checked with): the first run's check, done by the caller. Returns how the
-    task ended (done, stopped, failed) or 'lost' (another process holds it now), or 'paused' (left
-    for a resumer after a transient error). A failure of a CLI task is raised after it is recorded."""
+    ``defaults`` it was checked with): the first run's check, done by the caller. A failure of a
+    CLI task is raised after it is recorded (an API task's fails its batch)."""
+    out = Outcome(progress=progress)
     task = T.read(c.r, job)
     if task is None or task.state not in T.OPEN:
-        return task.state if task else "missing"
+        out.state = task.state if task else "missing"
+        return out
     keeper = T.Keeper(c, job, owner)
     try:
         with keeper:
-            return _run(c, task, keeper, found, defaults)
+            out.state = _run(c, task, keeper, found, defaults, out)
     except T.Lost:
         log.info("intake of %s: lease taken by another process; stopping here", job)
-        return "lost"
+        out.state = "lost"
     except TRANSIENT as e:
         log.warning("intake of %s paused (%s); it resumes once its lease lapses", job, e)
-        return "paused"
+        out.state = "paused"
     except ConductorError as e:
-        _end(c, keeper, task, "failed", error=str(e).splitlines()[0] if str(e) else type(e).__name__)
-        if task.source == "api":
-            fail_batch(c, job, [{"code": "submit_failed", "message": str(e).splitlines()[0] if str(e) else
-                                 type(e).__name__, "param": None, "line": None}])
-            return "failed"
-        raise
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        _end(c, keeper, task, "failed", error=first)
+        if task.source != "api":
+            raise
+        fail_batch(c, job, [{"code": "submit_failed", "message": first, "param": None, "line": None}])
+        out.state = "failed"
+    return out
 
 
 def _end(c: Conductor, keeper: T.Keeper, task: T.Task, state: str, **fields: str) -> None:
@@ -133,12 +148,13 @@ def _end(c: Conductor, keeper: T.Keeper, task: T.Task, state: str, **fields: str
     c.r.zrem(K.INTAKE_TASKS_KEY, task.job)
 
 
-def _run(c: Conductor, task: T.Task, keeper: T.Keeper, found: FileScan | None, defaults: Defaults | None) -> str:
+def _run(c: Conductor, task: T.Task, keeper: T.Keeper, found: FileScan | None, defaults: Defaults | None,
+         out: Outcome) -> str:
     job = task.job
     if task.size is not None and (task.size, task.mtime_ns) != T.file_identity(task.path):
         raise ConductorError(f"{task.path} changed since its intake began; not resumed")
     if found is None or defaults is None:
-        defaults = Defaults(c, task.defaults)
+        defaults = Defaults(lambda: c.r, task.defaults)
         found = _scan(c, task, defaults)
     if task.source == "api" and (errors := batch_errors(found)):
         fail_batch(c, job, errors)
@@ -152,25 +168,9 @@ def _run(c: Conductor, task: T.Task, keeper: T.Keeper, found: FileScan | None, d
                       mtime_ns=str(mtime_ns))
         task.state = "sending"
     T.pause_point(c.r, job, "first_chunk")
-    size = T.send_chunk_size(SEND_CHUNK)
-    done, chunks = 0, 0
-    for chunk in found.chunks(size):
-        last = chunk[-1][0]
-        if last <= task.line:  # acknowledged before: the cursor is past it
-            done += len(chunk)
-            continue
-        if chunks == 1:
-            T.pause_point(c.r, job, "mid_file")
-        how = ended_how(c, job)
-        if how:
-            return _stopped(c, keeper, task, found, how)
-        if keeper.lost.is_set():
-            raise T.Lost(job)
-        send_chunk(c, chunk, job)
-        done += len(chunk)
-        task.line, task.sent = last, done
-        keeper.cursor(last, done)  # one write per acknowledged chunk, which renews the lease too
-        chunks += 1
+    how = _send(c, task, keeper, found, out)
+    if how:
+        return _stopped(c, keeper, task, found, how)
     T.pause_point(c.r, job, "last_chunk")
     for model in sorted(found.counts):
         c.seal(model)
@@ -182,6 +182,34 @@ def _run(c: Conductor, task: T.Task, keeper: T.Keeper, found: FileScan | None, d
             job_state.set_status(c.r, job, "in_progress")
     _end(c, keeper, task, "done")
     return "done"
+
+
+def _send(c: Conductor, task: T.Task, keeper: T.Keeper, found: FileScan, out: Outcome) -> str:
+    """The chunks past the cursor, each followed by its cursor write; returns '' when every chunk is
+    in, else how the job ended meanwhile (the chunk not sent)."""
+    done, sent_now = 0, 0
+    with Prefetched(found, T.send_chunk_size(SEND_CHUNK)) as chunks:
+        for chunk in chunks:
+            last = chunk[-1][0]
+            if last <= task.line:  # acknowledged before: the cursor is past it
+                done += len(chunk)
+                continue
+            if sent_now == 1:
+                T.pause_point(c.r, task.job, "mid_file")
+            how = ended_how(c, task.job)
+            if how:
+                return how
+            if keeper.lost.is_set():
+                raise T.Lost(task.job)
+            rep = send_chunk(c, chunk, task.job, progress=None if out.progress is None else
+                             shifted(out.progress, done))
+            out.accepted += rep.accepted
+            out.duplicates += rep.duplicates
+            done += len(chunk)
+            task.line, task.sent = last, done
+            keeper.cursor(last, done)  # one write per acknowledged chunk, which renews the lease too
+            sent_now += 1
+    return ""
 
 
 def _stopped(c: Conductor, keeper: T.Keeper, task: T.Task, found: FileScan, how: str) -> str:

@@ -30,6 +30,8 @@ of candidates: the task hash is the truth.
 from __future__ import annotations
 
 import os
+import secrets
+import socket
 import threading
 import time
 from dataclasses import dataclass
@@ -130,11 +132,16 @@ def create(c: ScriptClient, task: Task, owner: str) -> None:
                              f"its intake resumes by itself if that process dies")
     pipe = c.r.pipeline(transaction=False)  # a producer's ACL has no MULTI
     pipe.delete(key)
-    pipe.hset(key, mapping=task.fields())
+    pipe.hset(key, mapping=task.fields())  # type: ignore[arg-type]  # str keys: Mapping is invariant in its key
     pipe.zadd(K.INTAKE_TASKS_KEY, {task.job: int(time.time() * 1000)})
     pipe.execute()
     if not calls.intake_lease(key, owner, LEASE_MS).run(c.scripts).held:
         raise ConductorError(f"job {task.job!r}: its intake task was taken by another process")
+
+
+def cli_owner() -> str:
+    """A process's name as a task owner (the serve replicas name themselves in conductor/api/app.py)."""
+    return f"cli:{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
 
 
 def file_identity(path: str) -> tuple[int, int]:
