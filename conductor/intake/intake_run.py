@@ -206,6 +206,8 @@ def _send(c: Conductor, task: T.Task, keeper: T.Keeper, found: FileScan, out: Ou
             out.accepted += rep.accepted
             out.duplicates += rep.duplicates
             done += len(chunk)
+            if sent_now == 0:
+                T.pause_point(c.r, task.job, "unrecorded_chunk")
             task.line, task.sent = last, done
             keeper.cursor(last, done)  # one write per acknowledged chunk, which renews the lease too
             sent_now += 1

@@ -52,11 +52,13 @@ RENEW_S = 1.5  # the keeper renews this often (a few renewals per lease)
 OPEN = ("checking", "sending")
 ENDED = ("done", "stopped", "failed")
 
-# Test hooks (tests/test_durable_intake.py): the intake stops at the named point, records it in the
-# task (field test_paused_at) and waits there to be killed; and a smaller chunk than SEND_CHUNK.
+# Test hooks (tests/test_durable_intake.py): the intake stops at a named point (pause_point), and a
+# smaller chunk than SEND_CHUNK. Points: the file checked (before the declaration); declared, before
+# the first chunk; the first chunk acknowledged but its cursor not yet written; before the second
+# chunk; after the last chunk; sealed, before the batch's status moves.
 PAUSE_ENV = "CONDUCTOR_TEST_PAUSE_AT"
 CHUNK_ENV = "CONDUCTOR_TEST_SEND_CHUNK"
-POINTS = ("checked", "first_chunk", "mid_file", "last_chunk", "state_change")
+POINTS = ("checked", "first_chunk", "unrecorded_chunk", "mid_file", "last_chunk", "state_change")
 
 
 @dataclass
@@ -188,9 +190,21 @@ class Keeper:
             raise Lost(self.key)
 
 
+_paused_jobs: dict[str, int] = {}  # job -> its place among this process's intakes (the test hook's order)
+_paused_lock = threading.Lock()
+
+
 def pause_point(r: redis.Redis, job: str, name: str) -> None:
-    """Test-only: with CONDUCTOR_TEST_PAUSE_AT=name the intake records the point and waits to be killed."""
-    if os.environ.get(PAUSE_ENV) != name:
+    """Test-only: CONDUCTOR_TEST_PAUSE_AT=p1,p2,... makes the k-th intake this process runs stop at
+    point pk (one of POINTS): it records the point in its task (field test_paused_at) and waits there
+    to be killed."""
+    raw = os.environ.get(PAUSE_ENV)
+    if not raw:
+        return
+    points = raw.split(",")
+    with _paused_lock:
+        k = _paused_jobs.setdefault(job, len(_paused_jobs))
+    if k >= len(points) or points[k] != name:
         return
     r.hset(K.intake_task_key(job), "test_paused_at", name)
     while True:

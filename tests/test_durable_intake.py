@@ -1,0 +1,114 @@
+"""Durable intake (issue 25): a batch's or a CLI submit's intake is a task in Redis with a cursor, so
+killing the process that runs it (SIGKILL) at any point leaves work that another process resumes,
+exactly once. Real serve, CLI and worker processes, a real redis-server, the official openai SDK.
+
+The kills are deterministic: CONDUCTOR_TEST_PAUSE_AT makes the k-th intake of a process stop at
+the k-th named point (conductor/intake/intake_task.py), record it in its task and wait to be killed;
+CONDUCTOR_TEST_SEND_CHUNK makes chunks of a few lines, so a small file has a middle."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import redis
+from openai import OpenAI
+
+from conductor.client import Conductor
+from conductor.embedded import free_port
+from conductor.intake import intake_task as T
+from conductor.redis_contract import keys as K
+from tests.conftest import ROOT
+from tests.test_serve import KEY, follow, get, jsonl, lines_of, request, stop, worker
+
+LINES = 60
+CHUNK = 25  # 3 chunks: 25, 25, 10
+
+
+def start_serve(redis_url: str, data_dir: Path, **env: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    full = dict(os.environ, CONDUCTOR_REDIS_URL=redis_url, CONDUCTOR_API_KEYS=KEY,
+                CONDUCTOR_TEST_SEND_CHUNK=str(CHUNK), **env)
+    p = subprocess.Popen([sys.executable, "-m", "conductor", "--log-level", "warning", "serve", "--port", str(port),
+                          "--data-dir", str(data_dir)], env=full, cwd=str(ROOT))
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            get(base + "/", KEY)
+            return p, base
+        except OSError:
+            assert p.poll() is None and time.monotonic() < deadline, "serve did not start"
+            time.sleep(0.1)
+
+
+def wait_paused(r: redis.Redis, job: str, point: str, timeout: float = 30) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        task = {k.decode(): v.decode() for k, v in r.hgetall(K.intake_task_key(job)).items()}
+        if task.get("test_paused_at") == point:
+            return task
+        assert time.monotonic() < deadline, f"intake of {job} never reached {point}: {task}"
+        time.sleep(0.05)
+
+
+def kill(p: subprocess.Popen) -> None:
+    p.send_signal(signal.SIGKILL)
+    p.wait(10)
+
+
+def test_serve_killed_at_each_point_of_intake_resumes_every_batch_exactly_once(redis_url, tmp_path):
+    """One serve runs five batches' intakes, each stopped at another point; it is killed (SIGKILL),
+    a new serve resumes them all from their cursors, a worker runs them: every batch completes and
+    every custom_id is once in its output file."""
+    points = ["first_chunk", "unrecorded_chunk", "mid_file", "last_chunk", "state_change"]
+    r = redis.Redis.from_url(redis_url)
+    p, base = start_serve(redis_url, tmp_path / "files", CONDUCTOR_TEST_PAUSE_AT=",".join(points))
+    client = OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
+    batches, cursors = [], {}
+    try:
+        for k, point in enumerate(points):
+            rows = [request(1000 * k + i) for i in range(LINES)]
+            f = client.files.create(file=(f"in{k}.jsonl", io.BytesIO(jsonl(rows))), purpose="batch")
+            b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+            task = wait_paused(r, b.id, point)
+            assert task["source"] == "api" and task["state"] in T.OPEN and task["file_id"] == f.id
+            cursors[point] = int(task["line"])
+            batches.append(b.id)
+    finally:
+        kill(p)
+    # where each stopped: nothing recorded before the first chunk and while the first was unrecorded,
+    # one chunk before the second, all of them after the last
+    assert cursors == {"first_chunk": 0, "unrecorded_chunk": 0, "mid_file": CHUNK, "last_chunk": LINES,
+                       "state_change": LINES}, cursors
+    # the chunk sent but not recorded is in Redis: the resumed intake sends it again
+    assert Conductor(r).status(batches[1])["submitted"] == CHUNK
+    for job in batches:
+        assert r.hget(K.job_meta_key(job), "status") == b"validating"
+
+    p, base = start_serve(redis_url, tmp_path / "files")
+    client = OpenAI(base_url=base + "/v1", api_key=KEY)
+    w = worker(redis_url)
+    try:
+        done = [follow(client, job, {"completed", "failed", "cancelled", "expired"}, timeout=90) for job in batches]
+        outputs = [lines_of(client, b.output_file_id) for b in done]
+    finally:
+        stop(w)
+        stop(p)
+    for k, b in enumerate(done):
+        assert b.status == "completed", (points[k], b)
+        rc = b.request_counts
+        assert (rc.total, rc.completed, rc.failed) == (LINES, LINES, 0), (points[k], rc)
+        ids = Counter(line["custom_id"] for line in outputs[k])
+        assert ids == Counter(f"req-{1000 * k + i}" for i in range(LINES)), points[k]
+        assert b.error_file_id is None
+        task = T.read(r, b.id)
+        assert task is not None and task.state == "done" and task.line == LINES and task.sent == LINES
+        assert not r.zscore(K.INTAKE_TASKS_KEY, b.id)  # off the resumers' index
+
