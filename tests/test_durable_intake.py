@@ -9,6 +9,7 @@ CONDUCTOR_TEST_SEND_CHUNK makes chunks of a few lines, so a small file has a mid
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import subprocess
@@ -69,7 +70,7 @@ def test_serve_killed_at_each_point_of_intake_resumes_every_batch_exactly_once(r
     every custom_id is once in its output file."""
     points = ["first_chunk", "unrecorded_chunk", "mid_file", "last_chunk", "state_change"]
     r = redis.Redis.from_url(redis_url)
-    p, base = start_serve(redis_url, tmp_path / "files", CONDUCTOR_TEST_PAUSE_AT=",".join(points))
+    p, base = start_serve(redis_url, tmp_path / "files", CONDUCTOR_TEST_PAUSE_AT=",".join([*points, "mid_file"]))
     client = OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
     batches, cursors = [], {}
     try:
@@ -81,6 +82,13 @@ def test_serve_killed_at_each_point_of_intake_resumes_every_batch_exactly_once(r
             assert task["source"] == "api" and task["state"] in T.OPEN and task["file_id"] == f.id
             cursors[point] = int(task["line"])
             batches.append(b.id)
+        # a sixth, stopped mid-file and cancelled there: the resumed intake sends nothing more
+        rows = [request(9000 + i) for i in range(LINES)]
+        f = client.files.create(file=("cancelled.jsonl", io.BytesIO(jsonl(rows))), purpose="batch")
+        cancelled = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
+                                          completion_window="24h").id
+        wait_paused(r, cancelled, "mid_file")
+        assert client.batches.cancel(cancelled).status == "cancelling"
     finally:
         kill(p)
     # where each stopped: nothing recorded before the first chunk and while the first was unrecorded,
@@ -98,6 +106,10 @@ def test_serve_killed_at_each_point_of_intake_resumes_every_batch_exactly_once(r
     try:
         done = [follow(client, job, {"completed", "failed", "cancelled", "expired"}, timeout=90) for job in batches]
         outputs = [lines_of(client, b.output_file_id) for b in done]
+        deadline = time.monotonic() + 30  # each line sent answered once (cancelled or run)
+        while (c := client.batches.retrieve(cancelled)).request_counts.completed + c.request_counts.failed < CHUNK:
+            assert time.monotonic() < deadline, c
+            time.sleep(0.2)
     finally:
         stop(w)
         stop(p)
@@ -112,3 +124,47 @@ def test_serve_killed_at_each_point_of_intake_resumes_every_batch_exactly_once(r
         assert task is not None and task.state == "done" and task.line == LINES and task.sent == LINES
         assert not r.zscore(K.INTAKE_TASKS_KEY, b.id)  # off the resumers' index
 
+    # the cancelled one: its intake stopped where it was, recorded with the reason (the lines never
+    # sent are the cancel's to answer: issue 25's other part)
+    assert c.status in ("cancelling", "cancelled") and c.request_counts.total == CHUNK, c
+    task = T.read(r, cancelled)
+    assert task is not None and (task.state, task.reason, task.line, task.sent) == ("stopped", "cancelled", CHUNK,
+                                                                                    CHUNK)
+
+
+def native(i: int) -> str:
+    return json.dumps({"id": f"n-{i}", "model": "m", "prefix": ["be brief"], "prompt": f"question {i}",
+                       "input_tokens": 8, "max_tokens": 4}) + "\n"
+
+
+def test_cli_submit_killed_mid_file_is_resumed_by_a_workers_maintenance(redis_url, tmp_path):
+    """conductor submit killed (SIGKILL) after its first chunk: the task stays in Redis with its cursor;
+    a worker started later (its maintenance lease holder reads the same path) resumes it, and the job
+    completes with every id once."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(native(i) for i in range(LINES)))
+    r = redis.Redis.from_url(redis_url)
+    env = dict(os.environ, CONDUCTOR_REDIS_URL=redis_url, CONDUCTOR_TEST_SEND_CHUNK=str(CHUNK),
+               CONDUCTOR_TEST_PAUSE_AT="unrecorded_chunk")
+    p = subprocess.Popen([sys.executable, "-m", "conductor", "submit", str(src), "--job", "cj"], env=env,
+                         cwd=str(ROOT), stdout=subprocess.DEVNULL)
+    try:
+        task = wait_paused(r, "cj", "unrecorded_chunk")
+    finally:
+        kill(p)
+    assert (task["source"], task["state"], task["line"], task["path"]) == ("cli", "sending", "0", str(src.resolve()))
+    cdr = Conductor(r)
+    assert cdr.status("cj")["submitted"] == CHUNK  # sent, not recorded: sent again on resume
+    w = worker(redis_url)
+    try:
+        deadline = time.monotonic() + 60
+        while (st := cdr.status("cj"))["completed"] < LINES:
+            assert time.monotonic() < deadline and w.poll() is None, st
+            time.sleep(0.2)
+    finally:
+        stop(w)
+    assert (st["submitted"], st["completed"], st["pending"]) == (LINES, LINES, 0), st
+    ids = Counter(json.loads(res)["id"] for res in cdr.results("cj"))
+    assert ids == Counter(f"n-{i}" for i in range(LINES))
+    done = T.read(r, "cj")
+    assert done is not None and (done.state, done.line, done.sent) == ("done", LINES, LINES)

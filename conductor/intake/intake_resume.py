@@ -27,7 +27,7 @@ from conductor.redis_contract.connection import as_str
 
 log = logging.getLogger(__name__)
 RESUME_EVERY_S = 1.0
-MAX_RUNNING = 2  # tasks one process runs at once (each reads a file and holds a connection)
+MAX_RUNNING = 4  # tasks one process runs at once (each reads a file and holds a connection)
 
 
 class Resumer:
