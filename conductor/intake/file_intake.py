@@ -34,6 +34,10 @@ from conductor.redis_contract.records import JobClass, PreparedItem
 # items per Conductor.submit (each call groups its items by shape, conductor/client/submit_stream.py): a chunk of 2 KB
 # prompts is some 20 MB of Python objects, a few round trips of checks per chunk cost nothing
 SEND_CHUNK = 5_000
+# The first items of a file are kept as the check built them, up to this many bytes of lines and
+# bodies: the send pass then parses only the rest (a parse costs about what the send costs;
+# bench/RESULTS.md, intake speed). Memory grows by about that much for a file of that size or more.
+KEEP_BYTES = 64 * 1024 * 1024
 LARGE_SUBMIT = 10_000  # items from which a submit on a terminal shows its live line
 
 
@@ -48,7 +52,7 @@ def check_file(path: str, *, skip_invalid: bool, rejects: str | Writer | None,
                default_max_tokens: MaxTokensDefault | None = None) -> FileScan:
     """Step 1; prints the first refusals on stderr and raises unless ``skip_invalid``.
     ``default_max_tokens(model)``: the output cap of an OpenAI line without one (each pass the same)."""
-    found = scan(path, rejects=rejects, default_max_tokens=default_max_tokens)
+    found = scan(path, rejects=rejects, default_max_tokens=default_max_tokens, keep_bytes=KEEP_BYTES)
     if found.refused:
         for e in found.errors:
             print(f"error: {e}", file=sys.stderr)
@@ -70,10 +74,10 @@ class Prefetched:
 
     _END = object()
 
-    def __init__(self, found: FileScan, size: int) -> None:
+    def __init__(self, found: FileScan, size: int, after: int = 0) -> None:
         self._q: queue.Queue[object] = queue.Queue(maxsize=1)
         self._stop = threading.Event()
-        self._chunks = found.chunks(size)
+        self._chunks = found.chunks(size, after)
         self._thread = threading.Thread(target=self._read, name="intake-read", daemon=True)
 
     def _put(self, x: object) -> bool:

@@ -106,18 +106,19 @@ def _check_model(v: str, line: int | None, name: str = "model") -> str:
         raise BadInput(name, str(e).split(": ", 1)[1], line) from None
 
 
-# A file's lines share a few prefixes: their signatures are remembered (bounded; cleared when full).
-_SIGS: dict[tuple[str, ...], str] = {}
+# A file's lines share a few prefixes: each one's signature and one copy of it are remembered
+# (bounded; cleared when full), so that items kept in memory share their prefix.
+_SIGS: dict[tuple[str, ...], tuple[str, tuple[str, ...]]] = {}
 _SIGS_MAX = 4096
 
 
-def _signature(prefix: tuple[str, ...]) -> str:
-    sig = _SIGS.get(prefix)
-    if sig is None:
+def _signature(prefix: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
+    known = _SIGS.get(prefix)
+    if known is None:
         if len(_SIGS) >= _SIGS_MAX:
             _SIGS.clear()
-        sig = _SIGS[prefix] = shape_signature(prefix)
-    return sig
+        known = _SIGS[prefix] = (shape_signature(prefix), prefix)
+    return known
 
 
 def _prepare(id_: str, model: str, prefix: list[str], prompt: str, input_tokens: int | None,
@@ -127,8 +128,8 @@ def _prepare(id_: str, model: str, prefix: list[str], prompt: str, input_tokens:
         raise BadInput("payload", f"larger than {MAX_PAYLOAD_BYTES} bytes", line)
     if input_tokens is None:
         input_tokens = min(estimate_tokens(prefix, prompt), MAX_INPUT_TOKENS)
-    parts = tuple(prefix)
-    return PreparedItem(id=id_, model=model, sig=_signature(parts), input_tokens=input_tokens,
+    sig, parts = _signature(tuple(prefix))
+    return PreparedItem(id=id_, model=model, sig=sig, input_tokens=input_tokens,
                         max_tokens=max_tokens, body=body, prefix=parts)
 
 

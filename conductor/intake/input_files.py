@@ -68,16 +68,19 @@ def _raw_row(row: dict[str, Any]) -> bytes:
 
 
 def iter_lines(path: str, default_max_tokens: MaxTokensDefault | None = None, *, parquet: bool = True,
-               ) -> Iterator[tuple[int, PreparedItem | BadInput, bytes]]:
+               after: int = 0) -> Iterator[tuple[int, PreparedItem | BadInput, bytes]]:
     """Every non-blank line (or row) of the file: its number, its item or why it is refused, and
     its raw text (for --rejects). ``default_max_tokens(model)``: the output cap of an OpenAI line
     without one (formats.parse_line). ``parquet`` False reads a file as JSON lines whatever its
-    first bytes (the Batch API takes JSONL, as OpenAI's does)."""
+    first bytes (the Batch API takes JSONL, as OpenAI's does). ``after``: lines up to that number
+    are skipped unread (JSONL; a Parquet file's rows are read and dropped)."""
     if parquet and is_parquet(path):
-        yield from _iter_parquet(path, default_max_tokens)
+        yield from (x for x in _iter_parquet(path, default_max_tokens) if x[0] > after)
         return
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
+            if n <= after:
+                continue
             line = raw.rstrip(b"\r\n")
             if not line.strip():
                 continue
@@ -135,6 +138,10 @@ class FileScan:
     # the output cap of an OpenAI line without one, the same in every pass (formats.parse_line)
     default_max_tokens: MaxTokensDefault | None = None
     parquet: bool = True  # read the same way in every pass (iter_lines)
+    # The first valid items as the check built them, up to scan's keep_bytes of their lines: the send
+    # pass takes these instead of reading and parsing those lines again (kept_to: the last line kept).
+    kept: list[tuple[int, PreparedItem]] = field(default_factory=list)
+    kept_to: int = 0
 
     @property
     def items(self) -> int:
@@ -144,9 +151,21 @@ class FileScan:
     def errors(self) -> list[str]:
         return [str(e) for e in self.refusals]
 
-    def chunks(self, size: int) -> Iterator[list[tuple[int, PreparedItem]]]:
-        """The valid items, ``size`` at a time, with their line numbers (a pass over the file)."""
-        return chunks(self.path, self.refused, size, self.default_max_tokens, parquet=self.parquet)
+    def chunks(self, size: int, after: int = 0) -> Iterator[list[tuple[int, PreparedItem]]]:
+        """The valid items past line ``after``, ``size`` at a time, with their line numbers: the kept
+        ones, then a pass over the rest of the file."""
+        buf = [(n, it) for n, it in self.kept if n > after and n not in self.refused]
+        while len(buf) >= size:
+            yield buf[:size]
+            buf = buf[size:]
+        for chunk in chunks(self.path, self.refused, size, self.default_max_tokens, parquet=self.parquet,
+                            after=max(after, self.kept_to)):
+            buf.extend(chunk)
+            while len(buf) >= size:
+                yield buf[:size]
+                buf = buf[size:]
+        if buf:
+            yield buf
 
 
 SHOWN_ERRORS = 20
@@ -154,12 +173,14 @@ SHOWN_ERRORS = 20
 
 def scan(path: str, *, rejects: str | Writer | None = None, progress: Callable[[int], None] | None = None,  # noqa: C901 - one pass, its refusals recorded as found
          default_max_tokens: MaxTokensDefault | None = None, check: LineCheck | None = None,
-         id_field: str = "id", shown: int = SHOWN_ERRORS, parquet: bool = True) -> FileScan:
+         id_field: str = "id", shown: int = SHOWN_ERRORS, parquet: bool = True, keep_bytes: int = 0) -> FileScan:
     """Validate every line (and ``check`` each valid item), count the valid items per model, and
     refuse duplicate ids (the later lines; ``id_field`` names the field in the refusal). Refusals
     are written to ``rejects`` (JSONL: line, field, error, raw) as found; the first ``shown`` are
-    kept in ``refusals``."""
+    kept in ``refusals``. The first valid items are kept as built while their lines add up to at
+    most ``keep_bytes`` (``FileScan.kept``): parsing a line costs about as much as sending it."""
     out = FileScan(path, default_max_tokens=default_max_tokens, parquet=parquet)
+    kept_bytes, keeping = 0, keep_bytes > 0
     digests = array("Q")
     opened = open(rejects, "wb") if isinstance(rejects, str) else None  # noqa: SIM115 - closed below
     rej: Writer | None = opened if opened is not None else rejects if not isinstance(rejects, str) else None
@@ -184,6 +205,13 @@ def scan(path: str, *, rejects: str | Writer | None = None, progress: Callable[[
                     refuse(n, e, raw)
                     continue
             digests.append(_id_digest(it.id))
+            if keeping:
+                kept_bytes += len(raw) + len(it.body)  # the line read, and the body built from it
+                if kept_bytes <= keep_bytes:
+                    out.kept.append((n, it))
+                    out.kept_to = n
+                else:
+                    keeping = False
             out.counts[it.model] = out.counts.get(it.model, 0) + 1
             out.tokens += it.input_tokens
             k += 1
@@ -223,10 +251,10 @@ def _repeated(digests: array[int]) -> set[int]:
 
 
 def chunks(path: str, refused: set[int], size: int, default_max_tokens: MaxTokensDefault | None = None, *,
-           parquet: bool = True) -> Iterator[list[tuple[int, PreparedItem]]]:
-    """The valid items of a scanned file, ``size`` at a time, with their line numbers."""
+           parquet: bool = True, after: int = 0) -> Iterator[list[tuple[int, PreparedItem]]]:
+    """The valid items of a scanned file past line ``after``, ``size`` at a time, with their line numbers."""
     buf: list[tuple[int, PreparedItem]] = []
-    for n, it, _ in iter_lines(path, default_max_tokens, parquet=parquet):
+    for n, it, _ in iter_lines(path, default_max_tokens, parquet=parquet, after=after):
         if n in refused or isinstance(it, BadInput):
             continue
         buf.append((n, it))

@@ -26,7 +26,15 @@ import redis
 from conductor.client import Conductor
 from conductor.errors import BadInput, ConductorError, QueueFull, RedisUnavailable
 from conductor.intake import intake_task as T
-from conductor.intake.file_intake import SEND_CHUNK, Prefetched, check_file, prepare_job, send_chunk, shifted
+from conductor.intake.file_intake import (
+    KEEP_BYTES,
+    SEND_CHUNK,
+    Prefetched,
+    check_file,
+    prepare_job,
+    send_chunk,
+    shifted,
+)
 from conductor.intake.formats import CHAT_URL
 from conductor.intake.input_files import FileScan, LineCheck, scan
 from conductor.jobs import job_state
@@ -95,7 +103,7 @@ def ended_how(c: Conductor, job: str) -> str:
 def _scan(c: Conductor, task: T.Task, defaults: Defaults) -> FileScan:
     if task.source == "api":
         return scan(task.path, default_max_tokens=defaults, check=openai_request(task.endpoint or CHAT_URL),
-                    id_field="custom_id", shown=MAX_ERRORS, parquet=False)
+                    id_field="custom_id", shown=MAX_ERRORS, parquet=False, keep_bytes=KEEP_BYTES)
     return check_file(task.path, skip_invalid=task.skip_invalid, rejects=None, default_max_tokens=defaults)
 
 
@@ -187,13 +195,11 @@ def _run(c: Conductor, task: T.Task, keeper: T.Keeper, found: FileScan | None, d
 def _send(c: Conductor, task: T.Task, keeper: T.Keeper, found: FileScan, out: Outcome) -> str:
     """The chunks past the cursor, each followed by its cursor write; returns '' when every chunk is
     in, else how the job ended meanwhile (the chunk not sent)."""
-    done, sent_now = 0, 0
-    with Prefetched(found, T.send_chunk_size(SEND_CHUNK)) as chunks:
+    done, sent_now = task.sent, 0
+    # the lines up to the cursor were acknowledged before: not read again
+    with Prefetched(found, T.send_chunk_size(SEND_CHUNK), after=task.line) as chunks:
         for chunk in chunks:
             last = chunk[-1][0]
-            if last <= task.line:  # acknowledged before: the cursor is past it
-                done += len(chunk)
-                continue
             if sent_now == 1:
                 T.pause_point(c.r, task.job, "mid_file")
             how = ended_how(c, task.job)
