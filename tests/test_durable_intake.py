@@ -18,11 +18,13 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import redis
 from openai import OpenAI
 
 from conductor.client import Conductor
 from conductor.embedded import free_port
+from conductor.errors import ConductorError
 from conductor.intake import intake_task as T
 from conductor.redis_contract import keys as K
 from tests.conftest import ROOT
@@ -168,3 +170,73 @@ def test_cli_submit_killed_mid_file_is_resumed_by_a_workers_maintenance(redis_ur
     assert ids == Counter(f"n-{i}" for i in range(LINES))
     done = T.read(r, "cj")
     assert done is not None and (done.state, done.line, done.sent) == ("done", LINES, LINES)
+
+
+def _task_file(tmp_path: Path, n: int) -> Path:
+    src = tmp_path / "f.jsonl"
+    src.write_text("".join(native(i) for i in range(n)))
+    return src
+
+
+def test_intake_stops_at_an_expired_job_and_records_where(cdr, tmp_path, monkeypatch):
+    """In process: the job expires between two chunks (job_state.end records ending=expired): the
+    next chunk is not sent, the task ends stopped with the reason, its cursor at the last chunk in."""
+    from conductor.intake import intake_run
+    from conductor.intake.file_intake import check_file, prepare_job
+    from conductor.jobs import job_state
+    monkeypatch.setenv(T.CHUNK_ENV, str(CHUNK))
+    src = _task_file(tmp_path, LINES)
+    d = intake_run.Defaults(lambda: cdr.r, None)
+    found = check_file(str(src), skip_invalid=False, rejects=None, default_max_tokens=d)
+    prepare_job(cdr, found, "ej")
+    size, mtime = T.file_identity(str(src))
+    T.create(cdr, T.Task(job="ej", source="cli", path=str(src), state="sending", defaults={}, size=size,
+                         mtime_ns=mtime), "me")
+    job_state.start(cdr.r, "ej", window_s=3600)
+    sent = []
+    real = intake_run.send_chunk
+
+    def send_then_expire(c, chunk, job, **kw):  # noqa: ANN001, ANN003, ANN202
+        rep = real(c, chunk, job, **kw)
+        sent.append(len(chunk))
+        cdr.r.hset(K.job_meta_key(job), "ending", "expired")  # what job_state.end(c, job, 'expired') records
+        return rep
+    monkeypatch.setattr(intake_run, "send_chunk", send_then_expire)
+    out = intake_run.run(cdr, "ej", "me", found, d)
+    assert out.state == "stopped" and sent == [CHUNK]
+    task = T.read(cdr.r, "ej")
+    assert task is not None and (task.state, task.reason, task.line, task.sent) == ("stopped", "expired", CHUNK, CHUNK)
+    assert cdr.status("ej")["submitted"] == CHUNK and not cdr.r.zscore(K.INTAKE_TASKS_KEY, "ej")
+
+
+def test_a_lapsed_lease_goes_to_one_taker_and_the_old_holder_cannot_move_the_cursor(cdr, tmp_path):
+    from conductor.redis_contract import script_calls as calls
+    src = _task_file(tmp_path, 3)
+    T.create(cdr, T.Task(job="lj", source="cli", path=str(src), state="sending"), "old")
+    key = K.intake_task_key("lj")
+    assert not calls.intake_lease(key, "new", T.LEASE_MS).run(cdr.scripts).held  # the old lease runs
+    cdr.r.hset(key, "lease_ms", 1)  # as if the old holder died long ago
+    assert calls.intake_lease(key, "new", T.LEASE_MS).run(cdr.scripts).held
+    assert not calls.intake_lease(key, "third", T.LEASE_MS).run(cdr.scripts).held
+    assert not calls.intake_cursor(key, "old", T.LEASE_MS, 2, 2).run(cdr.scripts)  # fenced off
+    assert calls.intake_cursor(key, "new", T.LEASE_MS, 2, 2).run(cdr.scripts)
+    assert calls.intake_cursor(key, "new", T.LEASE_MS, 1, 1).run(cdr.scripts)  # never moves back
+    task = T.read(cdr.r, "lj")
+    assert task is not None and (task.owner, task.line, task.sent) == ("new", 2, 2)
+    assert calls.intake_cursor(key, "new", T.LEASE_MS, 3, 3, "done").run(cdr.scripts)
+    assert calls.intake_lease(key, "new", T.LEASE_MS).run(cdr.scripts).state == "ended"  # never taken again
+    assert not calls.intake_cursor(key, "new", T.LEASE_MS, 4, 4).run(cdr.scripts)
+
+
+def test_a_file_changed_since_its_intake_began_is_not_resumed(cdr, tmp_path):
+    from conductor.intake import intake_run
+    src = _task_file(tmp_path, 3)
+    size, mtime = T.file_identity(str(src))
+    T.create(cdr, T.Task(job="cj2", source="cli", path=str(src), state="sending", defaults={}, size=size,
+                         mtime_ns=mtime), "me")
+    src.write_text("".join(native(i) for i in range(5)))
+    with pytest.raises(ConductorError, match="changed since its intake began"):  # a CLI task's: raised once recorded
+        intake_run.run(cdr, "cj2", "me")
+    task = T.read(cdr.r, "cj2")
+    assert task is not None and task.state == "failed" and "changed" in task.error
+    assert cdr.status("cj2")["submitted"] == 0
