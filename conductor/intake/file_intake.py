@@ -9,7 +9,7 @@ one chunk of items at a time whatever the file size:
 2. ask Redis what submit would refuse (a paused model; for a job that exists already, ids it has
    with other content or under another model), then record the per-model counts
    (``Conductor.declare``): a refused file leaves nothing behind;
-3. send the items in chunks of SEND_CHUNK (``Conductor.submit``, which asks again per chunk:
+3. send the items in chunks of SEND_CHUNK items or SEND_CHUNK_BYTES (``Conductor.submit``, which asks again per chunk:
    another producer may have written meanwhile), then seal each model.
 
 Every check and read that can fail comes before the first write (the declaration of step 2).
@@ -31,9 +31,12 @@ from conductor.intake.input_files import FileScan, Writer, scan
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.records import JobClass, PreparedItem
 
-# items per Conductor.submit (each call groups its items by shape, conductor/client/submit_stream.py): a chunk of 2 KB
-# prompts is some 20 MB of Python objects, a few round trips of checks per chunk cost nothing
-SEND_CHUNK = 5_000
+# Items per Conductor.submit, and at most about SEND_CHUNK_BYTES of bodies (memory holds two chunks
+# read ahead): each call groups its items by shape (conductor/client/submit_stream.py), and a chunk
+# of 5,000 items of 20 shapes cost submit.lua 15-30 % more server time per item than one of 20,000
+# (its calls touch more lanes; bench/RESULTS.md, intake speed). The cursor moves once per chunk.
+SEND_CHUNK = 20_000
+SEND_CHUNK_BYTES = 8 * 1024 * 1024
 # The first items of a file are kept as the check built them, up to this many bytes of lines and
 # bodies: the send pass then parses only the rest (a parse costs about what the send costs;
 # bench/RESULTS.md, intake speed). Memory grows by about that much for a file of that size or more.
@@ -77,7 +80,7 @@ class Prefetched:
     def __init__(self, found: FileScan, size: int, after: int = 0) -> None:
         self._q: queue.Queue[object] = queue.Queue(maxsize=1)
         self._stop = threading.Event()
-        self._chunks = found.chunks(size, after)
+        self._chunks = found.chunks(size, after, SEND_CHUNK_BYTES)
         self._thread = threading.Thread(target=self._read, name="intake-read", daemon=True)
 
     def _put(self, x: object) -> bool:
@@ -133,7 +136,7 @@ def prepare_job(c: Conductor, found: FileScan, job: str, job_class: JobClass | N
     (its tenant, priority and deadline: which instances take its items) and the declaration."""
     exists = c.r.zscore(K.JOBS_KEY, job) is not None
     if exists:
-        for chunk in found.chunks(SEND_CHUNK):
+        for chunk in found.chunks(SEND_CHUNK, 0, SEND_CHUNK_BYTES):
             items = [it for _, it in chunk]
             c.check_submit(items, job)
             try:

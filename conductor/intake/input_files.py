@@ -151,19 +151,23 @@ class FileScan:
     def errors(self) -> list[str]:
         return [str(e) for e in self.refusals]
 
-    def chunks(self, size: int, after: int = 0) -> Iterator[list[tuple[int, PreparedItem]]]:
-        """The valid items past line ``after``, ``size`` at a time, with their line numbers: the kept
-        ones, then a pass over the rest of the file."""
-        buf = [(n, it) for n, it in self.kept if n > after and n not in self.refused]
-        while len(buf) >= size:
-            yield buf[:size]
-            buf = buf[size:]
-        for chunk in chunks(self.path, self.refused, size, self.default_max_tokens, parquet=self.parquet,
-                            after=max(after, self.kept_to)):
-            buf.extend(chunk)
-            while len(buf) >= size:
-                yield buf[:size]
-                buf = buf[size:]
+    def chunks(self, size: int, after: int = 0, max_bytes: int = 0) -> Iterator[list[tuple[int, PreparedItem]]]:
+        """The valid items past line ``after``, at most ``size`` at a time (and, with ``max_bytes``,
+        about that many bytes of bodies), with their line numbers: the kept ones, then a pass over
+        the rest of the file."""
+        def items() -> Iterator[tuple[int, PreparedItem]]:
+            yield from ((n, it) for n, it in self.kept if n > after and n not in self.refused)
+            for chunk in chunks(self.path, self.refused, size, self.default_max_tokens, parquet=self.parquet,
+                                after=max(after, self.kept_to)):
+                yield from chunk
+        buf: list[tuple[int, PreparedItem]] = []
+        held = 0
+        for x in items():
+            buf.append(x)
+            held += len(x[1].body) + len(x[1].id)
+            if len(buf) >= size or (max_bytes and held >= max_bytes):
+                yield buf
+                buf, held = [], 0
         if buf:
             yield buf
 
