@@ -16,7 +16,9 @@ Each repetition runs every system once, in a rotated order, on an emptied server
   the items sent with a cursor write per chunk;
 * ``submit (process)``: the same command as a child process (its interpreter start included);
 * ``api``: the Batch API's intake of the OpenAI file (a batch's task run as serve's thread runs it:
-  conductor/intake/intake_run.py), against ``xadd (OpenAI)``, the XADD of its own parsed items.
+  conductor/intake/intake_run.py), against ``xadd (OpenAI)``, the XADD of its own parsed items;
+* with ``--old-tree DIR`` (``git archive REV | tar -x -C DIR``): ``submit (process, old tree)``, that
+  commit's ``conductor submit`` as a child process, for the figure before.
 
 Figures are medians over the repetitions; ratios are paired within a repetition (each system over
 the limit measured minutes apart on the same server) and then the median taken.
@@ -56,8 +58,9 @@ from conductor.redis_contract.records import PreparedItem  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("xadd", "library", "submit", "submit (process)", "xadd (OpenAI)", "api")
-LIMIT_OF = {"library": "xadd", "submit": "xadd", "submit (process)": "xadd", "api": "xadd (OpenAI)"}
-GOALS = {"library": 1.0, "submit": 0.8, "submit (process)": 0.8, "api": 0.8}
+OLD = "submit (process, old tree)"
+LIMIT_OF = {"library": "xadd", "submit": "xadd", "submit (process)": "xadd", "api": "xadd (OpenAI)", OLD: "xadd"}
+GOALS = {"library": 1.0, "submit": 0.8, "submit (process)": 0.8, "api": 0.8, OLD: 0.8}
 
 
 def write_files(d: Path, n: int) -> tuple[Path, Path]:
@@ -85,9 +88,10 @@ def run_cli_in_process(url: str, path: Path, job: str) -> None:
     assert rc == 0, rc
 
 
-def run_cli_process(url: str, path: Path, job: str) -> None:
+def run_cli_process(url: str, path: Path, job: str, tree: Path = ROOT) -> None:
+    # python -m puts the working directory first on sys.path: the tree's package wins
     subprocess.run([sys.executable, "-m", "conductor", "--redis", url, "submit", str(path), "--job", job, "--quiet"],
-                   check=True, cwd=str(ROOT), stdout=subprocess.DEVNULL, env=dict(os.environ))
+                   check=True, cwd=str(tree), stdout=subprocess.DEVNULL, env=dict(os.environ))
 
 
 def run_api(c: Conductor, path: Path, job: str) -> None:
@@ -98,7 +102,7 @@ def run_api(c: Conductor, path: Path, job: str) -> None:
 
 
 def bench(url: str, r: redis.Redis, native: Path, openai: Path, reps: int,
-          log: Callable[[str], None] = print) -> dict[str, list[float]]:
+          log: Callable[[str], None] = print, old_tree: Path | None = None) -> dict[str, list[float]]:
     items, oitems = parsed(native), parsed(openai)
     n = len(items)
     runs: dict[str, Callable[[str], None]] = {
@@ -109,9 +113,13 @@ def bench(url: str, r: redis.Redis, native: Path, openai: Path, reps: int,
         "xadd (OpenAI)": lambda job: run_xadd(r, oitems, job),
         "api": lambda job: run_api(Conductor(r), openai, job),
     }
-    rates: dict[str, list[float]] = {k: [] for k in SYSTEMS}
+    systems = SYSTEMS
+    if old_tree is not None:
+        runs[OLD] = lambda job: run_cli_process(url, native, job, old_tree)
+        systems = (*SYSTEMS, OLD)
+    rates: dict[str, list[float]] = {k: [] for k in systems}
     for rep in range(reps):
-        order = list(SYSTEMS[rep % len(SYSTEMS):] + SYSTEMS[:rep % len(SYSTEMS)])
+        order = list(systems[rep % len(systems):] + systems[:rep % len(systems)])
         for name in order:
             r.flushall()
             Conductor(r).ensure_model("bench")
@@ -130,13 +138,14 @@ def _library(r: redis.Redis, items: list[PreparedItem], job: str) -> None:
 
 
 def ratios(rates: dict[str, list[float]]) -> dict[str, float]:
-    return {k: median([a / b for a, b in zip(rates[k], rates[lim], strict=True)]) for k, lim in LIMIT_OF.items()}
+    return {k: median([a / b for a, b in zip(rates[k], rates[lim], strict=True)]) for k, lim in LIMIT_OF.items()
+            if k in rates}
 
 
 def report(args: argparse.Namespace, mach: str, rates: dict[str, list[float]]) -> str:
     rat = ratios(rates)
     rows = []
-    for k in SYSTEMS:
+    for k in rates:
         lim = LIMIT_OF.get(k)
         ratio = f"**{rat[k]:.2f}x** of {lim} (goal {GOALS[k]:.1f}x: {'met' if rat[k] >= GOALS[k] else 'NOT met'})" \
             if lim else "the limit"
@@ -162,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, help="repetitions (5; quick 1)")
     p.add_argument("--quick", action="store_true", help="small sizes; prints, writes nothing")
     p.add_argument("--no-write", action="store_true", help="do not rewrite bench/RESULTS.md")
+    p.add_argument("--old-tree", type=Path, help="source tree of an earlier commit: its conductor submit too")
     args = p.parse_args(argv)
     args.items = args.items or (2000 if args.quick else 50_000)
     args.reps = args.reps or (1 if args.quick else 5)
@@ -171,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         r = connect(srv.url)
         mach = machine(r)
         print(f"redis-server on port {srv.port}; {mach}", flush=True)
-        rates = bench(srv.url, r, native, openai, args.reps)
+        rates = bench(srv.url, r, native, openai, args.reps, old_tree=args.old_tree)
         text = report(args, mach, rates)
     print()
     print(text)
