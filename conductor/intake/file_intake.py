@@ -36,11 +36,11 @@ from conductor.redis_contract.records import JobClass, PreparedItem
 # of 5,000 items of 20 shapes cost submit.lua 15-30 % more server time per item than one of 20,000
 # (its calls touch more lanes; bench/RESULTS.md, intake speed). The cursor moves once per chunk.
 SEND_CHUNK = 20_000
-SEND_CHUNK_BYTES = 8 * 1024 * 1024
+SEND_CHUNK_BYTES = 4 * 1024 * 1024
 # The first items of a file are kept as the check built them, up to this many bytes of lines and
 # bodies: the send pass then parses only the rest (a parse costs about what the send costs;
 # bench/RESULTS.md, intake speed). Memory grows by about that much for a file of that size or more.
-KEEP_BYTES = 64 * 1024 * 1024
+KEEP_BYTES = 32 * 1024 * 1024
 LARGE_SUBMIT = 10_000  # items from which a submit on a terminal shows its live line
 
 

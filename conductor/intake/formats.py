@@ -27,6 +27,7 @@ tokenizer should send the real count.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -169,8 +170,8 @@ def _native_fast(raw: bytes) -> PreparedItem | None:
             and (tok is None or 1 <= tok <= MAX_INPUT_TOKENS) and len(n.prefix) <= MAX_PREFIX_PARTS
             and _name_ok(n.model)):
         return None
-    try:
-        return _prepare(n.id, n.model, n.prefix, n.prompt, tok, n.max_tokens, n.payload, None)
+    try:  # one copy of a model's name for the items of a file (the check keeps many of them)
+        return _prepare(n.id, sys.intern(n.model), n.prefix, n.prompt, tok, n.max_tokens, n.payload, None)
     except BadInput:
         return None
 

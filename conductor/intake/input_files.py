@@ -211,7 +211,8 @@ def scan(path: str, *, rejects: str | Writer | None = None, progress: Callable[[
                     continue
             digests.append(_id_digest(it.id))
             if keeping:
-                kept_bytes += len(raw) + len(it.body)  # the line read, and the body built from it
+                # the line read (a Parquet row has none: its body stands for it), and the body built from it
+                kept_bytes += (len(raw) or len(it.body)) + len(it.body)
                 if kept_bytes <= keep_bytes:
                     out.kept.append((n, it))
                     out.kept_to = n
