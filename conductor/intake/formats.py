@@ -384,6 +384,57 @@ def _chat_prompt(body: dict[str, Any], line: int | None) -> tuple[list[str], str
     return [f"{r}: {c}" for r, c in parts[:-1]], parts[-1][1]
 
 
+class _Message(msgspec.Struct):
+    role: str
+    content: str  # a list of text parts goes the field-by-field way
+
+
+class _ChatBody(msgspec.Struct, forbid_unknown_fields=True):
+    model: str
+    messages: list[_Message]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+
+
+class _ChatLine(msgspec.Struct, forbid_unknown_fields=True):
+    """An OpenAI chat request line of the plainest form (no options, string contents): the fast
+    path of ``parse_line``, like ``_Native``; any other line goes the field-by-field way."""
+
+    custom_id: str
+    body: _ChatBody
+    method: str = "POST"
+    url: str = CHAT_URL
+
+
+_chat_line = msgspec.json.Decoder(_ChatLine)
+
+
+def _openai_fast(raw: bytes, default_max_tokens: MaxTokensDefault | None) -> PreparedItem | None:
+    """The item of a plain chat request line, the same as ``from_openai`` makes; None for any line
+    ``from_openai`` might refuse or read otherwise."""
+    try:
+        line = _chat_line.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    b, id_ = line.body, line.custom_id
+    msgs = b.messages
+    if not (id_ and len(id_) <= MAX_ID_BYTES // 4 and line.method == "POST" and line.url == CHAT_URL
+            and 1 <= len(msgs) <= MAX_PREFIX_PARTS + 1 and _name_ok(b.model)):
+        return None
+    given = [v for v in (b.max_completion_tokens, b.max_tokens) if v is not None]
+    if len(given) == 2 and given[0] != given[1]:
+        return None
+    if given and not 1 <= given[0] <= MAX_OUTPUT_TOKENS:
+        return None
+    model = sys.intern(b.model)
+    max_tokens = given[0] if given else default_max_tokens(model) if default_max_tokens else DEFAULT_MAX_TOKENS
+    prefix = [f"{m.role}: {m.content}" for m in msgs[:-1]]
+    try:
+        return _prepare(id_, model, prefix, msgs[-1].content, None, max_tokens, {"custom_id": id_}, None)
+    except BadInput:
+        return None
+
+
 _BOM = b"\xef\xbb\xbf"
 
 
@@ -397,10 +448,10 @@ def parse_line(raw: bytes | str, line: int | None = None,
         raw = raw[len(_BOM):]  # a file saved "with BOM" (Windows editors, Excel's UTF-8 CSV export)
     if len(raw) > MAX_LINE_BYTES:
         raise BadInput("line", f"longer than {MAX_LINE_BYTES} bytes", line)
-    if b'"custom_id"' not in raw:
-        fast = _native_fast(raw)  # a valid native line in one C call (msgspec checks its UTF-8 too)
-        if fast is not None:
-            return fast
+    # a valid line of the common forms in one C call (msgspec checks its UTF-8 too)
+    fast = _native_fast(raw) if b'"custom_id"' not in raw else _openai_fast(raw, default_max_tokens)
+    if fast is not None:
+        return fast
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError as e:
