@@ -69,6 +69,8 @@ class Defaults:
 def openai_request(endpoint: str) -> LineCheck:
     """The Batch API's check of a valid line: an OpenAI request for the batch's endpoint."""
     def check(n: int, it: PreparedItem) -> None:
+        if endpoint == CHAT_URL and it.body.endswith(b',{"custom_id":' + _enc.encode(it.id) + b"}]"):
+            return  # the payload from_openai gives a chat request without options: nothing to decode
         payload = _dec.decode(it.body)[1]
         if not isinstance(payload, dict) or payload.get("custom_id") != it.id:
             # a native line parses too; this API takes OpenAI's requests only
