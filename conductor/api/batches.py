@@ -90,11 +90,13 @@ def create(c: Conductor, store: FileStore, body: dict[str, Any], owner: str) -> 
     except BadInput as e:
         raise ApiError(400, str(e), f"metadata.{e.field}" if e.field == "tenant" else e.field) from None
     job = "batch_" + secrets.token_hex(12)
+    # The intake task first: a replica killed before it answers leaves no batch listed that nothing
+    # would ever submit (the task alone is resumed and runs to its end; the caller saw no batch).
+    create_task(c, Task(job=job, source="api", path=str(store.path(str(file_id)).resolve()), file_id=str(file_id),
+                        endpoint=str(endpoint), job_class=job_class), owner)
     job_state.start(c.r, job, status="validating", window_s=window_s, window=window, metadata=meta,
                     input_file_id=str(file_id), endpoint=endpoint)
     c.r.zadd(K.BATCHES_KEY, {job: int(time.time())})
-    create_task(c, Task(job=job, source="api", path=str(store.path(str(file_id)).resolve()), file_id=str(file_id),
-                        endpoint=str(endpoint), job_class=job_class), owner)
     threading.Thread(target=run_task, args=(c, job, owner), name=f"submit-{job}", daemon=True).start()
     return batch_object(c, job)
 
