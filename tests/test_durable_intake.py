@@ -36,8 +36,8 @@ CHUNK = 25  # 3 chunks: 25, 25, 10
 
 def start_serve(redis_url: str, data_dir: Path, **env: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    full = dict(os.environ, CONDUCTOR_REDIS_URL=redis_url, CONDUCTOR_API_KEYS=KEY,
-                CONDUCTOR_TEST_SEND_CHUNK=str(CHUNK), **env)
+    full = {**os.environ, "CONDUCTOR_REDIS_URL": redis_url, "CONDUCTOR_API_KEYS": KEY,
+            "CONDUCTOR_TEST_SEND_CHUNK": str(CHUNK), **env}
     p = subprocess.Popen([sys.executable, "-m", "conductor", "--log-level", "warning", "serve", "--port", str(port),
                           "--data-dir", str(data_dir)], env=full, cwd=str(ROOT))
     base = f"http://127.0.0.1:{port}"
@@ -240,3 +240,43 @@ def test_a_file_changed_since_its_intake_began_is_not_resumed(cdr, tmp_path):
     task = T.read(cdr.r, "cj2")
     assert task is not None and task.state == "failed" and "changed" in task.error
     assert cdr.status("cj2")["submitted"] == 0
+
+
+@pytest.mark.slow
+def test_serve_killed_at_random_moments_of_a_long_intake_still_submits_every_line_once(redis_url, tmp_path):
+    """The long form: no pause hook, serve SIGKILLed three times during a 6,000-line intake in chunks
+    of 50, each time just after its cursor passed a random line (so mid-chunk, mid-cursor-write,
+    wherever it is then), restarted each time; then a worker runs it: the batch completes with
+    every custom_id once."""
+    import random
+    n, rng = 6000, random.Random(25)
+    r = redis.Redis.from_url(redis_url)
+    p, base = start_serve(redis_url, tmp_path / "files", CONDUCTOR_TEST_SEND_CHUNK="50")
+    client = OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
+    f = client.files.create(file=("big.jsonl", io.BytesIO(jsonl([request(i) for i in range(n)]))), purpose="batch")
+    job = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id
+    lines_at_kill = []
+    try:
+        for at in sorted(rng.sample(range(1, n - 500), 3)):
+            deadline = time.monotonic() + 60
+            while int(r.hget(K.intake_task_key(job), "line") or 0) < at:  # then killed wherever it is
+                assert time.monotonic() < deadline, "the intake did not move"
+                time.sleep(0.002)
+            kill(p)
+            lines_at_kill.append(int(r.hget(K.intake_task_key(job), "line") or 0))
+            p, base = start_serve(redis_url, tmp_path / "files", CONDUCTOR_TEST_SEND_CHUNK="50")
+        client = OpenAI(base_url=base + "/v1", api_key=KEY)
+        w = worker(redis_url)
+        try:
+            b = follow(client, job, {"completed", "failed", "cancelled", "expired"}, timeout=240)
+            out = lines_of(client, b.output_file_id)
+        finally:
+            stop(w)
+    finally:
+        stop(p)
+    assert b.status == "completed", (lines_at_kill, b)
+    assert (b.request_counts.total, b.request_counts.completed) == (n, n)
+    assert Counter(line["custom_id"] for line in out) == Counter(f"req-{i}" for i in range(n))
+    task = T.read(r, job)
+    assert task is not None and task.state == "done" and task.sent == n and task.line == n
+    assert int(r.hget(K.intake_task_key(job), "takes") or 0) >= 2  # resumed by the later serves
