@@ -13,7 +13,6 @@ null cell is an absent field. Row numbers stand where JSONL has line numbers.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from array import array
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
+import xxhash
 
 from conductor.errors import BadInput
 from conductor.intake.formats import _NATIVE_FIELDS, MaxTokensDefault, from_native, from_openai, parse_line
@@ -37,7 +37,8 @@ def is_parquet(path: str) -> bool:
 
 
 def _id_digest(item_id: str) -> int:
-    return int.from_bytes(hashlib.blake2b(item_id.encode(), digest_size=8).digest(), "little")
+    # xxh64: a tenth of blake2b's time per id; a repeated digest only sends its lines to an exact look
+    return xxhash.xxh64_intdigest(item_id.encode())
 
 
 def _drop_nulls(obj: dict[str, Any]) -> dict[str, Any]:
@@ -82,7 +83,7 @@ def iter_lines(path: str, default_max_tokens: MaxTokensDefault | None = None, *,
             if n <= after:
                 continue
             line = raw.rstrip(b"\r\n")
-            if not line.strip():
+            if not line or line.isspace():  # blank (isspace copies nothing)
                 continue
             try:
                 yield n, parse_line(line, n, default_max_tokens), line
