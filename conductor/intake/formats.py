@@ -134,11 +134,18 @@ def _prepare(id_: str, model: str, prefix: list[str], prompt: str, input_tokens:
                         max_tokens=max_tokens, body=body, prefix=parts)
 
 
+_GOOD_NAMES: set[str] = set()  # model names seen valid (a file names a few): checked once each
+
+
 def _name_ok(v: str) -> bool:
+    if v in _GOOD_NAMES:
+        return True
     try:
         check_name("model", v)
     except ValueError:
         return False
+    if len(_GOOD_NAMES) < 1024:
+        _GOOD_NAMES.add(v)
     return True
 
 
