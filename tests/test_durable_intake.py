@@ -280,3 +280,20 @@ def test_serve_killed_at_random_moments_of_a_long_intake_still_submits_every_lin
     task = T.read(r, job)
     assert task is not None and task.state == "done" and task.sent == n and task.line == n
     assert int(r.hget(K.intake_task_key(job), "takes") or 0) >= 2  # resumed by the later serves
+
+
+def test_a_batch_cancelled_before_its_intake_declared_anything_gets_nothing_written(cdr, tmp_path):
+    """An API task resumed after its batch was cancelled (while no replica ran it) stops before the
+    declaration: no item, no declared count, the task stopped with the reason."""
+    from conductor.intake import intake_run
+    from conductor.jobs import job_state
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(jsonl([request(i) for i in range(5)]))
+    T.create(cdr, T.Task(job="batch_x", source="api", path=str(src), file_id="file-x", endpoint="/v1/chat/completions"),
+             "me")
+    job_state.start(cdr.r, "batch_x", status="validating")
+    job_state.set_status(cdr.r, "batch_x", "cancelling", ending="cancelled")  # what POST .../cancel records
+    assert intake_run.run(cdr, "batch_x", "me").state == "stopped"
+    task = T.read(cdr.r, "batch_x")
+    assert task is not None and (task.state, task.reason, task.sent) == ("stopped", "cancelled", 0)
+    assert not cdr.job_models("batch_x") and not list(cdr.r.scan_iter(match="cdr:{*"))  # nothing declared

@@ -172,6 +172,10 @@ def _run(c: Conductor, task: T.Task, keeper: T.Keeper, found: FileScan | None, d
         return "failed"
     T.pause_point(c.r, job, "checked")
     if task.state == "checking":
+        how = ended_how(c, job)
+        if how:  # cancelled or expired before anything was declared: nothing is written
+            _end(c, keeper, task, "stopped", reason=how)
+            return "stopped"
         prepare_job(c, found, job, task.job_class)  # refusals before the first write
         size, mtime_ns = T.file_identity(task.path)
         keeper.cursor(0, 0, "sending", defaults=_enc.encode(defaults.seen).decode(), size=str(size),
