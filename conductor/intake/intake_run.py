@@ -49,7 +49,7 @@ _dec = msgspec.json.Decoder()
 MAX_ERRORS = 1000  # bad lines listed in a failed batch's errors
 # Errors after which the task waits for its lease to lapse and is resumed (by this process's
 # resumer or another's), rather than failing the job: Redis away or full, for now.
-TRANSIENT = (RedisUnavailable, QueueFull, redis.ConnectionError, redis.TimeoutError)
+TRANSIENT = (RedisUnavailable, QueueFull, redis.ConnectionError, redis.TimeoutError, redis.OutOfMemoryError)
 
 
 class Defaults:
@@ -140,7 +140,7 @@ def run(c: Conductor, job: str, owner: str, found: FileScan | None = None, defau
     except TRANSIENT as e:
         log.warning("intake of %s paused (%s); it resumes once its lease lapses", job, e)
         out.state = "paused"
-    except ConductorError as e:
+    except (ConductorError, redis.ResponseError) as e:  # the input or Redis refused it: for good
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         _end(c, keeper, task, "failed", error=first)
         if task.source != "api":
