@@ -61,6 +61,13 @@ def wait_paused(r: redis.Redis, job: str, point: str, timeout: float = 30) -> di
         time.sleep(0.05)
 
 
+def wait_ended(r: redis.Redis, job: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while (task := T.read(r, job)) is None or task.state in T.OPEN:
+        assert time.monotonic() < deadline, task
+        time.sleep(0.1)
+
+
 def kill(p: subprocess.Popen) -> None:
     p.send_signal(signal.SIGKILL)
     p.wait(10)
@@ -106,8 +113,11 @@ def test_serve_killed_at_each_point_of_intake_resumes_every_batch_exactly_once(r
     client = OpenAI(base_url=base + "/v1", api_key=KEY)
     w = worker(redis_url)
     try:
+        for job in batches:  # each intake ended (a batch whose items were all in can complete before)
+            wait_ended(r, job)
         done = [follow(client, job, {"completed", "failed", "cancelled", "expired"}, timeout=90) for job in batches]
         outputs = [lines_of(client, b.output_file_id) for b in done]
+        wait_ended(r, cancelled)
         deadline = time.monotonic() + 30  # each line sent answered once (cancelled or run)
         while (c := client.batches.retrieve(cancelled)).request_counts.completed + c.request_counts.failed < CHUNK:
             assert time.monotonic() < deadline, c
@@ -168,6 +178,7 @@ def test_cli_submit_killed_mid_file_is_resumed_by_a_workers_maintenance(redis_ur
     assert (st["submitted"], st["completed"], st["pending"]) == (LINES, LINES, 0), st
     ids = Counter(json.loads(res)["id"] for res in cdr.results("cj"))
     assert ids == Counter(f"n-{i}" for i in range(LINES))
+    wait_ended(r, "cj")  # its items can all be done before the task records its end
     done = T.read(r, "cj")
     assert done is not None and (done.state, done.line, done.sent) == ("done", LINES, LINES)
 
@@ -277,6 +288,7 @@ def test_serve_killed_at_random_moments_of_a_long_intake_still_submits_every_lin
     assert b.status == "completed", (lines_at_kill, b)
     assert (b.request_counts.total, b.request_counts.completed) == (n, n)
     assert Counter(line["custom_id"] for line in out) == Counter(f"req-{i}" for i in range(n))
+    wait_ended(r, job)
     task = T.read(r, job)
     assert task is not None and task.state == "done" and task.sent == n and task.line == n
     assert int(r.hget(K.intake_task_key(job), "takes") or 0) >= 2  # resumed by the later serves
