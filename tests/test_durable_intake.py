@@ -127,6 +127,7 @@ def test_serve_killed_at_each_point_of_intake_resumes_every_batch_exactly_once(r
         stop(p)
     for k, b in enumerate(done):
         assert b.status == "completed", (points[k], b)
+        assert b.in_progress_at is None or b.created_at <= b.in_progress_at <= b.completed_at, (points[k], b)
         rc = b.request_counts
         assert (rc.total, rc.completed, rc.failed) == (LINES, LINES, 0), (points[k], rc)
         ids = Counter(line["custom_id"] for line in outputs[k])

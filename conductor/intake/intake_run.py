@@ -192,7 +192,8 @@ def _run(c: Conductor, task: T.Task, keeper: T.Keeper, found: FileScan | None, d
     if task.source == "api":
         if ended_how(c, job) == "cancelled":
             job_state.end(c, job, "cancelled")
-        else:
+        elif job_state.describe(c, job, advance=False)["status"] == "validating":
+            # (a resumed intake may find every item already run: the batch is completed, not in progress)
             job_state.set_status(c.r, job, "in_progress")
     _end(c, keeper, task, "done")
     return "done"
