@@ -94,8 +94,9 @@ def main() -> None:
             "each submit to a fresh embedded redis-server; peak RSS of the submit process from wait4() in a "
             "small launcher process.\n\n"
             + table(["rows", "format", "code", "file MiB", "peak RSS MiB", "seconds", "items/s"], out)
-            + "\n\nThe file is read in passes (check, then send in chunks of 5,000): memory holds one chunk "
-              "and an 8-byte digest per id, not the file.\n")
+            + "\n\nThe file is read in passes (check, then send in chunks of 20,000 items or 4 MiB): memory "
+              "holds the items the check keeps for the send pass (up to 32 MiB of lines and bodies, issue 25), "
+              "two chunks and an 8-byte digest per id, not the file.\n")
     if not a.no_write:
         write_section("input-rss", body)
     print(body)

@@ -1,7 +1,8 @@
 """Hypothesis stateful test: random interleavings of every state change against a real Redis,
 with every counter checked against the truth after every step (conductor/verify.py).
 
-The machine drives submit (several shapes, lengths and jobs, resubmitted ids), claim (several
+The machine drives submit (several shapes, lengths and jobs, resubmitted ids), a file's durable
+intake killed after a few chunks and resumed by another process (issue 25), claim (several
 contracts and consumers), complete (partial, final, twice, and late after a reclaim), fail,
 worker death (heartbeat gone, then reclaim), lease loss (an idle sweep of live consumers), a
 dead-letter retry, cancel, a retry of a cancelled job from its kept input (conductor/jobs/retry.py),
@@ -20,6 +21,9 @@ retried job's lines are answered once over it and its retry.
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -31,6 +35,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from conductor.client import Conductor, connect
 from conductor.jobs import job_state, retry
 from conductor.redis_contract import keys as K
+from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.records import Batch, Contract, PreparedItem
 from conductor.verify import verify
 from tests.conftest import item
@@ -78,6 +83,7 @@ class Accounting(RuleBasedStateMachine):
         self.lines: dict[str, dict] = {}  # id -> its input line (native), for a retry's kept input
         self.retried: dict[str, tuple[str, set[str], set[str]]] = {}  # old job -> (new job, its ids, retried ids)
         self.seq = 0
+        self.tmp = tempfile.mkdtemp(prefix="acct-intake-")  # input files of the intake rule
 
     # One initialize rule: hypothesis runs several in any order, and a backlog submitted before
     # a mode change would leave fill/ready stale (test_verify_config.py covers that case).
@@ -109,6 +115,51 @@ class Accounting(RuleBasedStateMachine):
         assert (rep.accepted, rep.duplicates) == (len(fresh), len(again))
         self.ids[job].update(it.id for it in fresh)
         self.sent.update((it.id, it) for it in fresh)
+
+    @rule(job=st.sampled_from(JOBS), specs=SPECS(1, 14), chunks=st.integers(0, 3), recorded=st.booleans())
+    def intake_killed_and_resumed(self, job: str, specs: list[tuple[int, int]], chunks: int, recorded: bool) -> None:
+        """A file's durable intake (conductor/intake/intake_task.py) whose process sends ``chunks`` chunks
+        (the last one's cursor written or not) and dies; another takes the lapsed lease and finishes
+        from the cursor: a chunk sent again is answered as duplicates, every line is one item."""
+        from conductor.intake import intake_run
+        from conductor.intake import intake_task as T
+        from conductor.intake.file_intake import check_file, prepare_job, send_chunk
+        lines = []
+        for shape, tokens in specs:
+            self.seq += 1
+            lines.append(json.dumps({"id": f"i{self.seq}", "model": MODEL, "prefix": list(SHAPES[shape]),
+                                     "prompt": "p", "input_tokens": tokens, "max_tokens": 4}) + "\n")
+        path = os.path.join(self.tmp, f"f{self.seq}.jsonl")
+        with open(path, "w") as f:
+            f.write("".join(lines))
+        defaults = intake_run.Defaults(lambda: self.r, None)
+        found = check_file(path, skip_invalid=False, rejects=None, default_max_tokens=defaults)
+        prepare_job(self.c, found, job)
+        T.create(self.c, T.Task(job=job, source="cli", path=path, state="sending", defaults={}), "first")
+        key, line, sent, unrecorded = K.intake_task_key(job), 0, 0, 0
+        for k, chunk in zip(range(chunks), found.chunks(4), strict=False):
+            send_chunk(self.c, chunk, job)
+            self.ids[job].update(it.id for _, it in chunk)
+            self.sent.update((it.id, it) for _, it in chunk)
+            if recorded or k < chunks - 1:
+                line, sent = chunk[-1][0], sent + len(chunk)
+                assert calls.intake_cursor(key, "first", T.LEASE_MS, line, sent).run(self.c.scripts)
+            else:
+                unrecorded = len(chunk)
+        self.r.hset(key, "lease_ms", 1)  # the first process died: its lease lapsed
+        assert calls.intake_lease(key, "second", T.LEASE_MS).run(self.c.scripts).held
+        os.environ[T.CHUNK_ENV] = "4"
+        try:
+            out = intake_run.run(self.c, job, "second", found, defaults)
+        finally:
+            del os.environ[T.CHUNK_ENV]
+        assert out.state == "done" and out.duplicates == unrecorded, out
+        assert out.accepted + out.duplicates == len(specs) - sent
+        for chunk in found.chunks(1000):
+            self.ids[job].update(it.id for _, it in chunk)
+            self.sent.update((it.id, it) for _, it in chunk)
+        task = T.read(self.r, job)
+        assert task is not None and (task.state, task.sent) == ("done", len(specs))
 
     @rule(contract=st.sampled_from(CONTRACTS), consumer=st.sampled_from(CONSUMERS), times=st.integers(1, 3))
     def claim(self, contract: Contract, consumer: str, times: int) -> None:
@@ -247,6 +298,7 @@ class Accounting(RuleBasedStateMachine):
                 assert {x.id for x in self.c.read_results(new)} == again, new
         finally:
             self.r.close()
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 # The default run explores 20 programs of 30 steps; the long form 40 (pytest -m slow).

@@ -195,6 +195,13 @@ def test_input_rss_quick_form_runs():
     assert "| 1,500 | JSONL |" in out and "| 1,500 | Parquet |" in out
 
 
+def test_intake_speed_quick_form_runs_every_system():
+    # each system's run asserts its own completeness (every item accepted, the API task done)
+    out = _bench("-m", "bench.intake_speed", "--quick", "--items", "600")
+    for label in ("| xadd |", "| library |", "| submit |", "| submit (process) |", "| xadd (OpenAI) |", "| api |"):
+        assert label in out, label
+
+
 def test_every_benchmark_has_a_quick_form_in_the_tests():
     # A benchmark nothing runs rots (issue 28): each bench/ module with a main is run by a test.
     text = "".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))

@@ -1,4 +1,5 @@
-"""Periodic work (reclaim sweep, thrash alarm, counter drift check) run by whichever worker holds a short lease.
+"""Periodic work (reclaim sweep, thrash alarm, counter drift check, resuming intake tasks whose
+process died) run by whichever worker holds a short lease.
 
 No central daemon is needed for correctness: any live worker of a model can sweep, and the
 lease (SET NX PX, renewed by its holder) keeps it to one at a time.
@@ -14,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from conductor.client import Conductor
+from conductor.intake.intake_resume import Resumer
 from conductor.jobs.job_state import expire_due_leased
 from conductor.jobs.retention import trim_model
 from conductor.observability import metrics
@@ -67,6 +69,9 @@ class Maintenance:
         self.feed_interval_s = 0.05
         self._held_until = 0.0
         self._feed_next = 0.0
+        # Intake tasks whose process died (a killed conductor submit or serve) whose file this host
+        # can read are resumed here too: a fleet may run without serve (conductor/intake/intake_resume.py).
+        self.intake = Resumer(conductor, owner)
         # Told of each failure first; True means it was reported there (the worker's outage line),
         # so no line of its own here.
         self.on_error: Callable[[BaseException], bool] | None = None
@@ -112,6 +117,7 @@ class Maintenance:
             # Jobs past their completion window end expired (issue 17): one sweeper at a time among
             # the lease holders of every model and the serve replicas (conductor/jobs/job_state.py).
             expire_due_leased(self.c, self.owner)
+            self.intake.tick()
             if self.feeder is not None:  # the disk tier: results past the window go to the store
                 offload_model(self.c, self.feeder.store, self.model)
             return res

@@ -3,8 +3,9 @@
 Stateless: batches are jobs (their lifecycle in ``cdr:job:J:meta``, conductor/jobs/job_state.py),
 file objects live in Redis and file bytes in a shared store directory
 (conductor/api/upload_store.py), so any number of replicas may serve behind one load balancer.
-This module puts the app together: authentication, the error replies, the expiry loop and the
-routers (conductor/api/files.py, conductor/api/batches.py, conductor/api/status_page.py).
+This module puts the app together: authentication, the error replies, the expiry loop, the intake
+resumer (a batch whose replica died mid-intake goes on from its cursor here) and the routers
+(conductor/api/files.py, conductor/api/batches.py, conductor/api/status_page.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from conductor.api.status_page import status_router
 from conductor.api.upload_store import FileStore
 from conductor.client import Conductor
 from conductor.errors import ConductorError
+from conductor.intake import intake_resume
 from conductor.jobs.job_state import expire_due_leased
 from conductor.tier.object_store import Store
 
@@ -56,9 +58,13 @@ def make_app(redis_url: str, *, data_dir: str | None = None, api_keys: list[str]
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         t = threading.Thread(target=expiry_loop, name="expiry", daemon=True)
         t.start()
+        # intake tasks whose replica died (conductor/intake/intake_resume.py): resumed from their cursor
+        resume = threading.Thread(target=intake_resume.loop, args=(c, owner, stop), name="intake-resume", daemon=True)
+        resume.start()
         yield
         stop.set()
         t.join(5)  # joined, not left to die with the interpreter
+        resume.join(5)
 
     app = FastAPI(title="conductor", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.store = store
@@ -82,7 +88,7 @@ def make_app(redis_url: str, *, data_dir: str | None = None, api_keys: list[str]
         return error_reply(400, str(e), getattr(e, "field", None))
 
     app.include_router(files_router(c, store))
-    app.include_router(batches_router(c, store))
-    app.include_router(retry_router(c, store))
+    app.include_router(batches_router(c, store, owner))
+    app.include_router(retry_router(c, store, owner))
     app.include_router(status_router(c))
     return app

@@ -24,17 +24,17 @@ from conductor.jobs import retry
 from conductor.jobs.job_state import describe
 
 
-def retry_router(c: Conductor, store: FileStore) -> APIRouter:
+def retry_router(c: Conductor, store: FileStore, owner: str) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/batches/{batch_id}/retry")
     def retry_batch(batch_id: str, body: dict[str, Any] | None = Body(None)) -> dict[str, Any]:  # noqa: B008
-        return retry_of(c, store, batch_id, body or {})
+        return retry_of(c, store, batch_id, body or {}, owner)
 
     return router
 
 
-def retry_of(c: Conductor, store: FileStore, batch_id: str, body: dict[str, Any]) -> dict[str, Any]:
+def retry_of(c: Conductor, store: FileStore, batch_id: str, body: dict[str, Any], owner: str) -> dict[str, Any]:
     if not is_batch(c, batch_id):
         raise ApiError(404, f"No such batch: {batch_id}", "batch_id")
     only, permanent = body.get("only"), body.get("include_permanent", False)
@@ -58,4 +58,4 @@ def retry_of(c: Conductor, store: FileStore, batch_id: str, body: dict[str, Any]
     buf.seek(0)
     f = store.put(buf, f"retry_of_{batch_id}.jsonl", "batch")
     return create(c, store, {"input_file_id": f["id"], "endpoint": d.get("endpoint"),
-                             "completion_window": d.get("completion_window") or "24h", "metadata": meta})
+                             "completion_window": d.get("completion_window") or "24h", "metadata": meta}, owner)

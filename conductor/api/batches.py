@@ -1,12 +1,14 @@
 """The Batches API (``/v1/batches``): a batch is a job whose input is an uploaded file.
 
-A created batch is checked and submitted by the replica that took the request, in a thread after
-the reply (status ``validating``, then ``in_progress``, or ``failed`` with OpenAI-style ``errors``
-naming each bad line and field), through the same intake as ``conductor submit``
-(conductor/intake/file_intake.py): every line checked, then every refusal Redis would give asked
-before the first write, then the items sent in chunks. Its lifecycle is the job's
-(conductor/jobs/job_state.py); its output and error files are its results
-(conductor/api/files.py)."""
+A created batch's intake is a task recorded in Redis (conductor/intake/intake_task.py) before the
+reply, run by a thread of the replica that took the request (status ``validating``, then
+``in_progress``, or ``failed`` with OpenAI-style ``errors`` naming each bad line and field), through
+the same intake as ``conductor submit`` (conductor/intake/intake_run.py): every line checked, then
+every refusal Redis would give asked before the first write, then the items sent in chunks, the
+cursor recorded after each. A replica that dies mid-intake leaves the task to any other (or a
+restarted one): its resumer (conductor/intake/intake_resume.py) takes the lapsed lease and goes on
+from the cursor. Its lifecycle is the job's (conductor/jobs/job_state.py); its output and error
+files are its results (conductor/api/files.py)."""
 
 from __future__ import annotations
 
@@ -24,29 +26,27 @@ from conductor.api.errors import ApiError, page
 from conductor.api.upload_store import ERROR_PREFIX, OUTPUT_PREFIX, FileStore
 from conductor.client import Conductor
 from conductor.errors import BadInput
-from conductor.intake.file_intake import prepare_job, send_file
 from conductor.intake.formats import CHAT_URL, ENDPOINTS
-from conductor.intake.input_files import FileScan, LineCheck, scan
+from conductor.intake.intake_run import run as run_task
+from conductor.intake.intake_task import Task
+from conductor.intake.intake_task import create as create_task
 from conductor.jobs import job_state
 from conductor.jobs.openai_output import converted
 from conductor.redis_contract import keys as K
-from conductor.redis_contract.config import ModelDefaults
 from conductor.redis_contract.connection import as_str
-from conductor.redis_contract.records import JobClass, PreparedItem
+from conductor.redis_contract.records import JobClass
 from conductor.verify import job_ledger
 
 log = logging.getLogger(__name__)
 _enc = msgspec.json.Encoder()
-_dec = msgspec.json.Decoder()
-MAX_ERRORS = 1000  # bad lines listed in a failed batch's errors
 
 
-def batches_router(c: Conductor, store: FileStore) -> APIRouter:
+def batches_router(c: Conductor, store: FileStore, owner: str) -> APIRouter:
     router = APIRouter()
 
     @router.post("/v1/batches")
     def create_batch(body: dict[str, Any]) -> dict[str, Any]:
-        return create(c, store, body)
+        return create(c, store, body, owner)
 
     @router.get("/v1/batches/{batch_id}")
     def get_batch(batch_id: str) -> dict[str, Any]:
@@ -71,8 +71,9 @@ def batches_router(c: Conductor, store: FileStore) -> APIRouter:
     return router
 
 
-def create(c: Conductor, store: FileStore, body: dict[str, Any]) -> dict[str, Any]:
-    """A new batch (status ``validating``) whose file is submitted by a thread of its own."""
+def create(c: Conductor, store: FileStore, body: dict[str, Any], owner: str) -> dict[str, Any]:
+    """A new batch (status ``validating``) whose intake task, recorded before the reply, is run by a
+    thread of its own (``owner``: this replica, holding the task's lease)."""
     file_id, endpoint = body.get("input_file_id"), body.get("endpoint")
     found = store.get(file_id) if isinstance(file_id, str) else None
     if found is None:
@@ -90,11 +91,14 @@ def create(c: Conductor, store: FileStore, body: dict[str, Any]) -> dict[str, An
     except BadInput as e:
         raise ApiError(400, str(e), f"metadata.{e.field}" if e.field == "tenant" else e.field) from None
     job = "batch_" + secrets.token_hex(12)
+    # The intake task first: a replica killed before it answers leaves no batch listed that nothing
+    # would ever submit (the task alone is resumed and runs to its end; the caller saw no batch).
+    create_task(c, Task(job=job, source="api", path=str(store.path(str(file_id)).resolve()), file_id=str(file_id),
+                        endpoint=str(endpoint), job_class=job_class), owner)
     job_state.start(c.r, job, status="validating", window_s=window_s, window=window, metadata=meta,
                     input_file_id=str(file_id), endpoint=endpoint)
     c.r.zadd(K.BATCHES_KEY, {job: int(time.time())})
-    threading.Thread(target=submit_batch_file, args=(c, store, job, file_id, endpoint, job_class),
-                     name=f"submit-{job}", daemon=True).start()
+    threading.Thread(target=run_task, args=(c, job, owner), name=f"submit-{job}", daemon=True).start()
     return batch_object(c, job, store)
 
 
@@ -153,55 +157,3 @@ def input_path(store: FileStore, file_id: str | None) -> str | None:
     """Where the batch's input file is kept (None when it has none, or it was deleted)."""
     return str(store.path(file_id)) if file_id and store.get(file_id) else None
 
-
-def _openai_request(endpoint: str) -> LineCheck:
-    def check(n: int, it: PreparedItem) -> None:
-        payload = _dec.decode(it.body)[1]
-        if not isinstance(payload, dict) or payload.get("custom_id") != it.id:
-            # a native line parses too; this API takes OpenAI's requests only
-            raise BadInput("custom_id", "missing: each line is an OpenAI batch request", n)
-        url = payload.get("url", CHAT_URL)
-        if url != endpoint:
-            raise BadInput("url", f"{url} differs from the batch's endpoint {endpoint}", n)
-    return check
-
-
-def submit_batch_file(c: Conductor, store: FileStore, job: str, file_id: str, endpoint: str,
-                      job_class: JobClass | None = None) -> None:
-    """Check every line (OpenAI's way: any bad line fails the batch, naming each), ask what Redis
-    would refuse, then submit in steps; a file is read in passes rather than held."""
-    try:
-        found = scan(str(store.path(file_id)), default_max_tokens=ModelDefaults(lambda: c.r).max_tokens,
-                     check=_openai_request(endpoint), id_field="custom_id", shown=MAX_ERRORS, parquet=False)
-        errors = _errors(found)
-        if errors:
-            _fail(c, job, errors)
-            return
-        prepare_job(c, found, job, job_class)
-        send_file(c, found, job, should_stop=lambda: bool(_ending(c, job)))
-        ending = _ending(c, job)
-        if ending:  # cancelled or expired while it was sent: what came in meanwhile is answered too
-            job_state.end(c, job, ending)
-        else:
-            job_state.set_status(c.r, job, "in_progress")
-    except Exception as e:  # noqa: BLE001 - whatever stopped it, the batch must say so
-        log.warning("batch %s: submit failed: %s", job, e)
-        _fail(c, job, [{"code": "submit_failed", "message": str(e).splitlines()[0] if str(e) else type(e).__name__,
-                        "param": None, "line": None}])
-
-
-def _errors(found: FileScan) -> list[dict[str, Any]]:
-    """The refused lines in line order, as a batch's ``errors`` lists them."""
-    if not found.counts and not found.refused:
-        return [{"code": "empty_file", "message": "the input file holds no requests", "param": None, "line": None}]
-    return [{"code": "invalid_request", "message": str(e), "param": e.field, "line": e.line}
-            for e in sorted(found.refusals, key=lambda e: e.line or 0)]
-
-
-def _ending(c: Conductor, job: str) -> str:
-    """'cancelled' or 'expired' once the batch is being ended, else ''."""
-    return as_str(c.r.hget(K.job_meta_key(job), "ending"), absent="")
-
-
-def _fail(c: Conductor, job: str, errors: list[dict[str, Any]]) -> None:
-    job_state.set_status(c.r, job, "failed", errors=_enc.encode({"object": "list", "data": errors}).decode())

@@ -63,8 +63,9 @@ def rejects_output(path: str | None) -> Iterator[Output | None]:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from conductor.cli.progress import ProgressLine
-    from conductor.intake.file_intake import LARGE_SUBMIT, check_file, prepare_job, send_file
-    from conductor.redis_contract.config import ModelDefaults
+    from conductor.intake.file_intake import LARGE_SUBMIT, check_file, prepare_job
+    from conductor.intake.intake_run import Defaults, run
+    from conductor.intake.intake_task import Task, cli_owner, create, file_identity
     conductors: list[Any] = []  # connected only when a line needs a model's default (or to submit)
 
     def redis_client() -> Any:
@@ -72,21 +73,36 @@ def cmd_submit(args: argparse.Namespace) -> int:
             conductors.append(conductor_from(args))
         return conductors[0].r
     refuse_overwrite([args.file], {"--rejects": args.rejects})
+    defaults = Defaults(redis_client, None)  # recorded with the task: a resumed intake builds the same items
     with rejects_output(args.rejects) as rej:
-        found = check_file(args.file, skip_invalid=args.skip_invalid, rejects=rej,
-                           default_max_tokens=ModelDefaults(redis_client).max_tokens)
+        found = check_file(args.file, skip_invalid=args.skip_invalid, rejects=rej, default_max_tokens=defaults)
     redis_client()
     c = conductors[0]
     job = args.job or default_job(args.file)
-    prepare_job(c, found, job, job_class(args))  # nothing is written when any part of the file would be refused
+    cls = job_class(args)
+    prepare_job(c, found, job, cls)  # nothing is written when any part of the file would be refused
+    # From here the intake is a task in Redis (conductor/intake/intake_task.py): killed, this command's
+    # intake is resumed from its cursor by conductor serve or a worker's maintenance (README).
+    size, mtime_ns = file_identity(args.file)
+    owner = cli_owner()
+    create(c, Task(job=job, source="cli", path=str(Path(args.file).resolve()), state="sending",
+                   skip_invalid=args.skip_invalid, job_class=cls, defaults=dict(defaults.seen), size=size,
+                   mtime_ns=mtime_ns), owner)
     from conductor.cli.batch_api import start_job
     start_job(c, job, args)
     record_input(c, job, args.file)
     live = sys.stderr.isatty() and found.items >= LARGE_SUBMIT and not args.quiet
     with ProgressLine(f"submit {job}", found.items, sys.stderr, live=live) as line:
-        sent = send_file(c, found, job, progress=None if args.quiet else line.update)
+        sent = run(c, job, owner, found, defaults, progress=None if args.quiet else line.update)
     print(job)
-    if args.quiet:
+    if sent.state == "stopped":
+        print(f"job {job} ended ({_reason(c, job)}) while it was submitted: its intake stopped after "
+              f"{sent.accepted + sent.duplicates} of {found.items} items", file=sys.stderr)
+    elif sent.state != "done":
+        print(f"job {job}: intake {sent.state} after {sent.accepted + sent.duplicates} of {found.items} items; "
+              "it is resumed from its cursor by conductor serve or a worker's maintenance", file=sys.stderr)
+        return 1
+    elif args.quiet:
         pass
     elif sent.accepted == 0:
         print(f"submitted 0 items ({sent.duplicates} already there) to job {job}: nothing new, every item of "
@@ -109,3 +125,9 @@ def record_input(c: Any, job: str, path: str) -> None:
         c.r.hset(key, "input_path", full)
     elif as_str(kept) != full:
         c.r.hset(key, "input_path", "")
+
+
+def _reason(c: Any, job: str) -> str:
+    from conductor.intake.intake_task import read
+    task = read(c.r, job)
+    return task.reason if task and task.reason else "ended"

@@ -27,6 +27,7 @@ tokenizer should send the real count.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -106,6 +107,21 @@ def _check_model(v: str, line: int | None, name: str = "model") -> str:
         raise BadInput(name, str(e).split(": ", 1)[1], line) from None
 
 
+# A file's lines share a few prefixes: each one's signature and one copy of it are remembered
+# (bounded; cleared when full), so that items kept in memory share their prefix.
+_SIGS: dict[tuple[str, ...], tuple[str, tuple[str, ...]]] = {}
+_SIGS_MAX = 4096
+
+
+def _signature(prefix: tuple[str, ...]) -> tuple[str, tuple[str, ...]]:
+    known = _SIGS.get(prefix)
+    if known is None:
+        if len(_SIGS) >= _SIGS_MAX:
+            _SIGS.clear()
+        known = _SIGS[prefix] = (shape_signature(prefix), prefix)
+    return known
+
+
 def _prepare(id_: str, model: str, prefix: list[str], prompt: str, input_tokens: int | None,
              max_tokens: int, payload: Any, line: int | None) -> PreparedItem:
     body = _json.encode([prompt, payload])
@@ -113,8 +129,58 @@ def _prepare(id_: str, model: str, prefix: list[str], prompt: str, input_tokens:
         raise BadInput("payload", f"larger than {MAX_PAYLOAD_BYTES} bytes", line)
     if input_tokens is None:
         input_tokens = min(estimate_tokens(prefix, prompt), MAX_INPUT_TOKENS)
-    return PreparedItem(id=id_, model=model, sig=shape_signature(prefix), input_tokens=input_tokens,
-                        max_tokens=max_tokens, body=body, prefix=tuple(prefix))
+    sig, parts = _signature(tuple(prefix))
+    return PreparedItem(id=id_, model=model, sig=sig, input_tokens=input_tokens,
+                        max_tokens=max_tokens, body=body, prefix=parts)
+
+
+_GOOD_NAMES: set[str] = set()  # model names seen valid (a file names a few): checked once each
+
+
+def _name_ok(v: str) -> bool:
+    if v in _GOOD_NAMES:
+        return True
+    try:
+        check_name("model", v)
+    except ValueError:
+        return False
+    if len(_GOOD_NAMES) < 1024:
+        _GOOD_NAMES.add(v)
+    return True
+
+
+class _Native(msgspec.Struct, forbid_unknown_fields=True):
+    """A native line as msgspec decodes and type-checks it in one C call (the fast path of
+    ``parse_line``); a line it refuses goes the field-by-field way, which names the field."""
+
+    id: str
+    model: str
+    prompt: str
+    max_tokens: int
+    prefix: list[str] = []
+    input_tokens: int | None = None
+    payload: Any = None
+
+
+_native = msgspec.json.Decoder(_Native)
+
+
+def _native_fast(raw: bytes) -> PreparedItem | None:
+    """The item of a valid native line, the same as ``from_native`` makes; None for any line
+    ``from_native`` might refuse (it then says why)."""
+    try:
+        n = _native.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    tok = n.input_tokens
+    if not (n.id and len(n.id) <= MAX_ID_BYTES // 4 and 1 <= n.max_tokens <= MAX_OUTPUT_TOKENS
+            and (tok is None or 1 <= tok <= MAX_INPUT_TOKENS) and len(n.prefix) <= MAX_PREFIX_PARTS
+            and _name_ok(n.model)):
+        return None
+    try:  # one copy of a model's name for the items of a file (the check keeps many of them)
+        return _prepare(n.id, sys.intern(n.model), n.prefix, n.prompt, tok, n.max_tokens, n.payload, None)
+    except BadInput:
+        return None
 
 
 def from_native(obj: dict[str, Any], line: int | None = None) -> PreparedItem:
@@ -325,6 +391,57 @@ def _chat_prompt(body: dict[str, Any], line: int | None) -> tuple[list[str], str
     return [f"{r}: {c}" for r, c in parts[:-1]], parts[-1][1]
 
 
+class _Message(msgspec.Struct):
+    role: str
+    content: str  # a list of text parts goes the field-by-field way
+
+
+class _ChatBody(msgspec.Struct, forbid_unknown_fields=True):
+    model: str
+    messages: list[_Message]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+
+
+class _ChatLine(msgspec.Struct, forbid_unknown_fields=True):
+    """An OpenAI chat request line of the plainest form (no options, string contents): the fast
+    path of ``parse_line``, like ``_Native``; any other line goes the field-by-field way."""
+
+    custom_id: str
+    body: _ChatBody
+    method: str = "POST"
+    url: str = CHAT_URL
+
+
+_chat_line = msgspec.json.Decoder(_ChatLine)
+
+
+def _openai_fast(raw: bytes, default_max_tokens: MaxTokensDefault | None) -> PreparedItem | None:
+    """The item of a plain chat request line, the same as ``from_openai`` makes; None for any line
+    ``from_openai`` might refuse or read otherwise."""
+    try:
+        line = _chat_line.decode(raw)
+    except (msgspec.ValidationError, msgspec.DecodeError):
+        return None
+    b, id_ = line.body, line.custom_id
+    msgs = b.messages
+    if not (id_ and len(id_) <= MAX_ID_BYTES // 4 and line.method == "POST" and line.url == CHAT_URL
+            and 1 <= len(msgs) <= MAX_PREFIX_PARTS + 1 and _name_ok(b.model)):
+        return None
+    given = [v for v in (b.max_completion_tokens, b.max_tokens) if v is not None]
+    if len(given) == 2 and given[0] != given[1]:
+        return None
+    if given and not 1 <= given[0] <= MAX_OUTPUT_TOKENS:
+        return None
+    model = sys.intern(b.model)
+    max_tokens = given[0] if given else default_max_tokens(model) if default_max_tokens else DEFAULT_MAX_TOKENS
+    prefix = [f"{m.role}: {m.content}" for m in msgs[:-1]]
+    try:
+        return _prepare(id_, model, prefix, msgs[-1].content, None, max_tokens, {"custom_id": id_}, None)
+    except BadInput:
+        return None
+
+
 _BOM = b"\xef\xbb\xbf"
 
 
@@ -338,6 +455,10 @@ def parse_line(raw: bytes | str, line: int | None = None,
         raw = raw[len(_BOM):]  # a file saved "with BOM" (Windows editors, Excel's UTF-8 CSV export)
     if len(raw) > MAX_LINE_BYTES:
         raise BadInput("line", f"longer than {MAX_LINE_BYTES} bytes", line)
+    # a valid line of the common forms in one C call (msgspec checks its UTF-8 too)
+    fast = _native_fast(raw) if b'"custom_id"' not in raw else _openai_fast(raw, default_max_tokens)
+    if fast is not None:
+        return fast
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError as e:

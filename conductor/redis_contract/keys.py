@@ -27,6 +27,13 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     cdr:files                       zset     file id -> created_at (s), files uploaded to conductor serve
     cdr:file:F                      hash     an uploaded file's object (conductor/api/upload_store.py); its
                                              bytes live in the store directory, not in Redis
+    cdr:job:J:intake                hash     the job's intake task (conductor/intake/intake_task.py): source
+                                             (api, cli), input path, file id, endpoint, model defaults it
+                                             was checked with, cursor (line: last line sent; sent: items),
+                                             owner and lease_ms (expiry, ms), state (checking, sending,
+                                             done, stopped, failed), reason and where it stopped
+    cdr:intake:tasks                zset     job -> created (ms): intake tasks not yet ended (the resumers'
+                                             index; lua/intake_lease.lua decides who runs one)
     M:cfg                           hash     per-model thresholds (conductor/redis_contract/config.py)
     M:state                         hash     the fleet's model state: gate, cleanup, in-flight and finished
                                              counters, pause (workers write it; producers only read it;
@@ -205,6 +212,14 @@ BATCHES_KEY = f"{PREFIX}:batches"
 
 def file_key(file_id: str) -> str:
     return f"{PREFIX}:file:{file_id}"
+
+
+# Durable intake (conductor/intake/intake_task.py): one hash per job's intake and the index of the open ones.
+INTAKE_TASKS_KEY = f"{PREFIX}:intake:tasks"
+
+
+def intake_task_key(job: str) -> str:
+    return f"{PREFIX}:job:{job}:intake"
 
 
 class ModelKeys:

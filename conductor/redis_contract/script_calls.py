@@ -164,6 +164,34 @@ def job_class(mk: K.ModelKeys, job: str, tenant: str, priority: str, deadline_ms
                 lambda r: [as_str(r[0]), as_str(r[1]), int(r[2])])
 
 
+class IntakeLease(NamedTuple):
+    """lua/intake_lease.lua's reply: whether the caller holds the task now, and its cursor (or why not)."""
+
+    held: bool
+    line: int
+    sent: int
+    state: str  # checking or sending when held; else why not: held, ended, missing, released
+
+
+def _intake_lease(r: Any) -> IntakeLease:
+    if int(r[0]) == 1:
+        return IntakeLease(True, int(r[1]), int(r[2]), as_str(r[3]))
+    return IntakeLease(False, 0, 0, as_str(r[1]))
+
+
+def intake_lease(task_key: str, owner: str, ms: int) -> Call[IntakeLease]:
+    """lua/intake_lease.lua: take or renew the lease on a job's intake task (``ms`` 0 hands it back)."""
+    return Call("intake_lease", [task_key], [owner, ms], _intake_lease)
+
+
+def intake_cursor(task_key: str, owner: str, ms: int, line: int, sent: int, state: str = "",
+                  **fields: str) -> Call[bool]:
+    """lua/intake_cursor.lua: the cursor past ``line`` (``sent`` items), the lease renewed, ``state``
+    moved when given; False when the caller no longer holds the task (nothing written)."""
+    pairs = [x for kv in fields.items() for x in kv]
+    return Call("intake_cursor", [task_key], [owner, ms, line, sent, state, *pairs], lambda r: int(r) == 1)
+
+
 def seal(mk: K.ModelKeys) -> Call[int]:
     """lua/seal.lua: the seal time (ms, the server's clock)."""
     return Call("seal", [mk.state, mk.intake, mk.doorbell], [], _int)  # the bell wakes a worker at once

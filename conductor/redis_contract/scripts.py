@@ -26,7 +26,8 @@ GENERATED = "lib_generated.lua"
 # Every script of lua/ that is run (lib*.lua are includes); tests/test_scripts.py holds the two to each other.
 NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex", "seal", "ensure_model", "register",
          "heartbeat", "declare", "dead_retry", "repair_items", "trim", "trim_results", "lease",
-         "cancel", "register_segment", "fail_stored", "offload_results", "take_name", "job_class")
+         "cancel", "register_segment", "fail_stored", "offload_results", "take_name", "job_class",
+         "intake_lease", "intake_cursor")
 
 
 def _lua_value(v: object) -> str:
@@ -118,6 +119,8 @@ class Scripts:
     offload_results: redis.commands.core.Script
     take_name: redis.commands.core.Script
     job_class: redis.commands.core.Script
+    intake_lease: redis.commands.core.Script
+    intake_cursor: redis.commands.core.Script
 
 
 class ScriptClient(Protocol):

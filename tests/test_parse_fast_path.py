@@ -1,0 +1,73 @@
+"""parse_line's fast paths (issue 25: a valid native line or plain chat request in one msgspec decode)
+build exactly the item the field-by-field way builds, and leave every other line to it (which then
+accepts it the same or refuses it naming the field)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conductor.errors import BadInput
+from conductor.intake import formats as F
+
+CHAT = "/v1/chat/completions"
+
+
+def chat(**body: object) -> dict:
+    b = {"model": "m", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]}
+    return {"custom_id": "c1", "method": "POST", "url": CHAT, "body": {**b, **body}}
+
+
+NATIVE = {"id": "a", "model": "m", "prefix": ["sys", "shots"], "prompt": "p\n\"q\"", "input_tokens": 7,
+          "max_tokens": 5}
+LINES = [
+    NATIVE,
+    {**NATIVE, "payload": {"k": [1, 2.5, None]}},
+    {k: v for k, v in NATIVE.items() if k != "input_tokens"},  # tokens estimated
+    {**NATIVE, "input_tokens": None},
+    {**NATIVE, "prefix": []},
+    {k: v for k, v in NATIVE.items() if k != "prefix"},
+    {**NATIVE, "id": "é" * 200},  # over the fast path's length bound: the slow one measures bytes
+    chat(),
+    chat(max_tokens=9),
+    chat(max_completion_tokens=9),
+    chat(max_tokens=9, max_completion_tokens=9),
+    chat(messages=[{"role": "user", "content": ""}]),
+    chat(messages=[{"role": "user", "content": "x", "name": "bob"}]),  # extra message fields are ignored
+    chat(temperature=0.5),  # an option: the slow way carries it
+    {**chat(), "url": "/v1/completions", "body": {"model": "m", "prompt": "x"}},
+    chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}]}]),
+]
+REFUSED = [
+    {**NATIVE, "max_tokens": True}, {**NATIVE, "max_tokens": 5.0}, {**NATIVE, "max_tokens": 0},
+    {**NATIVE, "extra": 1}, {**NATIVE, "id": ""}, {**NATIVE, "model": "bad model"}, {**NATIVE, "prefix": None},
+    chat(max_tokens=9, max_completion_tokens=10), chat(max_tokens=0), chat(messages=[]), {**chat(), "method": "GET"},
+    {**chat(), "url": "/v1/embeddings"}, {**chat(), "custom_id": ""}, chat(model="bad model"), chat(n=2),
+]
+
+
+def slow(obj: dict, default: F.MaxTokensDefault | None) -> F.PreparedItem:
+    return F.from_openai(obj, None, default) if "custom_id" in obj else F.from_native(obj, None)
+
+
+@pytest.mark.parametrize("obj", LINES)
+def test_a_fast_item_is_the_slow_one(obj):
+    def default(model: str) -> int:
+        return 77
+    assert F.parse_line(json.dumps(obj), 1, default) == slow(obj, default)
+
+
+@pytest.mark.parametrize("obj", REFUSED)
+def test_a_line_the_slow_way_refuses_is_refused(obj):
+    with pytest.raises(BadInput) as slow_error:
+        slow(obj, None)
+    with pytest.raises(BadInput) as fast_error:
+        F.parse_line(json.dumps(obj), 3)
+    assert (fast_error.value.field, fast_error.value.line) == (slow_error.value.field, 3)
+
+
+def test_the_fast_paths_take_the_common_forms():
+    assert F._native_fast(json.dumps(NATIVE).encode()) is not None
+    assert F._openai_fast(json.dumps(chat()).encode(), None) is not None
+    assert F._openai_fast(json.dumps(chat(temperature=0.5)).encode(), None) is None
