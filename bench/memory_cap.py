@@ -43,6 +43,7 @@ RESIDENT_TOKENS = 50_000  # input tokens waiting in Redis at most; the rest wait
 class CapRun:
     items: int
     maxmemory: str  # "0": no cap
+    work: str = ""
     drained: bool = False
     results: int = 0
     duplicates: int = 0
@@ -71,7 +72,9 @@ def memory_by_kind(r: Any) -> dict[str, int]:
 def follow(c: Conductor, res: CapRun, cmd: list[str], env: dict[str, str], t0: float, stall_s: float,
            timeout_s: float) -> None:
     """Run the following reader until it exits, or until no result came for ``stall_s``."""
-    reader = subprocess.Popen(cmd, env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    err_path = Path(res.work) / "reader.err"
+    with err_path.open("wb") as err_f:
+        reader = subprocess.Popen(cmd, env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=err_f)
     last, last_t = -1, time.monotonic()
     while reader.poll() is None:
         time.sleep(0.5)
@@ -85,7 +88,7 @@ def follow(c: Conductor, res: CapRun, cmd: list[str], env: dict[str, str], t0: f
     reader.wait()
     res.wall_s = time.monotonic() - t0
     if not res.stalled and reader.returncode != 0:
-        err = reader.stderr.read().decode()[-300:].strip() if reader.stderr else ""
+        err = err_path.read_text(errors="replace")[-300:].strip()
         res.stalled = f"results exited {reader.returncode}: {err}"
 
 
@@ -102,7 +105,7 @@ def write_input(path: Path, n: int) -> None:
 def run(n: int, maxmemory: str, work: Path, *, stall_s: float = 60.0, timeout_s: float = 3600.0,
         workers: int = 2, resident_tokens: int = RESIDENT_TOKENS) -> CapRun:
     """One job of ``n`` items through a Redis capped at ``maxmemory`` ("0": no cap)."""
-    res = CapRun(n, maxmemory)
+    res = CapRun(n, maxmemory, str(work))
     work.mkdir(parents=True, exist_ok=True)
     inp, out, store = work / "in.jsonl", work / "out.jsonl", work / "store"
     write_input(inp, n)
@@ -135,10 +138,11 @@ def run(n: int, maxmemory: str, work: Path, *, stall_s: float = 60.0, timeout_s:
         logs = [work / f"w{k}.log" for k in range(workers)]
         try:
             for k in range(workers):
-                procs.append(subprocess.Popen(
-                    [*base, "worker", "--engine", "sim", "--model", MODEL, "--name", f"w{k}",
-                     "--max-batch-size", "256", "--max-batch-tokens", "16384", "--max-input-len", "4096"],
-                    env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=logs[k].open("wb")))
+                with logs[k].open("wb") as log_f:
+                    procs.append(subprocess.Popen(
+                        [*base, "worker", "--engine", "sim", "--model", MODEL, "--name", f"w{k}",
+                         "--max-batch-size", "256", "--max-batch-tokens", "16384", "--max-input-len", "4096"],
+                        env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=log_f))
             sub = subprocess.run([*base, "submit", str(inp), "--job", "big"], env=env, cwd=str(ROOT),
                                  capture_output=True, timeout=timeout_s)
             if sub.returncode != 0:

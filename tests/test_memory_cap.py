@@ -1,0 +1,58 @@
+"""Issue 25: a job larger than Redis memory drains through a Redis of fixed size.
+
+30,000 small items through a Redis capped at 16 MB (noeviction) with the disk tier on, two sim
+workers and a following reader (bench/memory_cap.py, real processes). Before the change the job's
+results stream filled Redis, every feed of the waiting backlog was refused and the job stopped
+near 26,000 results with the worker logging ``feed_failed`` in a loop; now the lease holder moves
+results to the store as Redis nears its cap, and every id comes out once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from prometheus_client import REGISTRY
+
+from bench.memory_cap import run
+from conductor.errors import QueueFull
+from workers.feed_stall import FeedStall
+
+
+def test_a_job_larger_than_redis_drains_through_a_capped_redis_with_a_following_reader(tmp_path):
+    res = run(30_000, "16mb", tmp_path, stall_s=20.0, timeout_s=120.0)
+    assert res.drained, (res.stalled, res.results, res.duplicates, res.by_kind, res.tail)
+    assert res.results == 30_000 and res.duplicates == 0
+    # the results moved out: what stays in Redis is the registry, not a stream of every result
+    assert res.by_kind.get("cdr:M:job:J:rsegs", 0) > 0, res.by_kind
+    assert res.by_kind.get("cdr:M:job:J:results", 0) < 2_000_000, res.by_kind
+
+
+@pytest.mark.slow
+def test_a_job_of_250000_items_drains_through_64mb(tmp_path):
+    res = run(250_000, "64mb", tmp_path, stall_s=60.0, timeout_s=900.0)
+    assert res.drained, (res.stalled, res.results, res.duplicates, res.by_kind, res.tail)
+
+
+def _sample(name: str, model: str) -> float | None:
+    return REGISTRY.get_sample_value(name, {"model": model, "worker": "w1"})
+
+
+def test_a_refused_feed_is_one_line_when_the_stall_starts_and_one_when_it_ends(caplog):
+    caplog.set_level(logging.INFO, logger="conductor.maintenance")
+    stall = FeedStall("stall-m", "w1")
+    assert _sample("conductor_feed_stalled", "stall-m") == 0
+    err = QueueFull("Redis is full (maxmemory reached)")
+    assert stall.failed(err) is True
+    for _ in range(500):  # the loop that logged 11,365 lines: silent now
+        assert stall.failed(err) is False
+    assert _sample("conductor_feed_stalled", "stall-m") == 1
+    assert (_sample("conductor_feed_stall_age_seconds", "stall-m") or 0) >= 0
+    assert _sample("conductor_feed_failures_total", "stall-m") == 501
+    stall.ok()
+    stall.ok()  # no stall: no line
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines
+    assert '"feed_stalled"' in lines[0] and '"feed_resumed"' in lines[1] and '"refused_feeds": 501' in lines[1]
+    assert _sample("conductor_feed_stalled", "stall-m") == 0
+    assert _sample("conductor_feed_stall_age_seconds", "stall-m") == 0
