@@ -52,8 +52,8 @@ class CapRun:
     wall_s: float = 0.0
     stalled: str = ""
     tail: list[str] = field(default_factory=list)
-    by_kind: dict[str, int] = field(default_factory=dict)
-    at_peak: dict[str, int] = field(default_factory=dict)  # INFO memory figures at the peak sampled  # bytes by key kind at the end (or the stall)
+    by_kind: dict[str, int] = field(default_factory=dict)  # bytes by key kind at the end (or the stall)
+    at_peak: dict[str, int] = field(default_factory=dict)  # INFO memory figures at the peak sampled
 
     @property
     def bytes_per_item(self) -> float:
