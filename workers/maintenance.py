@@ -21,6 +21,7 @@ from conductor.observability import metrics
 from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.connection import StreamEntry
 from conductor.redis_contract.keys import ModelKeys
+from conductor.tier.compact_ids import compact_model
 from conductor.tier.feeder import Feeder
 from conductor.tier.object_store import StoreError
 from conductor.tier.result_segments import offload_model
@@ -121,8 +122,11 @@ class Maintenance:
             # Jobs past their completion window end expired (issue 17): one sweeper at a time among
             # the lease holders of every model and the serve replicas (conductor/jobs/job_state.py).
             expire_due_leased(self.c, self.owner)
-            if self.feeder is not None:  # the disk tier: results past the window go to the store
+            if self.feeder is not None:  # the disk tier: results past the window go to the store,
                 offload_model(self.c, self.feeder.store, self.model)
+                # and answered ids to their packed form (conductor/tier/compact_ids.py): a job of any
+                # size then drains through a Redis of fixed size
+                compact_model(self.c, self.model)
             return res
         except RIDE_OUT_OR_STORE as e:  # a Redis failure, a paused model (Paused), memory full
             # (QueueFull), a store that does not answer

@@ -11,6 +11,7 @@ import redis
 
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.connection import as_str
+from conductor.redis_contract.packed_ids import packed_count
 from conductor.verify.ledger import Ledger, decode_rec, ledger_records
 from conductor.verify.snapshot import (
     EXAMPLES,
@@ -306,6 +307,11 @@ def job_truth(r: redis.Redis, mk: K.ModelKeys, job: str, ledger: Ledger | None) 
     pipe.xlen(mk.job_results(job))
     pipe.xrevrange(mk.job_results(job), count=1)
     rec_sub, rec, n_items, n_results, last = pipe.execute()
+    # answered ids compacted out of the registry and the done marks (lua/compact_ids.lua): counted
+    # in both, named in neither (the ledger asks the packed form about an id it cannot place)
+    n_packed = packed_count(r, mk, job)
+    if ledger is not None and n_packed:
+        ledger.packed[job] = (r, mk, n_packed)
     registry: Any
     marks: Any
     records: Any
@@ -337,6 +343,7 @@ def job_truth(r: redis.Redis, mk: K.ModelKeys, job: str, ledger: Ledger | None) 
     ok, err, results, dup = _count_records(records, ledger is not None)
     if n_items > SNAPSHOT or n_results > SNAPSHOT:
         submitted = n_items  # the snapshot's count, not the pages'
+    submitted, done = submitted + n_packed, done + n_packed
     # Fewer records than done items: retention trimmed the job's results (conductor/jobs/retention.py),
     # so the ok/error split of the trimmed ones is gone. (A lost record looks the same.)
     return {"submitted": submitted, "completed": ok, "failed": err, "done": done, "results": results,
