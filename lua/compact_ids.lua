@@ -8,7 +8,8 @@
 -- KEYS[3] packed  cdr:{model}:job:J:packed  (lib_packed.lua)
 -- KEYS[4] state   cdr:{model}:state         (read only: paused)
 -- ARGV[1] k       bucket digits (1..4) for a job that has no packed form yet (else its own 'k' holds)
--- ARGV[2..]       ids, 1..2000, each 1..512 bytes
+-- ARGV[2] n       how many ids follow, 1..2000
+-- ARGV[3..]       the ids, each 1..512 bytes
 -- Returns: the number of ids packed now. An id is packed only when it is answered (mark 'd') and
 --   its registry holds its plain sum (16 hex digits): one waiting in a store segment ('s<seq>:...'),
 --   one registered before sums were kept ('-'), an unknown or repeated one is skipped.
@@ -19,13 +20,15 @@
 --@include lib_packed.lua
 
 local items_key, sums_key, packed_key, state_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-local k_arg = tonumber(ARGV[1])
-local n = #ARGV - 1
+local k_arg, n = tonumber(ARGV[1]), tonumber(ARGV[2])
 if not int_in(k_arg, 1, 4) then return redis.error_reply('ERR_ARG k: bucket digits must be 1..4') end
-if not int_in(n, 1, 2000) then return redis.error_reply('ERR_ARG argv: 1..2000 ids expected') end
+if not int_in(n, 1, 2000) then return redis.error_reply('ERR_ARG n: 1..2000 ids expected') end
+if #ARGV ~= 2 + n then
+  return redis.error_reply('ERR_ARG argv: expected ' .. (2 + n) .. ' arguments, got ' .. #ARGV)
+end
 local ids = {}
 for i = 1, n do
-  local id = ARGV[i + 1]
+  local id = ARGV[i + 2]
   if #id < 1 or #id > 512 then return redis.error_reply('ERR_ARG id: must be 1..512 bytes at ' .. (i - 1)) end
   ids[i] = id
 end

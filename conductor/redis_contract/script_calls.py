@@ -375,4 +375,5 @@ def offload_results(mk: K.ModelKeys, job: str, record: str, eids: Sequence[str])
 def compact_ids(mk: K.ModelKeys, job: str, k: int, ids: Sequence[str]) -> Call[int]:
     """lua/compact_ids.lua: the answered ``ids`` of ``job`` leave its id registry and done marks for
     their packed form (buckets of ``k`` hex digits for a job not packed yet); the ids packed."""
-    return Call("compact_ids", [mk.job_items(job), mk.job_sums(job), mk.job_packed(job), mk.state], [k, *ids], _int)
+    return Call("compact_ids", [mk.job_items(job), mk.job_sums(job), mk.job_packed(job), mk.state], [k, len(ids), *ids],
+                _int)
