@@ -1,5 +1,5 @@
 #!lua flags=allow-oom
--- allow-oom: compacting frees memory (about 135 bytes an id out, 14 in); a full Redis needs it most.
+-- allow-oom: compacting frees memory (about 135 bytes an id out, 16 in); a full Redis needs it most.
 -- compact_ids.lua: answered ids of a job leave its id registry and done marks for their packed
 -- form (lib_packed.lua), run by the maintenance lease holder (conductor/tier/compact_ids.py).
 --
@@ -55,7 +55,7 @@ for i = 1, n do
       order[#order + 1] = field
     end
     local b = buckets[field]
-    b[#b + 1] = fp .. hex_bin(string.sub(sum, 1, 12))
+    b[#b + 1] = fp .. hex_bin(sum)
   end
 end
 if #take == 0 then return 0 end

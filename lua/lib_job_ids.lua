@@ -23,15 +23,15 @@ local function id_conflicts(job_sums, done_key, argv, ids, n)
   for i = 1, n do
     if not known[i] then want[#want + 1] = i end
   end
-  -- an answered id compacted out of the registry (lib_packed.lua): known, with 12 digits of its sum
+  -- an answered id compacted out of the registry (lib_packed.lua): known, with its sum
   local packed = packed_sums(string.sub(done_key, 1, -7) .. ':packed', ids, want)
+  for i, p in pairs(packed) do known[i] = p end
   local first, fresh_sums, from_store = {}, {}, {}
   local conflicts = 0
   for i = 1, n do
     local o = 3 * i
     local sum = string.sub(redis.sha1hex(argv[o] .. argv[o + 1]), 1, 16)
     local id = ids[i]
-    if packed[i] then known[i] = (string.sub(sum, 1, 12) == packed[i]) and sum or ('p' .. packed[i]) end
     local had = known[i]
     if had and string.byte(had, 1) == 115 and string.sub(had, -16) == sum then  -- 's<seq>:<sum>'
       from_store[i], known[i] = true, false  -- another content under the id is a conflict below

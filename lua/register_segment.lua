@@ -90,7 +90,7 @@ local packed = packed_sums(packed_key, ids, want)
 local conflicts, dups = 0, 0
 for i = 1, n do
   local had, sum = known[i], ARGV[8 + 2 * i]
-  if packed[i] then had = (string.sub(sum, 1, 12) == packed[i]) and sum or ('p' .. packed[i]) end
+  had = had or packed[i]
   if seen[ids[i]] then return redis.error_reply('ERR_ARG id: ' .. ids[i] .. ' twice in one segment') end
   seen[ids[i]] = true
   if had then

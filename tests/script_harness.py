@@ -420,6 +420,19 @@ def dead_retry(c: Conductor) -> Call:
     return Call("dead_retry", [MK.base, MK.state, MK.dead, MK.reclaimed], [*ids, ids[0], "1-0"])
 
 
+def dead_retry_packed(c: Conductor) -> Call:
+    """A dead-lettered item whose id was packed goes back to the registry as it is retried."""
+    quick(c, max_deliveries=1)
+    c.submit([item(i, 10) for i in range(2)], "j")
+    b, _ = c.claim(contract(max_input_len=4096), "w")
+    c.fail(b, "w", "boom")
+    c.scripts.compact_ids(keys=[MK.job_items("j"), MK.job_sums("j"), MK.job_packed("j"), MK.state],
+                          args=[1, 2, "0", "1"])
+    ids = [d.entry for d in DeadLetter(c).items(model="m")]
+    return Call("dead_retry", [MK.base, MK.state, MK.dead, MK.reclaimed], ids,
+                check=lambda r: r.hlen(MK.job_sums("j")) == 2 and r.hget(MK.job_packed("j"), "n") == b"0")
+
+
 # ------------------------------------------------------------------ reindex, repair, trim
 
 def reindex(c: Conductor) -> Call:
@@ -627,7 +640,7 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "complete": [complete_final, complete_retired, complete_request],
     "reclaim": [reclaim_dead_consumer],
     "fail": [fail_requeues, fail_dead_letters],
-    "dead_retry": [dead_retry],
+    "dead_retry": [dead_retry, dead_retry_packed],
     "reindex": [reindex],
     "repair": [repair, repair_unstaged, repair_gone_instance],
     "repair_items": [repair_items_leaked_batch, repair_items_gone_lane, repair_items_done_in_lane,

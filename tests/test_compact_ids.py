@@ -1,4 +1,4 @@
-"""Issue 25: answered ids leave the id registry and done marks for a packed form of 14 bytes an id
+"""Issue 25: answered ids leave the id registry and done marks for a packed form of 16 bytes an id
 (lua/compact_ids.lua, lua/lib_packed.lua), and every check that read the two reads it too: a
 re-submitted id is a duplicate (or a conflict), a re-delivered answered item is not answered twice,
 and conductor/verify/ counts the packed ids."""
@@ -89,7 +89,7 @@ def test_compact_ids_packs_only_answered_ids_with_a_plain_sum(cdr):
     assert calls.compact_ids(MK, "j", 1, [*ids, ids[0], "unknown"]).run(cdr.scripts) == 4
     assert calls.compact_ids(MK, "j", 1, ids).run(cdr.scripts) == 0  # moved already
     sums = packed_sums(cdr.r, MK, "j", [*ids, "unknown"])
-    assert all(s is not None and len(s) == 12 for s in sums[:4]) and sums[4] is None
+    assert all(s is not None and len(s) == 16 for s in sums[:4]) and sums[4] is None
     with pytest.raises(BadInput, match="k: bucket digits"):
         calls.compact_ids(MK, "j", 9, ids).run(cdr.scripts)
     assert [bucket_digits(n) for n in (10, 30_000, 1_000_000, 10_000_000)] == [1, 2, 3, 4]

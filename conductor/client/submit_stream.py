@@ -162,12 +162,12 @@ class Submitting(ConductorCore):
             for start in range(0, len(its), 5000):
                 chunk = its[start:start + 5000]
                 ids = [it.id for it in chunk]
-                # answered ids compacted out of the registry: 12 digits of their sum (packed_ids.py)
+                # answered ids compacted out of the registry, with their sum (packed_ids.py)
                 packed = packed_sums(self.r, K.ModelKeys(model), job, ids)
                 for it, had, p in zip(chunk, self.r.hmget(sums_key, ids), packed, strict=True):
                     # '-': an id registered before sums were kept (migrations/0003): not judged;
                     # 's<seq>:<sum>': an id waiting in a store segment (lua/register_segment.lua)
-                    if p is not None and p != content_sum(head, it)[:12]:
+                    if p is not None and p != content_sum(head, it):
                         conflicts += 1
                         example = example or it.id
                     elif had is not None and had != b"-" and as_str(had)[-16:] != content_sum(head, it):

@@ -98,8 +98,8 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     M:job:J:items                   hash     item id -> d: the item has its result (effectively-once)
     M:job:J:packed                  hash     answered ids moved out of M:in:J:sums and M:job:J:items by the
                                              lease holder (lua/compact_ids.lua; issue 25): k (bucket digits),
-                                             n (ids held), and per bucket b<hex> a string of 14-byte records
-                                             (8 bytes of SHA-1(id), 6 of its content sum): lua/lib_packed.lua
+                                             n (ids held), and per bucket b<hex> a string of 16-byte records
+                                             (8 bytes of SHA-1(id), 8 of its content sum): lua/lib_packed.lua
     M:job:J:results                 stream   result records of the job for this model, JSON
     M:bell                          list     doorbell: submit.lua and seal.lua push a few entries (capped)
                                              when work may have become claimable; idle workers BLPOP it

@@ -3,7 +3,7 @@
 lua/lib_packed.lua holds the layout and lua/compact_ids.lua writes it: once an id is answered,
 the maintenance lease holder (conductor/tier/compact_ids.py) moves it out of the job's id registry
 (``M:in:J:sums``, about 80 bytes an id) and done marks (``M:job:J:items``, about 55) into a
-14-byte record (8 bytes of SHA-1(id), 6 of its content sum) in a bucket of the packed hash. This
+16-byte record (8 bytes of SHA-1(id), 8 of its content sum) in a bucket of the packed hash. This
 mirror answers the same question as the Lua (is this id answered and packed, with which sum) for
 the producer's pre-checks and for conductor/verify/.
 """
@@ -18,7 +18,7 @@ import redis
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.connection import as_str
 
-RECORD = 14
+RECORD = 16
 
 
 def place(iid: str, k: int) -> tuple[str, bytes]:
@@ -28,7 +28,7 @@ def place(iid: str, k: int) -> tuple[str, bytes]:
 
 
 def find(bucket: bytes | None, fp: bytes) -> str | None:
-    """The 12 hex digits of the sum stored with ``fp`` in ``bucket``, or None."""
+    """The 16 hex digits of the sum stored with ``fp`` in ``bucket``, or None."""
     if not bucket:
         return None
     for at in range(0, len(bucket), RECORD):
@@ -38,7 +38,7 @@ def find(bucket: bytes | None, fp: bytes) -> str | None:
 
 
 def packed_sums(r: redis.Redis, mk: K.ModelKeys, job: str, ids: Sequence[str]) -> list[str | None]:
-    """For each id: the 12 hex digits of its content sum when the job's packed form holds it."""
+    """For each id: the 16 hex digits of its content sum when the job's packed form holds it."""
     key = mk.job_packed(job)
     k = r.hget(key, "k")
     if k is None or not ids:

@@ -4,7 +4,7 @@ A job's id registry (``M:in:J:sums``) and done marks (``M:job:J:items``) hold ab
 Redis per answered item, forever: a job of millions of items outgrew a Redis of fixed size even with
 its backlog and results in the store. The maintenance lease holder compacts each job of its model
 whose done marks reach MIN_DONE: lua/compact_ids.lua moves answered ids, 2,000 a call, to the job's
-packed form (``M:job:J:packed``, 14 bytes an id: lua/lib_packed.lua), where submit.lua,
+packed form (``M:job:J:packed``, 16 bytes an id: lua/lib_packed.lua), where submit.lua,
 register_segment.lua, complete.lua and the requeue still find them: a re-submitted id is still a
 duplicate (or a conflict, with other content), and an answered item is never answered twice.
 """
