@@ -1,7 +1,7 @@
 """Issue 25's figure: a job of any size drains through a Redis of fixed size.
 
     nice .venv/bin/python -m bench.memory_cap                  # 1,000,000 items, maxmemory 64mb; RESULTS.md
-    .venv/bin/python -m bench.memory_cap --quick               # 3,000 items, prints only
+    .venv/bin/python -m bench.memory_cap --quick               # 2,000 items, prints only
 
 Real processes, as a user runs them: a private redis-server (``--maxmemory``, noeviction), a store
 directory (the disk tier: ``resident_tokens`` bounds what waits in Redis), ``conductor submit`` of
@@ -184,10 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--items", type=int, default=1_000_000)
     p.add_argument("--maxmemory", default="64mb")
-    p.add_argument("--quick", action="store_true", help="3,000 items, maxmemory 64mb, print only")
+    p.add_argument("--quick", action="store_true", help="2,000 items, maxmemory 64mb, print only")
     p.add_argument("--stall-s", type=float, default=120.0)
     a = p.parse_args(argv)
-    n = 3000 if a.quick else a.items
+    n = 2000 if a.quick else a.items
     work = Path(tempfile.mkdtemp(prefix="memcap-"))
     try:
         capped = run(n, a.maxmemory, work / "capped", stall_s=a.stall_s)

@@ -48,14 +48,21 @@ local function packed_sums(key, ids, want)
   if #want == 0 then return out end
   local k = tonumber(redis.call('HGET', key, 'k'))
   if not k then return out end
-  local fields, fps = {}, {}
-  for j, i in ipairs(want) do fields[j], fps[j] = packed_place(ids[i], k) end
-  for s = 1, #fields, 2000 do
-    local got = redis.call('HMGET', key, unpack(fields, s, math.min(s + 1999, #fields)))
-    for j = 1, #got do
-      local sum = (packed_find(got[j], fps[s + j - 1]))
-      if sum then out[want[s + j - 1]] = sum end
+  local fields, fps, distinct, bucket = {}, {}, {}, {}
+  for j, i in ipairs(want) do
+    fields[j], fps[j] = packed_place(ids[i], k)
+    if bucket[fields[j]] == nil then
+      bucket[fields[j]] = false
+      distinct[#distinct + 1] = fields[j]
     end
+  end
+  for s = 1, #distinct, 2000 do  -- each bucket read once, however many of the ids it holds
+    local got = redis.call('HMGET', key, unpack(distinct, s, math.min(s + 1999, #distinct)))
+    for j = 1, #got do bucket[distinct[s + j - 1]] = got[j] end
+  end
+  for j, i in ipairs(want) do
+    local sum = (packed_find(bucket[fields[j]], fps[j]))
+    if sum then out[i] = sum end
   end
   return out
 end

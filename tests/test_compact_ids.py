@@ -92,4 +92,4 @@ def test_compact_ids_packs_only_answered_ids_with_a_plain_sum(cdr):
     assert all(s is not None and len(s) == 16 for s in sums[:4]) and sums[4] is None
     with pytest.raises(BadInput, match="k: bucket digits"):
         calls.compact_ids(MK, "j", 9, ids).run(cdr.scripts)
-    assert [bucket_digits(n) for n in (10, 30_000, 1_000_000, 10_000_000)] == [1, 2, 3, 4]
+    assert [bucket_digits(n) for n in (10, 30_000, 100_000, 1_000_000, 10_000_000)] == [1, 2, 3, 4, 4]

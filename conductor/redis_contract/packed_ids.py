@@ -44,12 +44,13 @@ def packed_sums(r: redis.Redis, mk: K.ModelKeys, job: str, ids: Sequence[str]) -
     if k is None or not ids:
         return [None] * len(ids)
     places = [place(i, int(as_str(k))) for i in ids]
-    out: list[str | None] = []
-    for start in range(0, len(places), 2000):
-        part = places[start:start + 2000]
-        got: list[bytes | None] = r.hmget(key, [f for f, _fp in part])  # type: ignore[assignment]
-        out += [find(b, fp) for b, (_f, fp) in zip(got, part, strict=True)]
-    return out
+    fields = sorted({f for f, _fp in places})  # each bucket read once, however many ids it holds
+    buckets: dict[str, bytes | None] = {}
+    for start in range(0, len(fields), 2000):
+        part = fields[start:start + 2000]
+        got: list[bytes | None] = r.hmget(key, part)  # type: ignore[assignment]
+        buckets.update(zip(part, got, strict=True))
+    return [find(buckets[f], fp) for f, fp in places]
 
 
 def packed_count(r: redis.Redis, mk: K.ModelKeys, job: str) -> int:

@@ -11,6 +11,8 @@ duplicate (or a conflict, with other content), and an answered item is never ans
 
 from __future__ import annotations
 
+import math
+
 from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.connection import as_str
@@ -18,16 +20,15 @@ from conductor.redis_contract.scripts import ScriptClient
 
 MIN_DONE = 2000  # done marks a job holds before the lease holder packs them
 CALL_IDS = 2000  # ids per compact_ids.lua call
-BUCKET_IDS = 64  # at least this many ids per bucket, for the job's size when it is first packed
+BUCKET_IDS = 32  # ids per bucket aimed at, for the job's size when it is first packed
 
 
 def bucket_digits(items: int) -> int:
-    """Hex digits of SHA-1(id) naming a bucket, 1..4: buckets of at least BUCKET_IDS ids of ``items``
-    (a bucket field costs some 60 bytes; 16**4 buckets serve 4 million ids and more)."""
-    k = 1
-    while k < 4 and items / 16 ** (k + 1) >= BUCKET_IDS:
-        k += 1
-    return k
+    """Hex digits of SHA-1(id) naming a bucket, 1..4: buckets of about BUCKET_IDS ids of ``items``.
+    A bucket field costs some 50 bytes, and a lookup reads whole buckets (16 bytes an id): small
+    buckets make lookups cheap, enough ids per bucket make the field's cost small. 16**4 buckets
+    hold 15 ids each at a million ids, 150 at ten million."""
+    return min(4, max(1, round(math.log(max(items, 1) / BUCKET_IDS, 16))))
 
 
 def compact_job(c: ScriptClient, model: str, job: str, min_done: int = MIN_DONE) -> int:
@@ -35,8 +36,9 @@ def compact_job(c: ScriptClient, model: str, job: str, min_done: int = MIN_DONE)
     mk = K.ModelKeys(model)
     if c.r.hlen(mk.job_items(job)) < min_done:
         return 0
-    raw = c.r.hget(mk.job_intake(job), "submitted")
-    k = bucket_digits(int(as_str(raw)) if raw is not None else 0)
+    # the job's size: declared (conductor submit of a file declares it first) or submitted so far
+    declared, submitted = c.r.hmget(mk.job_intake(job), ["declared", "submitted"])
+    k = bucket_digits(max(int(as_str(v)) for v in (declared or b"0", submitted or b"0")))
     packed, batch = 0, []
     for iid, mark in c.r.hscan_iter(mk.job_items(job), count=CALL_IDS):
         if mark == b"d":
