@@ -160,6 +160,8 @@ def run(n: int, maxmemory: str, work: Path, *, stall_s: float = 60.0, timeout_s:
                     p.wait()
             stop.set()
             sampler.join()
+        # the server's own peak: the sampler reads every 0.1 s and can miss a short one
+        res.peak_used = max(res.peak_used, int(c.r.info("memory")["used_memory_peak"]))
         res.by_kind = memory_by_kind(c.r)
         for lg in logs:
             res.tail += lg.read_text(errors="replace").splitlines()[-3:]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import pytest
 from prometheus_client import REGISTRY
@@ -23,6 +24,7 @@ from conductor.redis_contract import keys as K
 from conductor.redis_contract.packed_ids import packed_count
 from conductor.redis_contract.records import Contract
 from conductor.tier.object_store import Store
+from conductor.tier.result_segments import offload_model
 from conductor.tier.room import ROOM_WINDOW, make_room
 from tests.conftest import item
 from tests.helpers import drain, quick
@@ -60,6 +62,23 @@ def test_making_room_moves_results_to_the_store_and_a_reader_reads_each_once(tmp
 def test_a_job_of_250000_items_drains_through_64mb(tmp_path):
     res = run(250_000, "64mb", tmp_path, stall_s=60.0, timeout_s=900.0)
     assert res.drained, (res.stalled, res.results, res.duplicates, res.by_kind, res.tail)
+
+
+def test_results_older_than_results_age_s_move_to_the_store(tmp_path):
+    with EmbeddedRedis() as srv:
+        c = Conductor.from_url(srv.url, store=Store(str(tmp_path / "store")))
+        quick(c, results_age_s=1)
+        c.submit([item(f"a{i}", 10 + i % 30) for i in range(300)], "j")
+        drain(c, Contract(model="m", max_batch_size=64, max_batch_tokens=65536, max_input_len=4096))
+        mk = K.ModelKeys("m")
+        assert offload_model(c, c.tier.store, "m") == 0  # younger than a second: they stay
+        deadline = time.monotonic() + 30
+        while c.r.xlen(mk.job_results("j")) and time.monotonic() < deadline:
+            offload_model(c, c.tier.store, "m")  # as the lease holder's sweep does, each second
+            time.sleep(0.2)
+        assert c.r.xlen(mk.job_results("j")) == 0 and c.r.llen(mk.job_rsegs("j")) >= 1
+        ids = [json.loads(rec)["id"] for rec in c.results("j")]
+        assert sorted(ids) == sorted(f"a{i}" for i in range(300))
 
 
 def _sample(name: str, model: str) -> float | None:

@@ -123,8 +123,9 @@ class Submitting(ConductorCore):
             key = K.ModelKeys(other).job_sums(job)  # the job's id registry for that model
             for start in range(0, len(ids), 1000):
                 chunk = ids[start:start + 1000]
-                for iid, state in zip(chunk, self.r.hmget(key, chunk), strict=True):
-                    if state is not None:
+                packed = packed_sums(self.r, K.ModelKeys(other), job, chunk)  # answered and packed ids
+                for iid, state, p in zip(chunk, self.r.hmget(key, chunk), packed, strict=True):
+                    if state is not None or p is not None:
                         raise DuplicateId(iid, f"{iid!r} is already in job {job} under model {other}: an id "
                                           f"names one item of a job, across its models")
 

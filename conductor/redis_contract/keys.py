@@ -93,7 +93,8 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
                                              digits of SHA-1(sig || record); '-' for an id submitted before
                                              sums were kept): a re-submitted id must bring the same content
                                              ('s<seq>:<sum>' while the item waits in the store segment
-                                             of that sequence number)
+                                             of that sequence number); an answered id may leave it
+                                             for M:job:J:packed (below), where every check finds it
     M:job:J                         hash     the fleet's job counters for this model: completed, failed
     M:job:J:items                   hash     item id -> d: the item has its result (effectively-once)
     M:job:J:packed                  hash     answered ids moved out of M:in:J:sums and M:job:J:items by the
