@@ -17,7 +17,8 @@
 --   stream, its done mark goes (M:job:J:items, d -> none), the job's and the model's failed counters go down by
 --   one, and it joins the reclaimed queue (served first) alone with its deliveries reset to 1;
 --   so a job holds at most one result per item, and the item is delivered again at most
---   max_deliveries times before it comes back here.
+--   max_deliveries times before it comes back here. A job with an item taken back is no longer
+--   ended: its end stamp ('ended_ms', 'end', lib_job_end.lua) goes, and the next last answer sets it.
 -- While the model is paused (conductor pause) it refuses with 'PAUSED ...', nothing written.
 -- An answered item whose id was packed (lib_packed.lua, lua/compact_ids.lua) leaves the packed form
 --   and its sum goes back to the job's id registry (M:in:J:sums), where it waits like any other.
@@ -36,7 +37,7 @@ local jp = base .. ':job:0'
 local refused = acl_refused(function(ok)
   return ok('HGET', state_key) and ok('HINCRBY', state_key) and ok('XRANGE', dead_key) and ok('XDEL', dead_key)
     and ok('HGET', jp .. ':items') and ok('HDEL', jp .. ':items') and ok('XRANGE', jp .. ':results')
-    and ok('XDEL', jp .. ':results') and ok('HINCRBY', jp) and ok('RPUSH', reclaimed_key)
+    and ok('XDEL', jp .. ':results') and ok('HINCRBY', jp) and ok('HDEL', jp) and ok('RPUSH', reclaimed_key)
     and ok('HGET', jp .. ':packed') and ok('HMGET', jp .. ':packed') and ok('HSET', jp .. ':packed')
     and ok('HINCRBY', jp .. ':packed') and ok('HSET', base .. ':in:0:sums')
 end)
@@ -82,6 +83,7 @@ for _, t in ipairs(todo) do
     redis.call('HSET', base .. ':in:' .. t.job .. ':sums', t.id, packed_remove(t.jk .. ':packed', t.id))
   end
   redis.call('HINCRBY', t.jk, 'failed', -1)
+  redis.call('HDEL', t.jk, 'ended_ms', 'end')
   redis.call('HINCRBY', state_key, 'failed', -1)
   redis.call('HINCRBY', state_key, 'dead_retried', 1)
   redis.call('RPUSH', reclaimed_key, t.blob)

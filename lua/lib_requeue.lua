@@ -2,7 +2,7 @@
 -- and fail.lua (through lib_requeue_prologue.lua). Every function takes rq, the requeue context
 -- lib_requeue_prologue.lua builds: base, state_key, batches_key, reclaimed_key, cfg, now.
 -- Keys: M:batches (XRANGE, XACK, XDEL), M:bat:<token>, M:job:J:items/results and M:job:J,
---   M:dead, M:reclaimed, M:state counters.
+--   M:dead, M:reclaimed, M:state counters; M:in:J (HMGET) for the end stamp.
 -- A pending batch is its batches-stream entry (fields in conductor/keys.py) plus the list of its
 -- item records named by the entry's token; a requeued batch becomes one reclaimed entry, msgpack
 -- [sig, epoch, lane, deliveries, tokens, records]. Item records travel as they are (their bytes
@@ -14,9 +14,11 @@
 -- batch a dead consumer took: a crash at admission), and only after twice that many otherwise,
 -- so innocent items that shared a dying worker with a poison item are not dead-lettered with it.
 -- Two steps, so that a script reads and decodes every batch it gives back before its first
--- write: requeue_plan (reads only) and requeue_apply (writes only).
+-- write: requeue_plan (reads only) and requeue_apply (writes only). A dead letter that answers a
+-- job's last item stamps the job's end (lib_job_end.lua), as a completion would.
 --@include lib.lua
 --@include lib_packed.lua
+--@include lib_job_end.lua
 
 -- The commands requeue_plan and requeue_apply may call, as checks for lib.lua acl_refused; job
 -- keys by one name of their pattern.
@@ -25,8 +27,10 @@ local function requeue_acl(rq, ok)
   local jk = base .. ':job:0'
   return ok('HINCRBY', state_key) and ok('XRANGE', batches_key) and ok('XACK', batches_key)
     and ok('XDEL', batches_key) and ok('LRANGE', base .. ':bat:0') and ok('DEL', base .. ':bat:0')
-    and ok('HGET', jk .. ':items') and ok('HGET', jk .. ':packed') and ok('HMGET', jk .. ':packed') and ok('HSET', jk .. ':items') and ok('XADD', jk .. ':results')
+    and ok('HGET', jk .. ':items') and ok('HGET', jk .. ':packed') and ok('HMGET', jk .. ':packed')
+    and ok('HSET', jk .. ':items') and ok('XADD', jk .. ':results')
     and ok('HINCRBY', jk) and ok('XADD', base .. ':dead') and ok('RPUSH', reclaimed_key)
+    and job_end_ok(ok, base, '0')
 end
 
 -- One pending batch read and decided, nothing written: a plan for requeue_apply, or nil and the
@@ -34,7 +38,7 @@ end
 local function requeue_plan(rq, bid, reason, blamed)
   local base, batches_key, cfg, now = rq.base, rq.batches_key, rq.cfg, rq.now
   local entry = redis.call('XRANGE', batches_key, bid, bid)[1]
-  local plan = {bid = bid, found = entry ~= nil, keep = {}, toks = {}, dead = {}}
+  local plan = {bid = bid, found = entry ~= nil, keep = {}, toks = {}, dead = {}, ends = {}}
   if not entry then return plan end
   local e = {}
   for j = 1, #entry[2], 2 do e[entry[2][j]] = entry[2][j + 1] end
@@ -61,7 +65,8 @@ local function requeue_plan(rq, bid, reason, blamed)
           shape = e.sig, epoch = tonumber(e.ep), lane = tonumber(e.lane), batch = bid,
           batch_size = tonumber(e.n), batch_padded_len = tonumber(e.plen), input_tokens = it[3],
           worker = e.w or '', claimed_at = tonumber(e.ts), finished_at = now, deliveries = dv})
-        plan.dead[#plan.dead + 1] = {jk = jk, id = it[1], res = res,
+        if not plan.ends[it[2]] then plan.ends[it[2]] = job_end_read(base, it[2]) end
+        plan.dead[#plan.dead + 1] = {jk = jk, job = it[2], id = it[1], res = res,
           fields = {'id', it[1], 'job', it[2], 'deliveries', dv, 'error', reason, 'sig', e.sig or '',
             'ep', e.ep or '', 'lane', e.lane or '', 'tok', it[3], 'mt', tostring(it[4]), 'it', rec,
             'batch', bid}}
@@ -85,7 +90,9 @@ local function requeue_apply(rq, plan)
   if not plan.found then return 0, 0 end
   redis.call('HINCRBY', state_key, 'inflight_items', -plan.n)
   redis.call('DEL', plan.items_key)
+  local added = {}
   for _, d in ipairs(plan.dead) do
+    added[d.job] = (added[d.job] or 0) + 1
     redis.call('HSET', d.jk .. ':items', d.id, 'd')
     -- The failed result's id rides with the dead entry, so dead_retry.lua can take it back and
     -- the job never holds two results for one item.
@@ -100,6 +107,7 @@ local function requeue_apply(rq, plan)
     redis.call('HINCRBY', state_key, 'failed', 1)
     redis.call('HINCRBY', state_key, 'dead_lettered', 1)
   end
+  for job, n in pairs(added) do job_end_stamp(base, job, plan.ends[job], n, now) end
   local keep, toks = plan.keep, plan.toks
   if #keep > 0 then
     local sig, ep, lane, dv = plan.sig, plan.ep, plan.lane, plan.dv

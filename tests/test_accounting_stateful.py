@@ -4,7 +4,8 @@ with every counter checked against the truth after every step (conductor/verify.
 The machine drives submit (several shapes, lengths and jobs, resubmitted ids), claim (several
 contracts and consumers), complete (partial, final, twice, and late after a reclaim), fail,
 worker death (heartbeat gone, then reclaim), lease loss (an idle sweep of live consumers), a
-dead-letter retry, and time passing (small quiet/lane/hygiene/aging thresholds, so the lifecycle moves: cleanup,
+dead-letter retry, cancel, a retry of a cancelled job from its kept input (conductor/jobs/retry.py),
+and time passing (small quiet/lane/hygiene/aging thresholds, so the lifecycle moves: cleanup,
 draining, finishing, lane retirement, pre-warm, aging preemption). After each step:
 
 - ``verify`` finds no counter that differs from the data it counts, and its item ledger finds
@@ -12,12 +13,15 @@ draining, finishing, lane retirement, pre-warm, aging preemption). After each st
 - submitted = waiting + in flight + reclaimed + done, item by item;
 - the job items hashes hold exactly the ids the machine submitted.
 
-At the end everything is drained: every job completes and the counters are still exact.
+At the end everything is drained: every job completes and the counters are still exact, and each
+retried job's lines are answered once over it and its retry.
 """
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -25,6 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 
 from conductor.client import Conductor, connect
+from conductor.jobs import job_state, retry
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.records import Batch, Contract, PreparedItem
 from conductor.verify import verify
@@ -58,6 +63,7 @@ def _describe(rep) -> str:  # noqa: ANN001
 
 class Accounting(RuleBasedStateMachine):
     url = ""
+    dir = Path(".")
 
     def __init__(self) -> None:
         super().__init__()
@@ -69,6 +75,8 @@ class Accounting(RuleBasedStateMachine):
         self.stale: list[tuple[Batch, str]] = []  # completed, failed or reclaimed: a late worker may still write
         self.ids: dict[str, set[str]] = {j: set() for j in JOBS}
         self.sent: dict[str, PreparedItem] = {}  # id -> the item as first submitted (ids are unique across jobs)
+        self.lines: dict[str, dict] = {}  # id -> its input line (native), for a retry's kept input
+        self.retried: dict[str, tuple[str, set[str], set[str]]] = {}  # old job -> (new job, its ids, retried ids)
         self.seq = 0
 
     # One initialize rule: hypothesis runs several in any order, and a backlog submitted before
@@ -93,6 +101,8 @@ class Accounting(RuleBasedStateMachine):
         for shape, tokens in specs:
             self.seq += 1
             fresh.append(item(f"i{self.seq}", tokens, model=MODEL, prefix=SHAPES[shape]))
+            self.lines[f"i{self.seq}"] = {"id": f"i{self.seq}", "model": MODEL, "prefix": list(SHAPES[shape]),
+                                          "prompt": f"pi{self.seq}", "input_tokens": tokens, "max_tokens": 16}
         again = sorted(self.ids[job])[:dups]  # a producer re-running its submit
         resubmitted = [self.sent[i] for i in again]  # the same items: other content would be refused
         rep = self.c.submit(fresh + resubmitted, job)
@@ -171,6 +181,26 @@ class Accounting(RuleBasedStateMachine):
         from conductor.jobs.deadletter import DeadLetter
         DeadLetter(self.c).retry(model=MODEL, job=job)
 
+    @rule(job=st.sampled_from(JOBS))
+    def cancel(self, job: str) -> None:
+        if self.ids[job] and job not in self.retried:
+            job_state.cancel(self.c, job)
+
+    @rule(job=st.sampled_from(JOBS))
+    def retry_cancelled(self, job: str) -> None:
+        """A cancelled job's unanswered lines as a new job, from the input its submit kept."""
+        if job in self.retried or job_state.describe(self.c, job)["status"] != "cancelled":
+            return
+        src = self.dir / f"{job}.jsonl"
+        src.write_text("".join(json.dumps(self.lines[i]) + "\n" for i in sorted(self.ids[job])))
+        p = retry.plan(self.c, job, str(src))
+        new = f"{job}.r"
+        if not p.ids:
+            return
+        assert retry.submit(self.c, job, new, str(src), p, str(self.dir / f"{new}.jsonl")) == len(p.ids)
+        self.retried[job] = (new, set(self.ids[job]), set(p.ids))
+        self.ids[new] = set(p.ids)
+
     @rule(ms=st.sampled_from([2, 12, 30]))
     def time_passes(self, ms: int) -> None:
         time.sleep(ms / 1000)
@@ -211,14 +241,19 @@ class Accounting(RuleBasedStateMachine):
                 if ids:
                     s = self.c.status(job)
                     assert s["done"] and s["submitted"] == len(ids), s
+            for job, (new, old_ids, again) in self.retried.items():  # each line answered once over the two
+                ok = {x.id for x in self.c.read_results(job) if x.error is None}
+                assert not ok & again and (ok & old_ids) | again == old_ids, job
+                assert {x.id for x in self.c.read_results(new)} == again, new
         finally:
             self.r.close()
 
 
 # The default run explores 20 programs of 30 steps; the long form 40 (pytest -m slow).
 @pytest.mark.parametrize("examples", [20, pytest.param(40, marks=pytest.mark.slow)])
-def test_accounting_never_drifts(redis_server, examples) -> None:  # noqa: ANN001
+def test_accounting_never_drifts(redis_server, examples, tmp_path) -> None:  # noqa: ANN001
     Accounting.url = redis_server.url
+    Accounting.dir = tmp_path
     run_state_machine_as_test(Accounting, settings=settings(
         max_examples=examples, stateful_step_count=30, deadline=None, database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))

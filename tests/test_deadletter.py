@@ -83,11 +83,15 @@ def test_dead_letter_cli_list_retry_without_duplicate_results(cdr, redis_url):
     assert sorted(r["id"] for r in rows) == ["3", "4"]
     assert all(r["deliveries"] == 1 and "dead died" in r["error"] and r["model"] == "m" for r in rows)
     assert cdr.status("j")["done"]
+    # the dead letter that answered the job's last item stamped its end, as a completion does
+    ended = cdr.r.hmget(MK.job("j"), "end", "ended_ms")
+    assert ended[0] == b"completed" and int(ended[1]) > 0
 
     out = json.loads(cli("dead-letter", "retry", "--job", "j", url=redis_url).stdout)
     assert out == {"retried": 2, "skipped": 0}
     st = cdr.status("j")
     assert (st["completed"], st["failed"], st["pending"]) == (3, 0, 2)
+    assert cdr.r.hmget(MK.job("j"), "end", "ended_ms") == [None, None]  # running again: no end
     assert sorted(r.id for r in cdr.read_results("j")) == ["0", "1", "2"]  # the dead-letter results left
     assert cdr.r.xlen(MK.dead) == 0
     again, _ = cdr.claim(C, "w")
@@ -99,6 +103,7 @@ def test_dead_letter_cli_list_retry_without_duplicate_results(cdr, redis_url):
     assert sorted(r.id for r in rows) == ["0", "1", "2", "3", "4"] and not any(r.error for r in rows)
     st = cdr.status("j")
     assert (st["completed"], st["failed"], st["pending"]) == (5, 0, 0)
+    assert cdr.r.hget(MK.job("j"), "end") == b"completed"  # stamped again by the last completion
     assert json.loads(cli("dead-letter", "retry", url=redis_url).stdout) == {"retried": 0, "skipped": 0}
     state = cdr.r.hgetall(MK.state)
     assert state[b"reclaimed_items"] == b"0" and state[b"failed"] == b"0"

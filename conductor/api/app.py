@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from conductor.api.batch_retry import retry_router
 from conductor.api.batches import batches_router
 from conductor.api.errors import ApiError, error_reply
 from conductor.api.files import files_router
@@ -82,5 +83,6 @@ def make_app(redis_url: str, *, data_dir: str | None = None, api_keys: list[str]
 
     app.include_router(files_router(c, store))
     app.include_router(batches_router(c, store))
+    app.include_router(retry_router(c, store))
     app.include_router(status_router(c))
     return app

@@ -33,6 +33,7 @@ from conductor.redis_contract import keys as K
 from conductor.redis_contract.config import ModelDefaults
 from conductor.redis_contract.connection import as_str
 from conductor.redis_contract.records import JobClass, PreparedItem
+from conductor.verify import job_ledger
 
 log = logging.getLogger(__name__)
 _enc = msgspec.json.Encoder()
@@ -51,7 +52,7 @@ def batches_router(c: Conductor, store: FileStore) -> APIRouter:
     def get_batch(batch_id: str) -> dict[str, Any]:
         if not is_batch(c, batch_id):
             raise ApiError(404, f"No such batch: {batch_id}", "batch_id")
-        return batch_object(c, batch_id)
+        return batch_object(c, batch_id, store)
 
     @router.get("/v1/batches")
     def list_batches(limit: int = 20, after: str | None = None) -> dict[str, Any]:
@@ -61,11 +62,11 @@ def batches_router(c: Conductor, store: FileStore) -> APIRouter:
             rank = c.r.zrevrank(K.BATCHES_KEY, after)
             start = 0 if rank is None else int(rank) + 1  # type: ignore[arg-type]  # an int without WITHSCORE
         ids = [as_str(x) for x in c.r.zrevrange(K.BATCHES_KEY, start, start + limit)]
-        return page([batch_object(c, j) for j in ids[:limit]], len(ids) > limit)
+        return page([batch_object(c, j, store) for j in ids[:limit]], len(ids) > limit)
 
     @router.post("/v1/batches/{batch_id}/cancel")
     def cancel_batch(batch_id: str) -> dict[str, Any]:
-        return cancel(c, batch_id)
+        return cancel(c, batch_id, store)
 
     return router
 
@@ -94,31 +95,33 @@ def create(c: Conductor, store: FileStore, body: dict[str, Any]) -> dict[str, An
     c.r.zadd(K.BATCHES_KEY, {job: int(time.time())})
     threading.Thread(target=submit_batch_file, args=(c, store, job, file_id, endpoint, job_class),
                      name=f"submit-{job}", daemon=True).start()
-    return batch_object(c, job)
+    return batch_object(c, job, store)
 
 
-def cancel(c: Conductor, batch_id: str) -> dict[str, Any]:
+def cancel(c: Conductor, batch_id: str, store: FileStore | None = None) -> dict[str, Any]:
     if not is_batch(c, batch_id):
         raise ApiError(404, f"No such batch: {batch_id}", "batch_id")
     status = job_state.describe(c, batch_id)["status"]
-    if status == "validating":  # the submitting thread sees it and stops
-        job_state.set_status(c.r, batch_id, "cancelling", ending="cancelled")
-    elif status in job_state.TERMINAL and status != "cancelled":
+    if status in job_state.TERMINAL and status != "cancelled":
         raise ApiError(409, f"Cannot cancel a batch with status {status}.", "batch_id")
-    else:
-        job_state.cancel(c, batch_id)
-    return batch_object(c, batch_id)
+    # validating too: what was sent is answered now, the submitting thread (if any) sees the end and
+    # stops, and the lines never sent are answered by the end (conductor/verify/job_ledger.py)
+    job_state.cancel(c, batch_id)
+    return batch_object(c, batch_id, store)
 
 
 def is_batch(c: Conductor, job: str) -> bool:
     return job.startswith("batch_") and c.r.zscore(K.BATCHES_KEY, job) is not None
 
 
-def batch_object(c: Conductor, job: str) -> dict[str, Any]:
-    """The batch as OpenAI describes one (its moves the counters call for made first)."""
+def batch_object(c: Conductor, job: str, store: FileStore | None = None) -> dict[str, Any]:
+    """The batch as OpenAI describes one (its moves the counters call for made first). A batch that
+    ended early counts every line of its input: those never submitted failed with the end's code."""
     d = job_state.describe(c, job)
     status = d["status"]
     rc = d["request_counts"]
+    if store is not None and status in ("cancelled", "expired"):
+        rc = job_ledger.ended_counts(c, job, rc, input_path(store, d.get("input_file_id")))
     ended = status in ("completed", "expired", "cancelled")
     errors = msgspec.json.decode(d["errors"]) if d.get("errors") else None
     return {"id": job, "object": "batch", "endpoint": d.get("endpoint") or CHAT_URL,
@@ -132,11 +135,23 @@ def batch_object(c: Conductor, job: str) -> dict[str, Any]:
             "cancelled_at": d["cancelled_at"], "request_counts": rc, "metadata": d["metadata"]}
 
 
-def result_lines(c: Conductor, job: str, failed: bool) -> Iterator[bytes]:
-    """The lines of a batch's output file (``failed`` False) or error file, in OpenAI's format."""
+def result_lines(c: Conductor, job: str, failed: bool, store: FileStore | None = None) -> Iterator[bytes]:
+    """The lines of a batch's output file (``failed`` False) or error file, in OpenAI's format; the
+    error file of a batch that ended early also answers each line never submitted."""
+    answered: set[str] = set()
     for line, bad in converted(c.results(job)):
+        answered.add(line["custom_id"])
         if bad == failed:
             yield _enc.encode(line) + b"\n"
+    if failed and store is not None:
+        file_id = as_str(c.r.hget(K.job_meta_key(job), "input_file_id"), absent="")
+        for line in job_ledger.unsent_lines(c, job, answered, input_path(store, file_id)):
+            yield _enc.encode(line) + b"\n"
+
+
+def input_path(store: FileStore, file_id: str | None) -> str | None:
+    """Where the batch's input file is kept (None when it has none, or it was deleted)."""
+    return str(store.path(file_id)) if file_id and store.get(file_id) else None
 
 
 def _openai_request(endpoint: str) -> LineCheck:
@@ -163,9 +178,10 @@ def submit_batch_file(c: Conductor, store: FileStore, job: str, file_id: str, en
             _fail(c, job, errors)
             return
         prepare_job(c, found, job, job_class)
-        send_file(c, found, job, should_stop=lambda: _cancelled(c, job))
-        if _cancelled(c, job):
-            job_state.end(c, job, "cancelled")
+        send_file(c, found, job, should_stop=lambda: bool(_ending(c, job)))
+        ending = _ending(c, job)
+        if ending:  # cancelled or expired while it was sent: what came in meanwhile is answered too
+            job_state.end(c, job, ending)
         else:
             job_state.set_status(c.r, job, "in_progress")
     except Exception as e:  # noqa: BLE001 - whatever stopped it, the batch must say so
@@ -182,8 +198,9 @@ def _errors(found: FileScan) -> list[dict[str, Any]]:
             for e in sorted(found.refusals, key=lambda e: e.line or 0)]
 
 
-def _cancelled(c: Conductor, job: str) -> bool:
-    return as_str(c.r.hget(K.job_meta_key(job), "ending"), absent="") == "cancelled"
+def _ending(c: Conductor, job: str) -> str:
+    """'cancelled' or 'expired' once the batch is being ended, else ''."""
+    return as_str(c.r.hget(K.job_meta_key(job), "ending"), absent="")
 
 
 def _fail(c: Conductor, job: str, errors: list[dict[str, Any]]) -> None:

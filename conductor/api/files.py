@@ -57,9 +57,9 @@ def file_object(c: Conductor, store: FileStore, file_id: str) -> dict[str, Any]:
     for prefix, failed in ((OUTPUT_PREFIX, False), (ERROR_PREFIX, True)):
         if file_id.startswith(prefix):
             job = file_id[len(prefix):]
-            obj = batch_object(c, job) if is_batch(c, job) else None
+            obj = batch_object(c, job, store) if is_batch(c, job) else None
             if obj and file_id in (obj["output_file_id"], obj["error_file_id"]):
-                size = sum(len(chunk) for chunk in result_lines(c, job, failed))
+                size = sum(len(chunk) for chunk in result_lines(c, job, failed, store))
                 return {"id": file_id, "object": "file", "bytes": size, "created_at": obj["completed_at"] or
                         obj["cancelled_at"] or obj["expired_at"] or obj["created_at"],
                         "filename": f"batch_{'error' if failed else 'output'}.jsonl", "purpose": "batch_output",
@@ -73,5 +73,5 @@ def file_object(c: Conductor, store: FileStore, file_id: str) -> dict[str, Any]:
 def _content(c: Conductor, store: FileStore, file_id: str) -> Iterator[bytes]:
     for prefix, failed in ((OUTPUT_PREFIX, False), (ERROR_PREFIX, True)):
         if file_id.startswith(prefix):
-            return result_lines(c, file_id[len(prefix):], failed)
+            return result_lines(c, file_id[len(prefix):], failed, store)
     return store.chunks(file_id)

@@ -111,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     consumer_flags(ag, "this agent's")
 
     add_commands(command)
+    from conductor.cli.retry import add_commands as add_ledger_commands
+    add_ledger_commands(command)
 
     jb = command("jobs", "list jobs: created, models, submitted, completed, failed, pending, state", cmd_jobs)
     jb.add_argument("--json", action="store_true", help="one JSON list of job objects")
@@ -141,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--repair", action="store_true", help="with --verify: rewrite differing counters from the truth")
     i.add_argument("--all", action="store_true", help="with --verify: list lane-level counters that agree too")
     i.add_argument("--no-ledger", action="store_true",
-                   help="with --verify: skip the per-item ledger (lost/duplicated items; memory grows with items)")
+                   help="with --verify: skip the per-item ledger (lost/duplicated items; memory grows with items) "
+                        "and the job ledgers of the jobs in flight (conductor verify-job)")
 
     ex = command("exporter", "serve the broker's figures for Prometheus (stateless: read from Redis on every "
                  "scrape; run any number, or none)", cmd_exporter)

@@ -61,7 +61,7 @@ def cmd_results(args: argparse.Namespace) -> int:
     out = Output(args.output)
     errors = Output(args.errors) if args.errors else None
     try:
-        _write(c.results(args.job, follow=args.follow, should_stop=waiting, on_rewind=rewound), args, out, errors)
+        _write(c.results(args.job, follow=args.follow, should_stop=waiting, on_rewind=rewound), args, out, errors, c)
     except BaseException:
         out.discard()  # an interrupted read leaves an earlier file as it was, never a truncated one
         if errors is not None:
@@ -78,15 +78,30 @@ def cmd_results(args: argparse.Namespace) -> int:
     return 1 if rewinds else 0
 
 
-def _write(records: Iterator[bytes], args: argparse.Namespace, out: Output, errors: Output | None) -> None:
+def _write(records: Iterator[bytes], args: argparse.Namespace, out: Output, errors: Output | None,
+           c: Conductor | None = None) -> None:
     if args.format == "openai":
         from conductor.jobs.openai_output import write_openai
-        write_openai(records, out, errors)
+        answered: set[str] = set()
+        write_openai(_noting(records, answered), out, errors)
+        if c is not None:  # lines no result holds: refused at validation, never submitted (conductor verify-job)
+            from conductor.verify.job_ledger import derived_lines, kept_input
+            path = kept_input(c, args.job)
+            for line in derived_lines(c, args.job, path, answered) if path else ():
+                (errors or out).write(json.dumps(line).encode() + b"\n")
         return
     for rec in records:
         out.write(rec + b"\n")
         if args.follow:
             out.flush()
+
+
+def _noting(records: Iterator[bytes], answered: set[str]) -> Iterator[bytes]:
+    """The records as they come, each one's item id noted in ``answered``."""
+    from conductor.verify.job_ledger import answers
+    for rec in records:
+        answered.update(answers([rec]))
+        yield rec
 
 
 def _status_line(st: dict[str, Any]) -> str:
@@ -176,8 +191,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     models = [args.model] if args.model else c.models()
     if args.verify or args.repair:
         from conductor.verify import cli_verify
-        return cli_verify(c.r, models, do_repair=args.repair, show_all=args.all, ledger=not args.no_ledger,
-                          as_json=args.json, store=c.tier.store if c.tier else None)
+        status = cli_verify(c.r, models, do_repair=args.repair, show_all=args.all, ledger=not args.no_ledger,
+                            as_json=args.json, store=c.tier.store if c.tier else None)
+        if args.json or args.no_ledger:
+            return status
+        from conductor.cli.retry import verify_jobs_in_flight  # the job ledgers (verify-job) of jobs in flight
+        return verify_jobs_in_flight(c, models) or status
     views = [model_overview(c, m, lanes=args.lanes) for m in models]
     if args.json:
         print(json.dumps(views, default=str))

@@ -214,6 +214,8 @@ def _run(args: argparse.Namespace, found: Any, stop: _StopFlag) -> int:  # noqa:
         prepare_job(c, found, job, job_class(args))
         from conductor.jobs.job_state import start
         start(c.r, job, run=json.dumps(run_options(args)))
+        from conductor.cli.submit import record_input
+        record_input(c, job, args.file)  # for its ledger and retry (conductor verify-job, retry)
         out = Output(args.output)
         summary, t0 = _serve(args, c, found, job, stop, workers, url, out)
         out.commit()

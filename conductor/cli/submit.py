@@ -81,6 +81,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     prepare_job(c, found, job, job_class(args))  # nothing is written when any part of the file would be refused
     from conductor.cli.batch_api import start_job
     start_job(c, job, args)
+    record_input(c, job, args.file)
     live = sys.stderr.isatty() and found.items >= LARGE_SUBMIT and not args.quiet
     with ProgressLine(f"submit {job}", found.items, sys.stderr, live=live) as line:
         sent = send_file(c, found, job, progress=None if args.quiet else line.update)
@@ -94,3 +95,17 @@ def cmd_submit(args: argparse.Namespace) -> int:
     else:
         print(f"submitted {sent.accepted} items ({sent.duplicates} already there) to job {job}", file=sys.stderr)
     return 0
+
+
+def record_input(c: Any, job: str, path: str) -> None:
+    """The file a job is made from, for its ledger and its retry (conductor/cli/retry.py); a job
+    made from several files keeps none ('': its ledger reads the ids Redis holds)."""
+    from conductor.redis_contract import keys as K
+    from conductor.redis_contract.connection import as_str
+    key = K.job_meta_key(job)
+    full = str(Path(path).resolve())
+    kept = c.r.hget(key, "input_path")
+    if kept is None:
+        c.r.hset(key, "input_path", full)
+    elif as_str(kept) != full:
+        c.r.hset(key, "input_path", "")

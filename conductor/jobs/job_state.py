@@ -16,7 +16,9 @@ result in bounded steps (lua/cancel.lua: one lane per call, so that the answer k
 payload and input tokens from its record; then one HSCAN page of the job's items per call), in-flight
 batches finish and keep their results, then the answered items leave the lanes (lua/repair_items.lua
 'done' per lane, lua/repair.lua per shape instance). The job ends ``cancelled`` (``expired``) once
-nothing is pending, with completed + failed = total.
+nothing is pending, with completed + failed = total. Cancel and expiry act on a job in any state
+that has not ended, ``validating`` included (a batch whose intake died): lines its intake never
+submitted are answered by the end itself, derived from the kept input (conductor/verify/job_ledger.py).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ _STAMPS = ("created_at", "in_progress_at", "finalizing_at", "completed_at", "fai
            "cancelling_at", "cancelled_at", "expires_at")
 STEP = 1000  # items hash entries per cancel.lua call
 RESWEEP_S = 5.0  # a cancelling job with items pending (failed batches put back) is swept again this often
+LINGER_S = 600.0  # an expired job whose intake had not sent every line is looked at this long after its last sweep
 MAX_METADATA = 16  # OpenAI's limits: 16 pairs, keys of 64 and values of 512 characters
 
 _WINDOW = re.compile(r"^(\d{1,6})([smhd])$")
@@ -113,6 +116,11 @@ def status_of(meta_status: str | None, ending: str | None, submitted: int, pendi
     the lifecycle recorded, ``cancelling`` while a cancel is answering its items."""
     if meta_status in TERMINAL:
         return meta_status  # failed at validation (or a stamp of an older version)
+    if ending in ("cancelled", "expired") and pending <= 0:
+        # Ended early with nothing left in Redis: lines never submitted (an intake stopped by the
+        # end, or a serve that died while validating: ``lost``, or nothing sent at all) are answered
+        # by the end itself, derived from the input (conductor/verify/job_ledger.py).
+        return "cancelled" if "cancelled" in ends or ending == "cancelled" else ending
     if submitted > 0 and pending <= 0 and lost <= 0:
         for how in ("cancelled", "expired"):
             if how in ends or ending == how:
@@ -153,7 +161,7 @@ def describe(c: Conductor, job: str, *, advance: bool = True, now: float | None 
     models = sorted(st["models"])
     ends, ended_ms = _ends(c, job, models)
     status = status_of(meta.get("status"), meta.get("ending"), st["submitted"], st["pending"], st["lost"], ends)
-    if advance and status not in TERMINAL and status != "validating":
+    if advance and status not in TERMINAL:  # validating too: a batch whose intake died must end
         now = now or time.time()
         ending = meta.get("ending")
         expires = float(meta.get("expires_at") or 0)
@@ -163,11 +171,16 @@ def describe(c: Conductor, job: str, *, advance: bool = True, now: float | None 
         if ending and now - float(meta.get("swept_at") or 0) >= RESWEEP_S:
             _sweep(c, job, ending)
             return describe(c, job, advance=False)
-    if advance and status in TERMINAL and meta.get("expires_at"):
-        c.r.zrem(K.JOB_DEADLINES_KEY, job)  # nothing left to expire
+    if advance and status in TERMINAL and meta.get("expires_at") and (
+            st["lost"] <= 0 or (now or time.time()) - float(meta.get("swept_at") or 0) > LINGER_S):
+        # nothing left to expire; a job that ended before its intake sent every line (lost) stays a
+        # while, so that lines a still running intake adds are answered by the next sweep too
+        c.r.zrem(K.JOB_DEADLINES_KEY, job)
     if status in TERMINAL and status != "failed" and ended_ms is not None:
         for stamp in ("finalizing_at", f"{status}_at"):
             meta.setdefault(stamp, str(ended_ms // 1000))
+    elif status in ("cancelled", "expired") and meta.get("swept_at"):  # ended before anything was submitted
+        meta.setdefault(f"{status}_at", str(int(float(meta["swept_at"]))))
     out: dict[str, Any] = {"job": job, "status": status,
                            "request_counts": {"total": st["submitted"], "completed": st["completed"],
                                               "failed": st["failed"]},

@@ -23,8 +23,10 @@ def registry(url: str, *, starving_s: float = 30.0, top_shapes: int = 10, jobs: 
 
 def _reader(url: str) -> Conductor | None:
     """A Conductor that never migrates (an exporter only reads); None while Redis is empty, until
-    a producer or worker has written the schema."""
-    r = connect(url)
+    a producer or worker has written the schema. One retry: while Redis is down a scrape must say
+    redis_up 0 within Prometheus's scrape timeout (10 s by default), not after the 9 s backoff a
+    worker rides a restart out with."""
+    r = connect(url, timeout=3.0, retries=1)
     if current(r) == 0:
         r.close()
         return None

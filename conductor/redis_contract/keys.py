@@ -15,7 +15,10 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     cdr:job:J:models                set      models a job submitted to
     cdr:job:J:meta                  hash     the job's lifecycle (conductor/jobs/job_state.py): status, its
                                              timestamps (s), completion window, metadata, and for a
-                                             batch made by conductor serve its input file and endpoint
+                                             batch made by conductor serve its input file and endpoint;
+                                             input_path (the file a CLI submit read) and input_lines
+                                             (its line count, once counted) for the job ledger
+                                             (conductor/verify/job_ledger.py)
     cdr:jobs:deadlines              zset     job -> expires_at (s), jobs with a completion window
     cdr:tenants                     hash     tenant -> weight (`conductor tenant`), copied to each model's M:tenants
     cdr:lease:expiry                string   who ends the jobs past their window now (TTL): a maintenance

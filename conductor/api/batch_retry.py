@@ -1,0 +1,61 @@
+"""``POST /v1/batches/{id}/retry`` (an extension of OpenAI's Batch API): a batch's cancelled,
+expired and failed lines as a new batch, taken from its uploaded input file (conductor/jobs/retry.py
+chooses them against its answers). The lines go into a new uploaded file (its own ``input_file_id``,
+so the new batch has a ledger of its own) and the batch is created as any other
+(conductor/api/batches.py), with the old batch's completion window and metadata, and
+``metadata.retry_of`` naming it; its tenant follows with ``metadata.tenant``.
+
+Body (optional): ``{"only": ["cancelled", "expired", "failed"], "include_permanent": false}``.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+from fastapi import APIRouter, Body
+
+from conductor.api.batches import create, input_path, is_batch
+from conductor.api.errors import ApiError
+from conductor.api.upload_store import FileStore
+from conductor.client import Conductor
+from conductor.errors import BadInput, ConductorError
+from conductor.jobs import retry
+from conductor.jobs.job_state import describe
+
+
+def retry_router(c: Conductor, store: FileStore) -> APIRouter:
+    router = APIRouter()
+
+    @router.post("/v1/batches/{batch_id}/retry")
+    def retry_batch(batch_id: str, body: dict[str, Any] | None = Body(None)) -> dict[str, Any]:  # noqa: B008
+        return retry_of(c, store, batch_id, body or {})
+
+    return router
+
+
+def retry_of(c: Conductor, store: FileStore, batch_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    if not is_batch(c, batch_id):
+        raise ApiError(404, f"No such batch: {batch_id}", "batch_id")
+    only, permanent = body.get("only"), body.get("include_permanent", False)
+    if only is not None and (not isinstance(only, list) or not all(isinstance(k, str) for k in only)):
+        raise ApiError(400, f"only must be a list of {', '.join(retry.KINDS)}", "only")
+    if not isinstance(permanent, bool):
+        raise ApiError(400, "include_permanent must be true or false", "include_permanent")
+    d = describe(c, batch_id)
+    try:
+        kinds = retry.parse_only(",".join(only) if only is not None else None, "only")
+        p = retry.plan(c, batch_id, input_path(store, d.get("input_file_id")), kinds, permanent)
+        meta = retry.retry_metadata(c, batch_id)
+    except BadInput as e:
+        raise ApiError(400, str(e), e.field) from None
+    except ConductorError as e:
+        raise ApiError(409, str(e), "batch_id") from None
+    if not p.ids:
+        raise ApiError(409, f"Nothing to retry in batch {batch_id}: {p.render()}", "batch_id")
+    buf = io.BytesIO()
+    retry.write_lines(str(input_path(store, d.get("input_file_id"))), p.ids, buf)
+    buf.seek(0)
+    f = store.put(buf, f"retry_of_{batch_id}.jsonl", "batch")
+    return create(c, store, {"input_file_id": f["id"], "endpoint": d.get("endpoint"),
+                             "completion_window": d.get("completion_window") or "24h", "metadata": meta})
