@@ -93,3 +93,16 @@ def test_compact_ids_packs_only_answered_ids_with_a_plain_sum(cdr):
     with pytest.raises(BadInput, match="k: bucket digits"):
         calls.compact_ids(MK, "j", 9, ids).run(cdr.scripts)
     assert [bucket_digits(n) for n in (10, 30_000, 100_000, 1_000_000, 10_000_000)] == [1, 2, 3, 4, 4]
+
+
+def test_the_job_ledger_of_a_packed_job_names_every_answer_once(cdr):
+    """conductor verify-job from the id registry (no kept input): ids packed out of it are still
+    the job's lines, each answered once."""
+    from conductor.verify.job_ledger import build
+    quick(cdr)
+    cdr.submit(_items(500), "j")
+    drain(cdr, C)
+    assert compact_model(cdr, "m", min_done=1) == 500
+    led = build(cdr, "j", None)
+    assert led.clean, (led.doubled[:3], led.missing[:3], led.phantom[:3], led.lost)
+    assert led.inputs == 500 and led.kinds["completed"] == 500
