@@ -103,3 +103,7 @@ def test_a_refused_feed_is_one_line_when_the_stall_starts_and_one_when_it_ends(c
     assert '"feed_stalled"' in lines[0] and '"feed_resumed"' in lines[1] and '"refused_feeds": 501' in lines[1]
     assert _sample("conductor_feed_stalled", "stall-m") == 0
     assert _sample("conductor_feed_stall_age_seconds", "stall-m") == 0
+    # a stall inside a Redis outage (the worker said so in its own line): no line here either way
+    assert stall.failed(err, say=False) is True and _sample("conductor_feed_stalled", "stall-m") == 1
+    stall.ok()
+    assert len(caplog.records) == 2 and _sample("conductor_feed_stalled", "stall-m") == 0

@@ -23,6 +23,7 @@ class FeedStall:
         self.model = model
         self.since: float | None = None  # monotonic start of the current stall
         self.failures = 0  # refused feeds of the current stall
+        self._said = False  # its start was logged here (not by the worker's outage line)
         self._stalled = metrics.FEED_STALLED.labels(model, owner)
         self._age = metrics.FEED_STALL_AGE.labels(model, owner)
         self._failed = metrics.FEED_FAILURES.labels(model, owner)
@@ -37,19 +38,21 @@ class FeedStall:
         if self.since is not None:
             self._age.set(now - self.since)
             return False
-        self.since = now
+        self.since, self._said = now, say
         self._stalled.set(1)
         if say:
             log.warning(json.dumps({"event": "feed_stalled", "model": self.model, "error": str(e)}))
         return True
 
     def ok(self) -> None:
-        """A feed went through: the stall, if any, ends (its second line)."""
+        """A feed went through: the stall, if any, ends (its second line, when its first was said
+        here: a Redis outage has the worker's own pair of lines)."""
         if self.since is None:
             return
         lasted = time.monotonic() - self.since
-        log.warning(json.dumps({"event": "feed_resumed", "model": self.model, "stalled_s": round(lasted, 1),
-                                "refused_feeds": self.failures}))
+        if self._said:
+            log.warning(json.dumps({"event": "feed_resumed", "model": self.model, "stalled_s": round(lasted, 1),
+                                    "refused_feeds": self.failures}))
         self.since, self.failures = None, 0
         self._stalled.set(0)
         self._age.set(0)
