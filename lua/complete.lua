@@ -20,7 +20,7 @@
 --   lane, one of another batch); 'NOPERM ...' when the caller's ACL refuses a command this call may
 --   run (lib.lua acl_refused); 'PAUSED ...'.
 -- Invariants: an item's result is written at most once (its state in the job's items hash
---   moves q -> d exactly once), only while the item is in this pending batch's items list, so a
+--   moves q -> d exactly once; an answered id compacted to M:job:J:packed counts as d), only while the item is in this pending batch's items list, so a
 --   batch completed twice, or completed by a slow worker after a reclaim handed it on, never
 --   duplicates a result and never marks done an item that waits elsewhere; counters move with the
 --   writes. Every argument is checked, and the batch and its items are read, before the first write.
@@ -33,6 +33,7 @@
 --@include lib_batch_members.lua
 --@include lib_job_end.lua
 --@include lib_service.lua
+--@include lib_packed.lua
 
 local base, state_key, batches_key = KEYS[1], KEYS[2], KEYS[3]
 local bid, final, n = ARGV[1], ARGV[2], tonumber(ARGV[3])
@@ -80,7 +81,7 @@ local refused = acl_refused(function(ok)
     if not seen[job] then
       seen[job] = true
       local jk = base .. ':job:' .. job
-      if not (ok('HMGET', jk .. ':items') and ok('HSET', jk .. ':items') and ok('XADD', jk .. ':results')
+      if not (ok('HMGET', jk .. ':items') and ok('HSET', jk .. ':items') and ok('HMGET', jk .. ':packed') and ok('HGET', jk .. ':packed') and ok('XADD', jk .. ':results')
           and ok('HINCRBY', jk) and ok('HGET', base .. ':in:' .. job) and job_end_ok(ok, base, job)) then
         return false
       end
@@ -147,10 +148,7 @@ for i = 0, n - 1 do
 end
 for _, job in ipairs(order) do
   local g = jobs[job]
-  for s = 1, #g.ids, 2000 do
-    local got = redis.call('HMGET', base .. ':job:' .. job .. ':items', unpack(g.ids, s, math.min(s + 1999, #g.ids)))
-    for j = 1, #got do g.state[s + j - 1] = got[j] end
-  end
+  g.state = done_marks(base .. ':job:' .. job, g.ids)  -- packed ids (lib_packed.lua) are done too
   if not is_request(job) then g.ends = job_end_read(base, job) end
 end
 

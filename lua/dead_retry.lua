@@ -20,7 +20,10 @@
 --   max_deliveries times before it comes back here. A job with an item taken back is no longer
 --   ended: its end stamp ('ended_ms', 'end', lib_job_end.lua) goes, and the next last answer sets it.
 -- While the model is paused (conductor pause) it refuses with 'PAUSED ...', nothing written.
+-- An answered item whose id was packed (lib_packed.lua, lua/compact_ids.lua) leaves the packed form
+--   and its sum goes back to the job's id registry (M:in:J:sums), where it waits like any other.
 --@include lib.lua
+--@include lib_packed.lua
 
 local base, state_key, dead_key, reclaimed_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 if #ARGV < 1 or #ARGV > 1000 then return redis.error_reply('ERR_ARG ids: give 1..1000 dead-letter ids') end
@@ -35,6 +38,8 @@ local refused = acl_refused(function(ok)
   return ok('HGET', state_key) and ok('HINCRBY', state_key) and ok('XRANGE', dead_key) and ok('XDEL', dead_key)
     and ok('HGET', jp .. ':items') and ok('HDEL', jp .. ':items') and ok('XRANGE', jp .. ':results')
     and ok('XDEL', jp .. ':results') and ok('HINCRBY', jp) and ok('HDEL', jp) and ok('RPUSH', reclaimed_key)
+    and ok('HGET', jp .. ':packed') and ok('HMGET', jp .. ':packed') and ok('HSET', jp .. ':packed')
+    and ok('HINCRBY', jp .. ':packed') and ok('HSET', base .. ':in:0:sums')
 end)
 if refused then return refused end
 refused = paused(state_key)
@@ -52,7 +57,7 @@ for i = 1, #ARGV do
   local jk = f.job and f.id and (base .. ':job:' .. f.job)
   local item = jk and (f.job .. ':' .. f.id)
   -- Its item must still hold this entry's dead-letter result (not after a purge or a retry).
-  local ok = jk and not seen[item] and redis.call('HGET', jk .. ':items', f.id) == 'd' and f.rid
+  local ok = jk and not seen[item] and item_done(jk, f.id) and f.rid
     and stream_id_ok(f.rid) and redis.call('XRANGE', jk .. ':results', f.rid, f.rid)[1] ~= nil
   if ok then
     seen[item] = true
@@ -65,7 +70,7 @@ for i = 1, #ARGV do
     if not tok then
       return redis.error_reply('ERR_STATE dead entry ' .. ARGV[i] .. ' has no input tokens: nothing written')
     end
-    todo[#todo + 1] = {eid = ARGV[i], jk = jk, id = f.id, rid = f.rid, tok = tok,
+    todo[#todo + 1] = {eid = ARGV[i], jk = jk, id = f.id, rid = f.rid, tok = tok, job = f.job,
       blob = cmsgpack.pack({f.sig, tonumber(f.ep), tonumber(f.lane), 1, {tok}, {rec}})}
   else
     skipped = skipped + 1
@@ -74,7 +79,9 @@ end
 
 for _, t in ipairs(todo) do
   redis.call('XDEL', t.jk .. ':results', t.rid)
-  redis.call('HDEL', t.jk .. ':items', t.id)
+  if redis.call('HDEL', t.jk .. ':items', t.id) == 0 then  -- packed: back to the registry
+    redis.call('HSET', base .. ':in:' .. t.job .. ':sums', t.id, packed_remove(t.jk .. ':packed', t.id))
+  end
   redis.call('HINCRBY', t.jk, 'failed', -1)
   redis.call('HDEL', t.jk, 'ended_ms', 'end')
   redis.call('HINCRBY', state_key, 'failed', -1)

@@ -2,7 +2,8 @@
 -- (M:in:J:sums, item id -> the first 16 hex digits of SHA-1(sig .. record)): an id the job has
 -- already is a duplicate when it brings the same content, a conflict when it brings other content.
 -- Keys: M:in:J:sums (read only here; submit.lua writes the new ids); M:job:J:items (read only: the
---   done marks of ids fed from the store).
+--   done marks of ids fed from the store); M:job:J:packed (read only: answered ids in their compact
+--   form, lib_packed.lua, which must be included before this file).
 -- Invariant: one HMGET for the whole call (a call of 1,000 items would otherwise run 1,000
 --   HSETNX); an id stored before sums were kept ('-', migrations/0003) cannot be judged and
 --   stays a duplicate; an id registered by register_segment.lua ('s<seq>:<sum>': it waits in a
@@ -18,6 +19,13 @@
 -- has its result already: it leaves the stored counters without being placed).
 local function id_conflicts(job_sums, done_key, argv, ids, n)
   local known = redis.call('HMGET', job_sums, unpack(ids))
+  local want = {}
+  for i = 1, n do
+    if not known[i] then want[#want + 1] = i end
+  end
+  -- an answered id compacted out of the registry (lib_packed.lua): known, with its sum
+  local packed = packed_sums(string.sub(done_key, 1, -7) .. ':packed', ids, want)
+  for i, p in pairs(packed) do known[i] = p end
   local first, fresh_sums, from_store = {}, {}, {}
   local conflicts = 0
   for i = 1, n do

@@ -17,6 +17,7 @@
 -- write: requeue_plan (reads only) and requeue_apply (writes only). A dead letter that answers a
 -- job's last item stamps the job's end (lib_job_end.lua), as a completion would.
 --@include lib.lua
+--@include lib_packed.lua
 --@include lib_job_end.lua
 
 -- The commands requeue_plan and requeue_apply may call, as checks for lib.lua acl_refused; job
@@ -26,7 +27,8 @@ local function requeue_acl(rq, ok)
   local jk = base .. ':job:0'
   return ok('HINCRBY', state_key) and ok('XRANGE', batches_key) and ok('XACK', batches_key)
     and ok('XDEL', batches_key) and ok('LRANGE', base .. ':bat:0') and ok('DEL', base .. ':bat:0')
-    and ok('HGET', jk .. ':items') and ok('HSET', jk .. ':items') and ok('XADD', jk .. ':results')
+    and ok('HGET', jk .. ':items') and ok('HGET', jk .. ':packed') and ok('HMGET', jk .. ':packed')
+    and ok('HSET', jk .. ':items') and ok('XADD', jk .. ':results')
     and ok('HINCRBY', jk) and ok('XADD', base .. ':dead') and ok('RPUSH', reclaimed_key)
     and job_end_ok(ok, base, '0')
 end
@@ -55,7 +57,7 @@ local function requeue_plan(rq, bid, reason, blamed)
         'decode as [id, job, input_tokens, ...]: nothing written')
     end
     local jk = base .. ':job:' .. it[2]
-    if redis.call('HGET', jk .. ':items', it[1]) ~= 'd' then
+    if not item_done(jk, it[1]) then  -- a done mark, or packed (lib_packed.lua)
       if dv >= limit then
         -- The failed result and the dead-letter entry, built here (cjson.encode can refuse).
         local res = cjson.encode({id = it[1], model = model, job = it[2], output = '', output_tokens = 0,

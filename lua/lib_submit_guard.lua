@@ -19,6 +19,7 @@ local function submit_refused(base, state_key, intake_key, job)
       and ok('ZADD', I .. ':ready') and ok('RPUSH', base .. ':lane' .. L) and ok('RPUSH', base .. ':lanetok' .. L)
       and ok('HMGET', base .. ':lanemeta' .. L) and ok('HSET', base .. ':lanemeta' .. L) and ok('TIME')
       and ok('LPUSH', base .. ':bell') and ok('LTRIM', base .. ':bell') and ok('HMGET', base .. ':job:0:items')
+      and ok('HGET', base .. ':job:0:packed') and ok('HMGET', base .. ':job:0:packed')
       and ok('HMGET', ji) and ok('ZADD', base .. ':hot')
   end)
   return refused

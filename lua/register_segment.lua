@@ -28,7 +28,9 @@
 --   in the store, in the segment of that sequence number) until submit.lua places it in a lane;
 --   stored_tokens and stored_items count exactly those items; the job's submitted counters count
 --   them once, here (submit.lua does not count them again when it places them).
+-- An id the job answered and compacted (M:job:J:packed, lib_packed.lua) counts as known here too.
 --@include lib.lua
+--@include lib_packed.lua
 
 local intake_key, job_key, sums_key, segs_key, seg_key, state_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5],
   KEYS[6]
@@ -54,6 +56,7 @@ end
 if not int_in(tokens, n, n * 16777216) or not int_in(lmin, 1, 16777216) or not int_in(lmax, lmin, 16777216) then
   return redis.error_reply('ERR_ARG tokens: tokens, lmin and lmax must be whole numbers, lmin <= lmax')
 end
+local packed_key = string.sub(sums_key, 1, -#job - 10) .. ':job:' .. job .. ':packed'  -- M:in:J:sums -> M:job:J:packed
 local ids = {}
 for i = 1, n do
   local id, sum = ARGV[7 + 2 * i], ARGV[8 + 2 * i]
@@ -67,7 +70,7 @@ end
 local refused = acl_refused(function(ok)
   return ok('HGET', state_key) and ok('ZSCORE', segs_key) and ok('HMGET', sums_key) and ok('HSET', sums_key)
     and ok('HINCRBY', job_key) and ok('HINCRBY', intake_key) and ok('ZADD', segs_key) and ok('HSET', seg_key)
-    and ok('TIME')
+    and ok('TIME') and ok('HGET', packed_key) and ok('HMGET', packed_key)
 end)
 if refused then return refused end
 refused = paused(state_key)
@@ -79,9 +82,15 @@ for s = 1, n, 2000 do
   local part = redis.call('HMGET', sums_key, unpack(ids, s, math.min(s + 1999, n)))
   for j = 1, #part do known[s + j - 1] = part[j] end
 end
+local want = {}
+for i = 1, n do
+  if not known[i] then want[#want + 1] = i end
+end
+local packed = packed_sums(packed_key, ids, want)
 local conflicts, dups = 0, 0
 for i = 1, n do
   local had, sum = known[i], ARGV[8 + 2 * i]
+  had = had or packed[i]
   if seen[ids[i]] then return redis.error_reply('ERR_ARG id: ' .. ids[i] .. ' twice in one segment') end
   seen[ids[i]] = true
   if had then

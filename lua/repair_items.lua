@@ -30,6 +30,7 @@
 --   items that leave it (fill and ready scores are recounted by repair.lua, which the caller runs
 --   next); a lane and its token list stay the same length. Everything is read before the first write.
 --@include lib.lua
+--@include lib_packed.lua
 
 local base, state_key, batches_key, reclaimed_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local kind, where = ARGV[1], ARGV[2]
@@ -70,7 +71,7 @@ local refused = acl_refused(function(ok)
   local jk = base .. ':job:0'
   return ok('XPENDING', batches_key) and ok('XRANGE', batches_key) and ok('XDEL', batches_key)
     and ok('LRANGE', lk) and ok('DEL', lk) and ok('RPUSH', lk) and ok('LSET', lk) and ok('LREM', lk)
-    and ok('HGET', jk .. ':items') and ok('HGET', base .. ':in:0:sums') and ok('RPUSH', reclaimed_key)
+    and ok('HGET', jk .. ':items') and ok('HGET', jk .. ':packed') and ok('HMGET', jk .. ':packed') and ok('HGET', base .. ':in:0:sums') and ok('RPUSH', reclaimed_key)
     and ok('HGET', state_key) and ok('HINCRBY', state_key) and ok('HINCRBY', base .. ':intake') and (not ik or (ok('EXISTS', ik) and ok('HINCRBY', ik)
       and ok('LRANGE', tk) and ok('LSET', tk) and ok('LREM', tk) and ok('DEL', tk, mk) and ok('HINCRBY', mk)))
 end)
@@ -118,7 +119,7 @@ for i, rec in ipairs(recs) do
       or type(it[3]) ~= 'number' then
     return redis.error_reply('ERR_STATE ' .. lk .. ' holds an item record that does not decode')
   end
-  local done = redis.call('HGET', base .. ':job:' .. it[2] .. ':items', it[1]) == 'd'
+  local done = item_done(base .. ':job:' .. it[2], it[1])  -- a done mark, or packed (lib_packed.lua)
   if done then
     drop[#drop + 1] = i
     drop_tokens = drop_tokens + (toks and (tonumber(toks[i]) or 0) or it[3])

@@ -52,6 +52,7 @@
 --@include lib.lua
 --@include lib_submit_args.lua
 --@include lib_submit_guard.lua
+--@include lib_packed.lua
 --@include lib_job_ids.lua
 --@include lib_intake.lua
 

@@ -343,6 +343,17 @@ def offload_results(c: Conductor) -> Call:
                 check=lambda r: r.xlen(MK.job_results("j")) == 1 and r.llen(MK.job_rsegs("j")) == 1)
 
 
+def compact_ids(c: Conductor) -> Call:
+    """Answered ids leave the registry and done marks for their packed form (lua/compact_ids.lua)."""
+    quick(c)
+    c.submit([item(f"k{i}", 10) for i in range(4)], "j")
+    b, _ = c.claim(contract(), "w")
+    c.complete(b, results_for(b))
+    return Call("compact_ids", [MK.job_items("j"), MK.job_sums("j"), MK.job_packed("j"), MK.state],
+                [1, 4, *[f"k{i}" for i in range(4)]],
+                check=lambda r: r.hlen(MK.job_items("j")) == 0 and r.hget(MK.job_packed("j"), "n") == b"4")
+
+
 # ------------------------------------------------------------------ complete
 
 def complete_final(c: Conductor) -> Call:
@@ -407,6 +418,19 @@ def dead_retry(c: Conductor) -> Call:
     ids = [d.entry for d in DeadLetter(c).items(model="m")]
     assert len(ids) == 3
     return Call("dead_retry", [MK.base, MK.state, MK.dead, MK.reclaimed], [*ids, ids[0], "1-0"])
+
+
+def dead_retry_packed(c: Conductor) -> Call:
+    """A dead-lettered item whose id was packed goes back to the registry as it is retried."""
+    quick(c, max_deliveries=1)
+    c.submit([item(i, 10) for i in range(2)], "j")
+    b, _ = c.claim(contract(max_input_len=4096), "w")
+    c.fail(b, "w", "boom")
+    c.scripts.compact_ids(keys=[MK.job_items("j"), MK.job_sums("j"), MK.job_packed("j"), MK.state],
+                          args=[1, 2, "0", "1"])
+    ids = [d.entry for d in DeadLetter(c).items(model="m")]
+    return Call("dead_retry", [MK.base, MK.state, MK.dead, MK.reclaimed], ids,
+                check=lambda r: r.hlen(MK.job_sums("j")) == 2 and r.hget(MK.job_packed("j"), "n") == b"0")
 
 
 # ------------------------------------------------------------------ reindex, repair, trim
@@ -522,6 +546,15 @@ def repair_items_done_in_lane(c: Conductor) -> Call:
     return _items_call("done", f"{inst_of(c)}:0")
 
 
+def repair_items_packed_in_lane(c: Conductor) -> Call:
+    """An item answered and packed (lua/compact_ids.lua) that still waits in a lane is done too."""
+    quick(c)
+    c.submit([item(i, 10) for i in range(4)], "j")
+    c.r.hset(MK.job_items("j"), "1", "d")
+    c.scripts.compact_ids(keys=[MK.job_items("j"), MK.job_sums("j"), MK.job_packed("j"), MK.state], args=[1, 1, "1"])
+    return _items_call("done", f"{inst_of(c)}:0")
+
+
 def ensure_model_new(c: Conductor) -> Call:
     c.r.hset(MK.cfg, "quiet_ms", 5)  # an operator's value stays
     return Call("ensure_model", [MK.cfg, MK.batches], ["quiet_ms", 1000, "lane_max", 2048])
@@ -603,13 +636,15 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "register_segment": [register_segment_new],
     "fail_stored": [fail_stored],
     "offload_results": [offload_results],
+    "compact_ids": [compact_ids],
     "complete": [complete_final, complete_retired, complete_request],
     "reclaim": [reclaim_dead_consumer],
     "fail": [fail_requeues, fail_dead_letters],
-    "dead_retry": [dead_retry],
+    "dead_retry": [dead_retry, dead_retry_packed],
     "reindex": [reindex],
     "repair": [repair, repair_unstaged, repair_gone_instance],
-    "repair_items": [repair_items_leaked_batch, repair_items_gone_lane, repair_items_done_in_lane],
+    "repair_items": [repair_items_leaked_batch, repair_items_gone_lane, repair_items_done_in_lane,
+                     repair_items_packed_in_lane],
     "trim": [trim_pending, trim_idle],
     "trim_results": [trim_results],
     "ensure_model": [ensure_model_new, ensure_model_known],

@@ -245,3 +245,11 @@ def test_fairness_quick_form_runs_every_scenario():
     out = _bench("bench/fairness.py", "--quick", "--no-write", timeout=300)
     for name in ("shares-1:1", "shares-3:1", "late", "interactive", "deadlines", "cost"):
         assert f"| {name} |" in out, out[-2000:]
+
+
+def test_memory_cap_quick_form_drains_both_runs():
+    p = subprocess.run([sys.executable, "-m", "bench.memory_cap", "--quick"], cwd=str(ROOT), capture_output=True,
+                       timeout=180)
+    assert p.returncode == 0, (p.stdout.decode()[-2000:], p.stderr.decode()[-2000:])
+    out = p.stdout.decode()
+    assert "maxmemory 64mb (noeviction)" in out and "no cap (peer)" in out and "| yes |" in out

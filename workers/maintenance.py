@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 
 from conductor.client import Conductor
+from conductor.errors import QueueFull
 from conductor.intake.intake_resume import Resumer
 from conductor.jobs.job_state import expire_due_leased
 from conductor.jobs.retention import trim_model
@@ -22,10 +23,13 @@ from conductor.observability import metrics
 from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.connection import StreamEntry
 from conductor.redis_contract.keys import ModelKeys
+from conductor.tier.compact_ids import compact_model
 from conductor.tier.feeder import Feeder
 from conductor.tier.object_store import StoreError
 from conductor.tier.result_segments import offload_model
+from conductor.tier.room import make_room, memory_pressure
 
+from .feed_stall import FeedStall
 from .transient import RIDE_OUT
 
 log = logging.getLogger("conductor.maintenance")
@@ -75,6 +79,12 @@ class Maintenance:
         # Told of each failure first; True means it was reported there (the worker's outage line),
         # so no line of its own here.
         self.on_error: Callable[[BaseException], bool] | None = None
+        # A refused feed is a stall with one line each way and a gauge (workers/feed_stall.py); the
+        # room it needs is made at most this often (conductor/tier/room.py).
+        self.stall = FeedStall(model, owner)
+        self.room_interval_s = 0.2
+        self._room_next = 0.0
+        self.room_moved = 0  # result records moved to the store to make room
 
     @classmethod
     def for_worker(cls, conductor: Conductor, model: str, owner: str, heartbeat_ttl_s: float) -> Maintenance:
@@ -118,8 +128,11 @@ class Maintenance:
             # the lease holders of every model and the serve replicas (conductor/jobs/job_state.py).
             expire_due_leased(self.c, self.owner)
             self.intake.tick()
-            if self.feeder is not None:  # the disk tier: results past the window go to the store
+            if self.feeder is not None:  # the disk tier: results past the window go to the store,
                 offload_model(self.c, self.feeder.store, self.model)
+                # and answered ids to their packed form (conductor/tier/compact_ids.py): a job of any
+                # size then drains through a Redis of fixed size
+                compact_model(self.c, self.model)
             return res
         except RIDE_OUT_OR_STORE as e:  # a Redis failure, a paused model (Paused), memory full
             # (QueueFull), a store that does not answer
@@ -132,10 +145,28 @@ class Maintenance:
             return
         self._feed_next = now + self.feed_interval_s
         try:
+            if now >= self._room_next and memory_pressure(self.c.r):
+                self._make_room(now)  # near maxmemory: make room before anything is refused
             self.feeder.feed()
         except RIDE_OUT_OR_STORE as e:
-            if self.on_error is None or not self.on_error(e):
-                log.warning(json.dumps({"event": "feed_failed", "model": self.model, "error": str(e)}))
+            told = self.on_error is not None and self.on_error(e)  # a Redis outage: the link's line
+            self.stall.failed(e, say=not told)
+            if isinstance(e, QueueFull):  # over maxmemory: results move to the store, then feed again
+                try:
+                    self._make_room(now)
+                except RIDE_OUT_OR_STORE:
+                    pass  # the stall stays on (its gauge, its alert): the next feed tries again
+            return
+        self.stall.ok()
+
+    def _make_room(self, now: float) -> None:
+        if now < self._room_next or self.feeder is None:
+            return
+        self._room_next = now + self.room_interval_s
+        moved = make_room(self.c, self.feeder.store, self.model)
+        self.room_moved += moved
+        if moved:
+            log.info(json.dumps({"event": "room_made", "model": self.model, "results_moved": moved}))
 
     def _drift_check(self) -> None:
         if self.verify_interval_s <= 0 or (self.verify_thread and self.verify_thread.is_alive()):

@@ -6,7 +6,7 @@ waste = 1 - actual/padded), finished sequences and output tokens (rates in PromQ
 sequences, latch state, engine step and claim time, retry buffer, prefix-cache hits, shape
 switches, warm claims (the previous batch's shape again), busy time (its max/mean over the fleet
 is the broker's balance gauge) and idle time while work waits; the maintenance lease holder adds
-batches per shape, thrashing shapes and counter drift.
+batches per shape, thrashing shapes, counter drift and the disk tier's feed stalls.
 The broker's own figures (queues, lanes, jobs) are read from Redis at scrape time by
 ``conductor.observability.broker_metrics.ModelStateCollector``, which ``conductor exporter`` serves.
 """
@@ -49,6 +49,13 @@ BATCHES_PER_SHAPE = Histogram("conductor_batches_per_shape", "Batches a shape in
                               buckets=(1, 10, 50, 100, 500, 1000, 5000, 10000))
 THRASHING_SHAPES = Counter("conductor_thrashing_shapes", "Shapes that ran in more than twice the batches their "
                            "items could fill, under 100 batches", LW)
+# The disk tier's feed refused over maxmemory (workers/feed_stall.py): a stall is a state with an
+# age (deploy/prometheus/alerts.yml ConductorFeedStalled), not a line per refused feed.
+FEED_STALLED = Gauge("conductor_feed_stalled", "1 while the lease holder's feed of store segments is refused "
+                     "(Redis over maxmemory)", LW)
+FEED_STALL_AGE = Gauge("conductor_feed_stall_age_seconds", "How long the current feed stall has lasted (0: none)", LW)
+FEED_FAILURES = Counter("conductor_feed_failures", "Feeds of store segments refused (Redis over maxmemory, a store "
+                        "that does not answer)", LW)
 
 # The worker this thread works for: code that knows only the model (conductor/verify/'s drift
 # check, run by the maintenance lease holder) still labels its series with the worker's name.

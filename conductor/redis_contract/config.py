@@ -46,6 +46,8 @@ FIELDS: dict[str, tuple[Any, str]] = {
                            "lanes drain. 0: no ceiling, every item waits in Redis"),
     "results_window": (0, "disk tier (with a store): result records kept in Redis per job and model; the lease holder "
                           "moves older ones to store segments, which `conductor results` reads too. 0: all stay"),
+    "results_age_s": (0, "disk tier (with a store): result records older than this many seconds move to store "
+                         "segments too, whatever results_window says (a follower has read them long ago). 0: off"),
 }
 
 DEFAULTS: dict[str, Any] = {k: v[0] for k, v in FIELDS.items()}

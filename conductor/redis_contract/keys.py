@@ -103,9 +103,14 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
                                              digits of SHA-1(sig || record); '-' for an id submitted before
                                              sums were kept): a re-submitted id must bring the same content
                                              ('s<seq>:<sum>' while the item waits in the store segment
-                                             of that sequence number)
+                                             of that sequence number); an answered id may leave it
+                                             for M:job:J:packed (below), where every check finds it
     M:job:J                         hash     the fleet's job counters for this model: completed, failed
     M:job:J:items                   hash     item id -> d: the item has its result (effectively-once)
+    M:job:J:packed                  hash     answered ids moved out of M:in:J:sums and M:job:J:items by the
+                                             lease holder (lua/compact_ids.lua; issue 25): k (bucket digits),
+                                             n (ids held), and per bucket b<hex> a string of 16-byte records
+                                             (8 bytes of SHA-1(id), 8 of its content sum): lua/lib_packed.lua
     M:job:J:results                 stream   result records of the job for this model, JSON
     M:bell                          list     doorbell: submit.lua and seal.lua push a few entries (capped)
                                              when work may have become claimable; idle workers BLPOP it
@@ -363,6 +368,9 @@ class ModelKeys:
 
     def job_items(self, job: str) -> str:
         return f"{self.base}:job:{job}:items"
+
+    def job_packed(self, job: str) -> str:
+        return f"{self.base}:job:{job}:packed"
 
     def job_sums(self, job: str) -> str:
         return f"{self.base}:in:{job}:sums"

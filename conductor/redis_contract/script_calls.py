@@ -398,3 +398,10 @@ def offload_results(mk: K.ModelKeys, job: str, record: str, eids: Sequence[str])
     """lua/offload_results.lua: the oldest result entries ``eids`` leave the job's stream as their
     segment's ``record`` is registered; the entries moved (0: another offload ran first)."""
     return Call("offload_results", [mk.job_results(job), mk.job_rsegs(job), mk.state], [record, *eids], _int)
+
+
+def compact_ids(mk: K.ModelKeys, job: str, k: int, ids: Sequence[str]) -> Call[int]:
+    """lua/compact_ids.lua: the answered ``ids`` of ``job`` leave its id registry and done marks for
+    their packed form (buckets of ``k`` hex digits for a job not packed yet); the ids packed."""
+    return Call("compact_ids", [mk.job_items(job), mk.job_sums(job), mk.job_packed(job), mk.state], [k, len(ids), *ids],
+                _int)

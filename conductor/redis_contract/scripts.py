@@ -27,7 +27,7 @@ GENERATED = "lib_generated.lua"
 NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex", "seal", "ensure_model", "register",
          "heartbeat", "declare", "dead_retry", "repair_items", "trim", "trim_results", "lease",
          "cancel", "register_segment", "fail_stored", "offload_results", "take_name", "job_class",
-         "intake_lease", "intake_cursor")
+         "intake_lease", "intake_cursor", "compact_ids")
 
 
 def _lua_value(v: object) -> str:
@@ -117,6 +117,7 @@ class Scripts:
     register_segment: redis.commands.core.Script
     fail_stored: redis.commands.core.Script
     offload_results: redis.commands.core.Script
+    compact_ids: redis.commands.core.Script
     take_name: redis.commands.core.Script
     job_class: redis.commands.core.Script
     intake_lease: redis.commands.core.Script

@@ -1,7 +1,8 @@
 """Results of the disk tier: a job's finished results beyond a window move to the store.
 
-With a store and a model's ``results_window`` above 0, the worker holding the maintenance lease
-moves the oldest result records of each of the model's jobs past that many, in segments of at
+With a store and a model's ``results_window`` above 0 (or ``results_age_s``: records older than
+that many seconds), the worker holding the maintenance lease moves the oldest result records of
+each of the model's jobs past that many, in segments of at
 most SEGMENT_RESULTS, from the job's stream ``M:job:J:results`` to a Parquet file (columns
 ``eid``, the stream id, ``id``, the item id, and ``r``, the record as complete.lua wrote it), registered in the list
 ``M:job:J:rsegs`` by lua/offload_results.lua in the same step as the entries leave the stream.
@@ -47,13 +48,18 @@ def decode(data: bytes) -> list[tuple[str, bytes, bytes]]:
                     strict=True))
 
 
-def offload_job(r: redis.Redis, scripts: Any, store: Store, model: str, job: str, window: int) -> int:
-    """Move the job's oldest results past ``window`` to the store; the records moved."""
+def offload_job(r: redis.Redis, scripts: Any, store: Store, model: str, job: str, window: int,
+                before_ms: int = 0) -> int:
+    """Move the job's oldest results past ``window``, and those written before ``before_ms`` (a
+    time in ms; 0: none), to the store; the records moved."""
     mk = K.ModelKeys(model)
     stream = mk.job_results(job)
     moved = 0
     while True:
         extra = r.xlen(stream) - window
+        if before_ms > 0:
+            old = r.xrange(stream, "-", f"{before_ms - 1}", count=SEGMENT_RESULTS)
+            extra = max(extra, len(old))  # type: ignore[arg-type]
         if extra <= 0:
             return moved
         entries: list[StreamEntry] = r.xrange(stream, "-", "+", count=min(extra, SEGMENT_RESULTS))  # type: ignore[assignment]
@@ -72,16 +78,19 @@ def offload_job(r: redis.Redis, scripts: Any, store: Store, model: str, job: str
 
 
 def offload_model(c: ScriptClient, store: Store, model: str) -> int:
-    """Every job of ``model`` over the model's results_window (0: off)."""
+    """Every job of ``model`` over the model's results_window, and its results older than
+    results_age_s (0: off, both)."""
     mk = K.ModelKeys(model)
-    raw = c.r.hget(mk.cfg, "results_window")
-    window = int(as_str(raw)) if raw is not None and as_str(raw).isdigit() else 0
-    if window <= 0:
+    raw_window, raw_age = c.r.hmget(mk.cfg, ["results_window", "results_age_s"])
+    window, age_s = (int(as_str(v)) if v is not None and as_str(v).isdigit() else 0 for v in (raw_window, raw_age))
+    if window <= 0 and age_s <= 0:
         return 0
+    sec, usec = c.r.time()  # the server's clock: stream ids are its milliseconds
+    before_ms = int(sec) * 1000 + int(usec) // 1000 - age_s * 1000 if age_s > 0 else 0
     moved = 0
     for job in (as_str(j) for j in c.r.zrange(K.JOBS_KEY, 0, -1)):
         if c.r.sismember(K.job_models_key(job), model):
-            moved += offload_job(c.r, c.scripts, store, model, job, window)
+            moved += offload_job(c.r, c.scripts, store, model, job, window if window > 0 else 1 << 62, before_ms)
     return moved
 
 

@@ -31,6 +31,7 @@ from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.connection import as_str
 from conductor.redis_contract.item_record import content_sum, record_head
+from conductor.redis_contract.packed_ids import packed_sums
 from conductor.redis_contract.records import PreparedItem
 from conductor.tier import segments as S
 from conductor.tier.object_store import Store
@@ -106,8 +107,11 @@ class Tier:
         sums_key = mk.job_sums(job)
         for _ in range(5):
             known = self.r.hmget(sums_key, [it.id for it in piece])
+            # answered ids compacted out of the registry (conductor/redis_contract/packed_ids.py)
+            packed = packed_sums(self.r, mk, job, [it.id for it, had in zip(piece, known, strict=True) if had is None])
             # an id the job has: the same content (other content was refused before, in submit)
             fresh = [it for it, had in zip(piece, known, strict=True) if had is None]
+            fresh = [it for it, p in zip(fresh, packed, strict=True) if p is None]
             dups = len(piece) - len(fresh)
             if not fresh:
                 return 0, dups

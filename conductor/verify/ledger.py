@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 
 from conductor.redis_contract.connection import as_str
+from conductor.redis_contract.packed_ids import packed_sums
 from conductor.verify.snapshot import EXAMPLES
 
 
@@ -36,13 +37,17 @@ class Ledger:
     def __init__(self) -> None:
         self.places: dict[tuple[str, str], list[str]] = {}
         self.state: dict[tuple[str, str], str] = {}
+        # job -> (redis, model keys, count) of a job with answered ids in their packed form
+        # (conductor/redis_contract/packed_ids.py): named in no registry, found by asking
+        self.packed: dict[str, tuple[Any, Any, int]] = {}
 
     def add(self, job: Any, iid: Any, place: str) -> None:
         self.places.setdefault((as_str(job), as_str(iid)), []).append(place)
 
     def counts(self) -> dict[str, int]:
-        out = {"submitted": len(self.state), "done": 0, "waiting": 0, "inflight": 0, "reclaimed": 0, "orphaned": 0,
-               "stored": 0}
+        n_packed = sum(n for _r, _mk, n in self.packed.values())
+        out = {"submitted": len(self.state) + n_packed, "done": n_packed, "waiting": 0, "inflight": 0, "reclaimed": 0,
+               "orphaned": 0, "stored": 0}
         kinds = {"lane": "waiting", "batch": "inflight", "orphan": "orphaned", "store": "stored"}
         for key, st in self.state.items():
             if st != "q":
@@ -85,8 +90,20 @@ class Ledger:
                     out["orphaned"].append((key, places[0].split(" ", 1)[1]))
             elif any(p.startswith(("lane ", "orphan ")) for p in places):
                 out["done_waiting"].append((key, places))
-        out["phantom"] = [(key, places) for key, places in self.places.items() if key not in self.state]
+        unknown = [(key, places) for key, places in self.places.items() if key not in self.state]
+        answered = self._packed([key for key, _p in unknown])
+        out["phantom"] = [(key, places) for key, places in unknown if key not in answered]
+        out["done_waiting"] += [(key, places) for key, places in unknown if key in answered
+                                and any(p.startswith(("lane ", "orphan ")) for p in places)]
         return out
+
+    def _packed(self, keys: list[tuple[str, str]]) -> set[tuple[str, str]]:
+        """Which of ``keys`` (job, id) are answered ids in their job's packed form."""
+        found: set[tuple[str, str]] = set()
+        for job, (r, mk, _n) in self.packed.items():
+            ids = [iid for j, iid in keys if j == job]
+            found |= {(job, iid) for iid, p in zip(ids, packed_sums(r, mk, job, ids), strict=True) if p is not None}
+        return found
 
 
 def _show(xs: list[Any]) -> str:

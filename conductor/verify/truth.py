@@ -305,7 +305,11 @@ def job_truth(r: redis.Redis, mk: K.ModelKeys, job: str, ledger: Ledger | None) 
     pipe.hlen(mk.job_sums(job))
     pipe.xlen(mk.job_results(job))
     pipe.xrevrange(mk.job_results(job), count=1)
-    rec_sub, rec, n_items, n_results, last = pipe.execute()
+    # answered ids compacted out of the registry and the done marks (lua/compact_ids.lua): counted
+    # in both, named in neither (the ledger asks the packed form about an id it cannot place); read
+    # in the same snapshot as the registry, which they leave in one step
+    pipe.hget(mk.job_packed(job), "n")
+    rec_sub, rec, n_items, n_results, last, raw_packed = pipe.execute()
     registry: Any
     marks: Any
     records: Any
@@ -316,7 +320,8 @@ def job_truth(r: redis.Redis, mk: K.ModelKeys, job: str, ledger: Ledger | None) 
         pipe.hkeys(mk.job_sums(job))
         pipe.hgetall(mk.job_items(job))
         pipe.xrange(mk.job_results(job))
-        rec_sub, rec, registry, marks, records = pipe.execute()
+        pipe.hget(mk.job_packed(job), "n")
+        rec_sub, rec, registry, marks, records, raw_packed = pipe.execute()
         marks = pairs(marks)
         # redis-py's cluster pipeline in a transaction leaves XRANGE's fields a flat list
         records = [(eid, dict(pairs(f))) for eid, f in records]
@@ -324,6 +329,9 @@ def job_truth(r: redis.Redis, mk: K.ModelKeys, job: str, ledger: Ledger | None) 
         registry = (k for k, _v in r.hscan_iter(mk.job_sums(job), count=PAGE))
         marks = r.hscan_iter(mk.job_items(job), count=PAGE)
         records = xrange_pages(r, mk.job_results(job), upto=as_str(last[0][0]) if last else None) if last else []
+    n_packed = as_int(raw_packed)
+    if ledger is not None and n_packed:
+        ledger.packed[job] = (r, mk, n_packed)
     submitted = done = 0
     for iid in registry:
         submitted += 1
@@ -337,6 +345,7 @@ def job_truth(r: redis.Redis, mk: K.ModelKeys, job: str, ledger: Ledger | None) 
     ok, err, results, dup = _count_records(records, ledger is not None)
     if n_items > SNAPSHOT or n_results > SNAPSHOT:
         submitted = n_items  # the snapshot's count, not the pages'
+    submitted, done = submitted + n_packed, done + n_packed
     # Fewer records than done items: retention trimmed the job's results (conductor/jobs/retention.py),
     # so the ok/error split of the trimmed ones is gone. (A lost record looks the same.)
     return {"submitted": submitted, "completed": ok, "failed": err, "done": done, "results": results,

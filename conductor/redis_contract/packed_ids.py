@@ -1,0 +1,59 @@
+"""The packed form of a job's answered ids (``M:job:J:packed``, issue 25), read from Python.
+
+lua/lib_packed.lua holds the layout and lua/compact_ids.lua writes it: once an id is answered,
+the maintenance lease holder (conductor/tier/compact_ids.py) moves it out of the job's id registry
+(``M:in:J:sums``, about 80 bytes an id) and done marks (``M:job:J:items``, about 55) into a
+16-byte record (8 bytes of SHA-1(id), 8 of its content sum) in a bucket of the packed hash. This
+mirror answers the same question as the Lua (is this id answered and packed, with which sum) for
+the producer's pre-checks and for conductor/verify/.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+
+import redis
+
+from conductor.redis_contract import keys as K
+from conductor.redis_contract.connection import as_str
+
+RECORD = 16
+
+
+def place(iid: str, k: int) -> tuple[str, bytes]:
+    """The id's bucket field and its 8-byte fingerprint (lua/lib_packed.lua packed_place)."""
+    h = hashlib.sha1(iid.encode()).hexdigest()
+    return "b" + h[:k], bytes.fromhex(h[4:20])
+
+
+def find(bucket: bytes | None, fp: bytes) -> str | None:
+    """The 16 hex digits of the sum stored with ``fp`` in ``bucket``, or None."""
+    if not bucket:
+        return None
+    for at in range(0, len(bucket), RECORD):
+        if bucket[at:at + 8] == fp:
+            return bucket[at + 8:at + RECORD].hex()
+    return None
+
+
+def packed_sums(r: redis.Redis, mk: K.ModelKeys, job: str, ids: Sequence[str]) -> list[str | None]:
+    """For each id: the 16 hex digits of its content sum when the job's packed form holds it."""
+    key = mk.job_packed(job)
+    k = r.hget(key, "k")
+    if k is None or not ids:
+        return [None] * len(ids)
+    places = [place(i, int(as_str(k))) for i in ids]
+    fields = sorted({f for f, _fp in places})  # each bucket read once, however many ids it holds
+    buckets: dict[str, bytes | None] = {}
+    for start in range(0, len(fields), 2000):
+        part = fields[start:start + 2000]
+        got: list[bytes | None] = r.hmget(key, part)  # type: ignore[assignment]
+        buckets.update(zip(part, got, strict=True))
+    return [find(buckets[f], fp) for f, fp in places]
+
+
+def packed_count(r: redis.Redis, mk: K.ModelKeys, job: str) -> int:
+    """How many answered ids the job's packed form holds (its field 'n')."""
+    raw = r.hget(mk.job_packed(job), "n")
+    return int(as_str(raw)) if raw is not None else 0
