@@ -25,7 +25,7 @@ if #owner < 1 or #owner > 200 then return redis.error_reply('ERR_ARG owner: must
 if not int_in(ms, 0, 600000) then return redis.error_reply('ERR_ARG ms: must be an integer in 0..600000') end
 
 local refused = acl_refused(function(ok)
-  return ok('HMGET', task) and ok('HSET', task) and ok('TIME')
+  return ok('HMGET', task) and ok('HSET', task) and ok('HINCRBY', task) and ok('TIME')
 end)
 if refused then return refused end
 

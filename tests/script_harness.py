@@ -609,6 +609,26 @@ def lease_taken(c: Conductor) -> Call:
     return Call("lease", [MK.maint_lease], ["w", 5000], check=lambda r: r.get(MK.maint_lease) == b"other")
 
 
+def _intake_task(c: Conductor, owner: str) -> str:
+    from conductor.intake import intake_task as T
+    T.create(c, T.Task(job="j", source="cli", path="/nowhere/in.jsonl", state="sending", defaults={}), owner)
+    return K.intake_task_key("j")
+
+
+def intake_lease_lapsed(c: Conductor) -> Call:
+    """A resumer takes the task whose holder stopped renewing (lua/intake_lease.lua)."""
+    key = _intake_task(c, "first")
+    c.r.hset(key, "lease_ms", 1)
+    return Call("intake_lease", [key], ["second", 5000], check=lambda r: r.hget(key, "owner") == b"second")
+
+
+def intake_cursor_moves(c: Conductor) -> Call:
+    """The holder records a chunk Redis acknowledged (lua/intake_cursor.lua)."""
+    key = _intake_task(c, "first")
+    return Call("intake_cursor", [key], ["first", 5000, 10, 10, "sending"],
+                check=lambda r: r.hget(key, "line") == b"10" and r.hget(key, "sent") == b"10")
+
+
 def take_name_free(c: Conductor) -> Call:
     return Call("take_name", [MK.base], ["host", 1, 10000, 1000], check=lambda r: r.exists(MK.heartbeat("host")))
 
@@ -631,6 +651,8 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
               claim_hygiene_retires_empty,
               claim_hygiene_big_lane, claim_reindexes, claim_enters_cleanup, claim_leaves_cleanup],
     "job_class": [job_class_new],
+    "intake_lease": [intake_lease_lapsed],
+    "intake_cursor": [intake_cursor_moves],
     "submit": [submit_new_shapes, submit_leaves_cleanup_reuses_lane, submit_known_shape_without_prefix,
                submit_from_store],
     "register_segment": [register_segment_new],

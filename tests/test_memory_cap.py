@@ -26,9 +26,9 @@ from conductor.redis_contract.records import Contract
 from conductor.tier.object_store import Store
 from conductor.tier.result_segments import offload_model
 from conductor.tier.room import ROOM_WINDOW, make_room
+from conductor.workers.feed_stall import FeedStall
 from tests.conftest import item
 from tests.helpers import drain, quick
-from workers.feed_stall import FeedStall
 
 
 def test_a_job_larger_than_redis_drains_through_a_capped_redis_with_a_following_reader(tmp_path):

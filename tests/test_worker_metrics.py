@@ -102,7 +102,7 @@ def test_every_worker_series_names_its_worker_and_gauges_their_unit(cdr):
     assert not unlabelled, f"series without a worker label: {unlabelled}"
     assert {s.labels["worker"] for s in ours if s.name == "conductor_counter_drift"} == {"labelled"}
     units = ("_sequences", "_batches", "_ratio", "_tokens", "_items", "_seconds", "_lanes", "_entries")
-    flags = {"conductor_worker_latch_gated"}  # 0 or 1: a state, no unit
+    flags = {"conductor_worker_latch_gated", "conductor_feed_stalled"}  # 0 or 1: a state, no unit
     kinds = {"conductor_counter_drift"}  # counts in the unit of its counter label (tokens, items, batches)
     # the text format shows a counter's or histogram's creation time as a gauge of its own
     gauges = {f.name for f in fams if f.type == "gauge" and not f.name.endswith("_created")}
