@@ -55,10 +55,14 @@ def test_every_metric_the_dashboard_rules_and_keda_name_is_served_live(redis_url
     try:
         with exporter(redis_url) as eport:
             deadline = time.monotonic() + 60
+            finished = ("conductor_finished_sequences_total", (("model", "demo-7b"), ("worker", "w1")))
             while True:
+                # the job's status first, then the scrape: a scrape taken before the status read may
+                # miss the last batch's sequences (the worker counts them after its complete)
+                done = cdr.status("j")["done"]
                 worker_side = scrape(port)
-                if cdr.status("j")["done"] and ("conductor_counter_drift", (("counter", "state.tokens"),
-                                                ("model", "demo-7b"), ("worker", "w1"))) in worker_side:
+                if done and worker_side.get(finished) == 200 and ("conductor_counter_drift", (
+                        ("counter", "state.tokens"), ("model", "demo-7b"), ("worker", "w1"))) in worker_side:
                     break
                 assert time.monotonic() < deadline, "the worker did not finish and run its drift check"
                 time.sleep(0.2)
@@ -74,7 +78,7 @@ def test_every_metric_the_dashboard_rules_and_keda_name_is_served_live(redis_url
     assert not missing, f"named in deploy/ but served by neither the exporter nor a worker: {missing}"
     # each side serves its own: the exporter has no worker series (they would read 0 under no worker)
     assert not [n for n, _ in broker_side if n.startswith("conductor_finished_sequences")]
-    assert worker_side[("conductor_finished_sequences_total", (("model", "demo-7b"), ("worker", "w1")))] == 200
+    assert worker_side[finished] == 200
 
 
 def test_every_series_the_dashboard_and_alerts_name_is_served_from_the_start(redis_url, tmp_path):
