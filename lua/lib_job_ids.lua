@@ -17,7 +17,8 @@
 -- at i when id i waits in a store segment with this content: it counts as new here, and moves
 -- from the stored counters to the waiting ones) and answered (true at i when id i, fed from the store,
 -- has its result already: it leaves the stored counters without being placed).
-local function id_conflicts(job_sums, done_key, argv, ids, n)
+-- sums: the call's content sums as the producer sent them (submit.lua ARGV[3+3n]), or nil: computed here.
+local function id_conflicts(job_sums, done_key, argv, ids, n, sums)
   local known = redis.call('HMGET', job_sums, unpack(ids))
   local want = {}
   for i = 1, n do
@@ -30,7 +31,7 @@ local function id_conflicts(job_sums, done_key, argv, ids, n)
   local conflicts = 0
   for i = 1, n do
     local o = 3 * i
-    local sum = string.sub(redis.sha1hex(argv[o] .. argv[o + 1]), 1, 16)
+    local sum = sums and string.sub(sums, 16 * i - 15, 16 * i) or string.sub(redis.sha1hex(argv[o] .. argv[o + 1]), 1, 16)
     local id = ids[i]
     local had = known[i]
     if had and string.byte(had, 1) == 115 and string.sub(had, -16) == sum then  -- 's<seq>:<sum>'

@@ -18,6 +18,10 @@
 --                 [id, job, input_tokens, max_tokens, prompt, payload], first byte '[', in
 --                 standard JSON: a form only cjson takes (NaN, hex, leading zeros) passes this
 --                 check, and the worker answers that item with a bad_record error.
+-- ARGV[3+3n]      optional: the items' content sums, 16 hex digits each, concatenated (the first 16
+--                 of SHA-1(sig .. record), conductor/redis_contract/item_record.py content_sum): the
+--                 producer's copy of what this script computes for a call without them (the SHA-1 was
+--                 a quarter of submit.lua's server time per item, bench/RESULTS.md intake_speed).
 -- Returns: one integer per item: the lane id it joined, or -1 when this job already has an
 --   item with this id (an interrupted submit re-run neither loses nor duplicates). An id that
 --   waits in a store segment (registry mark 's<seq>:<sum>', register_segment.lua) joins a lane
@@ -62,8 +66,12 @@ local n = tonumber(ARGV[1])
 if not int_in(n, 1, 5000) then
   return redis.error_reply('ERR_ARG n: item count must be an integer in 1..5000')
 end
-if #ARGV ~= 2 + 3 * n then
-  return redis.error_reply('ERR_ARG argv: expected ' .. (2 + 3 * n) .. ' arguments, got ' .. #ARGV)
+if #ARGV ~= 2 + 3 * n and #ARGV ~= 3 + 3 * n then
+  return redis.error_reply('ERR_ARG argv: expected ' .. (2 + 3 * n) .. ' arguments (or one more: the sums), got ' .. #ARGV)
+end
+local sums = ARGV[3 + 3 * n]
+if sums and (#sums ~= 16 * n or not string.match(sums, '^[0-9a-f]*$')) then
+  return redis.error_reply('ERR_ARG sums: must be 16 lowercase hex digits per item, ' .. 16 * n .. ' in all')
 end
 local job = ARGV[2]
 if #job < 1 or #job > 128 or not string.match(job, '^[%w%._/@+=-]+$') then
@@ -95,7 +103,7 @@ local intake = {base = base, cfg = cfg, now = now, depth = call.depth, ctxs = {}
 
 local job_sums = base .. ':in:' .. job .. ':sums'
 local known, fresh_sums, conflicts, from_store, answered =
-  id_conflicts(job_sums, base .. ':job:' .. job .. ':items', ARGV, ids, n)
+  id_conflicts(job_sums, base .. ':job:' .. job .. ':items', ARGV, ids, n, sums)
 if conflicts > 0 then
   return redis.error_reply('CONFLICT ' .. conflicts .. ' ids of this call are ids job ' .. job ..
     ' already has with other content')

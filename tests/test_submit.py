@@ -118,6 +118,10 @@ def test_bad_arguments_write_nothing(cdr):
         ([1, "j", S, record("x", "other", 10, 5), b""], "job"),  # the record names another job
         # a good item followed by a bad one: all or nothing
         (submit_argv("j", ("y", S, 10, 5), ("z", S, 10, 0)), "max_tokens"),
+        # the producer's content sums, 16 lowercase hex digits per item
+        ([*submit_argv("j", ("x", S, 10, 5)), "abc"], "sums"),
+        ([*submit_argv("j", ("x", S, 10, 5)), "Z" * 16], "sums"),
+        ([*submit_argv("j", ("x", S, 10, 5), ("y", S, 10, 5)), S], "sums"),
     ]
     for args, field in bad_calls:
         with pytest.raises(Exception, match=f"^ERR_ARG {field}"):
@@ -323,3 +327,20 @@ def test_depth_rule_counts_the_calls_own_items_before_placing_the_first(cdr):
     assert len(lanes(cdr, inst_of(cdr))) == 5
     cdr.submit([item(f"b{i}", 100 + 200 * (i % 5), prefix=("other",)) for i in range(3)], "j")
     assert len(lanes(cdr, inst_of(cdr, ("other",)))) == 1
+
+
+def test_the_sums_a_producer_sends_are_the_ones_submit_lua_would_compute(cdr):
+    from conductor.redis_contract.script_calls import submit_args
+    its = [item(f"s{i}", 10 + i, prefix=(f"P{i % 3}",), payload={"k": i}) for i in range(20)]
+    args = submit_args("j", its)
+    assert len(args) == 3 + 3 * len(its)  # the sums ride last
+    cdr.ensure_model("m2")
+    sent, computed = K.ModelKeys("m"), K.ModelKeys("m2")
+    cdr.scripts.submit(keys=[sent.base, sent.cfg, sent.state], args=args)
+    cdr.scripts.submit(keys=[computed.base, computed.cfg, computed.state], args=args[:-1])  # Redis's SHA-1
+    reg = cdr.r.hgetall(sent.job_sums("j"))
+    assert len(reg) == 20 and reg == cdr.r.hgetall(computed.job_sums("j"))
+    # and a re-sent item with other content is still a conflict, judged by the sent sums
+    changed = [item("s0", 99, prefix=("P0",))]
+    with pytest.raises(Exception, match="^CONFLICT 1"):
+        cdr.scripts.submit(keys=[sent.base, sent.cfg, sent.state], args=submit_args("j", changed))
