@@ -103,7 +103,10 @@ def test_submit_lua_refuses_a_bad_count(busy, n, extra):
     call_expecting(cdr, cdr.scripts.submit, [MK.base, MK.cfg, MK.state], [n, "j"] + ["x"] * extra, "n")
     args = submit_argv("j", ("a", GOOD_SIG, 1, 1)) + ["x"] * extra
     args[0] = 2  # one item's arguments (and a few more) under a count of two
-    call_expecting(cdr, cdr.scripts.submit, [MK.base, MK.cfg, MK.state], args, "argv")
+    # 3 + 3n arguments read as n items and their content sums (submit.lua ARGV[3+3n]): the junk
+    # in the sums' place is what is named then
+    call_expecting(cdr, cdr.scripts.submit, [MK.base, MK.cfg, MK.state], args,
+                   "sums" if len(args) == 3 + 3 * 2 else "argv")
 
 
 CLAIM_FIELDS = {"consumer": oversized(200), "max_batch_size": not_an_int_in(1, 65536),

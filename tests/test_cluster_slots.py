@@ -71,7 +71,8 @@ POISON = ["--deselect", "tests/test_deadletter.py::test_poison_item_is_dead_lett
                          ids=["core", "core-and-end-to-end"])
 def test_core_modules_pass_on_a_one_node_cluster(modules):
     env = dict(os.environ, CONDUCTOR_TEST_CLUSTER="1")
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *modules],
+    # -n 0: one process (the suite's two would each start a cluster run's worth of servers)
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider", *modules],
                        cwd=str(ROOT), env=env, capture_output=True, text=True, timeout=480)
     tail = (p.stdout + p.stderr)[-3000:]
     assert p.returncode == 0, tail
