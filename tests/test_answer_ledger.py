@@ -248,7 +248,9 @@ def test_cli_retry_after_expiry_and_verify_job(redis_url: str, tmp_path: Path) -
               "max_tokens": 4} for i in range(16)]
     src.write_text("".join(json.dumps(x) + "\n" for x in lines))
     env = {"XDG_DATA_HOME": str(tmp_path / "data")}
-    cli("submit", str(src), "--job", "old", "--completion-window", "1s", "--tenant", "t1", "--priority", "background",
+    # a window the submit and the first batches fit in on a busy machine (with 1 s, a slow start
+    # expired every line before the worker's first claim)
+    cli("submit", str(src), "--job", "old", "--completion-window", "6s", "--tenant", "t1", "--priority", "background",
         url=redis_url, env=env)
     from tests.worker_kit import sim, worker
     # x0-x3 (a full batch of their own) are too long for it; at most one batch in flight at a time
@@ -261,7 +263,7 @@ def test_cli_retry_after_expiry_and_verify_job(redis_url: str, tmp_path: Path) -
     assert 0 < c.status("old")["pending"], c.status("old")
     ins = cli("inspect", "m", "--verify", url=redis_url, env=env)  # with the ledger of each job in flight
     assert "ledger: job old (in_progress): 16 input lines" in ins.stdout.decode(), ins.stdout.decode()
-    wait_for(lambda: time.time() >= float(c.r.hget(K.job_meta_key("old"), "expires_at") or 0), "window", 10)
+    wait_for(lambda: time.time() >= float(c.r.hget(K.job_meta_key("old"), "expires_at") or 0), "window", 20)
     cli("expire", url=redis_url, env=env)
     for _ in range(200):  # a batch in flight finishes and keeps its results; nothing else is claimed
         if job_state.describe(c, "old")["status"] == "expired":
