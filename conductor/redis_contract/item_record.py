@@ -26,4 +26,9 @@ def item_record(it: PreparedItem, head: bytes) -> bytes:
 def content_sum(head: bytes, it: PreparedItem) -> str:
     """What submit.lua keeps per id (M:in:J:sums) to tell a re-sent item from another item under
     the same id: 16 hex digits of SHA-1(sig || record)."""
-    return hashlib.sha1(it.sig.encode() + item_record(it, head)).hexdigest()[:16]
+    return record_sum(it.sig, item_record(it, head))
+
+
+def record_sum(sig: str, record: bytes) -> str:
+    """``content_sum`` of a record already built (submit.lua's ARGV carries both)."""
+    return hashlib.sha1(sig.encode() + record).hexdigest()[:16]

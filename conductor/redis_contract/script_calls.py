@@ -10,7 +10,6 @@ these wrappers follow.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, NamedTuple, NoReturn, TypeVar
@@ -20,7 +19,7 @@ import redis
 from conductor.errors import BadInput, Conflict, Paused, QueueFull
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.connection import as_str
-from conductor.redis_contract.item_record import item_record, record_head
+from conductor.redis_contract.item_record import item_record, record_head, record_sum
 from conductor.redis_contract.records import Contract, PreparedItem, Result, json_encoder
 from conductor.redis_contract.scripts import Scripts
 from conductor.tier.segments import Segment
@@ -142,7 +141,6 @@ def submit_args(job: str, chunk: Sequence[PreparedItem]) -> list[Any]:
     head = record_head(job)
     seen: set[str] = set()
     sums = []
-    sha1 = hashlib.sha1
     for it in chunk:
         if it.sig in seen:
             prefix = b""
@@ -150,7 +148,7 @@ def submit_args(job: str, chunk: Sequence[PreparedItem]) -> list[Any]:
             seen.add(it.sig)
             prefix = json_encoder.encode(list(it.prefix))
         rec = item_record(it, head)
-        sums.append(sha1(it.sig.encode() + rec).hexdigest()[:16])
+        sums.append(record_sum(it.sig, rec))
         args += [it.sig, rec, prefix]
     args.append("".join(sums))
     return args
@@ -377,6 +375,7 @@ def load_args(seg: Segment) -> list[Any]:
     prefix = json_encoder.encode(list(seg.prefix))
     for i, rec in enumerate(seg.records):
         args += [seg.sig, rec, prefix if i == 0 else b""]
+    args.append("".join(record_sum(seg.sig, rec) for rec in seg.records))  # as submit_args sends them
     return args
 
 
