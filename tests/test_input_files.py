@@ -5,7 +5,7 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from conductor.intake.input_files import chunks, scan
+from conductor.intake.input_files import scan
 from conductor.redis_contract import keys as K
 from tests.conftest import cli
 
@@ -74,6 +74,7 @@ def test_scan_keeps_no_items_and_chunks_stream(tmp_path):
     pq.write_table(pa.Table.from_pylist(rows), f, row_group_size=500)
     found = scan(str(f))
     assert found.counts == {"m": 3000} and not found.refused
-    sizes = [len(c) for c in chunks(str(f), found.refused, 1000)]
+    assert not found.kept
+    sizes = [len(c) for c in found.chunks(1000)]
     assert sizes == [1000, 1000, 1000]
-    assert chunks(str(f), found.refused, 1000).__next__()[0][0] == 1  # row numbers from 1
+    assert next(found.chunks(1000))[0][0] == 1  # row numbers from 1

@@ -71,3 +71,37 @@ def test_the_fast_paths_take_the_common_forms():
     assert F._native_fast(json.dumps(NATIVE).encode()) is not None
     assert F._openai_fast(json.dumps(chat()).encode(), None) is not None
     assert F._openai_fast(json.dumps(chat(temperature=0.5)).encode(), None) is None
+
+
+def test_line_facts_are_the_built_items_facts():
+    """The check pass's light path (formats.line_facts) accepts a line exactly when parse_line does,
+    with the id, model, input tokens and endpoint of the item parse_line builds."""
+    asked: list[str] = []
+
+    def default(model: str) -> int:
+        asked.append(model)
+        return 77
+    lines = [*LINES, {**NATIVE, "payload": {"custom_id": "a", "url": "/v1/completions"}},
+             {**NATIVE, "payload": {"custom_id": "other"}}, {**NATIVE, "payload": "x" * (F.MAX_PAYLOAD_BYTES + 2)},
+             {**NATIVE, "prompt": "é" * 9, "input_tokens": None}, chat(messages=[{"role": "user", "content": "ü" * 7}])]
+    for obj in lines:
+        raw = json.dumps(obj, ensure_ascii=False).encode()
+        asked.clear()
+        facts = F.line_facts(raw, 1, default)
+        light_asked = list(asked)
+        asked.clear()
+        it = F.parse_line(raw, 1, default)
+        assert facts == F.facts_of(it), obj
+        assert light_asked == asked, obj  # the model defaults asked the same (a task records them)
+    for obj in [*REFUSED, {**NATIVE, "payload": "x" * (F.MAX_PAYLOAD_BYTES + 3)}]:
+        with pytest.raises(BadInput) as light_error:
+            F.line_facts(json.dumps(obj).encode(), 3)
+        with pytest.raises(BadInput) as full_error:
+            F.parse_line(json.dumps(obj).encode(), 3)
+        assert (light_error.value.field, str(light_error.value)) == (full_error.value.field, str(full_error.value))
+
+
+def test_the_light_paths_take_the_common_forms():
+    assert F._native_facts(json.dumps(NATIVE).encode()) is not None
+    assert F._chat_facts(json.dumps(chat()).encode(), None) is not None
+    assert F._chat_facts(json.dumps(chat(temperature=0.5)).encode(), None) is None

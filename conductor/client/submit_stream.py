@@ -42,7 +42,8 @@ class SubmitReport:
 
 class Submitting(ConductorCore):
     def submit(self, items: Iterable[PreparedItem], job: str, *, seal: bool = False,
-               progress: Callable[[int], None] | None = None) -> SubmitReport:
+               progress: Callable[[int], None] | None = None, checked: bool = False,
+               idle: Callable[[], None] | None = None) -> SubmitReport:
         """Submit items under ``job``; idempotent on (job, model, item id).
 
         Items are grouped per model; each submit.lua call takes up to SUBMIT_CHUNK items and
@@ -56,6 +57,11 @@ class Submitting(ConductorCore):
         which one script cannot read together. Two producers racing the same id into two models
         of one job are not caught.)
         ``progress`` is called with the number of items answered so far, after every call.
+        ``checked``: the caller asked ``check_submit`` and ``check_ids_across_models`` for these
+        items before its first write (a file's intake, which sends the file in chunks): they are
+        not asked again per chunk. Each submit.lua call still refuses, atomically, what another
+        producer wrote meanwhile. ``idle``: the caller's work to do while a reply is awaited
+        (calls are in flight then: Redis has work queued); it must not raise.
         """
         check_name("job", job)
         report = SubmitReport()
@@ -64,7 +70,8 @@ class Submitting(ConductorCore):
             by_model.setdefault(it.model, []).append(it)
         for model in by_model:  # every name checked before the first write
             check_name("model", model)
-        self._refuse_before_writing(job, by_model)
+        if not checked:
+            self._refuse_before_writing(job, by_model)
         if len(by_model) > 1:
             model_of: dict[str, str] = {}
             for it in (it for its in by_model.values() for it in its):
@@ -72,7 +79,8 @@ class Submitting(ConductorCore):
                 if first != it.model:
                     raise DuplicateId(it.id, f"{it.id!r} is given for models {first} and {it.model}: an id "
                                       f"names one item of a job, across its models")
-        self.check_ids_across_models(job, by_model)
+        if not checked:
+            self.check_ids_across_models(job, by_model)
         if self.tier is not None and not self._store_probed:
             # A store that refuses writes is found before anything is registered (once per client:
             # a store that fails later stops the submit with what it sent so far, idempotent to re-run).
@@ -82,7 +90,7 @@ class Submitting(ConductorCore):
             self._register_job(job, model)
             mk = self._intake_model(model)
             report.models.add(model)
-            self._submit_model(mk, job, grouped_by_shape(its), report, progress)
+            self._submit_model(mk, job, grouped_by_shape(its), report, progress, idle)
         if seal:
             for model in by_model:
                 self.seal(model)
@@ -200,13 +208,13 @@ class Submitting(ConductorCore):
         pipe.execute()
 
     def _submit_model(self, mk: K.ModelKeys, job: str, its: Sequence[PreparedItem], report: SubmitReport,
-                      progress: Callable[[int], None] | None) -> None:
+                      progress: Callable[[int], None] | None, idle: Callable[[], None] | None = None) -> None:
         """One model's items (grouped by shape) into its lanes; with the disk tier, those beyond the
         model's resident_tokens ceiling into store segments instead (conductor/tier/spill.py)."""
         tier = self.tier
         k = len(its) if tier is None else tier.resident_count(mk, its)
         if k:
-            self._submit_calls(mk, job, its[:k], report, progress)
+            self._submit_calls(mk, job, its[:k], report, progress, idle)
         if tier is not None and k < len(its):
             base = report.accepted + report.duplicates
 
@@ -218,7 +226,7 @@ class Submitting(ConductorCore):
             report.duplicates += duplicates
 
     def _submit_calls(self, mk: K.ModelKeys, job: str, its: Sequence[PreparedItem], report: SubmitReport,
-                      progress: Callable[[int], None] | None = None) -> None:
+                      progress: Callable[[int], None] | None = None, idle: Callable[[], None] | None = None) -> None:
         """Stream submit.lua calls over one connection, SUBMIT_WINDOW in flight.
 
         An error reply stops the sending; the calls already sent are read, then the first error
@@ -234,7 +242,7 @@ class Submitting(ConductorCore):
             raise RedisUnavailable(f"lost Redis during submit: {e}") from None
         clean = False
         try:
-            error = self._stream(conn, mk, job, its, report, again, progress)
+            error = self._stream(conn, mk, job, its, report, again, progress, idle)
             if self.wait_replicas:
                 # Also when every item was a duplicate: a re-run after NotReplicated must not
                 # return before the replicas have caught up (the pool hands a single producer
@@ -259,7 +267,8 @@ class Submitting(ConductorCore):
             raise error
 
     def _stream(self, conn: Any, mk: K.ModelKeys, job: str, its: Sequence[PreparedItem], report: SubmitReport,
-                again: list[Sequence[PreparedItem]], progress: Callable[[int], None] | None) -> Exception | None:
+                again: list[Sequence[PreparedItem]], progress: Callable[[int], None] | None,
+                idle: Callable[[], None] | None = None) -> Exception | None:
         """The chunks sent SUBMIT_WINDOW ahead of their replies; returns the first error reply (the
         sending stops there, the calls already sent are read)."""
         sha = self.scripts.submit.sha
@@ -272,6 +281,8 @@ class Submitting(ConductorCore):
             conn.send_packed_command(conn.pack_command(*calls.submit(mk, job, chunk).command(sha)), check_health=False)
             inflight.append(chunk)
             if len(inflight) >= SUBMIT_WINDOW:
+                if idle is not None:
+                    idle()  # while Redis runs the calls in flight
                 error = _read_submit_reply(conn, inflight.popleft(), report, again) or error
                 if progress:
                     progress(report.accepted + report.duplicates)

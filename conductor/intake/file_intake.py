@@ -2,24 +2,23 @@
 and the Batch API (conductor/api/batches.py) all go through these steps.
 
 Three steps, each a pass over the file (``conductor/intake/input_files.py``), so that memory holds
-one chunk of items at a time whatever the file size:
+a few chunks of items at a time whatever the file size:
 
-1. validate every line and count the items per model (nothing is sent; a refused line refuses
-   the file unless ``--skip-invalid``);
+1. validate every line and count the items per model, building only the first chunk's items
+   (nothing is sent; a refused line refuses the file unless ``--skip-invalid``);
 2. ask Redis what submit would refuse (a paused model; for a job that exists already, ids it has
    with other content or under another model), then record the per-model counts
    (``Conductor.declare``): a refused file leaves nothing behind;
-3. send the items in chunks of SEND_CHUNK items or SEND_CHUNK_BYTES (``Conductor.submit``, which asks again per chunk:
-   another producer may have written meanwhile), then seal each model.
+3. send the items in chunks of SEND_CHUNK items or SEND_CHUNK_BYTES (``Conductor.submit``; each
+   submit.lua call refuses, atomically, what another producer wrote meanwhile), the next chunk
+   built while Redis runs the last, then seal each model.
 
 Every check and read that can fail comes before the first write (the declaration of step 2).
 """
 
 from __future__ import annotations
 
-import queue
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -37,10 +36,12 @@ from conductor.redis_contract.records import JobClass, PreparedItem
 # (its calls touch more lanes; bench/RESULTS.md, intake speed). The cursor moves once per chunk.
 SEND_CHUNK = 20_000
 SEND_CHUNK_BYTES = 4 * 1024 * 1024
-# The first items of a file are kept as the check built them, up to this many bytes of lines and
-# bodies: the send pass then parses only the rest (a parse costs about what the send costs;
-# bench/RESULTS.md, intake speed). Memory grows by about that much for a file of that size or more.
-KEEP_BYTES = 32 * 1024 * 1024
+# The check pass builds the items of a file's first chunk (FIRST_CHUNK items, at most about
+# SEND_CHUNK_BYTES of bodies) and only checks the other lines, at a third of a build's time; the send
+# pass sends that chunk at once and builds each next chunk, at most twice the one before, while
+# Redis runs the one before (bench/RESULTS.md, intake speed): every line is still checked before
+# the first write, and Redis idles only through the check.
+FIRST_CHUNK = 4000
 LARGE_SUBMIT = 10_000  # items from which a submit on a terminal shows its live line
 
 
@@ -55,7 +56,8 @@ def check_file(path: str, *, skip_invalid: bool, rejects: str | Writer | None,
                default_max_tokens: MaxTokensDefault | None = None) -> FileScan:
     """Step 1; prints the first refusals on stderr and raises unless ``skip_invalid``.
     ``default_max_tokens(model)``: the output cap of an OpenAI line without one (each pass the same)."""
-    found = scan(path, rejects=rejects, default_max_tokens=default_max_tokens, keep_bytes=KEEP_BYTES)
+    found = scan(path, rejects=rejects, default_max_tokens=default_max_tokens, keep_items=FIRST_CHUNK,
+                 keep_bytes=2 * SEND_CHUNK_BYTES)
     if found.refused:
         for e in found.errors:
             print(f"error: {e}", file=sys.stderr)
@@ -69,54 +71,64 @@ def check_file(path: str, *, skip_invalid: bool, rejects: str | Writer | None,
     return found
 
 
-class Prefetched:
-    """The chunks of a checked file, read and parsed one chunk ahead by a thread of their own: the
-    parse of chunk k+1 runs while Redis runs chunk k's submit.lua calls (the socket wait releases
-    the GIL), instead of after it. At most two chunks are held besides the one being sent.
-    A ``with`` block ends the reader however the sending stops."""
+class Ahead:
+    """The chunks of a checked file, each next one built a slice at a time while Redis runs the
+    calls of the one being sent: ``idle`` is what the submit stream calls before it waits on a
+    reply (conductor/client/submit_stream.py). One thread does both, so building never makes the
+    sending wait for the GIL (a reader thread of its own cost the send a third of its speed).
 
-    _END = object()
+    The check's kept items go first, in chunks of their own (sent at once); each chunk after is at
+    most twice the one before, which ``idle`` can build while that one is sent (building an item
+    costs about a quarter of its submit.lua time). An error of the file's pass (a line that no
+    longer checks) is raised by the iteration, never inside the stream."""
 
-    def __init__(self, found: FileScan, size: int, after: int = 0) -> None:
-        self._q: queue.Queue[object] = queue.Queue(maxsize=1)
-        self._stop = threading.Event()
-        self._chunks = found.chunks(size, after, SEND_CHUNK_BYTES)
-        self._thread = threading.Thread(target=self._read, name="intake-read", daemon=True)
+    BUILD_PER_WAIT = 2000  # items built per reply waited on (a call carries SUBMIT_CHUNK = 1,000)
 
-    def _put(self, x: object) -> bool:
-        while not self._stop.is_set():
+    def __init__(self, found: FileScan, size: int, after: int = 0, max_bytes: int = SEND_CHUNK_BYTES) -> None:
+        self._sources = found.sources(after)
+        self._source = 0
+        self._size, self._max_bytes = size, max_bytes
+        self._cap = size
+        self._next: list[tuple[int, PreparedItem]] = []
+        self._held = 0
+        self._boundary = False  # the kept items ended: the chunk ends with them
+        self._error: BaseException | None = None
+
+    @property
+    def _ended(self) -> bool:
+        return self._source == len(self._sources)
+
+    def _complete(self) -> bool:
+        return len(self._next) >= self._cap or self._held >= self._max_bytes or self._boundary or self._ended
+
+    def idle(self, budget: int = BUILD_PER_WAIT) -> None:
+        """Build up to ``budget`` more items of the next chunk (never raises: an error waits for
+        the iteration)."""
+        while budget > 0 and not self._complete():
             try:
-                self._q.put(x, timeout=0.2)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _read(self) -> None:
-        try:
-            for chunk in self._chunks:
-                if not self._put(chunk):
-                    return
-            self._put(self._END)
-        except BaseException as e:  # noqa: BLE001 - handed to the sender, raised there
-            self._put(e)
-
-    def __enter__(self) -> Iterator[list[tuple[int, PreparedItem]]]:
-        self._thread.start()
-        return self._iter()
-
-    def _iter(self) -> Iterator[list[tuple[int, PreparedItem]]]:
-        while True:
-            x = self._q.get()
-            if x is self._END:
+                x = next(self._sources[self._source], None)
+            except Exception as e:  # noqa: BLE001 - raised by __iter__, outside the stream
+                self._error, self._source = e, len(self._sources)
                 return
-            if isinstance(x, BaseException):
-                raise x
-            yield x  # type: ignore[misc]
+            if x is None:
+                self._source += 1
+                self._boundary = bool(self._next)
+                continue
+            self._next.append(x)
+            self._held += len(x[1].body) + len(x[1].id)
+            budget -= 1
 
-    def __exit__(self, *_exc: object) -> None:
-        self._stop.set()
-        self._thread.join(10)
+    def __iter__(self) -> Iterator[list[tuple[int, PreparedItem]]]:
+        while True:
+            while not self._complete():
+                self.idle(self._size)
+            if self._error is not None:
+                raise self._error
+            if not self._next:
+                return
+            chunk, self._next, self._held, self._boundary = self._next, [], 0, False
+            self._cap = min(self._size, 2 * len(chunk))
+            yield chunk
 
 
 def _by_model(chunk: list[tuple[int, PreparedItem]]) -> dict[str, list[PreparedItem]]:
@@ -152,10 +164,12 @@ def prepare_job(c: Conductor, found: FileScan, job: str, job_class: JobClass | N
 
 
 def send_chunk(c: Conductor, chunk: list[tuple[int, PreparedItem]], job: str, *,
-               progress: Callable[[int], None] | None = None) -> SubmitReport:
-    """One chunk of a checked file (its lines numbered) into the job; a refused id names its line."""
+               progress: Callable[[int], None] | None = None, idle: Callable[[], None] | None = None) -> SubmitReport:
+    """One chunk of a checked file (its lines numbered) into the job, whose refusals ``prepare_job``
+    asked for the whole file before its first write; a refused id names its line. ``idle``: work to
+    do while a reply is awaited (``Ahead.idle``)."""
     try:
-        return c.submit([it for _, it in chunk], job, progress=progress)
+        return c.submit([it for _, it in chunk], job, progress=progress, checked=True, idle=idle)
     except DuplicateId as e:
         raise _with_line(e, chunk) from None
 
@@ -166,14 +180,15 @@ def send_file(c: Conductor, found: FileScan, job: str, *, progress: Callable[[in
     chunk (a batch cancelled while it is submitted stops there: the models are sealed all the same)."""
     out = FileSubmit(found)
     done = 0
-    with Prefetched(found, SEND_CHUNK) as chunks:
-        for chunk in chunks:
-            if should_stop is not None and should_stop():
-                break
-            rep = send_chunk(c, chunk, job, progress=None if progress is None else shifted(progress, done))
-            out.accepted += rep.accepted
-            out.duplicates += rep.duplicates
-            done += len(chunk)
+    ahead = Ahead(found, SEND_CHUNK)
+    for chunk in ahead:
+        if should_stop is not None and should_stop():
+            break
+        rep = send_chunk(c, chunk, job, progress=None if progress is None else shifted(progress, done),
+                         idle=ahead.idle)
+        out.accepted += rep.accepted
+        out.duplicates += rep.duplicates
+        done += len(chunk)
     if seal:
         for model in sorted(found.counts):
             c.seal(model)

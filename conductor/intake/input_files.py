@@ -2,8 +2,10 @@
 
 A file is read more than once instead of being held: a first pass validates every line (or row)
 and counts the items per model, a second sends them (``conductor/intake/file_intake.py``). Only the
-line numbers of refused lines and an 8-byte digest per item id (for the duplicate check: one id,
-one item of a job, sorted once) are kept, never the items.
+line numbers of refused lines, an 8-byte digest per item id (for the duplicate check: one id, one
+item of a job, sorted once) and the items of the first chunk are kept: the check pass builds those
+and only checks the rest (``formats.line_facts``), which the send pass builds while Redis runs the
+chunk before.
 
 Parquet (pyarrow, read in record batches): either the native columns (``id``, ``model``,
 ``prefix``, ``prompt``, ``input_tokens``, ``max_tokens``, ``payload``) or the OpenAI batch input
@@ -22,8 +24,17 @@ from typing import Any, Protocol
 import msgspec
 import xxhash
 
-from conductor.errors import BadInput
-from conductor.intake.formats import _NATIVE_FIELDS, MaxTokensDefault, from_native, from_openai, parse_line
+from conductor.errors import BadInput, ConductorError
+from conductor.intake.formats import (
+    _NATIVE_FIELDS,
+    Facts,
+    MaxTokensDefault,
+    facts_of,
+    from_native,
+    from_openai,
+    line_facts,
+    parse_line,
+)
 from conductor.redis_contract.records import PreparedItem
 
 PARQUET_MAGIC = b"PAR1"
@@ -91,6 +102,25 @@ def iter_lines(path: str, default_max_tokens: MaxTokensDefault | None = None, *,
                 yield n, e, line
 
 
+def iter_checked(path: str, default_max_tokens: MaxTokensDefault | None, *, parquet: bool,
+                 build: Callable[[], bool]) -> Iterator[tuple[int, PreparedItem | Facts | BadInput, bytes]]:
+    """``iter_lines`` for the check pass: a valid line is built into its item while ``build()``
+    says so, and only checked after (its ``Facts``). A Parquet row is built either way."""
+    if parquet and is_parquet(path):
+        yield from _iter_parquet(path, default_max_tokens)
+        return
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            line = raw.rstrip(b"\r\n")
+            if not line or line.isspace():
+                continue
+            try:
+                yield n, parse_line(line, n, default_max_tokens) if build() else \
+                    line_facts(line, n, default_max_tokens), line
+            except BadInput as e:
+                yield n, e, line
+
+
 def _iter_parquet(path: str, default_max_tokens: MaxTokensDefault | None,
                   ) -> Iterator[tuple[int, PreparedItem | BadInput, bytes]]:
     import pyarrow.parquet as pq
@@ -122,9 +152,9 @@ class Writer(Protocol):
     def write(self, data: bytes, /) -> Any: ...
 
 
-# A check of one valid item beyond its format (the Batch API's: an OpenAI request for its endpoint),
-# given the line number: raises BadInput to refuse the line.
-LineCheck = Callable[[int, PreparedItem], None]
+# A check of one valid line beyond its format (the Batch API's: an OpenAI request for its endpoint),
+# given the line number and what the check pass knows of it: raises BadInput to refuse the line.
+LineCheck = Callable[[int, Facts], None]
 
 
 @dataclass
@@ -139,8 +169,8 @@ class FileScan:
     # the output cap of an OpenAI line without one, the same in every pass (formats.parse_line)
     default_max_tokens: MaxTokensDefault | None = None
     parquet: bool = True  # read the same way in every pass (iter_lines)
-    # The first valid items as the check built them, up to scan's keep_bytes of their lines: the send
-    # pass takes these instead of reading and parsing those lines again (kept_to: the last line kept).
+    # The first valid items as the check built them (scan's keep_items, keep_bytes of their lines):
+    # the send pass sends these first, while it builds the next chunk (kept_to: the last line kept).
     kept: list[tuple[int, PreparedItem]] = field(default_factory=list)
     kept_to: int = 0
 
@@ -152,23 +182,27 @@ class FileScan:
     def errors(self) -> list[str]:
         return [str(e) for e in self.refusals]
 
+    def sources(self, after: int = 0) -> tuple[Iterator[tuple[int, PreparedItem]], Iterator[tuple[int, PreparedItem]]]:
+        """The valid items past line ``after``, with their line numbers, from their two sources: the
+        kept ones (built by the check), then a lazy pass over the rest of the file (built as read)."""
+        kept = ((n, it) for n, it in self.kept if n > after and n not in self.refused)
+        rest = valid_items(self.path, self.refused, self.default_max_tokens, parquet=self.parquet,
+                           after=max(after, self.kept_to))
+        return kept, rest
+
     def chunks(self, size: int, after: int = 0, max_bytes: int = 0) -> Iterator[list[tuple[int, PreparedItem]]]:
         """The valid items past line ``after``, at most ``size`` at a time (and, with ``max_bytes``,
         about that many bytes of bodies), with their line numbers: the kept ones, then a pass over
         the rest of the file."""
-        def items() -> Iterator[tuple[int, PreparedItem]]:
-            yield from ((n, it) for n, it in self.kept if n > after and n not in self.refused)
-            for chunk in chunks(self.path, self.refused, size, self.default_max_tokens, parquet=self.parquet,
-                                after=max(after, self.kept_to)):
-                yield from chunk
         buf: list[tuple[int, PreparedItem]] = []
         held = 0
-        for x in items():
-            buf.append(x)
-            held += len(x[1].body) + len(x[1].id)
-            if len(buf) >= size or (max_bytes and held >= max_bytes):
-                yield buf
-                buf, held = [], 0
+        for source in self.sources(after):
+            for x in source:
+                buf.append(x)
+                held += len(x[1].body) + len(x[1].id)
+                if len(buf) >= size or (max_bytes and held >= max_bytes):
+                    yield buf
+                    buf, held = [], 0
         if buf:
             yield buf
 
@@ -179,14 +213,17 @@ NUMPY_FROM = 200_000  # ids from which the duplicate check sorts with numpy (a P
 
 def scan(path: str, *, rejects: str | Writer | None = None, progress: Callable[[int], None] | None = None,  # noqa: C901 - one pass, its refusals recorded as found
          default_max_tokens: MaxTokensDefault | None = None, check: LineCheck | None = None,
-         id_field: str = "id", shown: int = SHOWN_ERRORS, parquet: bool = True, keep_bytes: int = 0) -> FileScan:
-    """Validate every line (and ``check`` each valid item), count the valid items per model, and
+         id_field: str = "id", shown: int = SHOWN_ERRORS, parquet: bool = True, keep_items: int = 0,
+         keep_bytes: int = 8 * 1024 * 1024) -> FileScan:
+    """Validate every line (and ``check`` each valid one), count the valid items per model, and
     refuse duplicate ids (the later lines; ``id_field`` names the field in the refusal). Refusals
     are written to ``rejects`` (JSONL: line, field, error, raw) as found; the first ``shown`` are
-    kept in ``refusals``. The first valid items are kept as built while their lines add up to at
-    most ``keep_bytes`` (``FileScan.kept``): parsing a line costs about as much as sending it."""
+    kept in ``refusals``. The first ``keep_items`` valid items are kept as built (while their lines
+    and bodies add up to at most ``keep_bytes``; ``FileScan.kept``): the send pass sends them at
+    once and builds the rest while Redis runs them; the other lines are only checked."""
     out = FileScan(path, default_max_tokens=default_max_tokens, parquet=parquet)
-    kept_bytes, keeping = 0, keep_bytes > 0
+    kept_bytes = 0
+    keeping = [keep_items > 0]  # read by iter_checked as it goes
     digests = array("Q")
     opened = open(rejects, "wb") if isinstance(rejects, str) else None  # noqa: SIM115 - closed below
     rej: Writer | None = opened if opened is not None else rejects if not isinstance(rejects, str) else None
@@ -200,25 +237,25 @@ def scan(path: str, *, rejects: str | Writer | None = None, progress: Callable[[
                                       "raw": raw.decode("utf-8", "replace")}).encode() + b"\n")
 
         k = 0
-        for n, it, raw in iter_lines(path, default_max_tokens, parquet=parquet):
+        for n, it, raw in iter_checked(path, default_max_tokens, parquet=parquet, build=lambda: keeping[0]):
             if isinstance(it, BadInput):
                 refuse(n, it, raw)
                 continue
             if check is not None:
                 try:
-                    check(n, it)
+                    check(n, it if isinstance(it, Facts) else facts_of(it))
                 except BadInput as e:
                     refuse(n, e, raw)
                     continue
             digests.append(_id_digest(it.id))
-            if keeping:
+            if keeping[0] and isinstance(it, PreparedItem):
                 # the line read (a Parquet row has none: its body stands for it), and the body built from it
                 kept_bytes += (len(raw) or len(it.body)) + len(it.body)
-                if kept_bytes <= keep_bytes:
+                if kept_bytes <= keep_bytes and len(out.kept) < keep_items:
                     out.kept.append((n, it))
                     out.kept_to = n
                 else:
-                    keeping = False
+                    keeping[0] = False
             out.counts[it.model] = out.counts.get(it.model, 0) + 1
             out.tokens += it.input_tokens
             k += 1
@@ -261,16 +298,15 @@ def _repeated(digests: array[int]) -> set[int]:
     return {int(v) for v in a[1:][same]}
 
 
-def chunks(path: str, refused: set[int], size: int, default_max_tokens: MaxTokensDefault | None = None, *,
-           parquet: bool = True, after: int = 0) -> Iterator[list[tuple[int, PreparedItem]]]:
-    """The valid items of a scanned file past line ``after``, ``size`` at a time, with their line numbers."""
-    buf: list[tuple[int, PreparedItem]] = []
+def valid_items(path: str, refused: set[int], default_max_tokens: MaxTokensDefault | None = None, *,
+                parquet: bool = True, after: int = 0) -> Iterator[tuple[int, PreparedItem]]:
+    """The valid items of a scanned file past line ``after``, with their line numbers, built as read."""
     for n, it, _ in iter_lines(path, default_max_tokens, parquet=parquet, after=after):
-        if n in refused or isinstance(it, BadInput):
+        if n in refused:
             continue
-        buf.append((n, it))
-        if len(buf) >= size:
-            yield buf
-            buf = []
-    if buf:
-        yield buf
+        if isinstance(it, BadInput):
+            # the check pass accepted it: the file changed since (or the two passes disagree), and
+            # sending the rest would leave this line without an answer
+            raise ConductorError(f"line {n} of {path} was valid when checked and is not now ({it}): "
+                                 "the file changed during its intake; nothing more sent")
+        yield n, it

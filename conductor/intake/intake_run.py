@@ -27,21 +27,21 @@ from conductor.client import Conductor
 from conductor.errors import BadInput, ConductorError, QueueFull, RedisUnavailable
 from conductor.intake import intake_task as T
 from conductor.intake.file_intake import (
-    KEEP_BYTES,
+    FIRST_CHUNK,
     SEND_CHUNK,
-    Prefetched,
+    SEND_CHUNK_BYTES,
+    Ahead,
     check_file,
     prepare_job,
     send_chunk,
     shifted,
 )
-from conductor.intake.formats import CHAT_URL
+from conductor.intake.formats import CHAT_URL, Facts
 from conductor.intake.input_files import FileScan, LineCheck, scan
 from conductor.jobs import job_state
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.config import ModelDefaults
 from conductor.redis_contract.connection import as_str
-from conductor.redis_contract.records import PreparedItem
 
 log = logging.getLogger(__name__)
 _enc = msgspec.json.Encoder()
@@ -68,16 +68,11 @@ class Defaults:
 
 def openai_request(endpoint: str) -> LineCheck:
     """The Batch API's check of a valid line: an OpenAI request for the batch's endpoint."""
-    def check(n: int, it: PreparedItem) -> None:
-        if endpoint == CHAT_URL and it.body.endswith(b',{"custom_id":' + _enc.encode(it.id) + b"}]"):
-            return  # the payload from_openai gives a chat request without options: nothing to decode
-        payload = _dec.decode(it.body)[1]
-        if not isinstance(payload, dict) or payload.get("custom_id") != it.id:
-            # a native line parses too; this API takes OpenAI's requests only
+    def check(n: int, line: Facts) -> None:
+        if line.url is None:  # a native line parses too; this API takes OpenAI's requests only
             raise BadInput("custom_id", "missing: each line is an OpenAI batch request", n)
-        url = payload.get("url", CHAT_URL)
-        if url != endpoint:
-            raise BadInput("url", f"{url} differs from the batch's endpoint {endpoint}", n)
+        if line.url != endpoint:
+            raise BadInput("url", f"{line.url} differs from the batch's endpoint {endpoint}", n)
     return check
 
 
@@ -105,7 +100,8 @@ def ended_how(c: Conductor, job: str) -> str:
 def _scan(c: Conductor, task: T.Task, defaults: Defaults) -> FileScan:
     if task.source == "api":
         return scan(task.path, default_max_tokens=defaults, check=openai_request(task.endpoint or CHAT_URL),
-                    id_field="custom_id", shown=MAX_ERRORS, parquet=False, keep_bytes=KEEP_BYTES)
+                    id_field="custom_id", shown=MAX_ERRORS, parquet=False, keep_items=FIRST_CHUNK,
+                    keep_bytes=2 * SEND_CHUNK_BYTES)
     return check_file(task.path, skip_invalid=task.skip_invalid, rejects=None, default_max_tokens=defaults)
 
 
@@ -204,26 +200,26 @@ def _send(c: Conductor, task: T.Task, keeper: T.Keeper, found: FileScan, out: Ou
     in, else how the job ended meanwhile (the chunk not sent)."""
     done, sent_now = task.sent, 0
     # the lines up to the cursor were acknowledged before: not read again
-    with Prefetched(found, T.send_chunk_size(SEND_CHUNK), after=task.line) as chunks:
-        for chunk in chunks:
-            last = chunk[-1][0]
-            if sent_now == 1:
-                T.pause_point(c.r, task.job, "mid_file")
-            how = ended_how(c, task.job)
-            if how:
-                return how
-            if keeper.lost.is_set():
-                raise T.Lost(task.job)
-            rep = send_chunk(c, chunk, task.job, progress=None if out.progress is None else
-                             shifted(out.progress, done))
-            out.accepted += rep.accepted
-            out.duplicates += rep.duplicates
-            done += len(chunk)
-            if sent_now == 0:
-                T.pause_point(c.r, task.job, "unrecorded_chunk")
-            task.line, task.sent = last, done
-            keeper.cursor(last, done)  # one write per acknowledged chunk, which renews the lease too
-            sent_now += 1
+    ahead = Ahead(found, T.send_chunk_size(SEND_CHUNK), after=task.line)
+    for chunk in ahead:
+        last = chunk[-1][0]
+        if sent_now == 1:
+            T.pause_point(c.r, task.job, "mid_file")
+        how = ended_how(c, task.job)
+        if how:
+            return how
+        if keeper.lost.is_set():
+            raise T.Lost(task.job)
+        rep = send_chunk(c, chunk, task.job, progress=None if out.progress is None else
+                         shifted(out.progress, done), idle=ahead.idle)
+        out.accepted += rep.accepted
+        out.duplicates += rep.duplicates
+        done += len(chunk)
+        if sent_now == 0:
+            T.pause_point(c.r, task.job, "unrecorded_chunk")
+        task.line, task.sent = last, done
+        keeper.cursor(last, done)  # one write per acknowledged chunk, which renews the lease too
+        sent_now += 1
     return ""
 
 
