@@ -26,6 +26,19 @@ from conductor.redis_contract.records import JobClass, PreparedItem
 SUBMIT_CHUNK = 1000  # items per submit.lua call
 SUBMIT_WINDOW = 2  # submit.lua calls in flight on the connection
 
+_pack_in_c: Callable[[tuple[Any, ...]], bytes] | None
+try:  # hiredis packs a call's 3,000 arguments in C; redis-py's own pack first copies them in Python
+    from hiredis import pack_command as _pack_in_c
+except ImportError:  # pragma: no cover - hiredis is a dependency; redis-py works without it
+    _pack_in_c = None
+
+
+def _packed(conn: Any, command: tuple[Any, ...]) -> list[bytes]:
+    """``command`` in the wire format, as ``send_packed_command`` takes it (a list of buffers; the
+    arguments are str, bytes and int)."""
+    return [_pack_in_c(command)] if _pack_in_c is not None else conn.pack_command(*command)
+
+
 # Replies that say the command did not run, so sending it again is safe: a cluster node
 # restarting or failing over, or the key's slot served elsewhere (resharding); and NOSCRIPT.
 CLUSTER_REFUSALS = (redis.exceptions.ClusterDownError, redis.exceptions.MovedError, redis.exceptions.AskError,
@@ -278,7 +291,7 @@ class Submitting(ConductorCore):
             if error is not None:
                 break
             chunk = its[start:start + SUBMIT_CHUNK]
-            conn.send_packed_command(conn.pack_command(*calls.submit(mk, job, chunk).command(sha)), check_health=False)
+            conn.send_packed_command(_packed(conn, calls.submit(mk, job, chunk).command(sha)), check_health=False)
             inflight.append(chunk)
             if len(inflight) >= SUBMIT_WINDOW:
                 if idle is not None:
