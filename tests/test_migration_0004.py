@@ -82,7 +82,7 @@ def test_a_schema3_redis_comes_back_key_for_key_and_drains(redis_url):
     inst = to_schema3(c.r)
     assert c.r.hget(MK.state, "active") == inst.encode() and not c.r.exists(MK.active)
     assert all(b"it" not in f for _e, f in c.r.xrange(MK.dead))
-    with pytest.raises(SchemaMismatch, match="needs 5: run `conductor migrate`"):
+    with pytest.raises(SchemaMismatch, match="needs 6: run `conductor migrate`"):
         Conductor.from_url(redis_url)  # a worker or producer of schema 6 refuses to start
     t0 = int(time.time() * 1000)
     assert schema.migrate(c.r) == [4, 5, 6]
