@@ -238,8 +238,9 @@ def main() -> None:
             + f"\n\n**Redis memory per waiting item** ({a.per_item:,} items of ~300 bytes, 4 shapes):\n\n"
             + table(["", "bytes per item"], [(k, f"{v:,.0f}") for k, v in mem.items()])
             + f"\n\n(with the tier: resident_tokens {TIER_CEILING:,}.) With the tier a waiting item costs Redis its "
-              "id registry entry (`M:in:J:sums`, id -> 's<seq>:<sum>', kept for idempotent re-submits) and a "
-              "share of one index record per segment.\n\n"
+              "16-byte record in the job's stored ids (`M:in:J:stored`, kept for idempotent re-submits; schema 5 "
+              "kept a registry entry `id -> 's<seq>:<sum>'` of about 80 bytes), its name in its segment's id list "
+              "(`M:seg:N:ids`) and a share of one index record per segment.\n\n"
             + f"**Submit rate** ({a.per_item:,} items of ~300 bytes, items/s):\n\n"
             + table(["into", "items/s"], [(k, f"{v:,.0f}") for k, v in rates.items()]) + "\n")
     print(body)

@@ -1,12 +1,16 @@
 """Issue 25's figure: a job of any size drains through a Redis of fixed size.
 
     nice .venv/bin/python -m bench.memory_cap                  # 1,000,000 items, maxmemory 64mb; RESULTS.md
+    nice .venv/bin/python -m bench.memory_cap --order backlog-first   # the whole file before any worker
     .venv/bin/python -m bench.memory_cap --quick               # 2,000 items, prints only
 
 Real processes, as a user runs them: a private redis-server (``--maxmemory``, noeviction), a store
 directory (the disk tier: ``resident_tokens`` bounds what waits in Redis), ``conductor submit`` of
 one file, two ``conductor worker --engine sim`` and a following reader (``conductor results J
---follow -o FILE``). A sampler reads ``used_memory`` while it runs. The same job then runs through
+--follow -o FILE``). A sampler reads ``used_memory`` while it runs. ``--order fleet-first`` (the
+default) starts the workers before the submit; ``backlog-first`` submits the whole file with no
+worker running (every item beyond resident_tokens waits in the store, its id in Redis), reads what
+Redis holds per store-waiting item, then starts the workers and the reader. The same job then runs through
 a Redis without the cap (the peer column: what the job costs when memory is not bounded).
 Reported: drained (every id once in the output file), peak used_memory, Redis bytes per item (the
 peak over the empty server's memory, per item), wall time.
@@ -55,6 +59,15 @@ class CapRun:
     tail: list[str] = field(default_factory=list)
     by_kind: dict[str, int] = field(default_factory=dict)  # bytes by key kind at the end (or the stall)
     at_peak: dict[str, int] = field(default_factory=dict)  # INFO memory figures at the peak sampled
+    order: str = "fleet-first"
+    stored_items: int = 0  # backlog-first: items waiting in the store once the submit returned
+    submit_used: int = 0  # backlog-first: used_memory then
+
+    @property
+    def bytes_per_stored(self) -> float:
+        """Redis bytes per store-waiting item (backlog-first: used_memory after the submit over the
+        empty server's, per stored item: an upper bound, lanes and segment records included)."""
+        return (self.submit_used - self.base_used) / max(1, self.stored_items)
 
     @property
     def bytes_per_item(self) -> float:
@@ -103,10 +116,27 @@ def write_input(path: Path, n: int) -> None:
                                 "max_tokens": 8}, separators=(",", ":")) + "\n")
 
 
+def _sample(c: Conductor, res: CapRun, stop: threading.Event) -> None:
+    """Read used_memory every 0.1 s until ``stop``, keeping the peak and its INFO figures."""
+    while not stop.is_set():
+        try:
+            info = c.r.info("memory")
+            if int(info["used_memory"]) > res.peak_used:
+                res.peak_used = int(info["used_memory"])
+                res.at_peak = {k: int(info[k]) for k in ("used_memory_dataset", "mem_clients_normal",
+                                                         "used_memory_scripts", "used_memory_lua")}
+        except Exception:  # noqa: BLE001 - a sample missed is not a failure
+            pass
+        stop.wait(0.1)
+
+
 def run(n: int, maxmemory: str, work: Path, *, stall_s: float = 60.0, timeout_s: float = 3600.0,
-        workers: int = 2, resident_tokens: int = RESIDENT_TOKENS) -> CapRun:
-    """One job of ``n`` items through a Redis capped at ``maxmemory`` ("0": no cap)."""
-    res = CapRun(n, maxmemory, str(work))
+        workers: int = 2, resident_tokens: int = RESIDENT_TOKENS, order: str = "fleet-first") -> CapRun:
+    """One job of ``n`` items through a Redis capped at ``maxmemory`` ("0": no cap); ``order``
+    fleet-first (workers, then the submit) or backlog-first (the submit, then workers)."""
+    if order not in ("fleet-first", "backlog-first"):
+        raise ValueError(f"order: fleet-first or backlog-first, not {order!r}")
+    res = CapRun(n, maxmemory, str(work), order=order)
     work.mkdir(parents=True, exist_ok=True)
     inp, out, store = work / "in.jsonl", work / "out.jsonl", work / "store"
     write_input(inp, n)
@@ -119,33 +149,29 @@ def run(n: int, maxmemory: str, work: Path, *, stall_s: float = 60.0, timeout_s:
         env = dict(os.environ, CONDUCTOR_REDIS_URL=srv.url, CONDUCTOR_STORE=str(store))
         base = [sys.executable, "-m", "conductor", "--log-level", "warning"]
         stop = threading.Event()
-
-        def sample() -> None:
-            while not stop.is_set():
-                try:
-                    info = c.r.info("memory")
-                    if int(info["used_memory"]) > res.peak_used:
-                        res.peak_used = int(info["used_memory"])
-                        res.at_peak = {k: int(info[k]) for k in ("used_memory_dataset", "mem_clients_normal",
-                                                                 "used_memory_scripts", "used_memory_lua")}
-                except Exception:  # noqa: BLE001 - a sample missed is not a failure
-                    pass
-                stop.wait(0.1)
-
-        sampler = threading.Thread(target=sample, daemon=True)
+        sampler = threading.Thread(target=_sample, args=(c, res, stop), daemon=True)
         sampler.start()
         t0 = time.monotonic()
         procs: list[subprocess.Popen[bytes]] = []
         logs = [work / f"w{k}.log" for k in range(workers)]
-        try:
+        def start_workers() -> None:
             for k in range(workers):
                 with logs[k].open("wb") as log_f:
                     procs.append(subprocess.Popen(
                         [*base, "worker", "--engine", "sim", "--model", MODEL, "--name", f"w{k}",
                          "--max-batch-size", "256", "--max-batch-tokens", "16384", "--max-input-len", "4096"],
                         env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=log_f))
+
+        try:
+            if order == "fleet-first":
+                start_workers()
             sub = subprocess.run([*base, "submit", str(inp), "--job", "big"], env=env, cwd=str(ROOT),
                                  capture_output=True, timeout=timeout_s)
+            if order == "backlog-first":
+                res.submit_used = int(c.r.info("memory")["used_memory"])
+                res.stored_items = int(c.r.hget(f"cdr:{{{MODEL}}}:intake", "stored_items") or 0)
+                if sub.returncode == 0:
+                    start_workers()
             if sub.returncode != 0:
                 res.stalled = f"submit exited {sub.returncode}: {sub.stderr.decode()[-300:].strip()}"
             else:
@@ -221,14 +247,50 @@ def report(capped: CapRun, plain: CapRun) -> str:
                  [row(f"maxmemory {capped.maxmemory} (noeviction)", capped), row("no cap (peer)", plain)])
 
 
+BACKLOG_SECTION = "Memory cap, backlog first: the whole file waits before any worker runs (issue 25)"
+
+
+def backlog_first(n: int, maxmemory: str, stall_s: float, *, write: bool) -> int:
+    """The backlog-first run through the capped Redis (no peer: the fleet-first section has it)."""
+    work = Path(tempfile.mkdtemp(prefix="memcap-"))
+    try:
+        res = run(n, maxmemory, work / "capped", stall_s=stall_s, order="backlog-first")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    body = table(["run", "submit accepted", "stored items after the submit", "used_memory then (MiB)",
+                  "Redis bytes per store-waiting item", "drained, every id once", "results",
+                  "peak used_memory (MiB)", "wall (s)"],
+                 [[f"maxmemory {maxmemory} (noeviction), backlog first", "no" if "submit" in res.stalled else "yes",
+                   f"{res.stored_items:,}", f"{res.submit_used / 2**20:.1f}", f"{res.bytes_per_stored:.1f}",
+                   "yes" if res.drained else f"NO ({res.stalled or f'{res.results:,} ids'})", f"{res.results:,}",
+                   f"{res.peak_used / 2**20:.1f}", f"{res.wall_s:.1f}"]])
+    print(body)
+    if write:
+        with EmbeddedRedis() as srv:
+            import redis
+            mach = machine(redis.Redis.from_url(srv.url))
+        write_section(BACKLOG_SECTION,
+                      f"`nice {command_line()}` at commit {git_rev()}, {now_utc()}; {mach}.\n\n"
+                      f"{n:,} items as above, `conductor submit` of the whole file with no worker running "
+                      f"(resident_tokens {RESIDENT_TOKENS:,}: the rest waits in store segments), then two sim workers "
+                      "and `conductor results --follow`. Bytes per store-waiting item: used_memory once the submit "
+                      "returned over the empty server's, per stored item (an upper bound: the lanes' items and the "
+                      "segment records are in it). Wall time from the submit's start.\n\n" + body)
+    return 0 if res.drained else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--items", type=int, default=1_000_000)
     p.add_argument("--maxmemory", default="64mb")
     p.add_argument("--quick", action="store_true", help="2,000 items, maxmemory 64mb, print only")
     p.add_argument("--stall-s", type=float, default=120.0)
+    p.add_argument("--order", choices=["fleet-first", "backlog-first"], default="fleet-first",
+                   help="workers before the submit (default), or the whole file submitted before any worker")
     a = p.parse_args(argv)
     n = 2000 if a.quick else a.items
+    if a.order == "backlog-first":
+        return backlog_first(n, a.maxmemory, a.stall_s, write=not a.quick)
     work = Path(tempfile.mkdtemp(prefix="memcap-"))
     try:
         capped = run(n, a.maxmemory, work / "capped", stall_s=a.stall_s)

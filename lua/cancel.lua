@@ -20,7 +20,9 @@
 --                  one lane cdr:{model}:lane:S:E:L instead (conductor/jobs/job_state.py walks the lanes
 --                  first, so that those answers carry the item's input tokens and payload, which only
 --                  its record holds; the registry pass then answers the rest, wherever they wait,
---                  with input_tokens 0 and payload null)
+--                  with input_tokens 0 and payload null); or 'seg:N': answer the ids of store segment N
+--                  (its list cdr:{model}:seg:N:ids; schema 6), which wait in no lane and no registry
+--                  entry, with input_tokens 0 and payload null (the feeder then drops them unplaced)
 -- ARGV[4] count    HSCAN COUNT, 1..10000
 -- ARGV[5] code     the results' error code: 'cancelled' or 'expired'
 -- ARGV[6] message  the results' error message, at most 1,000 bytes
@@ -48,8 +50,12 @@ end
 if not model or #model < 1 or #model > 128 or not string.match(model, '^[%w%._/@+=-]+$') then
   return redis.error_reply('ERR_ARG model: invalid model name')
 end
-local lane_key = nil
-if cursor and string.sub(cursor, 1, 5) == 'lane:' then
+local lane_key, seg_key = nil, nil
+if cursor and string.sub(cursor, 1, 4) == 'seg:' then
+  local sn = string.match(cursor, '^seg:(%x+)$')
+  if not sn or #sn ~= 32 then return redis.error_reply('ERR_ARG cursor: a segment is "seg:N" (32 hex digits)') end
+  seg_key = base .. ':seg:' .. sn
+elseif cursor and string.sub(cursor, 1, 5) == 'lane:' then
   local sg, ep, ln = string.match(cursor, '^lane:(%x+):(%d+):(%d+)$')
   if not sg or #sg ~= 16 or #ep > 15 or #ln > 15 then
     return redis.error_reply('ERR_ARG cursor: a lane is "lane:S:E:L" (a signature, an epoch and a lane id)')
@@ -69,6 +75,7 @@ local refused = acl_refused(function(ok)
     and ok('XRANGE', batches_key) and ok('LRANGE', base .. ':bat:0') and ok('HSCAN', registry_key)
     and ok('HMGET', items_key) and ok('HSET', items_key) and ok('XADD', results_key) and ok('HINCRBY', job_key) and ok('TIME')
     and job_end_ok(ok, base, job) and (not lane_key or ok('LRANGE', lane_key))
+    and (not seg_key or (ok('HGET', seg_key) and ok('LRANGE', seg_key .. ':ids')))
 end)
 if refused then return refused end
 refused = paused(state_key)
@@ -134,6 +141,16 @@ if lane_key then
     if rjob == job and id and not recs[id] then
       recs[id] = {tok, payload}
       page_ids[#page_ids + 1] = id
+    end
+  end
+elseif seg_key then
+  if redis.call('HGET', seg_key, 'job') == job then
+    local once = {}
+    for _, id in ipairs(redis.call('LRANGE', seg_key .. ':ids', 0, -1)) do
+      if not once[id] then
+        once[id] = true
+        page_ids[#page_ids + 1] = id
+      end
     end
   end
 else

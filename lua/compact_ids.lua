@@ -11,8 +11,9 @@
 -- ARGV[2] n       how many ids follow, 1..2000
 -- ARGV[3..]       the ids, each 1..512 bytes
 -- Returns: the number of ids packed now. An id is packed only when it is answered (mark 'd') and
---   its registry holds its plain sum (16 hex digits): one waiting in a store segment ('s<seq>:...'),
---   one registered before sums were kept ('-'), an unknown or repeated one is skipped.
+--   its registry holds its plain sum (16 hex digits): one registered before sums were kept ('-'),
+--   an unknown or repeated one (one waiting in a store segment is in M:in:J:stored, not the
+--   registry) is skipped.
 -- Errors, with nothing written: 'ERR_ARG ...'; 'NOPERM ...' (lib.lua acl_refused); 'PAUSED ...'.
 -- Invariant: an id moves whole: its packed record, its registry entry and its done mark change in
 --   one step, so every answered id is in exactly one of the two forms and 'n' counts the packed.

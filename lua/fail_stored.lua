@@ -13,21 +13,26 @@
 -- KEYS[6] job      cdr:{model}:job:J             (failed)
 -- KEYS[7] items    cdr:{model}:job:J:items       (done marks)
 -- KEYS[8] results  cdr:{model}:job:J:results
+-- KEYS[9] stored   cdr:{model}:in:J:stored       (the job's store-waiting ids, packed: lib_packed.lua)
+-- KEYS[10] ids     cdr:{model}:seg:<name>:ids    (the segment's id list)
 -- ARGV[1] name     the segment (32 hex digits)
 -- ARGV[2..]        2 per item: id, its error result record (JSON, as complete.lua's 'r' field)
 -- Returns: {failed, skipped}: items answered with their error result; ids given that no longer
---   wait in this segment (placed in a lane meanwhile, or not its ids): left as they are.
---   {0, 0} when the segment is not registered (nothing written).
+--   wait in this segment (placed in a lane meanwhile, answered already, or not its ids): left as
+--   they are. {0, 0} when the segment is not registered (nothing written).
 -- Errors, with nothing written: 'ERR_ARG ...'; 'NOPERM ...' (lib.lua acl_refused); 'PAUSED ...'.
--- Invariants: an id is answered only while its registry mark says it waits in this segment
---   ('s<seq>:<sum>'), once: its mark becomes the plain sum, it gets a done mark, one result
---   record and one count in failed; stored_items goes down by the items answered and
---   stored_tokens by their share of the segment's tokens (the file that held each item's tokens
---   is gone).
+-- Invariants: an id is answered only while it waits in this segment (in its id list and in the
+--   job's stored ids), once: it leaves the stored ids for the registry (its plain sum), gets a done
+--   mark, one result record and one count in failed (one a cancel answered while it waited only
+--   leaves the stored ids: it has its answer); stored_items goes down by the items that leave
+--   and stored_tokens by their share of the segment's tokens (the file that held each item's
+--   tokens is gone).
 --@include lib.lua
+--@include lib_packed.lua
 
 local intake_key, state_key, segs_key, seg_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local sums_key, job_key, items_key, results_key = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+local stored_key, ids_key = KEYS[9], KEYS[10]
 local name = ARGV[1]
 if #name ~= 32 or not string.match(name, '^[0-9a-f]+$') then
   return redis.error_reply('ERR_ARG name: must be 32 lowercase hex digits')
@@ -44,39 +49,60 @@ for i = 1, n do
   ids[i] = id
 end
 local refused = acl_refused(function(ok)
-  return ok('HGET', state_key) and ok('HMGET', seg_key) and ok('HMGET', sums_key) and ok('HSET', sums_key)
+  return ok('HGET', state_key) and ok('HMGET', seg_key) and ok('HSET', sums_key) and ok('HMGET', items_key)
     and ok('HSET', items_key) and ok('XADD', results_key) and ok('HINCRBY', job_key) and ok('HINCRBY', state_key)
-    and ok('HINCRBY', intake_key) and ok('ZREM', segs_key) and ok('DEL', seg_key)
+    and ok('HINCRBY', intake_key) and ok('ZREM', segs_key) and ok('DEL', seg_key) and ok('LRANGE', ids_key)
+    and ok('DEL', ids_key) and ok('HGET', stored_key) and ok('HMGET', stored_key) and ok('HSET', stored_key)
+    and ok('HINCRBY', stored_key)
 end)
 if refused then return refused end
 refused = paused(state_key)
 if refused then return refused end
 local meta = redis.call('HMGET', seg_key, 'seq', 'items', 'tokens')
 if not meta[1] then return {0, 0} end
-local mark = 's' .. meta[1] .. ':'
-local known = {}
-if n > 0 then known = redis.call('HMGET', sums_key, unpack(ids)) end
-local failed, plain = 0, {}
-local answer = {}
+local mine = {}
+for _, id in ipairs(redis.call('LRANGE', ids_key, 0, -1)) do mine[id] = true end
+-- each id given once, and only one of this segment's: then where it is now
+local want, once = {}, {}
 for i = 1, n do
-  local had = known[i]
-  if had and string.sub(had, 1, #mark) == mark and not answer[ids[i]] then
-    answer[ids[i]] = true
+  if mine[ids[i]] and not once[ids[i]] then
+    once[ids[i]] = true
+    want[#want + 1] = i
+  end
+end
+local stored = packed_view(stored_key, ids, want)
+local leave = {}
+for _, i in ipairs(want) do
+  if stored.sums[i] then leave[#leave + 1] = i end
+end
+local marks = {}
+if #leave > 0 then
+  local part = {}
+  for j, i in ipairs(leave) do part[j] = ids[i] end
+  marks = redis.call('HMGET', items_key, unpack(part))
+end
+
+local failed, plain = 0, {}
+for j, i in ipairs(leave) do
+  plain[#plain + 1] = ids[i]
+  plain[#plain + 1] = stored.sums[i]
+  if marks[j] ~= 'd' then
     failed = failed + 1
-    plain[#plain + 1] = ids[i]
-    plain[#plain + 1] = string.sub(had, #mark + 1)
     redis.call('XADD', results_key, '*', 'id', ids[i], 'r', ARGV[2 * i + 1])
     redis.call('HSET', items_key, ids[i], 'd')
   end
 end
+if #leave > 0 then
+  packed_drop(stored, leave)
+  hset_pairs(sums_key, plain)
+  local items, tokens = num(meta[2]), num(meta[3])
+  redis.call('HINCRBY', intake_key, 'stored_items', -#leave)
+  redis.call('HINCRBY', intake_key, 'stored_tokens', -math.floor(tokens * #leave / math.max(items, 1)))
+end
 if failed > 0 then
-  for s = 1, #plain, 2000 do redis.call('HSET', sums_key, unpack(plain, s, math.min(s + 1999, #plain))) end
   redis.call('HINCRBY', job_key, 'failed', failed)
   redis.call('HINCRBY', state_key, 'failed', failed)
-  local items, tokens = num(meta[2]), num(meta[3])
-  redis.call('HINCRBY', intake_key, 'stored_items', -failed)
-  redis.call('HINCRBY', intake_key, 'stored_tokens', -math.floor(tokens * failed / math.max(items, 1)))
 end
 redis.call('ZREM', segs_key, name)
-redis.call('DEL', seg_key)
+redis.call('DEL', seg_key, ids_key)
 return {failed, n - failed}

@@ -3,22 +3,26 @@
 -- already is a duplicate when it brings the same content, a conflict when it brings other content.
 -- Keys: M:in:J:sums (read only here; submit.lua writes the new ids); M:job:J:items (read only: the
 --   done marks of ids fed from the store); M:job:J:packed (read only: answered ids in their compact
---   form, lib_packed.lua, which must be included before this file).
+--   form); M:in:J:stored (read only here: ids waiting in store segments, the same packed layout;
+--   submit.lua takes the placed ones out with packed_drop). lib_packed.lua must be included first.
 -- Invariant: one HMGET for the whole call (a call of 1,000 items would otherwise run 1,000
---   HSETNX); an id stored before sums were kept ('-', migrations/0003) cannot be judged and
---   stays a duplicate; an id registered by register_segment.lua ('s<seq>:<sum>': it waits in a
---   store segment of the disk tier) with the same sum is placed by this call, once (the registry
---   then holds the plain sum), and with another sum is a conflict; one that has its result already
---   (a cancel or an expiry answered it while it waited in the segment) is not placed: answered.
+--   HSETNX), one more per packed hash the job has; an id stored before sums were kept ('-',
+--   migrations/0003) cannot be judged and stays a duplicate; an id registered by
+--   register_segment.lua (in M:in:J:stored: it waits in a store segment of the disk tier) with the
+--   same sum is placed by this call, once (it then leaves the stored ids for the registry, with
+--   its plain sum), and with another sum is a conflict; one that has its result already (a cancel
+--   or an expiry answered it while it waited in the segment) is not placed: answered.
 
 -- argv: submit.lua's ARGV (item i's sig at argv[3i], record at argv[3i + 1]); ids: the call's
--- ids in order; n: their count. Returns known (each id's stored sum, false if new), fresh_sums
--- (id, sum pairs of the new ids, each once), the number of conflicting ids and from_store (true
--- at i when id i waits in a store segment with this content: it counts as new here, and moves
--- from the stored counters to the waiting ones) and answered (true at i when id i, fed from the store,
--- has its result already: it leaves the stored counters without being placed).
+-- ids in order; n: their count; stored_key: the job's M:in:J:stored. Returns known (each id's
+-- stored sum, false if new), fresh_sums (id, sum pairs of the new ids, each once), the number of
+-- conflicting ids, from_store (true at i when id i waits in a store segment with this content: it
+-- counts as new here, and moves from the stored counters to the waiting ones), answered (true at i
+-- when id i, fed from the store, has its result already: it leaves the stored counters without
+-- being placed), and the stored ids' view with the indices to take out of it (lib_packed.lua
+-- packed_drop: each store-waiting id of the call once).
 -- sums: the call's content sums as the producer sent them (submit.lua ARGV[3+3n]), or nil: computed here.
-local function id_conflicts(job_sums, done_key, argv, ids, n, sums)
+local function id_conflicts(job_sums, done_key, stored_key, argv, ids, n, sums)
   local known = redis.call('HMGET', job_sums, unpack(ids))
   local want = {}
   for i = 1, n do
@@ -27,15 +31,20 @@ local function id_conflicts(job_sums, done_key, argv, ids, n, sums)
   -- an answered id compacted out of the registry (lib_packed.lua): known, with its sum
   local packed = packed_sums(string.sub(done_key, 1, -7) .. ':packed', ids, want)
   for i, p in pairs(packed) do known[i] = p end
-  local first, fresh_sums, from_store = {}, {}, {}
+  local unknown = {}
+  for _, i in ipairs(want) do
+    if not known[i] then unknown[#unknown + 1] = i end
+  end
+  local stored = packed_view(stored_key, ids, unknown)
+  local first, fresh_sums, from_store, take = {}, {}, {}, {}
   local conflicts = 0
   for i = 1, n do
     local o = 3 * i
     local sum = sums and string.sub(sums, 16 * i - 15, 16 * i) or string.sub(redis.sha1hex(argv[o] .. argv[o + 1]), 1, 16)
     local id = ids[i]
-    local had = known[i]
-    if had and string.byte(had, 1) == 115 and string.sub(had, -16) == sum then  -- 's<seq>:<sum>'
-      from_store[i], known[i] = true, false  -- another content under the id is a conflict below
+    local had = stored.sums[i]
+    if had then
+      if had == sum then from_store[i] = true else known[i] = had end  -- other content: a conflict below
     end
     if known[i] then
       if known[i] ~= '-' and known[i] ~= sum then conflicts = conflicts + 1 end
@@ -45,20 +54,17 @@ local function id_conflicts(job_sums, done_key, argv, ids, n, sums)
       first[id] = sum
       fresh_sums[#fresh_sums + 1] = id
       fresh_sums[#fresh_sums + 1] = sum
+      if from_store[i] then take[#take + 1] = i end
     end
-  end
-  local fed = {}
-  for i = 1, n do
-    if from_store[i] then fed[#fed + 1] = i end
   end
   local answered = {}
-  for s = 1, #fed, 2000 do
+  for s = 1, #take, 2000 do
     local part = {}
-    for j = s, math.min(s + 1999, #fed) do part[#part + 1] = ids[fed[j]] end
+    for j = s, math.min(s + 1999, #take) do part[#part + 1] = ids[take[j]] end
     local marks = redis.call('HMGET', done_key, unpack(part))
     for j = 1, #marks do
-      if marks[j] == 'd' then answered[fed[s + j - 1]] = true end
+      if marks[j] == 'd' then answered[take[s + j - 1]] = true end
     end
   end
-  return known, fresh_sums, conflicts, from_store, answered
+  return known, fresh_sums, conflicts, from_store, answered, stored, take
 end

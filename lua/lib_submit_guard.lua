@@ -20,6 +20,8 @@ local function submit_refused(base, state_key, intake_key, job)
       and ok('HMGET', base .. ':lanemeta' .. L) and ok('HSET', base .. ':lanemeta' .. L) and ok('TIME')
       and ok('LPUSH', base .. ':bell') and ok('LTRIM', base .. ':bell') and ok('HMGET', base .. ':job:0:items')
       and ok('HGET', base .. ':job:0:packed') and ok('HMGET', base .. ':job:0:packed')
+      and ok('HGET', ji .. ':stored') and ok('HMGET', ji .. ':stored') and ok('HSET', ji .. ':stored')
+      and ok('HINCRBY', ji .. ':stored')
       and ok('HMGET', ji) and ok('ZADD', base .. ':hot')
   end)
   return refused

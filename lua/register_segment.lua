@@ -12,6 +12,8 @@
 -- KEYS[4] segs    cdr:{model}:segs         (segment name -> sequence)
 -- KEYS[5] seg     cdr:{model}:seg:<name>   (the index record)
 -- KEYS[6] state   cdr:{model}:state        (read only: paused)
+-- KEYS[7] stored  cdr:{model}:in:J:stored  (the job's store-waiting ids, packed: lib_packed.lua)
+-- KEYS[8] ids     cdr:{model}:seg:<name>:ids (the segment's ids, a list)
 -- ARGV[1] name    32 hex digits (conductor/segments.py: derived from the content)
 -- ARGV[2] job     the job every item belongs to (the records name it)
 -- ARGV[3] sig     16 hex digits: the shape signature of every item
@@ -24,16 +26,18 @@
 --   acl_refused); 'CONFLICT <n> ...' when n ids are the job's with other content; 'KNOWN <n> ...'
 --   when n ids are the job's already with this content (another producer was faster: the caller
 --   leaves them out, which makes another segment, and registers that).
--- Invariants: each id of the segment is in the job's registry as 's<seq>:<sum>' (an item waiting
---   in the store, in the segment of that sequence number) until submit.lua places it in a lane;
---   stored_tokens and stored_items count exactly those items; the job's submitted counters count
---   them once, here (submit.lua does not count them again when it places them).
--- An id the job answered and compacted (M:job:J:packed, lib_packed.lua) counts as known here too.
+-- Invariants: each id of the segment is in the job's stored ids (M:in:J:stored, a 16-byte record
+--   with its sum; schema 6: no longer a registry entry of about 80 bytes) and in the segment's id
+--   list until submit.lua places it in a lane (fail_stored.lua, until it answers it); stored_tokens
+--   and stored_items count exactly those items; the job's submitted counters count them once,
+--   here (submit.lua does not count them again when it places them).
+-- An id the job has in its registry, its stored ids or its answered packed ids counts as known.
 --@include lib.lua
 --@include lib_packed.lua
 
 local intake_key, job_key, sums_key, segs_key, seg_key, state_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5],
   KEYS[6]
+local stored_key, ids_key = KEYS[7], KEYS[8]
 local name, job, sig, path, fsum = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local tokens, lmin, lmax = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local n = (#ARGV - 8) / 2
@@ -57,20 +61,22 @@ if not int_in(tokens, n, n * 16777216) or not int_in(lmin, 1, 16777216) or not i
   return redis.error_reply('ERR_ARG tokens: tokens, lmin and lmax must be whole numbers, lmin <= lmax')
 end
 local packed_key = string.sub(sums_key, 1, -#job - 10) .. ':job:' .. job .. ':packed'  -- M:in:J:sums -> M:job:J:packed
-local ids = {}
+local ids, sums = {}, {}
 for i = 1, n do
   local id, sum = ARGV[7 + 2 * i], ARGV[8 + 2 * i]
   if #id < 1 or #id > 512 then return redis.error_reply('ERR_ARG id: must be 1..512 bytes at item ' .. (i - 1)) end
   if #sum ~= 16 or not string.match(sum, '^[0-9a-f]+$') then
     return redis.error_reply('ERR_ARG sum: must be 16 lowercase hex digits at item ' .. (i - 1))
   end
-  ids[i] = id
+  ids[i], sums[i] = id, sum
 end
 
 local refused = acl_refused(function(ok)
-  return ok('HGET', state_key) and ok('ZSCORE', segs_key) and ok('HMGET', sums_key) and ok('HSET', sums_key)
+  return ok('HGET', state_key) and ok('ZSCORE', segs_key) and ok('HMGET', sums_key)
     and ok('HINCRBY', job_key) and ok('HINCRBY', intake_key) and ok('ZADD', segs_key) and ok('HSET', seg_key)
-    and ok('TIME') and ok('HGET', packed_key) and ok('HMGET', packed_key)
+    and ok('TIME') and ok('HGET', packed_key) and ok('HMGET', packed_key) and ok('HMGET', job_key)
+    and ok('HGET', stored_key) and ok('HMGET', stored_key) and ok('HSET', stored_key) and ok('HINCRBY', stored_key)
+    and ok('RPUSH', ids_key)
 end)
 if refused then return refused end
 refused = paused(state_key)
@@ -87,15 +93,21 @@ for i = 1, n do
   if not known[i] then want[#want + 1] = i end
 end
 local packed = packed_sums(packed_key, ids, want)
+local fresh = {}
+for i = 1, n do
+  if not known[i] and not packed[i] then fresh[#fresh + 1] = i end
+end
+-- the stored ids' buckets of every id not known elsewhere: the lookup, and what the append extends
+local stored = packed_view(stored_key, ids, fresh)
 local conflicts, dups = 0, 0
 for i = 1, n do
-  local had, sum = known[i], ARGV[8 + 2 * i]
-  had = had or packed[i]
+  local had, sum = known[i], sums[i]
+  had = had or packed[i] or stored.sums[i]
   if seen[ids[i]] then return redis.error_reply('ERR_ARG id: ' .. ids[i] .. ' twice in one segment') end
   seen[ids[i]] = true
   if had then
-    -- the stored form carries the plain sum at its end ('s<seq>:<sum>'); '-' cannot be judged
-    if had == '-' or string.sub(had, -16) == sum then dups = dups + 1 else conflicts = conflicts + 1 end
+    -- '-' (an id registered before sums were kept) cannot be judged
+    if had == '-' or had == sum then dups = dups + 1 else conflicts = conflicts + 1 end
   end
 end
 if conflicts > 0 then
@@ -106,15 +118,14 @@ if dups > 0 then
   return redis.error_reply('KNOWN ' .. dups .. ' ids of this segment are in job ' .. job .. ' already')
 end
 
+-- a new stored-ids hash gets buckets for the job's size: declared (a file's intake declares it
+-- first) or what it has submitted with this segment
+local jc = redis.call('HMGET', job_key, 'declared', 'submitted')
+local k_new = packed_digits(math.max(num(jc[1]), num(jc[2]) + n))
+
 local seq = redis.call('HINCRBY', intake_key, 'seg_seq', 1)
-local marks = {}
-for i = 1, n do
-  marks[#marks + 1] = ids[i]
-  marks[#marks + 1] = 's' .. seq .. ':' .. ARGV[8 + 2 * i]
-end
-for s = 1, #marks, 2000 do
-  redis.call('HSET', sums_key, unpack(marks, s, math.min(s + 1999, #marks)))
-end
+packed_append(stored, k_new, fresh, sums)
+for s = 1, n, 2000 do redis.call('RPUSH', ids_key, unpack(ids, s, math.min(s + 1999, n))) end
 redis.call('HINCRBY', job_key, 'submitted', n)
 redis.call('HINCRBY', job_key, 'submitted_tokens', tokens)
 redis.call('HINCRBY', intake_key, 'stored_tokens', tokens)

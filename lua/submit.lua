@@ -7,8 +7,9 @@
 -- KEYS[2] cfg     cdr:{model}:cfg
 -- KEYS[3] state   cdr:{model}:state   (read only: paused)
 -- Writes only the producer's keys (deploy/redis/users.acl gives a producer nothing else):
---   M:intake (waiting tokens and items, submitted, last intake), M:in:J and M:in:J:sums (the
---   job's declared and submitted counts, and the id registry), the shape, instance and lane keys.
+--   M:intake (waiting tokens and items, submitted, last intake), M:in:J, M:in:J:sums and
+--   M:in:J:stored (the job's declared and submitted counts, the id registry, the ids waiting in
+--   the store), the shape, instance and lane keys.
 -- ARGV[1] n       number of items that follow (1..5000)
 -- ARGV[2] job     the job every item of the call belongs to
 -- ARGV[3..]       3 fields per item: sig (16 hex), record, prefix (JSON list of at most 256
@@ -24,7 +25,7 @@
 --                 a quarter of submit.lua's server time per item, bench/RESULTS.md intake_speed).
 -- Returns: one integer per item: the lane id it joined, or -1 when this job already has an
 --   item with this id (an interrupted submit re-run neither loses nor duplicates). An id that
---   waits in a store segment (registry mark 's<seq>:<sum>', register_segment.lua) joins a lane
+--   waits in a store segment (in M:in:J:stored, register_segment.lua) joins a lane
 --   once, counted then as waiting instead of stored (the disk tier's feeder loads segments so); one
 --   a cancel or an expiry answered while it waited in the store is not placed (answered -1) and
 --   leaves the stored counters.
@@ -102,8 +103,8 @@ local class = job_class(base, job)
 local intake = {base = base, cfg = cfg, now = now, depth = call.depth, ctxs = {}, class = class}
 
 local job_sums = base .. ':in:' .. job .. ':sums'
-local known, fresh_sums, conflicts, from_store, answered =
-  id_conflicts(job_sums, base .. ':job:' .. job .. ':items', ARGV, ids, n, sums)
+local known, fresh_sums, conflicts, from_store, answered, stored, take =
+  id_conflicts(job_sums, base .. ':job:' .. job .. ':items', base .. ':in:' .. job .. ':stored', ARGV, ids, n, sums)
 if conflicts > 0 then
   return redis.error_reply('CONFLICT ' .. conflicts .. ' ids of this call are ids job ' .. job ..
     ' already has with other content')
@@ -160,10 +161,11 @@ for i = 0, n - 1 do
     end
     out[#out + 1] = tonumber(lane)
   end
-end-- unpack() stops near 8,000 values: the new ids go in slices.
-for s = 1, #fresh_sums, 2000 do
-  redis.call('HSET', job_sums, unpack(fresh_sums, s, math.min(s + 1999, #fresh_sums)))
 end
+-- unpack() stops near 8,000 values: the new ids go in slices. Ids fed from the store leave the
+-- stored ids (lib_packed.lua) for the registry, placed or answered meanwhile.
+hset_pairs(job_sums, fresh_sums)
+packed_drop(stored, take)
 -- Lanes grow and counters move once per call and lane, not once per item.
 for _, ctx in pairs(intake.ctxs) do grow_lanes(intake, ctx) end
 -- The job's and the model's counters, in the order they were always written (a hash keeps its

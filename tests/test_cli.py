@@ -72,7 +72,7 @@ def test_latch_flags_both_or_neither(redis_url):
 
 def test_config_and_migrate(redis_url):
     out = cli("migrate", url=redis_url).stdout.decode()
-    assert "schema 5" in out
+    assert "schema 6" in out
     out = cli("config", "m", "--create", "quiet_ms=250", "mode=disk", url=redis_url).stdout.decode()
     assert "quiet_ms = 250" in out and "mode = disk" in out
     p = cli("config", "m", "nope=1", url=redis_url, check=False)

@@ -153,7 +153,7 @@ def test_retry_of_a_schema_1_dead_entry_rebuilds_its_item_record(cdr):
         cdr.r.xadd(MK.dead, old)
         cdr.r.xdel(MK.dead, eid)
     cdr.r.set(K.SCHEMA_KEY, 3)
-    assert schema.migrate(cdr.r) == [4, 5]
+    assert schema.migrate(cdr.r) == [4, 5, 6]
     assert DeadLetter(cdr).retry(job="j")["retried"] == 3
     got = {it.id: it for b in drain(cdr, C, "w2") for it in b.items}
     assert sorted(got) == ["0", "1", "2"]

@@ -13,6 +13,8 @@ import pytest
 from conductor.client import Conductor
 from conductor.errors import ConductorError
 from conductor.redis_contract import keys as K
+from conductor.redis_contract.item_record import content_sum, record_head
+from conductor.redis_contract.packed_ids import stored_count, stored_sums
 from conductor.redis_contract.script_calls import submit_args as _submit_args
 from conductor.tier import segments as S
 from conductor.tier.feeder import Feeder
@@ -91,8 +93,11 @@ def test_items_beyond_the_ceiling_go_to_pure_segments_in_arrival_order(redis_url
         assert ids == sorted(ids, key=lambda i: int(i[1:]))  # arrival order within it
         assert all(r == sent[i] for r, i in zip(seg.records, ids, strict=True))  # the bytes submit.lua gets
         order += ids
-    # the registry marks each stored id with its segment's sequence number
-    assert c.r.hget(MK.job_sums("j"), "i99").startswith(b"s")
+    # a stored id waits in the job's stored ids (16 bytes), not the registry, and its segment names it
+    assert c.r.hget(MK.job_sums("j"), "i99") is None and c.r.hget(MK.job_sums("j"), "i0") is not None
+    assert stored_sums(c.r, MK, "j", ["i99", "i0"]) == [content_sum(record_head("j"), its[99]), None]
+    assert stored_count(c.r, MK, "j") == 80
+    assert sorted(i.decode() for name, _r in segs for i in c.r.lrange(MK.seg_ids(name), 0, -1)) == sorted(order)
     # a re-run adds nothing: the Redis part and the stored part are both known
     again = c.submit(its, "j")
     assert (again.accepted, again.duplicates) == (0, 100)

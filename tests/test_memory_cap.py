@@ -107,3 +107,55 @@ def test_a_refused_feed_is_one_line_when_the_stall_starts_and_one_when_it_ends(c
     assert stall.failed(err, say=False) is True and _sample("conductor_feed_stalled", "stall-m") == 1
     stall.ok()
     assert len(caplog.records) == 2 and _sample("conductor_feed_stalled", "stall-m") == 0
+
+
+def test_a_backlog_submitted_before_any_worker_fits_a_small_redis_and_drains_once(tmp_path):
+    """Backlog first, then the fleet: 50,000 items submitted with no worker running into a Redis
+    capped at 5 MB. A registry entry per store-waiting id (about 80 bytes, schema 5) would need
+    some 3.6 MB for the ids alone over an empty server of about 1.3 MB (estimated, not run here);
+    the packed stored ids (16 bytes) and the segments' id lists hold them in about 40 bytes each,
+    and two workers then drain every id once."""
+    res = run(50_000, "5mb", tmp_path, stall_s=60.0, timeout_s=300.0, order="backlog-first")
+    assert res.drained, (res.stalled, res.results, res.duplicates, res.by_kind, res.tail)
+    assert res.results == 50_000 and res.duplicates == 0
+    assert res.stored_items > 45_000  # all but what the lanes hold waited in the store
+    assert res.bytes_per_stored < 60, res.bytes_per_stored  # lanes and segment records included
+
+
+def test_store_waiting_ids_are_duplicates_or_conflicts_and_a_cancel_answers_them_once(tmp_path):
+    from conductor.errors import Conflict
+    from conductor.jobs.job_state import cancel
+    from conductor.redis_contract.packed_ids import stored_count
+    from conductor.tier.feeder import Feeder
+    from conductor.verify import verify
+
+    with EmbeddedRedis() as srv:
+        c = Conductor.from_url(srv.url, store=Store(str(tmp_path / "store")))
+        quick(c, resident_tokens=500)
+        mk = K.ModelKeys("m")
+        its = [item(f"b{i}", 50, prefix=(f"s{i % 2}",)) for i in range(100)]
+        assert c.submit(its, "j").accepted == 100
+        assert stored_count(c.r, mk, "j") == 90 and c.r.hlen(mk.job_sums("j")) == 10  # 10 in lanes
+        # the same items again: every one a duplicate (lanes and store alike), nothing more stored
+        again = c.submit(its, "j")
+        assert (again.accepted, again.duplicates) == (0, 100) and stored_count(c.r, mk, "j") == 90
+        # a stored id with other content: a conflict, nothing written (the pre-check and submit.lua)
+        with pytest.raises(Conflict):
+            c.submit([item("b57", 51, prefix=("s1",))], "j")
+        from conductor.redis_contract import script_calls as calls
+        with pytest.raises(Conflict):
+            calls.submit(mk, "j", [item("b57", 51, prefix=("s1",))]).run(c.scripts)
+        assert stored_count(c.r, mk, "j") == 90
+        rep = verify(c.r, "m", items=True)
+        assert rep.ok and rep.ledger["stored"] == 90, (rep.drift, rep.problems, rep.ledger)
+        # cancel answers the stored ids from their segments' id lists, each once; the feed then places none
+        cancel(c, "j")
+        ids = [json.loads(rec)["id"] for rec in c.results("j")]
+        assert sorted(ids) == sorted(it.id for it in its)
+        feeder = Feeder(c, c.tier.store, "m")
+        while c.r.zcard(mk.segs):
+            feeder.feed()
+        assert stored_count(c.r, mk, "j") == 0 and int(c.r.hget(mk.intake, "stored_items")) == 0
+        assert len(list(c.results("j"))) == 100
+        rep = verify(c.r, "m", items=True)
+        assert rep.ok, (rep.drift, rep.problems)

@@ -82,10 +82,10 @@ def test_a_schema3_redis_comes_back_key_for_key_and_drains(redis_url):
     inst = to_schema3(c.r)
     assert c.r.hget(MK.state, "active") == inst.encode() and not c.r.exists(MK.active)
     assert all(b"it" not in f for _e, f in c.r.xrange(MK.dead))
-    with pytest.raises(SchemaMismatch, match="needs 5: run `conductor migrate`"):
-        Conductor.from_url(redis_url)  # a worker or producer of schema 5 refuses to start
+    with pytest.raises(SchemaMismatch, match="needs 6: run `conductor migrate`"):
+        Conductor.from_url(redis_url)  # a worker or producer of schema 6 refuses to start
     t0 = int(time.time() * 1000)
-    assert schema.migrate(c.r) == [4, 5]
+    assert schema.migrate(c.r) == [4, 5, 6]
     assert dump(c.r) == after
     assert t0 - 1000 <= c.r.zscore(MK.active, inst) <= time.time() * 1000 + 1000
     # a second run changes nothing
@@ -114,7 +114,7 @@ def test_a_copy_cut_short_is_finished_by_the_next_run(redis_url, monkeypatch):
     assert int(step(keys=[MK.dead, f"{MK.base}:dead:v4"], args=[1])) == 0
     assert c.r.xlen(f"{MK.base}:dead:v4") == 1
     monkeypatch.setattr(M04, "PAGE", 2)  # and the rest in pages of two
-    assert schema.migrate(c.r) == [4, 5]
+    assert schema.migrate(c.r) == [4, 5, 6]
     assert dump(c.r) == after
     assert not c.r.exists(f"{MK.base}:dead:v4")
 

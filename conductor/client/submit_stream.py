@@ -17,7 +17,7 @@ from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.connection import as_str
 from conductor.redis_contract.item_record import content_sum, record_head
-from conductor.redis_contract.packed_ids import packed_sums
+from conductor.redis_contract.packed_ids import known_sums
 from conductor.redis_contract.records import JobClass, PreparedItem
 
 # One submit.lua call blocks Redis for a time per item, so the chunk bounds every other client's
@@ -141,12 +141,11 @@ class Submitting(ConductorCore):
         known = self.job_models(job)
         for other in known:
             ids = [it.id for model, its in by_model.items() if model != other for it in its]
-            key = K.ModelKeys(other).job_sums(job)  # the job's id registry for that model
             for start in range(0, len(ids), 1000):
                 chunk = ids[start:start + 1000]
-                packed = packed_sums(self.r, K.ModelKeys(other), job, chunk)  # answered and packed ids
-                for iid, state, p in zip(chunk, self.r.hmget(key, chunk), packed, strict=True):
-                    if state is not None or p is not None:
+                # the registry, the store-waiting ids and the answered packed ids of that model
+                for iid, state in zip(chunk, known_sums(self.r, K.ModelKeys(other), job, chunk), strict=True):
+                    if state is not None:
                         raise DuplicateId(iid, f"{iid!r} is already in job {job} under model {other}: an id "
                                           f"names one item of a job, across its models")
 
@@ -180,19 +179,14 @@ class Submitting(ConductorCore):
         conflicts, example = 0, ""
         head = record_head(job)
         for model, its in by_model.items():
-            sums_key = K.ModelKeys(model).job_sums(job)
             for start in range(0, len(its), 5000):
                 chunk = its[start:start + 5000]
-                ids = [it.id for it in chunk]
-                # answered ids compacted out of the registry, with their sum (packed_ids.py)
-                packed = packed_sums(self.r, K.ModelKeys(model), job, ids)
-                for it, had, p in zip(chunk, self.r.hmget(sums_key, ids), packed, strict=True):
-                    # '-': an id registered before sums were kept (migrations/0003): not judged;
-                    # 's<seq>:<sum>': an id waiting in a store segment (lua/register_segment.lua)
-                    if p is not None and p != content_sum(head, it):
-                        conflicts += 1
-                        example = example or it.id
-                    elif had is not None and had != b"-" and as_str(had)[-16:] != content_sum(head, it):
+                # the sum of each id the job has: its registry, its store-waiting ids, its answered
+                # packed ids (packed_ids.py)
+                known = known_sums(self.r, K.ModelKeys(model), job, [it.id for it in chunk])
+                for it, had in zip(chunk, known, strict=True):
+                    # '-': an id registered before sums were kept (migrations/0003): not judged
+                    if had is not None and had != "-" and had != content_sum(head, it):
                         conflicts += 1
                         example = example or it.id
         if conflicts:

@@ -253,7 +253,8 @@ def expire_due_leased(c: Conductor, owner: str, lease_ms: int = EXPIRY_LEASE_MS)
 def _sweep(c: Conductor, job: str, how: str) -> int:
     """Every waiting item of the job answered (bounded steps), then withdrawn from the lanes. The
     lanes first, one per cancel.lua call: an answer made there keeps the item's input tokens and
-    payload (its record is in the lane); then the id registry, for items waiting anywhere else."""
+    payload (its record is in the lane); then the job's store segments (their id lists), then the
+    id registry, for items waiting anywhere else."""
     message = "the batch was cancelled before this request ran" if how == "cancelled" else \
         "the batch's completion window passed before this request ran"
     total = 0
@@ -265,6 +266,10 @@ def _sweep(c: Conductor, job: str, how: str) -> int:
             for lane in c.r.zrange(mk.inst_lanes(inst), 0, -1):
                 total += calls.cancel(mk, job, model, f"lane:{inst}:{as_str(lane)}", STEP, how, message).run(
                     c.scripts).answered
+        # store segments of the job: their ids wait in no lane and no registry entry (schema 6)
+        for name in (as_str(n) for n in c.r.zrange(mk.segs, 0, -1)):
+            if as_str(c.r.hget(mk.seg(name), "job"), absent="") == job:
+                total += calls.cancel(mk, job, model, f"seg:{name}", STEP, how, message).run(c.scripts).answered
         cursor = "0"
         while True:
             step = calls.cancel(mk, job, model, cursor, STEP, how, message).run(c.scripts)

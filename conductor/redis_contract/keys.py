@@ -96,15 +96,26 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
                                              segment name -> registration sequence (oldest first)
     M:seg:N                         hash     one segment's index record: job, sig, path, items, tokens,
                                              lmin, lmax (input token range), sum (SHA-1 of the file), seq
+    M:seg:N:ids                     list     the ids the segment was registered with, in its order
+                                             (register_segment.lua): what a cancel answers and a repair
+                                             of a lost file fails without reading the store; dropped
+                                             with the index record (about 11 bytes an id)
     M:in:J                          hash     the producer's job counters for this model: declared,
                                              submitted, submitted_tokens; its class (lua/job_class.lua):
                                              tenant, prio (interactive, batch, background), deadline_ms
     M:in:J:sums                     hash     the job's id registry: item id -> its content's sum (16 hex
                                              digits of SHA-1(sig || record); '-' for an id submitted before
-                                             sums were kept): a re-submitted id must bring the same content
-                                             ('s<seq>:<sum>' while the item waits in the store segment
-                                             of that sequence number); an answered id may leave it
-                                             for M:job:J:packed (below), where every check finds it
+                                             sums were kept): a re-submitted id must bring the same content;
+                                             an id waiting in a store segment is in M:in:J:stored instead
+                                             until a lane takes it, and an answered id may leave it for
+                                             M:job:J:packed (below): every check finds it in all three
+    M:in:J:stored                   hash     the job's ids waiting in store segments (schema 6, issue 25):
+                                             the layout of M:job:J:packed (k, n, buckets of 16-byte
+                                             records: 8 bytes of SHA-1(id), 8 of its content sum;
+                                             lua/lib_packed.lua), about 16 bytes an id instead of the
+                                             registry's 80; register_segment.lua adds, submit.lua (the
+                                             feed) and fail_stored.lua take out; the segment of an id is
+                                             the one whose M:seg:N:ids names it
     M:job:J                         hash     the fleet's job counters for this model: completed, failed
     M:job:J:items                   hash     item id -> d: the item has its result (effectively-once)
     M:job:J:packed                  hash     answered ids moved out of M:in:J:sums and M:job:J:items by the
@@ -132,7 +143,9 @@ An item record is the JSON array text ``[id, job, input_tokens, max_tokens, prom
 submit.lua decodes it to check every field and stores the bytes as sent. Schema 2
 (migrations/0002) moved lanes from streams of fields to these lists. Schema 4 (migrations/0004)
 moved what the scripts used to convert on the fly: the one active instance once named in M:state
-(field ``active``) is in M:active, and every dead letter holds its item record (``it``).
+(field ``active``) is in M:active, and every dead letter holds its item record (``it``). Schema 6
+(migrations/0006) moved the registry marks of store-waiting ids ('s<seq>:<sum>') to M:in:J:stored
+and M:seg:N:ids.
 """
 
 from __future__ import annotations
@@ -363,6 +376,9 @@ class ModelKeys:
     def seg(self, name: str) -> str:
         return f"{self.base}:seg:{name}"
 
+    def seg_ids(self, name: str) -> str:
+        return f"{self.base}:seg:{name}:ids"
+
     def job_intake(self, job: str) -> str:
         return f"{self.base}:in:{job}"
 
@@ -374,6 +390,9 @@ class ModelKeys:
 
     def job_sums(self, job: str) -> str:
         return f"{self.base}:in:{job}:sums"
+
+    def job_stored(self, job: str) -> str:
+        return f"{self.base}:in:{job}:stored"
 
     def job_results(self, job: str) -> str:
         return f"{self.base}:job:{job}:results"

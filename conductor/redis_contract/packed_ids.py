@@ -1,11 +1,14 @@
-"""The packed form of a job's answered ids (``M:job:J:packed``, issue 25), read from Python.
+"""The packed forms of a job's ids (issue 25), read from Python: answered ids (``M:job:J:packed``)
+and ids waiting in store segments (``M:in:J:stored``, schema 6).
 
-lua/lib_packed.lua holds the layout and lua/compact_ids.lua writes it: once an id is answered,
-the maintenance lease holder (conductor/tier/compact_ids.py) moves it out of the job's id registry
-(``M:in:J:sums``, about 80 bytes an id) and done marks (``M:job:J:items``, about 55) into a
-16-byte record (8 bytes of SHA-1(id), 8 of its content sum) in a bucket of the packed hash. This
-mirror answers the same question as the Lua (is this id answered and packed, with which sum) for
-the producer's pre-checks and for conductor/verify/.
+lua/lib_packed.lua holds the layout. Once an id is answered, the maintenance lease holder
+(conductor/tier/compact_ids.py, lua/compact_ids.lua) moves it out of the job's id registry
+(``M:in:J:sums``, about 80 bytes an id) and done marks (``M:job:J:items``, about 55) into a 16-byte
+record (8 bytes of SHA-1(id), 8 of its content sum) in a bucket of the packed hash; an id a
+producer writes to a store segment waits in the same form in the stored hash
+(lua/register_segment.lua) until the feeder places it in a lane. This mirror answers the same
+question as the Lua (does this hash hold this id, with which sum) for the producer's pre-checks and
+for conductor/verify/.
 """
 
 from __future__ import annotations
@@ -37,9 +40,8 @@ def find(bucket: bytes | None, fp: bytes) -> str | None:
     return None
 
 
-def packed_sums(r: redis.Redis, mk: K.ModelKeys, job: str, ids: Sequence[str]) -> list[str | None]:
-    """For each id: the 16 hex digits of its content sum when the job's packed form holds it."""
-    key = mk.job_packed(job)
+def sums_in(r: redis.Redis, key: str, ids: Sequence[str]) -> list[str | None]:
+    """For each id: the 16 hex digits of its content sum when the packed hash ``key`` holds it."""
     k = r.hget(key, "k")
     if k is None or not ids:
         return [None] * len(ids)
@@ -53,7 +55,37 @@ def packed_sums(r: redis.Redis, mk: K.ModelKeys, job: str, ids: Sequence[str]) -
     return [find(buckets[f], fp) for f, fp in places]
 
 
+def packed_sums(r: redis.Redis, mk: K.ModelKeys, job: str, ids: Sequence[str]) -> list[str | None]:
+    """For each id: the 16 hex digits of its content sum when the job's packed form holds it (answered)."""
+    return sums_in(r, mk.job_packed(job), ids)
+
+
+def stored_sums(r: redis.Redis, mk: K.ModelKeys, job: str, ids: Sequence[str]) -> list[str | None]:
+    """For each id: the 16 hex digits of its content sum when it waits in a store segment."""
+    return sums_in(r, mk.job_stored(job), ids)
+
+
+def known_sums(r: redis.Redis, mk: K.ModelKeys, job: str, ids: Sequence[str]) -> list[str | None]:
+    """For each id: its content sum wherever the job knows it (the registry, a store segment, or
+    answered and packed); '-' for an id registered before sums were kept; None for a new id."""
+    got: list[bytes | None] = r.hmget(mk.job_sums(job), list(ids)) if ids else []  # type: ignore[assignment]
+    out: list[str | None] = [as_str(v) if v is not None else None for v in got]
+    for key in (mk.job_packed(job), mk.job_stored(job)):
+        missing = [i for i, v in enumerate(out) if v is None]
+        if not missing:
+            break
+        for i, s in zip(missing, sums_in(r, key, [ids[i] for i in missing]), strict=True):
+            out[i] = s
+    return out
+
+
 def packed_count(r: redis.Redis, mk: K.ModelKeys, job: str) -> int:
     """How many answered ids the job's packed form holds (its field 'n')."""
     raw = r.hget(mk.job_packed(job), "n")
+    return int(as_str(raw)) if raw is not None else 0
+
+
+def stored_count(r: redis.Redis, mk: K.ModelKeys, job: str) -> int:
+    """How many ids of the job wait in store segments (M:in:J:stored, its field 'n')."""
+    raw = r.hget(mk.job_stored(job), "n")
     return int(as_str(raw)) if raw is not None else 0

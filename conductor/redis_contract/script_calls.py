@@ -356,7 +356,8 @@ def cancel(mk: K.ModelKeys, job: str, model: str, cursor: str, count: int, code:
 def register_segment(mk: K.ModelKeys, seg: Segment, file_sum: str, ids: Sequence[str],
                      sums: Sequence[str]) -> Call[bool]:
     """lua/register_segment.lua: a store segment written as a file (its SHA-1 ``file_sum``), its
-    ids marked in the job's registry and counted as stored, in one step. True when registered;
+    ids added to the job's stored ids (packed, 16 bytes each) and the segment's id list and counted
+    as stored, in one step. True when registered;
     False when a segment of this name was registered already. 'KNOWN <n>' (ids another producer
     registered meanwhile) comes back as the redis.ResponseError it is: the caller looks again."""
     toks = seg.tokens
@@ -364,7 +365,8 @@ def register_segment(mk: K.ModelKeys, seg: Segment, file_sum: str, ids: Sequence
     for iid, sm in zip(ids, sums, strict=True):
         args += [iid, sm]
     return Call("register_segment",
-                [mk.intake, mk.job_intake(seg.job), mk.job_sums(seg.job), mk.segs, mk.seg(seg.name), mk.state], args,
+                [mk.intake, mk.job_intake(seg.job), mk.job_sums(seg.job), mk.segs, mk.seg(seg.name), mk.state,
+                 mk.job_stored(seg.job), mk.seg_ids(seg.name)], args,
                 lambda raw: int(raw) == 1)
 
 
@@ -397,7 +399,7 @@ def fail_stored(mk: K.ModelKeys, name: str, job: str, answers: Sequence[tuple[st
     for iid, rec in answers:
         args += [iid, rec]
     return Call("fail_stored", [mk.intake, mk.state, mk.segs, mk.seg(name), mk.job_sums(job), mk.job(job),
-                                mk.job_items(job), mk.job_results(job)], args,
+                                mk.job_items(job), mk.job_results(job), mk.job_stored(job), mk.seg_ids(name)], args,
                 lambda raw: FailStoredReply(int(raw[0]), int(raw[1])))
 
 

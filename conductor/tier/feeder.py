@@ -109,7 +109,7 @@ class Feeder:
         placed = sum(1 for lane in calls.load_segment(mk, seg).run(self.c.scripts) if lane >= 0)
         pipe = self.c.r.pipeline(transaction=True)
         pipe.zrem(mk.segs, name)
-        pipe.delete(mk.seg(name))
+        pipe.delete(mk.seg(name), mk.seg_ids(name))
         pipe.execute()
         self.store.delete(rec["path"])
         self.loaded_segments += 1

@@ -16,8 +16,9 @@ instance's lanes as always.
 Crash safety: a segment is written whole (the store) and then registered (one script). Died
 between the two, the producer's re-run finds the ids unregistered, makes the same segment (its
 name derives from its content) and registers it; died after, the re-run finds the ids registered
-and leaves them out. A feeder that died between loading a segment and dropping its index record
-loads it again: submit.lua places each stored id once, so the second load places nothing.
+(in the job's stored ids, M:in:J:stored) and leaves them out. A feeder that died between loading
+a segment and dropping its index record loads it again: submit.lua places each stored id once, so
+the second load places nothing.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.connection import as_str
 from conductor.redis_contract.item_record import content_sum, record_head
-from conductor.redis_contract.packed_ids import packed_sums
+from conductor.redis_contract.packed_ids import known_sums
 from conductor.redis_contract.records import PreparedItem
 from conductor.tier import segments as S
 from conductor.tier.object_store import Store
@@ -104,14 +105,12 @@ class Tier:
     def _write_one(self, mk: K.ModelKeys, job: str, piece: Sequence[PreparedItem],
                    register: Register) -> tuple[int, int]:
         head = record_head(job)
-        sums_key = mk.job_sums(job)
         for _ in range(5):
-            known = self.r.hmget(sums_key, [it.id for it in piece])
-            # answered ids compacted out of the registry (conductor/redis_contract/packed_ids.py)
-            packed = packed_sums(self.r, mk, job, [it.id for it, had in zip(piece, known, strict=True) if had is None])
-            # an id the job has: the same content (other content was refused before, in submit)
+            # an id the job has (in its registry, a store segment, or answered and packed:
+            # conductor/redis_contract/packed_ids.py): the same content (other content was refused
+            # before, in submit)
+            known = known_sums(self.r, mk, job, [it.id for it in piece])
             fresh = [it for it, had in zip(piece, known, strict=True) if had is None]
-            fresh = [it for it, p in zip(fresh, packed, strict=True) if p is None]
             dups = len(piece) - len(fresh)
             if not fresh:
                 return 0, dups

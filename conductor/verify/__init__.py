@@ -25,7 +25,8 @@ What is checked, for one model (``M`` = ``cdr:{model}``):
   entries, and each entry's token list as long as its records;
   submitted, completed and failed against the sum of its jobs' counters; batch entries that
   are not pending (leaked: nothing would ever retire them);
-- every job: ``M:in:J`` submitted against the ids of its registry ``M:in:J:sums``;
+- every job: ``M:in:J`` submitted against the ids of its registry ``M:in:J:sums``, of its packed
+  answered ids and of its store-waiting ids (``M:in:J:stored``);
   ``M:job:J`` completed and failed against the ok and error records of ``M:job:J:results``
   (after retention trimmed them, their sum against the done items); done marks ('d' in
   ``M:job:J:items``) against the number of records.

@@ -224,7 +224,7 @@ class _Check:
             self.row(mk.state, fld, as_int(got[1][i]), sum(as_int(x[i]) for x in got[3::2]), f"state.{fld}")
 
     def store(self, jobs: list[str], store: Store | None) -> None:
-        """The disk tier (verify/tier_truth.py): the stored counters against the registry marks and the
+        """The disk tier (verify/tier_truth.py): the stored counters against the stored ids and the
         index records, each stored id placed in its segment, a missing or damaged segment's items."""
         mk = self.mk
         truth = store_truth(self.r, mk, store, jobs, self.rep.notes)
@@ -236,6 +236,8 @@ class _Check:
             for seq, pairs in truth.stored.items():
                 for job, iid in pairs:
                     self.ledger.add(job, iid, f"store {seq}")
+                    # named in no registry (schema 6): submitted, waiting unless a done mark said otherwise
+                    self.ledger.state.setdefault((job, iid), "q")
         for b in truth.bad:
             shown = ", ".join(b.ids[:STORE_EXAMPLES]) + (" ..." if len(b.ids) > STORE_EXAMPLES else "")
             self.rep.problems.append(

@@ -31,6 +31,7 @@ from conductor.jobs import job_state
 from conductor.jobs.openai_output import output_line
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.connection import as_str
+from conductor.redis_contract.packed_ids import stored_sums
 
 EXAMPLES = 10  # offending ids printed
 ENDED_EARLY = ("cancelled", "expired")
@@ -145,10 +146,18 @@ def input_lines_of(path: str, checked: bool = False) -> Iterator[tuple[int, str 
 
 
 def registry_ids(c: Conductor, job: str) -> Iterator[str | None]:
-    """The ids the job submitted (its id registry on each model), for a job without a kept input."""
+    """The ids the job submitted (its id registry on each model, and the id lists of its store
+    segments for the ids still waiting there), for a job without a kept input."""
     for model in c.job_models(job):
-        for iid, _sum in c.r.hscan_iter(K.ModelKeys(model).job_sums(job), count=1000):  # NOVALUES is 7.4's
+        mk = K.ModelKeys(model)
+        for iid, _sum in c.r.hscan_iter(mk.job_sums(job), count=1000):  # NOVALUES is 7.4's
             yield as_str(iid)
+        for name in (as_str(n) for n in c.r.zrange(mk.segs, 0, -1)):
+            if as_str(c.r.hget(mk.seg(name), "job"), absent="") != job:
+                continue
+            ids = [as_str(i) for i in c.r.lrange(mk.seg_ids(name), 0, -1)]
+            # an id a lane took has left the stored ids for the registry: named there already
+            yield from (i for i, s in zip(ids, stored_sums(c.r, mk, job, ids), strict=True) if s is not None)
 
 
 def answers(records: Iterable[bytes]) -> dict[str, list[str]]:

@@ -2,8 +2,9 @@
 
 Checked, for a model with anything in the store: every registered segment's file is there and is
 what its index record says (its SHA-1, count, tokens, job and shape: the whole file is read);
-``M:intake`` stored_items against the registry marks of stored ids ('s<seq>:<sum>' in each job's
-``M:in:J:sums``) and stored_tokens against the index records. With the item ledger, each stored
+``M:intake`` stored_items against the ids that wait in the store (each segment's id list,
+``M:seg:N:ids``, the ones its job's stored ids ``M:in:J:stored`` still hold) and stored_tokens
+against the index records. With the item ledger, each stored
 id is placed in its segment ("store <seq>"), so it is neither lost nor duplicated (the rows,
 findings and ledger places: ``checks.py``, ``_Check.store``).
 
@@ -23,6 +24,7 @@ import redis
 from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.connection import as_str
+from conductor.redis_contract.packed_ids import stored_sums
 from conductor.redis_contract.records import Result, ResultError, json_encoder
 from conductor.redis_contract.scripts import Scripts
 from conductor.tier import segments as S
@@ -72,14 +74,20 @@ def _index(r: redis.Redis, mk: K.ModelKeys) -> list[tuple[str, dict[str, str]]]:
             if rec]
 
 
-def _stored_ids(r: redis.Redis, mk: K.ModelKeys, jobs: list[str]) -> dict[str, list[tuple[str, str]]]:
-    """seq -> [(job, id)] of every id whose registry mark says it waits in a store segment."""
+def _stored_ids(r: redis.Redis, mk: K.ModelKeys, index: list[tuple[str, dict[str, str]]],
+                jobs: list[str]) -> dict[str, list[tuple[str, str]]]:
+    """seq -> [(job, id)] of every id that waits in a store segment: named in the segment's id list
+    and still held by its job's stored ids (an id placed in a lane has left them; its segment's
+    record goes right after)."""
     out: dict[str, list[tuple[str, str]]] = {}
-    for job in jobs:
-        for iid, mark in r.hscan_iter(mk.job_sums(job), count=1000):
-            m = as_str(mark)
-            if m.startswith("s") and ":" in m:
-                out.setdefault(m[1:].split(":", 1)[0], []).append((job, as_str(iid)))
+    for name, rec in index:
+        job = rec.get("job", "")
+        if job not in jobs:
+            continue
+        ids = [as_str(i) for i in r.lrange(mk.seg_ids(name), 0, -1)]
+        held = stored_sums(r, mk, job, ids)
+        out.setdefault(rec.get("seq", ""), []).extend((job, i) for i, s in zip(ids, held, strict=True)
+                                                      if s is not None)
     return out
 
 
@@ -91,7 +99,7 @@ def store_truth(r: redis.Redis, mk: K.ModelKeys, store: Store | None, jobs: list
     rec_items, rec_tokens = (as_int(v) for v in r.hmget(mk.intake, "stored_items", "stored_tokens"))
     if not index and not rec_items and not rec_tokens:
         return None
-    truth = StoreTruth(rec_items, rec_tokens, index, _stored_ids(r, mk, jobs))
+    truth = StoreTruth(rec_items, rec_tokens, index, _stored_ids(r, mk, index, jobs))
     if store is None:
         if index and notes is not None:
             notes.append(f"{mk.model}: {len(index)} store segment(s) registered; no store given (--store, "

@@ -309,7 +309,10 @@ def job_truth(r: redis.Redis, mk: K.ModelKeys, job: str, ledger: Ledger | None) 
     # in both, named in neither (the ledger asks the packed form about an id it cannot place); read
     # in the same snapshot as the registry, which they leave in one step
     pipe.hget(mk.job_packed(job), "n")
-    rec_sub, rec, n_items, n_results, last, raw_packed = pipe.execute()
+    # ids waiting in store segments (schema 6: M:in:J:stored, not the registry): submitted, not
+    # done; named by their segments' id lists (tier_truth.py), read here in the same snapshot
+    pipe.hget(mk.job_stored(job), "n")
+    rec_sub, rec, n_items, n_results, last, raw_packed, raw_stored = pipe.execute()
     registry: Any
     marks: Any
     records: Any
@@ -321,7 +324,8 @@ def job_truth(r: redis.Redis, mk: K.ModelKeys, job: str, ledger: Ledger | None) 
         pipe.hgetall(mk.job_items(job))
         pipe.xrange(mk.job_results(job))
         pipe.hget(mk.job_packed(job), "n")
-        rec_sub, rec, registry, marks, records, raw_packed = pipe.execute()
+        pipe.hget(mk.job_stored(job), "n")
+        rec_sub, rec, registry, marks, records, raw_packed, raw_stored = pipe.execute()
         marks = pairs(marks)
         # redis-py's cluster pipeline in a transaction leaves XRANGE's fields a flat list
         records = [(eid, dict(pairs(f))) for eid, f in records]
@@ -345,7 +349,7 @@ def job_truth(r: redis.Redis, mk: K.ModelKeys, job: str, ledger: Ledger | None) 
     ok, err, results, dup = _count_records(records, ledger is not None)
     if n_items > SNAPSHOT or n_results > SNAPSHOT:
         submitted = n_items  # the snapshot's count, not the pages'
-    submitted, done = submitted + n_packed, done + n_packed
+    submitted, done = submitted + n_packed + as_int(raw_stored), done + n_packed
     # Fewer records than done items: retention trimmed the job's results (conductor/jobs/retention.py),
     # so the ok/error split of the trimmed ones is gone. (A lost record looks the same.)
     return {"submitted": submitted, "completed": ok, "failed": err, "done": done, "results": results,
