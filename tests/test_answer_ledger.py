@@ -192,7 +192,8 @@ def test_cancel_and_expire_in_progress_and_finalizing(serve: Serve) -> None:
                                     completion_window="2s")
     _follow(serve, b.id, {"expired"}, timeout=30)
     _check_exact(serve, b.id, rows, "expired", "expired")
-    # finalizing (the status the lifecycle records while a batch's last lines are written) ends the same way
+    # finalizing recorded over a batch still running ends the same way (tests/test_finalize.py reaches
+    # finalizing through the finalizer itself)
     rows = _rows("f", 6)
     b = serve.client.batches.create(input_file_id=_upload(serve, rows), endpoint="/v1/chat/completions",
                                     completion_window="24h")

@@ -26,16 +26,18 @@ class JobRow:
     meta_status: str | None = field(default=None, repr=False)
     ending: str | None = field(default=None, repr=False)
     ends: list[str] = field(default_factory=list, repr=False)
+    finalize: bool = field(default=False, repr=False)
 
     @property
     def state(self) -> str:
         """OpenAI's status names, as ``job_state.status_of`` derives them."""
         from conductor.jobs.job_state import status_of
-        return status_of(self.meta_status, self.ending, self.submitted, self.pending, self.lost, self.ends)
+        return status_of(self.meta_status, self.ending, self.submitted, self.pending, self.lost, self.ends,
+                         self.finalize)
 
     def as_dict(self) -> dict[str, Any]:
         row = asdict(self)
-        for k in ("meta_status", "ending", "ends", "lost"):
+        for k in ("meta_status", "ending", "ends", "lost", "finalize"):
             del row[k]
         return {**row, "state": self.state}
 
@@ -48,11 +50,12 @@ def list_jobs(c: Conductor, limit: int | None = None) -> list[JobRow]:
     pipe = c.r.pipeline(transaction=False)
     for row in rows:
         pipe.smembers(K.job_models_key(row.job))
-        pipe.hmget(K.job_meta_key(row.job), "status", "ending")
+        pipe.hmget(K.job_meta_key(row.job), "status", "ending", "finalize")
     got = iter(pipe.execute())
     for row in rows:
         row.models = sorted(as_str(m) for m in next(got))
-        row.meta_status, row.ending = (as_str(v) if v is not None else None for v in next(got))
+        row.meta_status, row.ending, fin = (as_str(v) if v is not None else None for v in next(got))
+        row.finalize = fin == "1"
     pipe = c.r.pipeline(transaction=False)
     for row in rows:
         for m in row.models:

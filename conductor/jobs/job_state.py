@@ -110,10 +110,12 @@ def set_status(r: redis.Redis, job: str, status: str, **fields: Any) -> None:
 
 
 def status_of(meta_status: str | None, ending: str | None, submitted: int, pending: int, lost: int,
-              ends: list[str]) -> str:
+              ends: list[str], finalize: bool = False) -> str:
     """A job's one status: ``failed`` (its input was refused) as recorded; ended when every item has
     its result (how: the parts' end stamps ``ends``, or the cancel or expiry under way); else what
-    the lifecycle recorded, ``cancelling`` while a cancel is answering its items."""
+    the lifecycle recorded, ``cancelling`` while a cancel is answering its items. A Batch API batch
+    (``finalize``: its lifecycle's mark) whose every item is answered is ``finalizing`` until its
+    output and error files are written (conductor/api/finalize.py records ``completed``)."""
     if meta_status in TERMINAL:
         return meta_status  # failed at validation (or a stamp of an older version)
     if ending in ("cancelled", "expired") and pending <= 0:
@@ -125,7 +127,7 @@ def status_of(meta_status: str | None, ending: str | None, submitted: int, pendi
         for how in ("cancelled", "expired"):
             if how in ends or ending == how:
                 return how
-        return "completed"
+        return "finalizing" if finalize else "completed"
     if ending == "cancelled":
         return "cancelling"
     return meta_status or "in_progress"
@@ -160,7 +162,8 @@ def describe(c: Conductor, job: str, *, advance: bool = True, now: float | None 
     st = c.status(job)
     models = sorted(st["models"])
     ends, ended_ms = _ends(c, job, models)
-    status = status_of(meta.get("status"), meta.get("ending"), st["submitted"], st["pending"], st["lost"], ends)
+    status = status_of(meta.get("status"), meta.get("ending"), st["submitted"], st["pending"], st["lost"], ends,
+                       meta.get("finalize") == "1")
     if advance and status not in TERMINAL:  # validating too: a batch whose intake died must end
         now = now or time.time()
         ending = meta.get("ending")
@@ -176,11 +179,7 @@ def describe(c: Conductor, job: str, *, advance: bool = True, now: float | None 
         # nothing left to expire; a job that ended before its intake sent every line (lost) stays a
         # while, so that lines a still running intake adds are answered by the next sweep too
         c.r.zrem(K.JOB_DEADLINES_KEY, job)
-    if status in TERMINAL and status != "failed" and ended_ms is not None:
-        for stamp in ("finalizing_at", f"{status}_at"):
-            meta.setdefault(stamp, str(ended_ms // 1000))
-    elif status in ("cancelled", "expired") and meta.get("swept_at"):  # ended before anything was submitted
-        meta.setdefault(f"{status}_at", str(int(float(meta["swept_at"]))))
+    _derived_stamps(meta, status, ended_ms)
     out: dict[str, Any] = {"job": job, "status": status,
                            "request_counts": {"total": st["submitted"], "completed": st["completed"],
                                               "failed": st["failed"]},
@@ -192,9 +191,22 @@ def describe(c: Conductor, job: str, *, advance: bool = True, now: float | None 
     for k in ("input_file_id", "endpoint", "errors", "ending"):
         if meta.get(k):
             out[k] = meta[k]
-    if status in TERMINAL and ended_ms is not None:
+    if (status in TERMINAL or status == "finalizing") and ended_ms is not None:
         out["ended_ms"] = ended_ms
     return out
+
+
+def _derived_stamps(meta: dict[str, str], status: str, ended_ms: int | None) -> None:
+    """The stamps no writer recorded, from the job's end: finalizing since the last answer (the
+    finalizer keeps that one), ended then; or, for a job that ended before anything was submitted,
+    at its sweep."""
+    if status == "finalizing" and ended_ms is not None:
+        meta.setdefault("finalizing_at", str(ended_ms // 1000))
+    if status in TERMINAL and status != "failed" and ended_ms is not None:
+        for stamp in ("finalizing_at", f"{status}_at"):
+            meta.setdefault(stamp, str(ended_ms // 1000))
+    elif status in ("cancelled", "expired") and meta.get("swept_at"):  # ended before anything was submitted
+        meta.setdefault(f"{status}_at", str(int(float(meta["swept_at"]))))
 
 
 def cancel(c: Conductor, job: str) -> dict[str, Any]:
