@@ -133,6 +133,31 @@ def status_of(meta_status: str | None, ending: str | None, submitted: int, pendi
     return meta_status or "in_progress"
 
 
+def line_counts(meta: dict[str, str], status: str, st: dict[str, Any]) -> dict[str, int] | None:
+    """How the job's input lines were answered, where its input is known (a CLI submit's or a batch's
+    file: the intake recorded ``input_lines`` and ``refused_lines``); None otherwise (a library
+    submit, a job made from several files: its counts are items). The same figures as the job's
+    ledger (conductor/verify/job_ledger.py) from counters alone: ``input`` lines; ``completed``,
+    ``failed`` (an error of the engine or the dead letter), ``cancelled``, ``expired`` (by the end,
+    lines never submitted included), ``refused`` (at validation) the lines the intake refused, and
+    ``pending``, lines with no answer yet (not yet submitted ones included). ``st``: the job's counters
+    (``Conductor.status``)."""
+    if not meta.get("input_lines") or not (meta.get("input_path") or meta.get("input_file_id")):
+        return None
+    total, refused = int(meta["input_lines"]), int(meta.get("refused_lines") or 0)
+    by_end = st.get("cancelled", 0) + st.get("expired", 0)
+    out = {"input": total, "completed": st["completed"], "failed": max(0, st["failed"] - by_end),
+           "cancelled": st.get("cancelled", 0), "expired": st.get("expired", 0), "refused": refused, "pending": 0}
+    rest = max(0, total - refused - st["completed"] - st["failed"])
+    if status in ("cancelled", "expired"):
+        out[status] += rest  # never submitted: answered by the end (job_ledger.unsent_lines)
+    elif status == "failed":
+        out["failed"] += rest  # the job failed (its input unreadable): no line left will be answered
+    else:
+        out["pending"] = rest
+    return out
+
+
 def _ends(c: Conductor, job: str, models: list[str]) -> tuple[list[str], int | None]:
     """Each part's end stamp (complete.lua, cancel.lua) and the job's end time in ms: the latest
     stamp, or, for a part that ended without one (its last item dead-lettered), the time of its
@@ -180,10 +205,13 @@ def describe(c: Conductor, job: str, *, advance: bool = True, now: float | None 
         # while, so that lines a still running intake adds are answered by the next sweep too
         c.r.zrem(K.JOB_DEADLINES_KEY, job)
     _derived_stamps(meta, status, ended_ms)
-    out: dict[str, Any] = {"job": job, "status": status,
-                           "request_counts": {"total": st["submitted"], "completed": st["completed"],
-                                              "failed": st["failed"]},
-                           "pending": st["pending"], "models": sorted(st["models"]),
+    lines = line_counts(meta, status, st)
+    rc = {"total": st["submitted"], "completed": st["completed"], "failed": st["failed"]}
+    if lines is not None:  # OpenAI's counts of the lines the job took (the ledger's request_counts)
+        rc["total"] = lines["input"] - lines["refused"]
+        rc["failed"] = rc["total"] - rc["completed"] - lines["pending"]
+    out: dict[str, Any] = {"job": job, "status": status, "request_counts": rc, "lines": lines,
+                           "pending": st["pending"], "submitted": st["submitted"], "models": sorted(st["models"]),
                            "completion_window": meta.get("completion_window"),
                            "metadata": msgspec.json.decode(meta["metadata"]) if meta.get("metadata") else None}
     for stamp in _STAMPS:
@@ -314,10 +342,20 @@ def withdraw(c: ScriptClient, model: str) -> int:
     return cleared
 
 
+LINE_KINDS = ("completed", "failed", "cancelled", "expired", "refused", "pending")
+
+
 def render(d: dict[str, Any]) -> str:
+    """``conductor status J``'s first line: the input lines when known (as ``conductor verify-job``
+    and the Batch API count them), then the items in Redis; else the items alone."""
     rc = d["request_counts"]
-    parts = [f"job {d['job']}: {d['status']}", f"total {rc['total']}, completed {rc['completed']}, "
-             f"failed {rc['failed']}, pending {d['pending']}"]
+    parts = [f"job {d['job']}: {d['status']}"]
+    if d.get("lines"):
+        ln = d["lines"]
+        parts.append(f"lines {ln['input']}: " + ", ".join(f"{ln[k]} {k}" for k in LINE_KINDS))
+        parts.append(f"items submitted {d['submitted']}, pending {d['pending']}")
+    else:
+        parts.append(f"total {rc['total']}, completed {rc['completed']}, failed {rc['failed']}, pending {d['pending']}")
     stamps = [f"{s[:-3]} {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(d[s]))}" for s in _STAMPS
               if d.get(s)]
     if stamps:

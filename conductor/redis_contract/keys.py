@@ -17,8 +17,9 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
                                              timestamps (s), completion window, metadata, and for a
                                              batch made by conductor serve its input file and endpoint;
                                              input_path (the file a CLI submit read) and input_lines
-                                             (its line count, once counted) for the job ledger
-                                             (conductor/verify/job_ledger.py)
+                                             (its line count: the intake records it with refused_lines,
+                                             the lines it refused) for the job ledger
+                                             (conductor/verify/job_ledger.py) and conductor status
     cdr:jobs:deadlines              zset     job -> expires_at (s), jobs with a completion window
     cdr:tenants                     hash     tenant -> weight (`conductor tenant`), copied to each model's M:tenants
     cdr:lease:expiry                string   who ends the jobs past their window now (TTL): a maintenance
@@ -110,6 +111,7 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
                                              of that sequence number); an answered id may leave it
                                              for M:job:J:packed (below), where every check finds it
     M:job:J                         hash     the fleet's job counters for this model: completed, failed
+                                             (cancelled and expired: how many of failed lua/cancel.lua answered)
     M:job:J:items                   hash     item id -> d: the item has its result (effectively-once)
     M:job:J:packed                  hash     answered ids moved out of M:in:J:sums and M:job:J:items by the
                                              lease holder (lua/compact_ids.lua; issue 25): k (bucket digits),
