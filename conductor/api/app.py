@@ -43,6 +43,7 @@ def make_app(redis_url: str, *, data_dir: str | None = None, api_keys: list[str]
              segment_store: Store | None = None) -> FastAPI:
     """``segment_store``: the disk tier's (conductor/tier/): a batch's items beyond a model's
     resident_tokens go to it, and its output file reads the results moved there."""
+    intake_resume.unreadable_s()  # a bad CONDUCTOR_INTAKE_UNREADABLE_S is refused before serving
     c = Conductor.from_url(redis_url, store=segment_store)
     store = FileStore(c.r, data_dir)
     keys = {k for k in (api_keys or []) if k}
