@@ -33,7 +33,8 @@
 -- Errors, with nothing written: 'ERR_ARG <field>: ...'; 'NOPERM ...' when the caller's ACL refuses
 --   a command this call may run (lib.lua acl_refused); 'PAUSED ...'.
 -- Invariant: as complete.lua: an item gets its done mark at most once, together with one result
---   record and one count in the job's and the model's 'failed' counters, so submitted = completed +
+--   record and one count in the job's and the model's 'failed' counters (and in the job's counter
+--   named by the code, 'cancelled' or 'expired': how many of its failed were answered so), so submitted = completed +
 --   failed + pending holds after every call; an item in a pending batch is never answered here.
 --   Every read (the pending batches and their items, the HSCAN page or the lane, the counters)
 --   comes before the first write.
@@ -190,6 +191,7 @@ for s = 1, #marks, 2000 do
 end
 if #ids > 0 then
   redis.call('HINCRBY', job_key, 'failed', #ids)
+  redis.call('HINCRBY', job_key, code, #ids)  -- of them, answered by the end (conductor status's lines)
   redis.call('HINCRBY', state_key, 'failed', #ids)
 end
 redis.call('HSET', job_key, 'ending', code)

@@ -192,7 +192,8 @@ def test_cancel_and_expire_in_progress_and_finalizing(serve: Serve) -> None:
                                     completion_window="2s")
     _follow(serve, b.id, {"expired"}, timeout=30)
     _check_exact(serve, b.id, rows, "expired", "expired")
-    # finalizing (the status the lifecycle records while a batch's last lines are written) ends the same way
+    # finalizing recorded over a batch still running ends the same way (tests/test_finalize.py reaches
+    # finalizing through the finalizer itself)
     rows = _rows("f", 6)
     b = serve.client.batches.create(input_file_id=_upload(serve, rows), endpoint="/v1/chat/completions",
                                     completion_window="24h")
@@ -393,3 +394,49 @@ def test_lines_an_intake_sends_after_the_expiry_are_answered_too(cdr: Conductor)
     assert d["status"] == "expired" and d["request_counts"] == {"total": 10, "completed": 0, "failed": 10}
     assert sorted(x.id for x in cdr.read_results("late")) == sorted(it.id for it in its)
     assert cdr.r.zscore(K.JOB_DEADLINES_KEY, "late") is None  # every line in: nothing more to look at
+
+
+def test_status_and_jobs_count_input_lines_as_the_ledger_does(redis_url: str, tmp_path: Path) -> None:
+    """A --skip-invalid submit of 12 lines (a bad field, two repeated ids) is 9 items: conductor status
+    and conductor jobs show the 12 lines and how each was answered (refused 3), the same figures and
+    request counts as conductor verify-job, while it runs and once cancelled; the items stay labelled."""
+    c = Conductor(connect(redis_url))
+    quick(c, "m")
+    rows = [{"id": f"l{i}", "model": "m", "prompt": f"p{i}", "input_tokens": 10, "max_tokens": 4} for i in range(10)]
+    rows[3]["max_tokens"] = -1  # refused: a bad field
+    rows += [dict(rows[6]), dict(rows[7])]  # refused: repeated ids
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(x) + "\n" for x in rows))
+    cli("submit", str(src), "--job", "lc", "--skip-invalid", url=redis_url)
+
+    def agree() -> dict:
+        st = json.loads(cli("status", "lc", "--json", url=redis_url).stdout)
+        led = json.loads(cli("verify-job", "lc", "--json", url=redis_url, check=False).stdout)
+        row = next(r for r in json.loads(cli("jobs", "--json", url=redis_url).stdout) if r["job"] == "lc")
+        lines = st["lines"]
+        assert lines is not None and lines == row["lines"], (st, row)
+        assert lines["input"] == led["inputs"] == 12 and lines["refused"] == led["answers"].get("validation", 0) == 3
+        for kind in ("completed", "failed", "cancelled", "expired", "pending"):
+            assert lines[kind] == led["answers"].get(kind, 0), (kind, lines, led)
+        assert st["request_counts"] == led["request_counts"], (st, led)
+        assert st["submitted"] == row["submitted"] == 9  # the items in Redis, labelled so
+        text = cli("status", "lc", url=redis_url).stdout.decode().splitlines()[0]
+        assert f"lines 12: {lines['completed']} completed, {lines['failed']} failed" in text and \
+            "items submitted 9" in text, text
+        listed = next(ln.split() for ln in cli("jobs", url=redis_url).stdout.decode().splitlines()
+                      if ln.startswith("lc "))
+        assert listed[4] == "12" and listed[-2] == "9", listed  # lines ... items
+        return lines
+
+    b, _why = c.claim(contract(size=3), "w")  # one batch completes, one fails, the rest wait
+    assert b is not None
+    c.complete(b, results_for(b))
+    b, _why = c.claim(contract(size=2), "w")
+    assert b is not None
+    c.complete(b, results_for(b, error=True))
+    lines = agree()
+    assert (lines["completed"], lines["failed"], lines["pending"]) == (3, 2, 4)
+    cli("cancel", "lc", url=redis_url)
+    lines = agree()
+    got = (lines["completed"], lines["failed"], lines["cancelled"], lines["refused"], lines["pending"])
+    assert got == (3, 2, 4, 3, 0)

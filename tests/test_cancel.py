@@ -91,7 +91,9 @@ def test_cancel_on_the_command_line(redis_url, tmp_path):
                            for i in range(50)))
     cli("submit", str(src), "--job", "cj", "--completion-window", "24h", "--metadata", "team=x", url=redis_url)
     out = cli("status", "cj", url=redis_url).stdout.decode()
-    assert out.startswith("job cj: in_progress | total 50") and "window 24h" in out and '{"team":"x"}' in out
+    assert out.startswith("job cj: in_progress | lines 50: 0 completed, 0 failed, 0 cancelled, 0 expired, "
+                          "0 refused, 50 pending | items submitted 50, pending 50")
+    assert "window 24h" in out and '{"team":"x"}' in out
     d = json.loads(cli("cancel", "cj", "--json", url=redis_url).stdout)
     assert d["status"] == "cancelled" and d["request_counts"] == {"total": 50, "completed": 0, "failed": 50}
     assert cli("status", "cj", url=redis_url).stdout.decode().startswith("job cj: cancelled")

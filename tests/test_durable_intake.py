@@ -310,3 +310,65 @@ def test_a_batch_cancelled_before_its_intake_declared_anything_gets_nothing_writ
     task = T.read(cdr.r, "batch_x")
     assert task is not None and (task.state, task.reason, task.sent) == ("stopped", "cancelled", 0)
     assert not cdr.job_models("batch_x") and not list(cdr.r.scan_iter(match="cdr:{*"))  # nothing declared
+
+
+def test_a_task_whose_file_nobody_can_read_fails_after_its_deadline_naming_the_path(redis_url, tmp_path):
+    """serve killed (SIGKILL) with a batch declared and nothing sent; its file is then removed. A
+    restarted serve (deadline CONDUCTOR_INTAKE_UNREADABLE_S=3) cannot read it: once the task's
+    lease has lapsed that long, the task ends failed with the path and the batch fails with an
+    error naming it."""
+    r = redis.Redis.from_url(redis_url)
+    data = tmp_path / "files"
+    p, base = start_serve(redis_url, data, CONDUCTOR_TEST_PAUSE_AT="first_chunk")
+    client = OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
+    try:
+        f = client.files.create(file=("gone.jsonl", io.BytesIO(jsonl([request(i) for i in range(LINES)]))),
+                                purpose="batch")
+        job = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id
+        wait_paused(r, job, "first_chunk")
+    finally:
+        kill(p)
+    path = data / f"{f.id}.jsonl"
+    path.unlink()
+    p, base = start_serve(redis_url, data, CONDUCTOR_INTAKE_UNREADABLE_S="3")
+    client = OpenAI(base_url=base + "/v1", api_key=KEY)
+    try:
+        b = follow(client, job, {"failed", "completed", "cancelled", "expired"}, timeout=90)
+    finally:
+        stop(p)
+    assert b.status == "failed" and b.failed_at, b
+    assert b.errors is not None and b.errors.data is not None
+    err = b.errors.data[0]
+    assert err.code == "input_unreadable" and str(path.resolve()) in (err.message or "") and \
+        err.param == "input_file_id", err
+    assert f"of {LINES} input line(s)" in (err.message or "") and "none of its lines" in (err.message or "")
+    task = T.read(r, job)
+    assert task is not None and task.state == "failed" and str(path.resolve()) in task.error
+    assert not r.zscore(K.INTAKE_TASKS_KEY, job)
+
+
+def test_an_unreadable_task_is_failed_only_once_nobody_holds_it_for_the_deadline(cdr, tmp_path, monkeypatch):
+    """Conservative: a live holder's task (its lease running) is never failed, however unreadable its
+    file here; a lapsed one only after the deadline; a bad deadline setting is refused naming it."""
+    from conductor.intake import intake_resume
+    from conductor.jobs import job_state
+    missing = str(tmp_path / "nowhere.jsonl")
+    T.create(cdr, T.Task(job="uj", source="cli", path=missing, state="sending"), "live")
+    job_state.start(cdr.r, "uj")
+    res = intake_resume.Resumer(cdr, "resumer", unreadable_after_s=0)
+    res.tick()
+    task = T.read(cdr.r, "uj")
+    assert task is not None and (task.state, task.owner) == ("sending", "live")  # held: left alone
+    cdr.r.hset(K.intake_task_key("uj"), "lease_ms", T.server_ms(cdr.r) - 1000)  # lapsed a second ago
+    intake_resume.Resumer(cdr, "resumer", unreadable_after_s=600).tick()
+    task = T.read(cdr.r, "uj")
+    assert task is not None and task.state == "sending"  # not yet past the deadline
+    res.tick()
+    task = T.read(cdr.r, "uj")
+    assert task is not None and task.state == "failed" and missing in task.error
+    meta = cdr.r.hgetall(K.job_meta_key("uj"))
+    assert meta[b"status"] == b"failed" and b"input_unreadable" in meta[b"errors"]
+    assert missing.encode() in meta[b"errors"]
+    monkeypatch.setenv(intake_resume.UNREADABLE_ENV, "soon")
+    with pytest.raises(ConductorError, match=intake_resume.UNREADABLE_ENV):
+        intake_resume.Resumer(cdr, "x")

@@ -4,7 +4,8 @@ Stateless: batches are jobs (their lifecycle in ``cdr:job:J:meta``, conductor/jo
 file objects live in Redis and file bytes in a shared store directory
 (conductor/api/upload_store.py), so any number of replicas may serve behind one load balancer.
 This module puts the app together: authentication, the error replies, the expiry loop, the intake
-resumer (a batch whose replica died mid-intake goes on from its cursor here) and the routers
+resumer (a batch whose replica died mid-intake goes on from its cursor here), the finalizer (a
+batch's output and error files written, then completed: conductor/api/finalize.py) and the routers
 (conductor/api/files.py, conductor/api/batches.py, conductor/api/status_page.py).
 """
 
@@ -21,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from conductor.api import finalize
 from conductor.api.batch_retry import retry_router
 from conductor.api.batches import batches_router
 from conductor.api.errors import ApiError, error_reply
@@ -41,6 +43,7 @@ def make_app(redis_url: str, *, data_dir: str | None = None, api_keys: list[str]
              segment_store: Store | None = None) -> FastAPI:
     """``segment_store``: the disk tier's (conductor/tier/): a batch's items beyond a model's
     resident_tokens go to it, and its output file reads the results moved there."""
+    intake_resume.unreadable_s()  # a bad CONDUCTOR_INTAKE_UNREADABLE_S is refused before serving
     c = Conductor.from_url(redis_url, store=segment_store)
     store = FileStore(c.r, data_dir)
     keys = {k for k in (api_keys or []) if k}
@@ -61,10 +64,14 @@ def make_app(redis_url: str, *, data_dir: str | None = None, api_keys: list[str]
         # intake tasks whose replica died (conductor/intake/intake_resume.py): resumed from their cursor
         resume = threading.Thread(target=intake_resume.loop, args=(c, owner, stop), name="intake-resume", daemon=True)
         resume.start()
+        # batches whose lines are all answered: finalizing, their files written, completed (conductor/api/finalize.py)
+        fin = threading.Thread(target=finalize.loop, args=(c, store, owner, stop), name="finalize", daemon=True)
+        fin.start()
         yield
         stop.set()
         t.join(5)  # joined, not left to die with the interpreter
         resume.join(5)
+        fin.join(5)
 
     app = FastAPI(title="conductor", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.store = store

@@ -96,7 +96,8 @@ def create(c: Conductor, store: FileStore, body: dict[str, Any], owner: str) -> 
     create_task(c, Task(job=job, source="api", path=str(store.path(str(file_id)).resolve()), file_id=str(file_id),
                         endpoint=str(endpoint), job_class=job_class), owner)
     job_state.start(c.r, job, status="validating", window_s=window_s, window=window, metadata=meta,
-                    input_file_id=str(file_id), endpoint=endpoint)
+                    input_file_id=str(file_id), endpoint=endpoint, finalize="1")
+    c.r.zadd(K.BATCHES_OPEN_KEY, {job: int(time.time())})  # the finalizer's (conductor/api/finalize.py)
     c.r.zadd(K.BATCHES_KEY, {job: int(time.time())})
     threading.Thread(target=run_task, args=(c, job, owner), name=f"submit-{job}", daemon=True).start()
     return batch_object(c, job, store)
@@ -126,7 +127,7 @@ def batch_object(c: Conductor, job: str, store: FileStore | None = None) -> dict
     rc = d["request_counts"]
     if store is not None and status in ("cancelled", "expired"):
         rc = job_ledger.ended_counts(c, job, rc, input_path(store, d.get("input_file_id")))
-    ended = status in ("completed", "expired", "cancelled")
+    ended = status in ("completed", "expired", "cancelled")  # (finalizing: the files are being written)
     errors = msgspec.json.decode(d["errors"]) if d.get("errors") else None
     return {"id": job, "object": "batch", "endpoint": d.get("endpoint") or CHAT_URL,
             "errors": errors, "input_file_id": d.get("input_file_id") or "",

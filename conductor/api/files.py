@@ -5,6 +5,7 @@ out while they are downloaded (``file-out-<batch>``, ``file-err-<batch>``)."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, File, Form, UploadFile
@@ -59,7 +60,9 @@ def file_object(c: Conductor, store: FileStore, file_id: str) -> dict[str, Any]:
             job = file_id[len(prefix):]
             obj = batch_object(c, job, store) if is_batch(c, job) else None
             if obj and file_id in (obj["output_file_id"], obj["error_file_id"]):
-                size = sum(len(chunk) for chunk in result_lines(c, job, failed, store))
+                written = _written(store, obj, file_id)
+                size = written.stat().st_size if written else sum(
+                    len(chunk) for chunk in result_lines(c, job, failed, store))
                 return {"id": file_id, "object": "file", "bytes": size, "created_at": obj["completed_at"] or
                         obj["cancelled_at"] or obj["expired_at"] or obj["created_at"],
                         "filename": f"batch_{'error' if failed else 'output'}.jsonl", "purpose": "batch_output",
@@ -70,8 +73,17 @@ def file_object(c: Conductor, store: FileStore, file_id: str) -> dict[str, Any]:
     return obj
 
 
+def _written(store: FileStore, obj: dict[str, Any], file_id: str) -> Path | None:
+    """The file the finalizer wrote for a completed batch (conductor/api/finalize.py), if any."""
+    path = store.path(file_id)
+    return path if obj["status"] == "completed" and path.exists() else None
+
+
 def _content(c: Conductor, store: FileStore, file_id: str) -> Iterator[bytes]:
     for prefix, failed in ((OUTPUT_PREFIX, False), (ERROR_PREFIX, True)):
         if file_id.startswith(prefix):
-            return result_lines(c, file_id[len(prefix):], failed, store)
+            job = file_id[len(prefix):]
+            if _written(store, batch_object(c, job, store), file_id):
+                return store.chunks(file_id)
+            return result_lines(c, job, failed, store)
     return store.chunks(file_id)

@@ -109,6 +109,14 @@ def _status_line(st: dict[str, Any]) -> str:
             f"failed {st['failed']}, pending {st['pending']}" + (f", lost {st['lost']}" if st.get("lost") else ""))
 
 
+def _with_lines(c: Conductor, job: str, st: dict[str, Any]) -> dict[str, Any]:
+    """The item counters with the input lines (``lines``: None where the input is not known) and the
+    request counts, as ``conductor verify-job`` and the Batch API count them."""
+    from conductor.jobs.job_state import describe
+    d = describe(c, job, advance=False)
+    return {**st, "lines": d["lines"], "request_counts": d["request_counts"], "status": d["status"]}
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from conductor.cli.progress import ProgressLine, Rate, fmt_eta
     from conductor.observability.fleet import NoWorkerHint
@@ -120,7 +128,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(render(describe(c, args.job, advance=False)), flush=True)  # read only: a reader may not write
     if not args.watch or args.json:
         while True:
-            print(json.dumps(st) if args.json else _status_line(st), flush=True)
+            print(json.dumps(_with_lines(c, args.job, st)) if args.json else _status_line(st), flush=True)
             if st["lost"] and (not args.watch or st["done"]):
                 return _lost(args.job, st)
             if not args.watch:

@@ -22,21 +22,22 @@ class JobReads(ConductorCore):
         """Counters of ``job`` over its models (``models``: the job's models when already read)."""
         models = self.job_models(job) if models is None else models
         total: dict[str, Any] = {"job": job, "submitted": 0, "completed": 0, "failed": 0, "pending": 0,
-                                 "declared": 0, "lost": 0, "models": {}}
+                                 "declared": 0, "lost": 0, "cancelled": 0, "expired": 0, "models": {}}
         pipe = self.r.pipeline(transaction=False)
         for model in models:  # the producer's counts and the workers' (keys.py, schema 3)
             pipe.hmget(K.ModelKeys(model).job_intake(job), "submitted", "declared")
-            pipe.hmget(K.ModelKeys(model).job(job), "completed", "failed")
+            pipe.hmget(K.ModelKeys(model).job(job), "completed", "failed", "cancelled", "expired")
         got = pipe.execute() if models else []
         for i, model in enumerate(models):
-            (sub, dec), (comp, fail) = got[2 * i], got[2 * i + 1]
+            (sub, dec), (comp, fail, canc, exp) = got[2 * i], got[2 * i + 1]
+            # cancelled, expired: of the failed items, those a cancel or an expiry answered (lua/cancel.lua)
             row = {"submitted": int(sub or 0), "completed": int(comp or 0), "failed": int(fail or 0),
-                   "declared": int(dec or 0)}
+                   "declared": int(dec or 0), "cancelled": int(canc or 0), "expired": int(exp or 0)}
             row["pending"] = row["submitted"] - row["completed"] - row["failed"]
             # Items the producer declared before sending them and Redis does not hold (declare.lua).
             row["lost"] = max(0, row["declared"] - row["submitted"])
             total["models"][model] = row
-            for k in ("submitted", "completed", "failed", "pending", "declared", "lost"):
+            for k in ("submitted", "completed", "failed", "pending", "declared", "lost", "cancelled", "expired"):
                 total[k] += row[k]
         total["done"] = bool(models) and total["pending"] == 0
         return total

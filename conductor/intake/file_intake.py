@@ -145,7 +145,9 @@ def _with_line(e: DuplicateId, chunk: list[tuple[int, PreparedItem]]) -> Duplica
 
 def prepare_job(c: Conductor, found: FileScan, job: str, job_class: JobClass | None = None) -> None:
     """Step 2: every refusal Redis would give, asked before the first write, then the job's class
-    (its tenant, priority and deadline: which instances take its items) and the declaration."""
+    (its tenant, priority and deadline: which instances take its items) and the declaration, with the
+    file's line counts (``input_lines``, ``refused_lines`` in the job's lifecycle hash: conductor status
+    and jobs count lines by them where the file is the job's kept input, job_state.line_counts)."""
     exists = c.r.zscore(K.JOBS_KEY, job) is not None
     if exists:
         for chunk in found.chunks(SEND_CHUNK, 0, SEND_CHUNK_BYTES):
@@ -161,6 +163,8 @@ def prepare_job(c: Conductor, found: FileScan, job: str, job_class: JobClass | N
     if job_class is not None:
         c.set_job_class(job, found.counts, job_class)
     c.declare(job, found.counts)  # ids are distinct in a checked file
+    c.r.hset(K.job_meta_key(job), mapping={"input_lines": found.items + len(found.refused),
+                                           "refused_lines": len(found.refused)})
 
 
 def send_chunk(c: Conductor, chunk: list[tuple[int, PreparedItem]], job: str, *,

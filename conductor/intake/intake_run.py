@@ -40,6 +40,7 @@ from conductor.intake.formats import CHAT_URL, Facts
 from conductor.intake.input_files import FileScan, LineCheck, scan
 from conductor.jobs import job_state
 from conductor.redis_contract import keys as K
+from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.config import ModelDefaults
 from conductor.redis_contract.connection import as_str
 
@@ -144,6 +145,36 @@ def run(c: Conductor, job: str, owner: str, found: FileScan | None = None, defau
         fail_batch(c, job, [{"code": "submit_failed", "message": first, "param": None, "line": None}])
         out.state = "failed"
     return out
+
+
+def fail_unreadable(c: Conductor, job: str, owner: str, path: str, waited_s: float) -> bool:
+    """End the intake task of ``job``, whose lease ``owner`` holds and whose file no process could read
+    for ``waited_s`` (conductor/intake/intake_resume.py), ``failed`` with the path; the job fails
+    with an error naming it (``input_unreadable``). Lines its intake had sent stay its items and
+    are answered as any; the others cannot be named (the file is gone), so the error says how many
+    were not sent. False when the task was not ours any more (nothing written)."""
+    task = T.read(c.r, job)
+    if task is None:
+        return False
+    how = ended_how(c, job)
+    if how:  # cancelled or expired meanwhile: the job's end answers its lines; the task stops there
+        if calls.intake_cursor(K.intake_task_key(job), owner, T.LEASE_MS, task.line, task.sent, "stopped",
+                               reason=how).run(c.scripts):
+            c.r.zrem(K.INTAKE_TASKS_KEY, job)
+        return False
+    msg = f"input file unreadable: {path} (no process could read it for {waited_s:.0f} s)"
+    if not calls.intake_cursor(K.intake_task_key(job), owner, T.LEASE_MS, task.line, task.sent, "failed",
+                               error=msg).run(c.scripts):
+        return False
+    c.r.zrem(K.INTAKE_TASKS_KEY, job)
+    declared = as_str(c.r.hget(K.job_meta_key(job), "input_lines"), absent="")
+    detail = (f"; {task.sent} item(s) were submitted before it" if task.sent else "; none of its lines was submitted")
+    if declared:
+        detail += f", of {declared} input line(s)"
+    field = "input_file_id" if task.source == "api" else "input_path"
+    fail_batch(c, job, [{"code": "input_unreadable", "message": msg + detail, "param": field, "line": None}])
+    log.warning("intake of job %s failed: %s", job, msg)
+    return True
 
 
 def _end(c: Conductor, keeper: T.Keeper, task: T.Task, state: str, **fields: str) -> None:

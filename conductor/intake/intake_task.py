@@ -58,7 +58,8 @@ ENDED = ("done", "stopped", "failed")
 # chunk; after the last chunk; sealed, before the batch's status moves.
 PAUSE_ENV = "CONDUCTOR_TEST_PAUSE_AT"
 CHUNK_ENV = "CONDUCTOR_TEST_SEND_CHUNK"
-POINTS = ("checked", "first_chunk", "unrecorded_chunk", "mid_file", "last_chunk", "state_change")
+# (conductor/api/finalize.py adds one after the intake: output_write, a batch's files half written.)
+POINTS = ("checked", "first_chunk", "unrecorded_chunk", "mid_file", "last_chunk", "state_change", "output_write")
 
 
 @dataclass

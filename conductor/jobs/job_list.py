@@ -26,18 +26,35 @@ class JobRow:
     meta_status: str | None = field(default=None, repr=False)
     ending: str | None = field(default=None, repr=False)
     ends: list[str] = field(default_factory=list, repr=False)
+    finalize: bool = field(default=False, repr=False)
+    cancelled: int = field(default=0, repr=False)  # of the failed items, answered by a cancel or an expiry
+    expired: int = field(default=0, repr=False)
+    meta: dict[str, str] = field(default_factory=dict, repr=False)  # input_lines, refused_lines, input_path, ...
 
     @property
     def state(self) -> str:
         """OpenAI's status names, as ``job_state.status_of`` derives them."""
         from conductor.jobs.job_state import status_of
-        return status_of(self.meta_status, self.ending, self.submitted, self.pending, self.lost, self.ends)
+        return status_of(self.meta_status, self.ending, self.submitted, self.pending, self.lost, self.ends,
+                         self.finalize)
+
+    @property
+    def lines(self) -> dict[str, int] | None:
+        """The input lines and how each was answered, where the job's input is known
+        (``job_state.line_counts``, as ``conductor status`` and ``conductor verify-job`` count them)."""
+        from conductor.jobs.job_state import line_counts
+        return line_counts(self.meta, self.state, {"completed": self.completed, "failed": self.failed,
+                                                   "cancelled": self.cancelled, "expired": self.expired})
 
     def as_dict(self) -> dict[str, Any]:
+        """submitted, completed, failed, pending: items in Redis; lines: the input lines (or None)."""
         row = asdict(self)
-        for k in ("meta_status", "ending", "ends", "lost"):
+        for k in ("meta_status", "ending", "ends", "lost", "finalize", "cancelled", "expired", "meta"):
             del row[k]
-        return {**row, "state": self.state}
+        return {**row, "lines": self.lines, "state": self.state}
+
+
+_META = ("status", "ending", "finalize", "input_lines", "refused_lines", "input_path", "input_file_id")
 
 
 def list_jobs(c: Conductor, limit: int | None = None) -> list[JobRow]:
@@ -48,21 +65,25 @@ def list_jobs(c: Conductor, limit: int | None = None) -> list[JobRow]:
     pipe = c.r.pipeline(transaction=False)
     for row in rows:
         pipe.smembers(K.job_models_key(row.job))
-        pipe.hmget(K.job_meta_key(row.job), "status", "ending")
+        pipe.hmget(K.job_meta_key(row.job), *_META)
     got = iter(pipe.execute())
     for row in rows:
         row.models = sorted(as_str(m) for m in next(got))
-        row.meta_status, row.ending = (as_str(v) if v is not None else None for v in next(got))
+        row.meta = {k: as_str(v) for k, v in zip(_META, next(got), strict=True) if v is not None}
+        row.meta_status, row.ending = row.meta.get("status"), row.meta.get("ending")
+        row.finalize = row.meta.get("finalize") == "1"
     pipe = c.r.pipeline(transaction=False)
     for row in rows:
         for m in row.models:
             pipe.hmget(K.ModelKeys(m).job_intake(row.job), "submitted", "declared")
-            pipe.hmget(K.ModelKeys(m).job(row.job), "completed", "failed", "end")
+            pipe.hmget(K.ModelKeys(m).job(row.job), "completed", "failed", "end", "cancelled", "expired")
     counts = iter(pipe.execute())
     for row in rows:
         for _ in row.models:
             sub, declared = (int(v or 0) for v in next(counts))
-            done, failed, end = next(counts)
+            done, failed, end, cancelled, expired = next(counts)
+            row.cancelled += int(cancelled or 0)
+            row.expired += int(expired or 0)
             row.submitted += sub
             row.lost += max(0, declared - sub)
             row.completed += int(done or 0)
@@ -74,14 +95,21 @@ def list_jobs(c: Conductor, limit: int | None = None) -> list[JobRow]:
 
 
 def render(rows: list[JobRow]) -> str:
+    """One row a job: its input lines and how they were answered where its input is known (the
+    figures of ``conductor status`` and ``verify-job``), else ``-`` and its items'; then the items
+    submitted to Redis."""
     if not rows:
         return "no jobs"
-    head = f"{'job':<24} {'created':<19} {'models':<20} {'submitted':>9} {'completed':>9} {'failed':>7} " \
-           f"{'pending':>7}  state"
+    head = f"{'job':<24} {'created':<19} {'models':<20} {'lines':>7} {'completed':>9} {'failed':>7} " \
+           f"{'cancelled':>9} {'expired':>7} {'refused':>7} {'pending':>7} {'items':>7}  state"
     out = [head]
     for r in rows:
         created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.created_ms / 1000))
-        out.append(f"{r.job:<24} {created:<19} {','.join(r.models) or '-':<20} {r.submitted:>9} {r.completed:>9} "
-                   f"{r.failed:>7} {r.pending:>7}  {r.state}")
+        ln = r.lines or {"completed": r.completed, "failed": r.failed - r.cancelled - r.expired,
+                         "cancelled": r.cancelled, "expired": r.expired, "refused": 0, "pending": r.pending}
+        shown = str(r.lines["input"]) if r.lines else "-"
+        out.append(f"{r.job:<24} {created:<19} {','.join(r.models) or '-':<20} {shown:>7} {ln['completed']:>9} "
+                   f"{ln['failed']:>7} {ln['cancelled']:>9} {ln['expired']:>7} {ln['refused']:>7} "
+                   f"{ln['pending']:>7} {r.submitted:>7}  {r.state}")
     return "\n".join(out)
 

@@ -110,10 +110,12 @@ def set_status(r: redis.Redis, job: str, status: str, **fields: Any) -> None:
 
 
 def status_of(meta_status: str | None, ending: str | None, submitted: int, pending: int, lost: int,
-              ends: list[str]) -> str:
+              ends: list[str], finalize: bool = False) -> str:
     """A job's one status: ``failed`` (its input was refused) as recorded; ended when every item has
     its result (how: the parts' end stamps ``ends``, or the cancel or expiry under way); else what
-    the lifecycle recorded, ``cancelling`` while a cancel is answering its items."""
+    the lifecycle recorded, ``cancelling`` while a cancel is answering its items. A Batch API batch
+    (``finalize``: its lifecycle's mark) whose every item is answered is ``finalizing`` until its
+    output and error files are written (conductor/api/finalize.py records ``completed``)."""
     if meta_status in TERMINAL:
         return meta_status  # failed at validation (or a stamp of an older version)
     if ending in ("cancelled", "expired") and pending <= 0:
@@ -125,10 +127,35 @@ def status_of(meta_status: str | None, ending: str | None, submitted: int, pendi
         for how in ("cancelled", "expired"):
             if how in ends or ending == how:
                 return how
-        return "completed"
+        return "finalizing" if finalize else "completed"
     if ending == "cancelled":
         return "cancelling"
     return meta_status or "in_progress"
+
+
+def line_counts(meta: dict[str, str], status: str, st: dict[str, Any]) -> dict[str, int] | None:
+    """How the job's input lines were answered, where its input is known (a CLI submit's or a batch's
+    file: the intake recorded ``input_lines`` and ``refused_lines``); None otherwise (a library
+    submit, a job made from several files: its counts are items). The same figures as the job's
+    ledger (conductor/verify/job_ledger.py) from counters alone: ``input`` lines; ``completed``,
+    ``failed`` (an error of the engine or the dead letter), ``cancelled``, ``expired`` (by the end,
+    lines never submitted included), ``refused`` (at validation) the lines the intake refused, and
+    ``pending``, lines with no answer yet (not yet submitted ones included). ``st``: the job's counters
+    (``Conductor.status``)."""
+    if not meta.get("input_lines") or not (meta.get("input_path") or meta.get("input_file_id")):
+        return None
+    total, refused = int(meta["input_lines"]), int(meta.get("refused_lines") or 0)
+    by_end = st.get("cancelled", 0) + st.get("expired", 0)
+    out = {"input": total, "completed": st["completed"], "failed": max(0, st["failed"] - by_end),
+           "cancelled": st.get("cancelled", 0), "expired": st.get("expired", 0), "refused": refused, "pending": 0}
+    rest = max(0, total - refused - st["completed"] - st["failed"])
+    if status in ("cancelled", "expired"):
+        out[status] += rest  # never submitted: answered by the end (job_ledger.unsent_lines)
+    elif status == "failed":
+        out["failed"] += rest  # the job failed (its input unreadable): no line left will be answered
+    else:
+        out["pending"] = rest
+    return out
 
 
 def _ends(c: Conductor, job: str, models: list[str]) -> tuple[list[str], int | None]:
@@ -160,7 +187,8 @@ def describe(c: Conductor, job: str, *, advance: bool = True, now: float | None 
     st = c.status(job)
     models = sorted(st["models"])
     ends, ended_ms = _ends(c, job, models)
-    status = status_of(meta.get("status"), meta.get("ending"), st["submitted"], st["pending"], st["lost"], ends)
+    status = status_of(meta.get("status"), meta.get("ending"), st["submitted"], st["pending"], st["lost"], ends,
+                       meta.get("finalize") == "1")
     if advance and status not in TERMINAL:  # validating too: a batch whose intake died must end
         now = now or time.time()
         ending = meta.get("ending")
@@ -176,15 +204,14 @@ def describe(c: Conductor, job: str, *, advance: bool = True, now: float | None 
         # nothing left to expire; a job that ended before its intake sent every line (lost) stays a
         # while, so that lines a still running intake adds are answered by the next sweep too
         c.r.zrem(K.JOB_DEADLINES_KEY, job)
-    if status in TERMINAL and status != "failed" and ended_ms is not None:
-        for stamp in ("finalizing_at", f"{status}_at"):
-            meta.setdefault(stamp, str(ended_ms // 1000))
-    elif status in ("cancelled", "expired") and meta.get("swept_at"):  # ended before anything was submitted
-        meta.setdefault(f"{status}_at", str(int(float(meta["swept_at"]))))
-    out: dict[str, Any] = {"job": job, "status": status,
-                           "request_counts": {"total": st["submitted"], "completed": st["completed"],
-                                              "failed": st["failed"]},
-                           "pending": st["pending"], "models": sorted(st["models"]),
+    _derived_stamps(meta, status, ended_ms)
+    lines = line_counts(meta, status, st)
+    rc = {"total": st["submitted"], "completed": st["completed"], "failed": st["failed"]}
+    if lines is not None:  # OpenAI's counts of the lines the job took (the ledger's request_counts)
+        rc["total"] = lines["input"] - lines["refused"]
+        rc["failed"] = rc["total"] - rc["completed"] - lines["pending"]
+    out: dict[str, Any] = {"job": job, "status": status, "request_counts": rc, "lines": lines,
+                           "pending": st["pending"], "submitted": st["submitted"], "models": sorted(st["models"]),
                            "completion_window": meta.get("completion_window"),
                            "metadata": msgspec.json.decode(meta["metadata"]) if meta.get("metadata") else None}
     for stamp in _STAMPS:
@@ -192,9 +219,22 @@ def describe(c: Conductor, job: str, *, advance: bool = True, now: float | None 
     for k in ("input_file_id", "endpoint", "errors", "ending"):
         if meta.get(k):
             out[k] = meta[k]
-    if status in TERMINAL and ended_ms is not None:
+    if (status in TERMINAL or status == "finalizing") and ended_ms is not None:
         out["ended_ms"] = ended_ms
     return out
+
+
+def _derived_stamps(meta: dict[str, str], status: str, ended_ms: int | None) -> None:
+    """The stamps no writer recorded, from the job's end: finalizing since the last answer (the
+    finalizer keeps that one), ended then; or, for a job that ended before anything was submitted,
+    at its sweep."""
+    if status == "finalizing" and ended_ms is not None:
+        meta.setdefault("finalizing_at", str(ended_ms // 1000))
+    if status in TERMINAL and status != "failed" and ended_ms is not None:
+        for stamp in ("finalizing_at", f"{status}_at"):
+            meta.setdefault(stamp, str(ended_ms // 1000))
+    elif status in ("cancelled", "expired") and meta.get("swept_at"):  # ended before anything was submitted
+        meta.setdefault(f"{status}_at", str(int(float(meta["swept_at"]))))
 
 
 def cancel(c: Conductor, job: str) -> dict[str, Any]:
@@ -307,10 +347,20 @@ def withdraw(c: ScriptClient, model: str) -> int:
     return cleared
 
 
+LINE_KINDS = ("completed", "failed", "cancelled", "expired", "refused", "pending")
+
+
 def render(d: dict[str, Any]) -> str:
+    """``conductor status J``'s first line: the input lines when known (as ``conductor verify-job``
+    and the Batch API count them), then the items in Redis; else the items alone."""
     rc = d["request_counts"]
-    parts = [f"job {d['job']}: {d['status']}", f"total {rc['total']}, completed {rc['completed']}, "
-             f"failed {rc['failed']}, pending {d['pending']}"]
+    parts = [f"job {d['job']}: {d['status']}"]
+    if d.get("lines"):
+        ln = d["lines"]
+        parts.append(f"lines {ln['input']}: " + ", ".join(f"{ln[k]} {k}" for k in LINE_KINDS))
+        parts.append(f"items submitted {d['submitted']}, pending {d['pending']}")
+    else:
+        parts.append(f"total {rc['total']}, completed {rc['completed']}, failed {rc['failed']}, pending {d['pending']}")
     stamps = [f"{s[:-3]} {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(d[s]))}" for s in _STAMPS
               if d.get(s)]
     if stamps:

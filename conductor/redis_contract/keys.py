@@ -17,13 +17,18 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
                                              timestamps (s), completion window, metadata, and for a
                                              batch made by conductor serve its input file and endpoint;
                                              input_path (the file a CLI submit read) and input_lines
-                                             (its line count, once counted) for the job ledger
-                                             (conductor/verify/job_ledger.py)
+                                             (its line count: the intake records it with refused_lines,
+                                             the lines it refused) for the job ledger
+                                             (conductor/verify/job_ledger.py) and conductor status
     cdr:jobs:deadlines              zset     job -> expires_at (s), jobs with a completion window
     cdr:tenants                     hash     tenant -> weight (`conductor tenant`), copied to each model's M:tenants
     cdr:lease:expiry                string   who ends the jobs past their window now (TTL): a maintenance
                                              lease holder or a serve replica (conductor/jobs/job_state.py)
+    cdr:lease:finalize              string   which serve replica finalizes batches now (TTL; conductor/api/finalize.py)
     cdr:batches                     zset     job -> created_at (s), the batches conductor serve made
+    cdr:batches:open                zset     job -> created_at (s), the batches not yet ended: those the
+                                             finalizer (conductor/api/finalize.py) moves to finalizing,
+                                             writes the output and error files of, and completes
     cdr:files                       zset     file id -> created_at (s), files uploaded to conductor serve
     cdr:file:F                      hash     an uploaded file's object (conductor/api/upload_store.py); its
                                              bytes live in the store directory, not in Redis
@@ -117,6 +122,7 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
                                              feed) and fail_stored.lua take out; the segment of an id is
                                              the one whose M:seg:N:ids names it
     M:job:J                         hash     the fleet's job counters for this model: completed, failed
+                                             (cancelled and expired: how many of failed lua/cancel.lua answered)
     M:job:J:items                   hash     item id -> d: the item has its result (effectively-once)
     M:job:J:packed                  hash     answered ids moved out of M:in:J:sums and M:job:J:items by the
                                              lease holder (lua/compact_ids.lua; issue 25): k (bucket digits),
@@ -224,8 +230,12 @@ JOB_DEADLINES_KEY = f"{PREFIX}:jobs:deadlines"
 TENANTS_KEY = f"{PREFIX}:tenants"
 # Who ends the jobs past their completion window now (conductor/jobs/job_state.py expire_due_leased).
 EXPIRY_LEASE_KEY = f"{PREFIX}:lease:expiry"
+# Who finalizes the batches whose lines are all answered now (conductor/api/finalize.py).
+FINALIZE_LEASE_KEY = f"{PREFIX}:lease:finalize"
 FILES_KEY = f"{PREFIX}:files"
 BATCHES_KEY = f"{PREFIX}:batches"
+# Batches not yet ended (conductor/api/finalize.py: the serve replicas' finalizer looks at these).
+BATCHES_OPEN_KEY = f"{PREFIX}:batches:open"
 
 
 def file_key(file_id: str) -> str:

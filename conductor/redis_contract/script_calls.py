@@ -198,6 +198,13 @@ def intake_cursor(task_key: str, owner: str, ms: int, line: int, sent: int, stat
     return Call("intake_cursor", [task_key], [owner, ms, line, sent, state, *pairs], lambda r: int(r) == 1)
 
 
+def batch_finalize(job: str, step: str, at: int, **fields: int) -> Call[bool]:
+    """lua/batch_finalize.lua: a batch to finalizing (``step`` 'start') or completed ('done'); False
+    when it is not that step's to move (ended, ending, not a batch: nothing written)."""
+    pairs = [x for kv in fields.items() for x in kv]
+    return Call("batch_finalize", [K.job_meta_key(job)], [step, at, *pairs], lambda r: int(r) == 1)
+
+
 def seal(mk: K.ModelKeys) -> Call[int]:
     """lua/seal.lua: the seal time (ms, the server's clock)."""
     return Call("seal", [mk.state, mk.intake, mk.doorbell], [], _int)  # the bell wakes a worker at once

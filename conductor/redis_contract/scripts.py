@@ -27,7 +27,7 @@ GENERATED = "lib_generated.lua"
 NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex", "seal", "ensure_model", "register",
          "heartbeat", "declare", "dead_retry", "repair_items", "trim", "trim_results", "lease",
          "cancel", "register_segment", "fail_stored", "offload_results", "take_name", "job_class",
-         "intake_lease", "intake_cursor", "compact_ids")
+         "intake_lease", "intake_cursor", "compact_ids", "batch_finalize")
 
 
 def _lua_value(v: object) -> str:
@@ -122,6 +122,7 @@ class Scripts:
     job_class: redis.commands.core.Script
     intake_lease: redis.commands.core.Script
     intake_cursor: redis.commands.core.Script
+    batch_finalize: redis.commands.core.Script
 
 
 class ScriptClient(Protocol):
