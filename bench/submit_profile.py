@@ -39,14 +39,13 @@ from conductor.redis_contract.scripts import source  # noqa: E402
 CUTS = {
     "no lane counters": [("  for _, lane in ipairs(ctx.order) do\n", "  for _, lane in ipairs({}) do\n")],
     "no dedupe": [("  local known = redis.call('HMGET', job_sums, unpack(ids))\n", "  local known = {}\n"),
-                  ("for s = 1, #fresh_sums, 2000 do\n", "for s = 1, 0, 2000 do\n")],
+                  ("hset_pairs(job_sums, fresh_sums)\n", "")],
     # the sums the producer sends (script_calls.submit_args) are read, not computed: the cut skips
     # reading them and keeping them
     "no content sums": [("    local sum = sums and string.sub(sums, 16 * i - 15, 16 * i) or "
                          "string.sub(redis.sha1hex(argv[o] .. argv[o + 1]), 1, 16)\n",
                          "    local sum = ''\n"),
-                        ("  redis.call('HSET', job_sums, unpack(fresh_sums, s, math.min(s + 1999, #fresh_sums)))\n",
-                         "")],
+                        ("hset_pairs(job_sums, fresh_sums)\n", "")],
     "no lane appends": [("    redis.call('RPUSH', base .. ':lane:' .. ctx.inst .. ':' .. lane, unpack(t.recs))\n"
                          "    redis.call('RPUSH', base .. ':lanetok:' .. ctx.inst .. ':' .. lane, unpack(t.toks))\n",
                          "")],

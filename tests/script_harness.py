@@ -629,6 +629,21 @@ def intake_cursor_moves(c: Conductor) -> Call:
                 check=lambda r: r.hget(key, "line") == b"10" and r.hget(key, "sent") == b"10")
 
 
+def batch_finalize_start(c: Conductor) -> Call:
+    """A batch whose lines are all answered reads finalizing (lua/batch_finalize.lua 'start')."""
+    key = K.job_meta_key("j")
+    c.r.hset(key, mapping={"status": "in_progress", "finalize": "1"})
+    return Call("batch_finalize", [key], ["start", 1000], check=lambda r: r.hget(key, "status") == b"finalizing")
+
+
+def batch_finalize_done(c: Conductor) -> Call:
+    """Its files written, the batch is completed with their line counts ('done')."""
+    key = K.job_meta_key("j")
+    c.r.hset(key, mapping={"status": "finalizing", "finalize": "1"})
+    return Call("batch_finalize", [key], ["done", 1001, "output_lines", 3, "error_lines", 1],
+                check=lambda r: r.hget(key, "status") == b"completed" and r.hget(key, "output_lines") == b"3")
+
+
 def take_name_free(c: Conductor) -> Call:
     return Call("take_name", [MK.base], ["host", 1, 10000, 1000], check=lambda r: r.exists(MK.heartbeat("host")))
 
@@ -677,6 +692,7 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "lease": [lease_free, lease_mine, lease_taken],
     "take_name": [take_name_free, take_name_next, take_name_none_free],
     "cancel": [cancel_waiting],
+    "batch_finalize": [batch_finalize_start, batch_finalize_done],
 }
 
 
