@@ -17,6 +17,9 @@ Each repetition runs every system once, in a rotated order, on an emptied server
 * ``submit (process)``: the same command as a child process (its interpreter start included);
 * ``api``: the Batch API's intake of the OpenAI file (a batch's task run as serve's thread runs it:
   conductor/intake/intake_run.py), against ``xadd (OpenAI)``, the XADD of its own parsed items;
+* ``xadd (file)`` and ``xadd (OpenAI file)``: the like-for-like peer of the file paths, a plain
+  producer of the same file: each line read and decoded (msgspec, no check) for its id, and XADDed
+  with its job and its bytes, in pipelines of 1,000 (the limits above start from parsed items);
 * with ``--old-tree DIR`` (``git archive REV | tar -x -C DIR``): ``submit (process, old tree)``, that
   commit's ``conductor submit`` as a child process, for the figure before.
 
@@ -42,6 +45,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import msgspec  # noqa: E402
 import redis  # noqa: E402
 
 from bench.common import command_line, git_rev, machine, median, now_utc, table, write_section  # noqa: E402
@@ -57,10 +61,14 @@ from conductor.jobs import job_state  # noqa: E402
 from conductor.redis_contract.records import PreparedItem  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-SYSTEMS = ("xadd", "library", "submit", "submit (process)", "xadd (OpenAI)", "api")
+SYSTEMS = ("xadd", "library", "submit", "submit (process)", "xadd (OpenAI)", "api", "xadd (file)",
+           "xadd (OpenAI file)")
 OLD = "submit (process, old tree)"
 LIMIT_OF = {"library": "xadd", "submit": "xadd", "submit (process)": "xadd", "api": "xadd (OpenAI)", OLD: "xadd"}
 GOALS = {"library": 1.0, "submit": 0.8, "submit (process)": 0.8, "api": 0.8, OLD: 0.8}
+# the file paths against a plain producer that reads the same file
+FILE_LIMIT_OF = {"submit": "xadd (file)", "submit (process)": "xadd (file)", "api": "xadd (OpenAI file)",
+                 OLD: "xadd (file)"}
 
 
 def write_files(d: Path, n: int) -> tuple[Path, Path]:
@@ -75,6 +83,20 @@ def write_files(d: Path, n: int) -> tuple[Path, Path]:
                 "messages": [{"role": "system", "content": it.prefix[0]}, {"role": "user", "content": prompt}]}})
                      + "\n")
     return native, openai
+
+
+def run_xadd_file(r: redis.Redis, path: Path, job: str, chunk: int = 1000) -> None:
+    """A plain producer of a JSONL file: each line decoded for its id and XADDed as it is."""
+    key = "plain:file"
+    dec = msgspec.json.Decoder()
+    pipe = r.pipeline(transaction=False)
+    with open(path, "rb") as f:
+        for k, line in enumerate(f, 1):
+            obj = dec.decode(line)
+            pipe.xadd(key, {"id": obj.get("custom_id") or obj["id"], "job": job, "d": line})
+            if k % chunk == 0:
+                pipe.execute()
+    pipe.execute()
 
 
 def parsed(path: Path) -> list[PreparedItem]:
@@ -112,6 +134,8 @@ def bench(url: str, r: redis.Redis, native: Path, openai: Path, reps: int,
         "submit (process)": lambda job: run_cli_process(url, native, job),
         "xadd (OpenAI)": lambda job: run_xadd(r, oitems, job),
         "api": lambda job: run_api(Conductor(r), openai, job),
+        "xadd (file)": lambda job: run_xadd_file(r, native, job),
+        "xadd (OpenAI file)": lambda job: run_xadd_file(r, openai, job),
     }
     systems = SYSTEMS
     if old_tree is not None:
@@ -137,19 +161,20 @@ def _library(r: redis.Redis, items: list[PreparedItem], job: str) -> None:
     assert rep.accepted == len(items), rep
 
 
-def ratios(rates: dict[str, list[float]]) -> dict[str, float]:
-    return {k: median([a / b for a, b in zip(rates[k], rates[lim], strict=True)]) for k, lim in LIMIT_OF.items()
+def ratios(rates: dict[str, list[float]], limit_of: dict[str, str] = LIMIT_OF) -> dict[str, float]:
+    return {k: median([a / b for a, b in zip(rates[k], rates[lim], strict=True)]) for k, lim in limit_of.items()
             if k in rates}
 
 
 def report(args: argparse.Namespace, mach: str, rates: dict[str, list[float]]) -> str:
-    rat = ratios(rates)
+    rat, frat = ratios(rates), ratios(rates, FILE_LIMIT_OF)
     rows = []
     for k in rates:
         lim = LIMIT_OF.get(k)
         ratio = f"**{rat[k]:.2f}x** of {lim} (goal {GOALS[k]:.1f}x: {'met' if rat[k] >= GOALS[k] else 'NOT met'})" \
             if lim else "the limit"
-        rows.append((k, f"{median(rates[k]):,.0f}", ", ".join(f"{x:,.0f}" for x in rates[k]), ratio))
+        like = f"{frat[k]:.2f}x of {FILE_LIMIT_OF[k]}" if k in frat else "-"
+        rows.append((k, f"{median(rates[k]):,.0f}", ", ".join(f"{x:,.0f}" for x in rates[k]), ratio, like))
     return "\n".join([
         "## Intake speed: conductor submit, the Batch API's intake, the library, the plain-XADD limit (issue 25)",
         "",
@@ -161,7 +186,8 @@ def report(args: argparse.Namespace, mach: str, rates: dict[str, list[float]]) -
         "interleaved (order rotated); items/s = items / wall seconds; the ratio is paired per repetition, "
         "then the median.",
         "",
-        table(("system", "items/s (median)", "per repetition", "ratio to its limit"), rows),
+        table(("system", "items/s (median)", "per repetition", "ratio to its limit", "like for like: a plain "
+               "producer reading the same file"), rows),
     ])
 
 
