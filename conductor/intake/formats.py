@@ -165,9 +165,9 @@ class _Native(msgspec.Struct, forbid_unknown_fields=True):
 _native = msgspec.json.Decoder(_Native)
 
 
-def _native_fast(raw: bytes) -> PreparedItem | None:
-    """The item of a valid native line, the same as ``from_native`` makes; None for any line
-    ``from_native`` might refuse (it then says why)."""
+def _native_checked(raw: bytes) -> _Native | None:
+    """A native line msgspec decodes, within every bound ``from_native`` checks (the payload's size
+    aside: ``_prepare`` measures it); None for any other line."""
     try:
         n = _native.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError):
@@ -177,8 +177,17 @@ def _native_fast(raw: bytes) -> PreparedItem | None:
             and (tok is None or 1 <= tok <= MAX_INPUT_TOKENS) and len(n.prefix) <= MAX_PREFIX_PARTS
             and _name_ok(n.model)):
         return None
+    return n
+
+
+def _native_fast(raw: bytes) -> PreparedItem | None:
+    """The item of a valid native line, the same as ``from_native`` makes; None for any line
+    ``from_native`` might refuse (it then says why)."""
+    n = _native_checked(raw)
+    if n is None:
+        return None
     try:  # one copy of a model's name for the items of a file (the check keeps many of them)
-        return _prepare(n.id, sys.intern(n.model), n.prefix, n.prompt, tok, n.max_tokens, n.payload, None)
+        return _prepare(n.id, sys.intern(n.model), n.prefix, n.prompt, n.input_tokens, n.max_tokens, n.payload, None)
     except BadInput:
         return None
 
@@ -416,9 +425,9 @@ class _ChatLine(msgspec.Struct, forbid_unknown_fields=True):
 _chat_line = msgspec.json.Decoder(_ChatLine)
 
 
-def _openai_fast(raw: bytes, default_max_tokens: MaxTokensDefault | None) -> PreparedItem | None:
-    """The item of a plain chat request line, the same as ``from_openai`` makes; None for any line
-    ``from_openai`` might refuse or read otherwise."""
+def _chat_checked(raw: bytes, default_max_tokens: MaxTokensDefault | None) -> tuple[_ChatLine, str, int] | None:
+    """A plain chat request line msgspec decodes, within every bound ``from_openai`` checks, with
+    its model and output cap (the model's default asked when the line has none); None otherwise."""
     try:
         line = _chat_line.decode(raw)
     except (msgspec.ValidationError, msgspec.DecodeError):
@@ -435,6 +444,17 @@ def _openai_fast(raw: bytes, default_max_tokens: MaxTokensDefault | None) -> Pre
         return None
     model = sys.intern(b.model)
     max_tokens = given[0] if given else default_max_tokens(model) if default_max_tokens else DEFAULT_MAX_TOKENS
+    return line, model, max_tokens
+
+
+def _openai_fast(raw: bytes, default_max_tokens: MaxTokensDefault | None) -> PreparedItem | None:
+    """The item of a plain chat request line, the same as ``from_openai`` makes; None for any line
+    ``from_openai`` might refuse or read otherwise."""
+    checked = _chat_checked(raw, default_max_tokens)
+    if checked is None:
+        return None
+    line, model, max_tokens = checked
+    msgs, id_ = line.body.messages, line.custom_id
     prefix = [f"{m.role}: {m.content}" for m in msgs[:-1]]
     try:
         return _prepare(id_, model, prefix, msgs[-1].content, None, max_tokens, {"custom_id": id_}, None)
@@ -470,17 +490,12 @@ def _request_url(payload: Any, id_: str) -> str | None:
 def _native_facts(raw: bytes) -> Facts | None:
     """``_native_fast`` without building the item: the same decode and the same bounds, and the
     payload's size measured as ``_prepare`` measures it; None where ``_native_fast`` gives None."""
-    try:
-        n = _native.decode(raw)
-    except (msgspec.ValidationError, msgspec.DecodeError):
-        return None
-    tok = n.input_tokens
-    if not (n.id and len(n.id) <= MAX_ID_BYTES // 4 and 1 <= n.max_tokens <= MAX_OUTPUT_TOKENS
-            and (tok is None or 1 <= tok <= MAX_INPUT_TOKENS) and len(n.prefix) <= MAX_PREFIX_PARTS
-            and _name_ok(n.model)):
+    n = _native_checked(raw)
+    if n is None:
         return None
     if n.payload is not None and len(_json.encode(n.payload)) - 4 > MAX_PAYLOAD_BYTES:
         return None  # _prepare refuses it, naming the payload
+    tok = n.input_tokens
     if tok is None:
         tok = min(estimate_tokens(n.prefix, n.prompt), MAX_INPUT_TOKENS)
     return Facts(n.id, sys.intern(n.model), tok, _request_url(n.payload, n.id))
@@ -488,26 +503,14 @@ def _native_facts(raw: bytes) -> Facts | None:
 
 def _chat_facts(raw: bytes, default_max_tokens: MaxTokensDefault | None) -> Facts | None:
     """``_openai_fast`` without building the item (its token estimate counts the same bytes)."""
-    try:
-        line = _chat_line.decode(raw)
-    except (msgspec.ValidationError, msgspec.DecodeError):
+    checked = _chat_checked(raw, default_max_tokens)
+    if checked is None:
         return None
-    b, id_ = line.body, line.custom_id
-    msgs = b.messages
-    if not (id_ and len(id_) <= MAX_ID_BYTES // 4 and line.method == "POST" and line.url == CHAT_URL
-            and 1 <= len(msgs) <= MAX_PREFIX_PARTS + 1 and _name_ok(b.model)):
-        return None
-    given = [v for v in (b.max_completion_tokens, b.max_tokens) if v is not None]
-    if len(given) == 2 and given[0] != given[1]:
-        return None
-    if given and not 1 <= given[0] <= MAX_OUTPUT_TOKENS:
-        return None
-    model = sys.intern(b.model)
-    if not given and default_max_tokens:
-        default_max_tokens(model)  # asked as the build asks it, so the task records the same defaults
+    line, model, _ = checked
+    msgs = line.body.messages
     size = sum(len(m.role.encode("utf-8")) + 2 + len(m.content.encode("utf-8")) for m in msgs[:-1])
     size += len(msgs[-1].content.encode("utf-8"))
-    return Facts(id_, model, min(max(1, math.ceil(size / 4)), MAX_INPUT_TOKENS), CHAT_URL)
+    return Facts(line.custom_id, model, min(max(1, math.ceil(size / 4)), MAX_INPUT_TOKENS), CHAT_URL)
 
 
 _BOM = b"\xef\xbb\xbf"
