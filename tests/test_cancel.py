@@ -40,6 +40,7 @@ def test_cancel_answers_waiting_items_keeps_in_flight_ones_and_ends_cancelled(cd
     assert cdr.complete(batch, results_for(batch)) == (16, 1)
     d = job_state.describe(cdr, "j")
     assert d["status"] == "cancelled" and d["cancelled_at"] >= d["cancelling_at"]
+    assert d["finalizing_at"] is None  # a cancelled job ends without finalizing (OpenAI's batch alike)
     assert d["request_counts"] == {"total": 300, "completed": 16, "failed": 284} and d["pending"] == 0
     res = results_by_id(cdr, "j")
     assert len(res) == 300

@@ -231,7 +231,8 @@ def _derived_stamps(meta: dict[str, str], status: str, ended_ms: int | None) -> 
     if status == "finalizing" and ended_ms is not None:
         meta.setdefault("finalizing_at", str(ended_ms // 1000))
     if status in TERMINAL and status != "failed" and ended_ms is not None:
-        for stamp in ("finalizing_at", f"{status}_at"):
+        # only a completed job went through finalizing; a cancelled or expired one ended without it
+        for stamp in ("finalizing_at", f"{status}_at") if status == "completed" else (f"{status}_at",):
             meta.setdefault(stamp, str(ended_ms // 1000))
     elif status in ("cancelled", "expired") and meta.get("swept_at"):  # ended before anything was submitted
         meta.setdefault(f"{status}_at", str(int(float(meta["swept_at"]))))
