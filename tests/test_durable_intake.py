@@ -347,6 +347,13 @@ def test_a_task_whose_file_nobody_can_read_fails_after_its_deadline_naming_the_p
     assert not r.zscore(K.INTAKE_TASKS_KEY, job)
 
 
+class _Alive:
+    """A running task's thread, as a busy Resumer holds it."""
+
+    def is_alive(self) -> bool:
+        return True
+
+
 def test_an_unreadable_task_is_failed_only_once_nobody_holds_it_for_the_deadline(cdr, tmp_path, monkeypatch):
     """Conservative: a live holder's task (its lease running) is never failed, however unreadable its
     file here; a lapsed one only after the deadline; a bad deadline setting is refused naming it."""
@@ -363,6 +370,22 @@ def test_an_unreadable_task_is_failed_only_once_nobody_holds_it_for_the_deadline
     intake_resume.Resumer(cdr, "resumer", unreadable_after_s=600).tick()
     task = T.read(cdr.r, "uj")
     assert task is not None and task.state == "sending"  # not yet past the deadline
+    # a resumer that can read the file but runs its MAX_RUNNING tasks already stamps it readable:
+    # not failed by the one that cannot read it (tests/test_durable_intake's resumers share one host,
+    # so the readable one is shown by a file that exists for it)
+    readable = tmp_path / "there.jsonl"
+    readable.write_text("")
+    cdr.r.hset(K.intake_task_key("uj"), "path", str(readable))
+    busy = intake_resume.Resumer(cdr, "busy")
+    busy._running = {f"other{i}": _Alive() for i in range(intake_resume.MAX_RUNNING)}
+    busy.tick()
+    assert cdr.r.hget(K.intake_task_key("uj"), "readable_ms") is not None
+    cdr.r.hset(K.intake_task_key("uj"), "path", missing)
+    res.unreadable_ms = 60_000  # read as readable a moment ago: within the deadline
+    res.tick()
+    task = T.read(cdr.r, "uj")
+    assert task is not None and task.state == "sending"
+    res.unreadable_ms = 0
     res.tick()
     task = T.read(cdr.r, "uj")
     assert task is not None and task.state == "failed" and missing in task.error

@@ -8,7 +8,8 @@ lapsing; one whose lease has lapsed ``UNREADABLE_S`` (300 s; ``CONDUCTOR_INTAKE_
 with nobody taking it has no process able to read its file: the resumer that finds it so takes
 its lease (one taker; a task another process took meanwhile is handed back, never failed) and
 ends it ``failed``, its job failed with the error naming the path (intake_run.fail_unreadable).
-A task whose holder is alive is never failed: its lease runs. Two kinds of process run one:
+A task whose holder is alive is never failed: its lease runs; nor is one that a resumer able to
+read it is too busy to take (it stamps ``readable_ms`` on the task). Two kinds of process run one:
 
 - every ``conductor serve`` replica (conductor/api/app.py): the API's tasks (the store directory
   is shared by the replicas) and CLI tasks whose path it can read;
@@ -67,20 +68,26 @@ class Resumer:
         now = T.server_ms(self.c.r)
         pipe = self.c.r.pipeline(transaction=False)
         for job in jobs:
-            pipe.hmget(K.intake_task_key(job), "state", "lease_ms", "path", "owner", "takes")
+            pipe.hmget(K.intake_task_key(job), "state", "lease_ms", "path", "owner", "takes", "readable_ms")
         started = []
-        for job, (state, lease_ms, path, holder, takes) in zip(jobs, pipe.execute(), strict=True):
+        for job, (state, lease_ms, path, holder, takes, readable_ms) in zip(jobs, pipe.execute(), strict=True):
             st = as_str(state, absent="")
             if st not in T.OPEN:
                 self.c.r.zrem(K.INTAKE_TASKS_KEY, job)  # ended (or gone): off the index
                 continue
-            if job in self._running or len(self._running) >= MAX_RUNNING or int(lease_ms or 0) > now:
+            if job in self._running or int(lease_ms or 0) > now:
                 continue
             if not os.access(as_str(path, absent=""), os.R_OK):
-                # another host's file: its resumers there; unless none took it for a long time
-                if now - int(lease_ms or 0) >= self.unreadable_ms:
-                    self._unreadable(job, as_str(path, absent=""), now - int(lease_ms or 0),
-                                     as_str(holder, absent="") == self.owner, int(takes or 0))
+                # another host's file: its resumers there; unless none took it, nor could read it
+                # while busy, for a long time
+                lapsed = now - max(int(lease_ms or 0), int(readable_ms or 0))
+                if lapsed >= self.unreadable_ms:
+                    self._unreadable(job, as_str(path, absent=""), lapsed, as_str(holder, absent="") == self.owner,
+                                     int(takes or 0))
+                continue
+            if len(self._running) >= MAX_RUNNING:
+                # busy here, but the file is readable: no other host may take it for unreadable
+                self.c.r.hset(K.intake_task_key(job), "readable_ms", now)
                 continue
             if not calls.intake_lease(K.intake_task_key(job), self.owner, T.LEASE_MS).run(self.c.scripts).held:
                 continue
@@ -97,7 +104,9 @@ class Resumer:
         key = K.intake_task_key(job)
         if not calls.intake_lease(key, self.owner, T.LEASE_MS).run(self.c.scripts).held:
             return  # another process holds it now: it is alive
-        if int(self.c.r.hget(key, "takes") or 0) != takes + (0 if ours else 1) or os.access(path, os.R_OK):
+        takes_now, readable_ms = self.c.r.hmget(key, "takes", "readable_ms")
+        if int(takes_now or 0) != takes + (0 if ours else 1) or os.access(path, os.R_OK) or \
+                T.server_ms(self.c.r) - int(readable_ms or 0) < self.unreadable_ms:
             calls.intake_lease(key, self.owner, 0).run(self.c.scripts)  # taken meanwhile, or readable again
             return
         fail_unreadable(self.c, job, self.owner, path, lapsed_ms / 1000)

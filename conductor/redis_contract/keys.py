@@ -36,7 +36,9 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
                                              (api, cli), input path, file id, endpoint, model defaults it
                                              was checked with, cursor (line: last line sent; sent: items),
                                              owner and lease_ms (expiry, ms), state (checking, sending,
-                                             done, stopped, failed), reason and where it stopped
+                                             done, stopped, failed), reason and where it stopped;
+                                             readable_ms: when a resumer that can read its file was too
+                                             busy to take it (conductor/intake/intake_resume.py)
     cdr:intake:tasks                zset     job -> created (ms): intake tasks not yet ended (the resumers'
                                              index; lua/intake_lease.lua decides who runs one)
     M:cfg                           hash     per-model thresholds (conductor/redis_contract/config.py)
