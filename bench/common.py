@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import platform
 import re
@@ -76,6 +77,19 @@ def table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     out += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(out)
+
+
+def publish(text: str, section: str, *, write: bool = True, json_path: str | None = None,
+            data: object = None) -> None:
+    """A benchmark's end: its report printed, what it measured as JSON where asked (``json_path``),
+    and its section of bench/RESULTS.md rewritten unless ``write`` is False."""
+    print()
+    print(text)
+    if json_path:
+        Path(json_path).write_text(json.dumps(data, indent=1, default=str))
+    if write:
+        write_section(section, text)
+        print(f"\nwrote bench/RESULTS.md (section {section})")
 
 
 def write_section(name: str, body: str, path: Path = RESULTS) -> None:

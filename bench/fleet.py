@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import random
 import statistics
 import sys
@@ -46,7 +45,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench import static_cost, suite, sweep  # noqa: E402
-from bench.common import command_line, git_rev, machine, now_utc, table, write_section  # noqa: E402
+from bench.common import command_line, git_rev, machine, now_utc, publish, table  # noqa: E402
 from bench.oracle import Item as OItem  # noqa: E402
 from bench.oracle import Plan, cut_shape  # noqa: E402
 from bench.workload import WorkloadSpec, generate  # noqa: E402
@@ -290,14 +289,8 @@ def main(argv: list[str] | None = None) -> int:
                                  else "**INCOMPLETE** at " + ", ".join(bad) + "."),
         f"Goals: {len(met)} of {len(summaries)} points meet every goal.",
     ])
-    print()
-    print(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(runs, indent=1, default=str))
-    if not args.no_write:
-        section = args.section or ("fleet_quick" if args.quick else "fleet")
-        write_section(section, text)
-        print(f"\nwrote bench/RESULTS.md section {section}")
+    publish(text, args.section or ("fleet_quick" if args.quick else "fleet"), write=not args.no_write,
+            json_path=args.json, data=runs)
     return 0 if not bad else 1
 
 

@@ -48,7 +48,7 @@ if __package__ in (None, ""):
 import msgspec  # noqa: E402
 import redis  # noqa: E402
 
-from bench.common import command_line, git_rev, machine, median, now_utc, table, write_section  # noqa: E402
+from bench.common import command_line, git_rev, machine, median, now_utc, publish, table  # noqa: E402
 from bench.submit_claim import run_xadd  # noqa: E402
 from bench.workload import make_items  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
@@ -209,11 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"redis-server on port {srv.port}; {mach}", flush=True)
         rates = bench(srv.url, r, native, openai, args.reps, old_tree=args.old_tree)
         text = report(args, mach, rates)
-    print()
-    print(text)
-    if not args.no_write:
-        write_section("intake_speed", text)
-        print("\nwrote bench/RESULTS.md (section intake_speed)")
+    publish(text, "intake_speed", write=not args.no_write)
     return 0
 
 

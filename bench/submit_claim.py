@@ -33,7 +33,7 @@ if __package__ in (None, ""):
 
 import redis  # noqa: E402
 
-from bench.common import command_line, git_rev, machine, median, now_utc, pct, table, write_section  # noqa: E402
+from bench.common import command_line, git_rev, machine, median, now_utc, pct, publish, table  # noqa: E402
 from bench.workload import make_items  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
@@ -315,11 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             why = {"submit": submit_profile.profile(r, 20_000, 3, SUBMIT_CHUNK, shapes=args.shapes),
                    "claim": claim_profile.profile(r, 0, 400)}
         text = report(args, mach, sub, clm, why)
-    print()
-    print(text)
-    if not args.no_write:
-        write_section("submit_claim", text)
-        print("\nwrote bench/RESULTS.md (section submit_claim)")
+    publish(text, "submit_claim", write=not args.no_write)
     return 0
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
 import sys
 import time
@@ -49,7 +48,7 @@ if __package__ in (None, ""):
 
 import redis  # noqa: E402
 
-from bench.common import command_line, git_rev, machine, median, now_utc, pct, table, write_section  # noqa: E402
+from bench.common import command_line, git_rev, machine, median, now_utc, pct, publish, table  # noqa: E402
 from bench.oracle import Item, OracleClock, OracleSource, Plan, sim_work  # noqa: E402
 from bench.oracle import plan as oracle_plan  # noqa: E402
 from bench.workload import Workload, WorkloadSpec, generate  # noqa: E402
@@ -824,13 +823,7 @@ def main(argv: list[str] | None = None) -> int:
     plot_dir = Path(__file__).resolve().parent / ("plots" if name == "suite" else f"plots/{name}")
     plots = [] if args.no_write else make_plots(recs, figs, cfg, plot_dir)
     text = report(args, mach, spec, cfg, recs, figs, plots)
-    print()
-    print(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(figs, indent=1))
-    if not args.no_write:
-        write_section(name, text)
-        print("\nwrote bench/RESULTS.md")
+    publish(text, name, write=not args.no_write, json_path=args.json, data=figs)
     return 0 if all(recs[c].complete.startswith("ok") for c in CONDUCTORS if c in recs) else 1
 
 

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import math
 import sys
 import time
@@ -54,7 +53,7 @@ from bench import (
     static_cost,  # noqa: E402
     suite,  # noqa: E402
 )
-from bench.common import command_line, git_rev, machine, now_utc, table, write_section  # noqa: E402
+from bench.common import command_line, git_rev, machine, now_utc, publish, table  # noqa: E402
 from bench.oracle import OBatch, Plan, plan, sim_work  # noqa: E402
 from bench.workload import Workload, WorkloadSpec, generate  # noqa: E402
 from conductor.client import connect  # noqa: E402
@@ -412,13 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     plot = None if args.no_write else make_plot(
         results, Path(__file__).resolve().parent / "plots" / section / "ratio_to_oracle.png")
     text = report(args, mach, results, plot, total)
-    print()
-    print(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
-    if not args.no_write:
-        write_section(section, text)
-        print(f"\nwrote bench/RESULTS.md section {section}")
+    publish(text, section, write=not args.no_write, json_path=args.json, data=results)
     return 0 if all(r_["systems"]["conductor"]["complete"].startswith("ok") for r_ in results) else 1
 
 
