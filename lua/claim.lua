@@ -126,12 +126,14 @@ for _ = 1, SHAPE_VISITS do
     info = inst_info(c, active)
   end
   indexed(c, active, info)
+  local lent = nil
   if c.sweep then
     active, info = preempt_aged(c, active, info)
-    active, info = rebalance(c, active, info)
+    active, info, lent = rebalance(c, active, info)
   elseif info.state == 'active' and fair_due(c, info.tenant or '', fair_gap(c, info)) then
-    active, info = rebalance(c, active, info)
+    active, info, lent = rebalance(c, active, info)
   end
+  if lent then return lent end
   if c.sweep then
     local r = hygiene(c, active, info)
     if r then return r end

@@ -77,6 +77,26 @@ local function fair_gap(c, info)
   return FAIR_GAP_BATCHES * n * (per_item + c.cfg.decode_weight * mean_out) / tenant_weight(c, info.tenant or '')
 end
 
+-- A fair loan (rebalance): one full batch of an active instance of tenant record x (the one whose
+-- workers hold the most work each, else the one another worker would join), taken without this
+-- worker leaving its own shape (its affinity stays, as for interactive work): a tenant behind in
+-- service gets a batch at once from a shape some worker already serves, instead of a worker moved to
+-- another shape for good. Returns the reply, or nil when no such instance holds a full batch.
+local function lend(c, x)
+  local inst = x.over or x.help
+  if not inst then return nil end
+  local info = inst_info(c, inst)
+  if info.state ~= 'active' then return nil end
+  indexed(c, inst, info)
+  local ik = inst_key(c.base, inst)
+  local lane = redis.call('ZRANGE', ik .. ':ready', 0, 0)[1]
+  local parts, acc = plan_batch(c, inst, lane)
+  if #parts == 0 or not (lane or acc.full) then return nil end
+  c.lent = true
+  redis.call('HINCRBY', c.state_key, 'fair_loans', 1)
+  return take_batch(c, inst, parts, acc, c.cleanup and 1 or 0, info)
+end
+
 -- Fair share between tenants (issue 26, lib_fair.lua), swept with aging and checked between sweeps
 -- when this worker's tenant leads (fair_due): the returning tenants'
 -- counters are lifted; then, if this worker's tenant holds a whole worker more than its share while
@@ -106,7 +126,7 @@ local function rebalance(c, inst, info)
   local dmine = def[mine]
   if not dmine then return inst, info end
   local gap = fair_gap(c, info)
-  local to, best = nil, nil
+  local to, best, moved = nil, nil, false
   for _, key in ipairs(keys) do
     local x = ten[key]
     if key ~= mine and (x.cand or x.help or x.orphan) then
@@ -117,15 +137,20 @@ local function rebalance(c, inst, info)
       -- service, not workers, is what is shared: a tenant whose counter leads one no better staffed
       -- (for its weight) by two batches' worth lends it this worker, whatever the staffing says
       local behind = def[key] >= dmine - 1e-9 and lead > gap
-      if (short or behind) and (not best or def[key] > best or (def[key] == best and vtc[x.name] < vtc[to])) then
-        to, best = x.name, def[key]
+      if (short or behind) and (not best or def[key] > best or (def[key] == best and vtc[x.name] < vtc[ten[to].name])) then
+        to, best, moved = key, def[key], short
       end
     end
   end
   if not to then return inst, info end
+  if not moved then
+    -- behind, not short of a worker: one batch of its busiest active instance, this worker's shape kept
+    local r = lend(c, ten[to])
+    if r then return inst, info, r end
+  end
   preempt(c, inst)
   redis.call('HINCRBY', c.state_key, 'fair_switches', 1)
-  local nxt = pick_next(c, c.cleanup, to)
+  local nxt = pick_next(c, c.cleanup, ten[to].name)
   if not nxt then  -- nothing it could take after all: back to its own shape
     activate(c, inst, 'fair')
     return inst, inst_info(c, inst)

@@ -194,6 +194,7 @@ STATE_FIELDS: dict[str, str] = {
     "activations": "shape instances activated",
     "preemptions": "active instances stepped back to staged by aging",
     "fair_switches": "workers that left their shape for a tenant short of its share (lua/lib_serve.lua rebalance)",
+    "fair_loans": "batches a worker took, keeping its shape, for a tenant behind in service (lua/lib_serve.lua lend)",
     "shapes_finished": "shape instances emptied and finished",
     "warming": "the shape instance last marked warming (for inspect)",
     "warmings": "instances marked warming (pre-warm signals)",
