@@ -11,9 +11,6 @@
 -- ARGV[3] n          number of results that follow
 -- ARGV[4..]          4 fields per result: job, item id, status ('ok' | 'err'), result JSON
 -- Retiring a batch acks and deletes its entry and deletes its items list (cdr:{model}:bat:<k>).
--- Service (lib_service.lua): each newly written result counts to its job and tenant, and trues up
---   its tenant's virtual token counter (M:vtc) from the output limit its claim charged (the entry's
---   field mo) to its actual output tokens.
 -- Returns: {written, acked}: results written now (a result already written before is skipped)
 --   and 1 when this call retired the batch. {0, 0}, with nothing written, when the batch was
 --   retired before (by this consumer, or by a reclaim that put its items back in the queue):
@@ -114,12 +111,11 @@ if not entry then
   end
   return {0, 0}  -- retired before: nothing of a retired batch is written
 end
-local count, token, mo = 0, nil, nil
+local count, token = 0, nil
 local f = entry[2]
 for j = 1, #f, 2 do
   if f[j] == 'n' then count = tonumber(f[j + 1]) or 0
-  elseif f[j] == 'k' then token = f[j + 1]
-  elseif f[j] == 'mo' then mo = tonumber(f[j + 1]) end
+  elseif f[j] == 'k' then token = f[j + 1] end
 end
 local items_key = token and (base .. ':bat:' .. token)
 -- Which (job, id) the batch holds (lib_batch_members.lua).
@@ -156,7 +152,7 @@ for _, job in ipairs(order) do
   if not is_request(job) then g.ends = job_end_read(base, job) end
 end
 
-local served = service_counter(base, mo)  -- lib_service.lua (reads M:cfg: before the first write)
+local served = service_counter(base)  -- lib_service.lua
 local written, done_ok, done_err = 0, 0, 0
 for _, job in ipairs(order) do
   local g, jk = jobs[job], base .. ':job:' .. job
@@ -182,7 +178,7 @@ for _, job in ipairs(order) do
   end
   if ok_n > 0 then redis.call('HINCRBY', jk, 'completed', ok_n) end
   if err_n > 0 then redis.call('HINCRBY', jk, 'failed', err_n) end
-  if ok_n + err_n > 0 then served(job, g.pin or 0, g.pout or 0, ok_n + err_n) end
+  if ok_n + err_n > 0 then served(job, g.pin or 0, g.pout or 0) end
   if last and g.ends then job_end_stamp(base, job, g.ends, ok_n + err_n, string.match(last, '^%d+')) end
   written, done_ok, done_err = written + ok_n + err_n, done_ok + ok_n, done_err + err_n
 end

@@ -32,14 +32,6 @@ local function hmget_named(key, names)
   return out
 end
 
--- A tenant's weight from its M:tenants field (nil when unset): at least a thousandth; 0, a missing
--- field or garbage read as 1 (lib_fair.lua tenant_weight, lib_service.lua vtc_true_up).
-local function weight_value(v)
-  local w = tonumber(v or '') or 1
-  if w ~= w or w < 0.001 then w = 1 end
-  return w
-end
-
 local function now_ms()
   local t = redis.call('TIME')
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)

@@ -26,14 +26,10 @@ end
 -- consumer through the group. waiting_tok and waiting_items: how much the model's waiting
 -- counters go down (the items left a lane), 0 for reclaimed work; reclaimed: items taken from
 -- the reclaimed queue. Returns claim.lua's reply.
-local function deliver(c, sig, ep, lane, maxlen, flags, dv, n, waiting_tok, waiting_items, reclaimed, mo)
+local function deliver(c, sig, ep, lane, maxlen, flags, dv, n, waiting_tok, waiting_items, reclaimed)
   local st, state_key = c.st, c.state_key
-  local fields = {'sig', sig, 'ep', ep, 'lane', lane, 'n', n, 'plen', pad8(maxlen), 'w', c.consumer, 'ts', c.now,
-    'k', c.token, 'dv', dv, 'fl', flags}
-  -- mo: the mean output limit its tenant's counter was charged per item (lib_fair.lua charge), which
-  -- complete.lua trues up to the actual output tokens (lib_service.lua vtc_true_up)
-  if mo then fields[#fields + 1] = 'mo'; fields[#fields + 1] = mo end
-  local bid = redis.call('XADD', c.batches_key, '*', unpack(fields))
+  local bid = redis.call('XADD', c.batches_key, '*', 'sig', sig, 'ep', ep, 'lane', lane,
+    'n', n, 'plen', pad8(maxlen), 'w', c.consumer, 'ts', c.now, 'k', c.token, 'dv', dv, 'fl', flags)
   -- XCLAIM FORCE puts the entry straight into the consumer's pending list (delivery count 1,
   -- the consumer created if new) without reading it back; nothing reads the group with '>'.
   redis.call('XCLAIM', c.batches_key, GROUP, c.consumer, 0, bid, 'FORCE', 'JUSTID')
@@ -132,10 +128,10 @@ local function take_batch(c, inst, parts, acc, flags, info)
   if info.state ~= 'staged' and not c.hot and not c.lent then maybe_warm(c, inst_tokens, info.tenant) end
   -- the tenant's service (lib_fair.lua): padded input tokens and the items' output limits
   local placed = num(info.in_items)
-  local mo = charge(c, info.tenant, c.disk and acc.sum or acc.k * pad8(acc.maxlen), acc.k,
+  charge(c, info.tenant, c.disk and acc.sum or acc.k * pad8(acc.maxlen), acc.k,
     placed > 0 and num(info.in_out) / placed or 0)
   local sig, ep = string.match(inst, '^(%x+):(%d+)$')
-  return deliver(c, sig, tonumber(ep), tonumber(first), acc.maxlen, flags, 1, acc.k, acc.sum, acc.k, 0, mo)
+  return deliver(c, sig, tonumber(ep), tonumber(first), acc.maxlen, flags, 1, acc.k, acc.sum, acc.k, 0)
 end
 
 -- Plan and take in one step, whatever the batch's fill (ready lanes, lane hygiene, draining).

@@ -5,14 +5,10 @@
 -- output limits, over its weight, charged at claim), lifted on its return to the smallest counter
 -- of the tenants already waiting, so that idle time earns no credit (the Virtual Token Counter of
 -- Sheng et al., OSDI 2024). Every function takes c, the claim context claim.lua builds.
--- Keys: M:tenants (read), M:vtc (tenant -> virtual tokens; HINCRBYFLOAT, HSET; complete.lua trues it
---   up, lib_service.lua), M:vtc_seen
+-- Keys: M:tenants (read), M:vtc (tenant -> virtual tokens; HINCRBYFLOAT, HSET), M:vtc_seen
 --   (tenant -> the number of the last fair check that saw its work waiting; '#': checks so far).
--- Invariants: a counter grows by each charge at claim and each lift to another waiting tenant's
---   counter; a completion replaces what the charge counted for its newly written results' outputs
---   (their mean output limit) by their actual output tokens (complete.lua), so a completed batch
---   counts what it served and one in flight its estimate; a tenant's weight is at least a thousandth
---   (0 or garbage reads as 1, lib.lua weight_value).
+-- Invariants: a counter only grows (a charge, or a lift to another waiting tenant's counter); a
+--   tenant's weight is at least a thousandth (0 or garbage reads as 1).
 --@include lib.lua
 
 -- A tenant's weight, read once per claim.
@@ -20,21 +16,19 @@ local function tenant_weight(c, tenant)
   c.weights = c.weights or {}
   local w = c.weights[tenant]
   if not w then
-    w = weight_value(redis.call('HGET', c.base .. ':tenants', tenant))
+    w = tonumber(redis.call('HGET', c.base .. ':tenants', tenant) or '') or 1
+    if w ~= w or w < 0.001 then w = 1 end
     c.weights[tenant] = w
   end
   return w
 end
 
--- What one batch costs its tenant's counter at claim: padded input tokens plus decode_weight times
--- its items' output limits (the instance's mean limit), over the tenant's weight. Returns the mean
--- limit charged per item (nil when nothing was): the batch carries it (field mo) so that complete.lua
--- replaces it by each result's actual output tokens (lib_service.lua vtc_true_up).
+-- What one batch costs its tenant's counter: padded input tokens plus decode_weight times its
+-- items' output limits (the instance's mean limit), over the tenant's weight.
 local function charge(c, tenant, padded, items, mean_out)
-  if not tenant or tenant == '' then return nil end
+  if not tenant or tenant == '' then return end
   local cost = (padded + c.cfg.decode_weight * items * mean_out) / tenant_weight(c, tenant)
   redis.call('HINCRBYFLOAT', c.base .. ':vtc', tenant, cost)
-  return mean_out
 end
 
 -- The counters of these tenants: {tenant -> virtual tokens}.

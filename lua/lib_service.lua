@@ -3,11 +3,7 @@
 -- result, to its job (M:job:J served_in, served_out) and to its job's tenant (M:in:J tenant, else
 -- the job) in M:served and in the ten-second bucket M:served10:N (N = seconds // 10, expiring after
 -- 120 s), as fields "T:in" and "T:out". `conductor tenants` and the exporter read them.
--- It also trues up the tenant's virtual token counter (M:vtc, lib_fair.lua): a batch's claim charged
--- each item its instance's mean output limit (the batch entry's field mo); each newly written result
--- replaces that by its actual output tokens (vtc_true_up).
--- Keys: M:job:J (HINCRBY), M:in:J (HGET tenant), M:served and M:served10:N (HINCRBY, EXPIRE), M:cfg
---   (HMGET decode_weight), M:tenants (HGET), M:vtc (HINCRBYFLOAT).
+-- Keys: M:job:J (HINCRBY), M:in:J (HGET tenant), M:served and M:served10:N (HINCRBY, EXPIRE).
 -- Invariant: counted once per result written (complete.lua calls it for results it writes now).
 --@include lib.lua
 
@@ -22,29 +18,16 @@ end
 -- What counting may run (lib.lua acl_refused's ok), before complete.lua's first write.
 local function service_ok(ok, base)
   return ok('TIME') and ok('HINCRBY', base .. ':served') and ok('HINCRBY', base .. ':served10:0')
-    and ok('EXPIRE', base .. ':served10:0') and ok('HMGET', base .. ':cfg') and ok('HGET', base .. ':tenants')
-    and ok('HINCRBYFLOAT', base .. ':vtc')
+    and ok('EXPIRE', base .. ':served10:0')
 end
 
--- The true-up of a tenant's counter for n newly written results of a batch whose claim charged mo
--- output tokens per item (nil: the claim charged nothing, as for reclaimed work): decode_weight
--- times (their actual output tokens - n x mo), over the tenant's weight (lib_fair.lua charge).
-local function vtc_true_up(base, dw, tenant, n, pout, mo)
-  if not mo or n == 0 then return end
-  local d = dw * (pout - n * mo) / weight_value(redis.call('HGET', base .. ':tenants', tenant))
-  if d ~= 0 then redis.call('HINCRBYFLOAT', base .. ':vtc', tenant, d) end
-end
-
--- A counting function for this call: served(job, padded_in, out, n): n the results written now.
--- mo: the batch entry's mean output limit charged at claim (nil when none).
-local function service_counter(base, mo)
+-- A counting function for this call: served(job, padded_in, out).
+local function service_counter(base)
   local bucket = base .. ':served10:' .. math.floor(tonumber(redis.call('TIME')[1]) / 10)
-  local dw = mo and load_cfg(base .. ':cfg', {'decode_weight'}).decode_weight
-  return function(job, pin, pout, n)
+  return function(job, pin, pout)
     redis.call('HINCRBY', base .. ':job:' .. job, 'served_in', pin)
     redis.call('HINCRBY', base .. ':job:' .. job, 'served_out', pout)
     local tenant = redis.call('HGET', base .. ':in:' .. job, 'tenant') or job
-    vtc_true_up(base, dw, tenant, n, pout, mo)
     for _, key in ipairs({base .. ':served', bucket}) do
       redis.call('HINCRBY', key, tenant .. ':in', pin)
       redis.call('HINCRBY', key, tenant .. ':out', pout)
