@@ -29,7 +29,8 @@
 --   neighbouring lanes in length order, padded to the rep of the longest lane taken; what does not
 --   fit stays at the head of its lane, in order; assembly order is reclaimed work, then lanes;
 --   dispatch stays on the active instance until it is empty (or an aged shape preempts it:
---   aging and lane hygiene are swept at most every 250 ms, see lib_serve.lua swept()); each
+--   aging and lane hygiene are swept at most every 250 ms, see lib_serve.lua swept(); a fair loan
+--   takes one batch of another tenant's active shape without leaving it, lib_serve.lua lend); each
 --   worker warms at most one instance, its next; the work done grows with the batch (a bounded
 --   number of lanes and at most SHAPE_VISITS instances are looked at), never with the queue.
 -- This file is the dispatch order; each step lives in an include: lib_claim_guard.lua (refusals

@@ -4,7 +4,8 @@
 -- context claim.lua builds (base, state_key, cfg, now, cleanup, sweep).
 -- Keys: M:inst:S:E (read, state -> draining), its ready and touch sets, M:lanemeta:S:E:L, M:state
 --   sweep_ms and hygiene_drains; through lib_deliver.lua and lib_lifecycle.lua what they touch.
--- Invariants: dispatch stays on the instance until it is empty (or an aged shape preempts it);
+-- Invariants: dispatch stays on the instance until it is empty (or an aged shape preempts it, or a
+--   fair loan takes one batch of a shape another worker serves, the worker's own kept: lend);
 --   a small lane nobody assigned to for hygiene_idle_ms is force-drained (flag 4), so no item
 --   waits for ever behind busier lanes; the work grows with the batch, never with the queue.
 --@include lib.lua
@@ -100,11 +101,13 @@ end
 -- Fair share between tenants (issue 26, lib_fair.lua), swept with aging and checked between sweeps
 -- when this worker's tenant leads (fair_due): the returning tenants'
 -- counters are lifted; then, if this worker's tenant holds a whole worker more than its share while
--- another waiting tenant lacks one (and is not ahead in service), or this worker's tenant leads one
--- no better staffed by more than two of its batches' worth of service, this worker leaves its
--- instance (as aging preempts it: its lanes stay, another worker or a later claim serves it) for
--- that tenant's work.
--- Returns the instance to serve and its fields.
+-- another waiting tenant lacks one (and is not ahead in service), this worker leaves its instance
+-- (as aging preempts it: its lanes stay, another worker or a later claim serves it) for that
+-- tenant's work. If instead this worker's tenant leads one no better staffed by more than
+-- FAIR_GAP_BATCHES of its batches' worth of service, this worker lends that tenant one batch of an
+-- active instance of its (lend: no shape of its own given up, the next claim checks again), and
+-- leaves its instance for that tenant's work only when none holds a full batch.
+-- Returns the instance to serve and its fields, and the loaned batch's reply when it lent one.
 local function rebalance(c, inst, info)
   if info.state ~= 'active' then return inst, info end
   local ten = survey(c, activation_need(c, c.cleanup))

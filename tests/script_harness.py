@@ -149,9 +149,9 @@ def claim_interactive_first(c: Conductor) -> Call:
     return call
 
 
-def claim_fair_switch(c: Conductor) -> Call:
-    """Two tenants on a fleet of two: the worker whose tenant leads in service by far is lent to the
-    other tenant at the sweep (lua/lib_serve.lua rebalance)."""
+def _two_tenants(c: Conductor, both: bool) -> None:
+    """Tenants A and B on a fleet of two; w serves one, w0 the other when `both` (else the other's
+    shape stays staged); w's tenant leads in service by far, and the next claim sweeps."""
     quick(c, budget_tokens=64, budget_items=4, activate_batches=1, quiet_ms=60000)
     for w in ("w0", "w"):
         c.r.set(MK.heartbeat(w), 1)
@@ -161,11 +161,27 @@ def claim_fair_switch(c: Conductor) -> Call:
     c.submit([item(f"a{i}", 10, prefix=("A",)) for i in range(40)], "ja")
     c.submit([item(f"b{i}", 10, prefix=("B",)) for i in range(40)], "jb")
     assert c.claim(contract(4, 64, max_input_len=4096), "w")[0] is not None
-    assert c.claim(contract(4, 64, max_input_len=4096), "w0")[0] is not None
+    if both:
+        assert c.claim(contract(4, 64, max_input_len=4096), "w0")[0] is not None
     mine = c.r.hget(MK.affinity, "w").decode()
     tenant = c.r.hget(MK.inst(mine), "tenant").decode()
     c.r.hset(MK.vtc, tenant, 10**9)  # far ahead in service
     c.r.hset(MK.state, "sweep_ms", 0)
+
+
+def claim_fair_loan(c: Conductor) -> Call:
+    """The worker whose tenant leads in service by far takes one batch of the shape the other
+    tenant's worker serves, keeping its own (lua/lib_serve.lua lend)."""
+    _two_tenants(c, True)
+    call = claim_call(size=4, tokens=64)
+    call.check = lambda r: r.hget(MK.state, "fair_loans") == b"1"
+    return call
+
+
+def claim_fair_switch(c: Conductor) -> Call:
+    """The same with no worker on the other tenant's shape: nothing to lend from, so the worker is
+    moved to that tenant (lua/lib_serve.lua rebalance)."""
+    _two_tenants(c, False)
     call = claim_call(size=4, tokens=64)
     call.check = lambda r: r.hget(MK.state, "fair_switches") == b"1"
     return call
@@ -661,8 +677,8 @@ def take_name_none_free(c: Conductor) -> Call:
 
 SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "claim": [claim_warming, claim_warmed_shape_activates, claim_reclaimed_part, claim_reclaimed_whole,
-              claim_finish_and_next, claim_joins_a_deep_shape, claim_interactive_first, claim_fair_switch,
-              claim_aging_preempts, claim_hygiene_drains,
+              claim_finish_and_next, claim_joins_a_deep_shape, claim_interactive_first, claim_fair_loan,
+              claim_fair_switch, claim_aging_preempts, claim_hygiene_drains,
               claim_hygiene_retires_empty,
               claim_hygiene_big_lane, claim_reindexes, claim_enters_cleanup, claim_leaves_cleanup],
     "job_class": [job_class_new],

@@ -102,6 +102,26 @@ def test_a_late_tenant_gets_a_worker_at_the_next_sweep(cdr):
     assert cdr.r.hget(MK.state, "fair_switches") == b"1"
 
 
+def test_a_tenant_behind_in_service_gets_a_loaned_batch_and_the_lender_keeps_its_shape(cdr):
+    """Each tenant has its worker; the one whose tenant leads by far takes one batch of the other's
+    shape (a loan, lua/lib_serve.lua lend) and goes back to its own at the next claim."""
+    _setup(cdr)
+    _live(cdr, "w1", "w2")
+    _job(cdr, "a", 60, "A", tenant="A")
+    _job(cdr, "b", 60, "B", tenant="B")
+    first = {w: cdr.claim(C, w)[0] for w in ("w1", "w2")}
+    lead = next(w for w, b in first.items() if _tenant_of(cdr, b) == "A")
+    mine = cdr.r.hget(MK.affinity, lead)
+    cdr.r.hset(MK.vtc, "A", 10**9)  # far ahead in service
+    cdr.r.hset(MK.state, "sweep_ms", 0)
+    lent = cdr.claim(C, lead)[0]
+    assert _tenant_of(cdr, lent) == "B"
+    assert cdr.r.hget(MK.affinity, lead) == mine  # its own shape kept
+    assert cdr.r.hget(MK.state, "fair_loans") == b"1" and cdr.r.hget(MK.state, "fair_switches") is None
+    cdr.r.hset(MK.vtc, "B", 10**9)  # level again: no loan
+    assert _tenant_of(cdr, cdr.claim(C, lead)[0]) == "A"
+
+
 def test_interactive_work_comes_first_and_the_worker_keeps_its_shape(cdr):
     _setup(cdr, release_batches=100)  # the release gate shut: interactive work does not wait for it
     cdr.r.hset(MK.state, "gate", 1)
