@@ -65,9 +65,11 @@ local function serve_hot(c)
 end
 
 -- FAIR_GAP_BATCHES of this worker's batches' worth of service, in its tenant's counter's units: how
--- far its tenant may lead before it lends this worker to one behind (each lending costs a shape
--- switch; the issue's bound on the service gap is two batches).
-local FAIR_GAP_BATCHES = 1.5
+-- far its tenant may lead before this worker lends one behind a batch (lend: a switch to a shape
+-- another worker serves and back; the issue's bound on the service gap is two batches). 1.5 when a
+-- lending moved the worker for good: 1 then cost 0.94x first-come under the static model; with
+-- loans it costs 0.98x (bench/RESULTS.md, fairness notes).
+local FAIR_GAP_BATCHES = 1.0
 local function fair_gap(c, info)
   local placed, items = num(info.in_items), num(info.items)
   local mean_out = placed > 0 and num(info.in_out) / placed or 0
