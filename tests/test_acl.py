@@ -328,3 +328,27 @@ def test_disk_tier_as_producer_and_worker_users(urls, tmp_path):
     assert f.feed() == 20 - first  # the producer's attempt placed the first segment's items
     assert f.loaded_segments == segs and admin.r.zcard(MK.segs) == 0
     assert admin.r.hget(MK.intake, "stored_items") == b"0" and admin.r.hget(MK.intake, "items") == b"30"
+
+
+def test_a_producer_retry_of_dead_lettered_lines_is_refused_before_anything_is_written(urls, tmp_path):
+    """conductor retry takes retried lines' dead letters out of the old job (or a dead-letter retry
+    answers them twice): a producer's user may not remove them, so its retry is refused, naming
+    what to do, with no new job made."""
+    from conductor.errors import ConductorError
+    from conductor.jobs import retry
+    admin = Conductor.from_url(urls["admin"])
+    quick(admin, max_deliveries=1)
+    prod = Conductor.from_url(urls["producer"])
+    src = tmp_path / "dl.jsonl"
+    src.write_text("".join(json.dumps({"id": f"d{i}", "model": "m", "prefix": ["sys"], "prompt": "p",
+                                       "input_tokens": 10, "max_tokens": 4}) + "\n" for i in range(2)))
+    prod.submit([item(f"d{i}", 10) for i in range(2)], "dl")
+    w = Conductor.from_url(urls["worker"])
+    w.claim(C, "dead-w")
+    w.reclaim_dead("m")
+    assert prod.status("dl")["done"]
+    p = retry.plan(prod, "dl", str(src))
+    with pytest.raises(ConductorError, match="dead letters, which this Redis user may not remove"):
+        retry.submit(prod, "dl", "dl.r", str(src), p, str(tmp_path / "dl.r.jsonl"))
+    assert admin.r.zscore(K.JOBS_KEY, "dl.r") is None  # no new job
+    assert retry.submit(w, "dl", "dl.r", str(src), p, str(tmp_path / "dl.r.jsonl")) == 2  # a worker's user may

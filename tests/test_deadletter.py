@@ -162,3 +162,26 @@ def test_retry_of_a_schema_1_dead_entry_rebuilds_its_item_record(cdr):
     assert (got["1"].prompt, got["1"].payload) == ("p1", None)
     assert (got["2"].prompt, got["2"].payload) == ("p2", 7)
     assert all(it.input_tokens == 10 and it.job == "j" for it in got.values())
+
+
+def test_a_line_retried_into_a_new_job_leaves_the_old_jobs_dead_letter(cdr, tmp_path):
+    """conductor retry takes a job's dead-lettered lines into a new job and their dead letters with
+    them: a later dead-letter retry cannot answer them again in the old job (found by the stateful
+    accounting test: retry, then dead-letter retry, gave a line an ok answer in both jobs)."""
+    from conductor.jobs import retry
+    quick(cdr, max_deliveries=1)
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": str(i), "model": "m", "prefix": ["sys"], "prompt": "p",
+                                       "input_tokens": 10, "max_tokens": 4}) + "\n" for i in range(3)))
+    cdr.submit([item(i, 10) for i in range(3)], "a")
+    cdr.claim(C, "dead")
+    cdr.reclaim_dead("m")
+    assert cdr.r.xlen(MK.dead) == 3 and cdr.status("a")["done"]
+    p = retry.plan(cdr, "a", str(src))
+    assert p.ids == {"0", "1", "2"}
+    assert retry.submit(cdr, "a", "a.r", str(src), p, str(tmp_path / "a.r.jsonl")) == 3
+    assert cdr.r.xlen(MK.dead) == 0  # the retried lines' dead letters left with them
+    assert DeadLetter(cdr).retry(job="a") == {"retried": 0, "skipped": 0}
+    drain(cdr, C)
+    assert not [r.id for r in cdr.read_results("a") if r.error is None]  # the old job: its failed answers only
+    assert sorted(r.id for r in cdr.read_results("a.r") if r.error is None) == ["0", "1", "2"]

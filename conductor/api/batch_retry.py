@@ -53,6 +53,10 @@ def retry_of(c: Conductor, store: FileStore, batch_id: str, body: dict[str, Any]
         raise ApiError(409, str(e), "batch_id") from None
     if not p.ids:
         raise ApiError(409, f"Nothing to retry in batch {batch_id}: {p.render()}", "batch_id")
+    try:
+        retry.drop_dead_letters(c, batch_id, p.ids)  # or a dead-letter retry answers them again in the old batch
+    except ConductorError as e:
+        raise ApiError(409, str(e), "batch_id") from None
     buf = io.BytesIO()
     retry.write_lines(str(input_path(store, d.get("input_file_id"))), p.ids, buf)
     buf.seek(0)

@@ -8,6 +8,8 @@ Only a job that has ended is retried (a line still pending might yet be answered
 answered twice over the two jobs). A line failed for a permanent reason (its input is too long for
 the model, the intake refused it) would fail again: it is reported and left out unless asked for.
 The new job keeps the old one's class (tenant, priority) and names it in ``metadata.retry_of``.
+A retried line's dead letter leaves the old job's dead-letter stream (``drop_dead_letters``), so that
+no ``dead-letter retry`` answers it a second time in the old job.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 import msgspec
+import redis
 
 from conductor.client import Conductor
 from conductor.errors import BadInput, ConductorError
@@ -157,7 +160,31 @@ def submit(c: Conductor, old: str, new: str, source: str, chosen: Plan, path: st
     from conductor.redis_contract.config import ModelDefaults
     with open(path, "wb") as out:
         write_lines(source, chosen.ids, out)
+    drop_dead_letters(c, old, chosen.ids)
     found = check_file(path, skip_invalid=False, rejects=None, default_max_tokens=ModelDefaults(lambda: c.r).max_tokens)
     prepare_job(c, found, new, job_class_of(c, old))
     job_state.start(c.r, new, metadata=retry_metadata(c, old), input_path=path)
     return send_file(c, found, new).accepted
+
+
+def drop_dead_letters(c: Conductor, job: str, ids: set[str]) -> int:
+    """The dead letters of ``job``'s retried lines leave its dead-letter stream before the new job
+    is submitted: a later ``dead-letter retry`` would run them again in the old job, and each line
+    would then have an answer in both. Their failed answers stay in the old job (a retry cut short
+    here finds them failed again and retries them). Returns the entries removed."""
+    from conductor.jobs.deadletter import DeadLetter
+    n = 0
+    by_model: dict[str, list[str]] = {}
+    for d in DeadLetter(c).items(job=job):
+        if d.id in ids:
+            by_model.setdefault(d.model, []).append(d.entry)
+    for model, entries in by_model.items():
+        for start in range(0, len(entries), 500):
+            try:
+                n += int(c.r.xdel(K.ModelKeys(model).dead, *entries[start:start + 500]))
+            except redis.exceptions.NoPermissionError:
+                raise ConductorError(
+                    f"{sum(map(len, by_model.values())) - n} retried line(s) of job {job} have dead letters, which "
+                    "this Redis user may not remove (a producer's may not): retry as a worker or admin user, or "
+                    f"purge them first (conductor dead-letter purge --job {job}); nothing retried") from None
+    return n
