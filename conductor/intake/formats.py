@@ -52,7 +52,11 @@ _json = msgspec.json.Encoder()
 
 
 def estimate_tokens(prefix: list[str] | tuple[str, ...], prompt: str) -> int:
-    n = sum(len(p.encode("utf-8")) for p in prefix) + len(prompt.encode("utf-8"))
+    return tokens_of_bytes(sum(len(p.encode("utf-8")) for p in prefix) + len(prompt.encode("utf-8")))
+
+
+def tokens_of_bytes(n: int) -> int:
+    """The estimate for ``n`` UTF-8 bytes of prefix and prompt: ceil(n / 4), at least 1."""
     return max(1, math.ceil(n / 4))
 
 
@@ -510,7 +514,7 @@ def _chat_facts(raw: bytes, default_max_tokens: MaxTokensDefault | None) -> Fact
     msgs = line.body.messages
     size = sum(len(m.role.encode("utf-8")) + 2 + len(m.content.encode("utf-8")) for m in msgs[:-1])
     size += len(msgs[-1].content.encode("utf-8"))
-    return Facts(line.custom_id, model, min(max(1, math.ceil(size / 4)), MAX_INPUT_TOKENS), CHAT_URL)
+    return Facts(line.custom_id, model, min(tokens_of_bytes(size), MAX_INPUT_TOKENS), CHAT_URL)
 
 
 _BOM = b"\xef\xbb\xbf"
