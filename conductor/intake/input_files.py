@@ -89,17 +89,22 @@ def iter_lines(path: str, default_max_tokens: MaxTokensDefault | None = None, *,
     if parquet and is_parquet(path):
         yield from (x for x in _iter_parquet(path, default_max_tokens) if x[0] > after)
         return
+    for n, line in _jsonl(path, after):
+        try:
+            yield n, parse_line(line, n, default_max_tokens), line
+        except BadInput as e:
+            yield n, e, line
+
+
+def _jsonl(path: str, after: int = 0) -> Iterator[tuple[int, bytes]]:
+    """The non-blank lines of a JSONL file past line ``after``, numbered, without their line end."""
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             if n <= after:
                 continue
             line = raw.rstrip(b"\r\n")
-            if not line or line.isspace():  # blank (isspace copies nothing)
-                continue
-            try:
-                yield n, parse_line(line, n, default_max_tokens), line
-            except BadInput as e:
-                yield n, e, line
+            if line and not line.isspace():  # isspace copies nothing
+                yield n, line
 
 
 def iter_checked(path: str, default_max_tokens: MaxTokensDefault | None, *, parquet: bool,
@@ -109,16 +114,12 @@ def iter_checked(path: str, default_max_tokens: MaxTokensDefault | None, *, parq
     if parquet and is_parquet(path):
         yield from _iter_parquet(path, default_max_tokens)
         return
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            line = raw.rstrip(b"\r\n")
-            if not line or line.isspace():
-                continue
-            try:
-                yield n, parse_line(line, n, default_max_tokens) if build() else \
-                    line_facts(line, n, default_max_tokens), line
-            except BadInput as e:
-                yield n, e, line
+    for n, line in _jsonl(path):
+        try:
+            yield n, parse_line(line, n, default_max_tokens) if build() else \
+                line_facts(line, n, default_max_tokens), line
+        except BadInput as e:
+            yield n, e, line
 
 
 def _iter_parquet(path: str, default_max_tokens: MaxTokensDefault | None,
