@@ -18,6 +18,7 @@ Every check and read that can fail comes before the first write (the declaration
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -52,12 +53,15 @@ class FileSubmit:
     duplicates: int = 0
 
 
+# ``input_files.scan`` for a file about to be sent: the first chunk's items kept as built.
+scan_to_send = functools.partial(scan, keep_items=FIRST_CHUNK, keep_bytes=2 * SEND_CHUNK_BYTES)
+
+
 def check_file(path: str, *, skip_invalid: bool, rejects: str | Writer | None,
                default_max_tokens: MaxTokensDefault | None = None) -> FileScan:
     """Step 1; prints the first refusals on stderr and raises unless ``skip_invalid``.
     ``default_max_tokens(model)``: the output cap of an OpenAI line without one (each pass the same)."""
-    found = scan(path, rejects=rejects, default_max_tokens=default_max_tokens, keep_items=FIRST_CHUNK,
-                 keep_bytes=2 * SEND_CHUNK_BYTES)
+    found = scan_to_send(path, rejects=rejects, default_max_tokens=default_max_tokens)
     if found.refused:
         for e in found.errors:
             print(f"error: {e}", file=sys.stderr)

@@ -27,17 +27,16 @@ from conductor.client import Conductor
 from conductor.errors import BadInput, ConductorError, QueueFull, RedisUnavailable
 from conductor.intake import intake_task as T
 from conductor.intake.file_intake import (
-    FIRST_CHUNK,
     SEND_CHUNK,
-    SEND_CHUNK_BYTES,
     Ahead,
     check_file,
     prepare_job,
+    scan_to_send,
     send_chunk,
     shifted,
 )
 from conductor.intake.formats import CHAT_URL, Facts
-from conductor.intake.input_files import FileScan, LineCheck, scan
+from conductor.intake.input_files import FileScan, LineCheck
 from conductor.jobs import job_state
 from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls
@@ -46,7 +45,6 @@ from conductor.redis_contract.connection import as_str
 
 log = logging.getLogger(__name__)
 _enc = msgspec.json.Encoder()
-_dec = msgspec.json.Decoder()
 MAX_ERRORS = 1000  # bad lines listed in a failed batch's errors
 # Errors after which the task waits for its lease to lapse and is resumed (by this process's
 # resumer or another's), rather than failing the job: Redis away or full, for now.
@@ -100,9 +98,8 @@ def ended_how(c: Conductor, job: str) -> str:
 
 def _scan(c: Conductor, task: T.Task, defaults: Defaults) -> FileScan:
     if task.source == "api":
-        return scan(task.path, default_max_tokens=defaults, check=openai_request(task.endpoint or CHAT_URL),
-                    id_field="custom_id", shown=MAX_ERRORS, parquet=False, keep_items=FIRST_CHUNK,
-                    keep_bytes=2 * SEND_CHUNK_BYTES)
+        return scan_to_send(task.path, default_max_tokens=defaults, check=openai_request(task.endpoint or CHAT_URL),
+                            id_field="custom_id", shown=MAX_ERRORS, parquet=False)
     return check_file(task.path, skip_invalid=task.skip_invalid, rejects=None, default_max_tokens=defaults)
 
 
