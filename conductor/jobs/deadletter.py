@@ -64,10 +64,11 @@ class DeadLetter:
                     break
                 cursor = "(" + _text(rows[-1][0])
 
-    def _by_model(self, model: str | None, job: str | None) -> dict[str, list[str]]:
+    def _by_model(self, model: str | None, job: str | None, ids: set[str] | None = None) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
         for d in self.items(model=model, job=job):
-            out.setdefault(d.model, []).append(d.entry)
+            if ids is None or d.id in ids:
+                out.setdefault(d.model, []).append(d.entry)
         return out
 
     def retry(self, *, model: str | None = None, job: str | None = None) -> dict[str, int]:
@@ -81,10 +82,11 @@ class DeadLetter:
                 total["skipped"] += skipped
         return total
 
-    def purge(self, *, model: str | None = None, job: str | None = None) -> int:
-        """Forget dead entries; the items keep their failed results (their jobs stay complete)."""
+    def purge(self, *, model: str | None = None, job: str | None = None, ids: set[str] | None = None) -> int:
+        """Forget dead entries (with ``ids``, only those of these item ids); the items keep their
+        failed results (their jobs stay complete)."""
         n = 0
-        for m, entries in self._by_model(model, job).items():
+        for m, entries in self._by_model(model, job, ids).items():
             key = K.ModelKeys(m).dead
             for start in range(0, len(entries), _CHUNK):
                 n += int(self.c.r.xdel(key, *entries[start:start + _CHUNK]))

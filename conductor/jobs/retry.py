@@ -173,18 +173,10 @@ def drop_dead_letters(c: Conductor, job: str, ids: set[str]) -> int:
     would then have an answer in both. Their failed answers stay in the old job (a retry cut short
     here finds them failed again and retries them). Returns the entries removed."""
     from conductor.jobs.deadletter import DeadLetter
-    n = 0
-    by_model: dict[str, list[str]] = {}
-    for d in DeadLetter(c).items(job=job):
-        if d.id in ids:
-            by_model.setdefault(d.model, []).append(d.entry)
-    for model, entries in by_model.items():
-        for start in range(0, len(entries), 500):
-            try:
-                n += int(c.r.xdel(K.ModelKeys(model).dead, *entries[start:start + 500]))
-            except redis.exceptions.NoPermissionError:
-                raise ConductorError(
-                    f"{sum(map(len, by_model.values())) - n} retried line(s) of job {job} have dead letters, which "
-                    "this Redis user may not remove (a producer's may not): retry as a worker or admin user, or "
-                    f"purge them first (conductor dead-letter purge --job {job}); nothing retried") from None
-    return n
+    try:
+        return DeadLetter(c).purge(job=job, ids=ids)
+    except redis.exceptions.NoPermissionError:
+        raise ConductorError(
+            f"retried lines of job {job} have dead letters, which this Redis user may not remove (a producer's "
+            f"may not): retry as a worker or admin user, or purge them first (conductor dead-letter purge --job "
+            f"{job}); nothing retried") from None
