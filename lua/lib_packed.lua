@@ -175,13 +175,8 @@ end
 -- its record leaves its bucket and the count. Returns its sum (the caller puts it back in the
 -- registry), or nil when the packed form does not hold it.
 local function packed_remove(key, id)
-  local k = tonumber(redis.call('HGET', key, 'k'))
-  if not k then return nil end
-  local field, fp = packed_place(id, k)
-  local b = redis.call('HGET', key, field)
-  local sum, at = packed_find(b, fp)
-  if not sum then return nil end
-  redis.call('HSET', key, field, string.sub(b, 1, at - 1) .. string.sub(b, at + PACK_REC))
-  redis.call('HINCRBY', key, 'n', -1)
+  local v = packed_view(key, {id}, {1})
+  local sum = v.sums[1]
+  if sum then packed_drop(v, {1}) end
   return sum
 end
