@@ -36,6 +36,7 @@ from conductor.errors import BadInput, ConductorError
 from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.connection import as_str
+from conductor.redis_contract.packed_ids import job_segments
 from conductor.redis_contract.scripts import ScriptClient
 
 log = logging.getLogger(__name__)
@@ -308,9 +309,8 @@ def _sweep(c: Conductor, job: str, how: str) -> int:
                 total += calls.cancel(mk, job, model, f"lane:{inst}:{as_str(lane)}", STEP, how, message).run(
                     c.scripts).answered
         # store segments of the job: their ids wait in no lane and no registry entry (schema 6)
-        for name in (as_str(n) for n in c.r.zrange(mk.segs, 0, -1)):
-            if as_str(c.r.hget(mk.seg(name), "job"), absent="") == job:
-                total += calls.cancel(mk, job, model, f"seg:{name}", STEP, how, message).run(c.scripts).answered
+        for name in job_segments(c.r, mk, job):
+            total += calls.cancel(mk, job, model, f"seg:{name}", STEP, how, message).run(c.scripts).answered
         cursor = "0"
         while True:
             step = calls.cancel(mk, job, model, cursor, STEP, how, message).run(c.scripts)

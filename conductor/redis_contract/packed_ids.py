@@ -89,3 +89,15 @@ def stored_count(r: redis.Redis, mk: K.ModelKeys, job: str) -> int:
     """How many ids of the job wait in store segments (M:in:J:stored, its field 'n')."""
     raw = r.hget(mk.job_stored(job), "n")
     return int(as_str(raw)) if raw is not None else 0
+
+
+def job_segments(r: redis.Redis, mk: K.ModelKeys, job: str) -> list[str]:
+    """The store segments of ``job`` on the model (M:segs, each index record's ``job``; one round
+    trip for the records): where its stored ids wait, each listed in ``M:seg:N:ids``."""
+    names = [as_str(n) for n in r.zrange(mk.segs, 0, -1)]
+    if not names:
+        return []
+    pipe = r.pipeline(transaction=False)
+    for name in names:
+        pipe.hget(mk.seg(name), "job")
+    return [name for name, owner in zip(names, pipe.execute(), strict=True) if as_str(owner, absent="") == job]

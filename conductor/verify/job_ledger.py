@@ -31,7 +31,7 @@ from conductor.jobs import job_state
 from conductor.jobs.openai_output import output_line
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.connection import as_str
-from conductor.redis_contract.packed_ids import stored_sums
+from conductor.redis_contract.packed_ids import job_segments, stored_sums
 
 EXAMPLES = 10  # offending ids printed
 ENDED_EARLY = ("cancelled", "expired")
@@ -152,9 +152,7 @@ def registry_ids(c: Conductor, job: str) -> Iterator[str | None]:
         mk = K.ModelKeys(model)
         for iid, _sum in c.r.hscan_iter(mk.job_sums(job), count=1000):  # NOVALUES is 7.4's
             yield as_str(iid)
-        for name in (as_str(n) for n in c.r.zrange(mk.segs, 0, -1)):
-            if as_str(c.r.hget(mk.seg(name), "job"), absent="") != job:
-                continue
+        for name in job_segments(c.r, mk, job):
             ids = [as_str(i) for i in c.r.lrange(mk.seg_ids(name), 0, -1)]
             # an id a lane took has left the stored ids for the registry: named there already
             yield from (i for i, s in zip(ids, stored_sums(c.r, mk, job, ids), strict=True) if s is not None)
