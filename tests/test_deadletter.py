@@ -172,13 +172,15 @@ def test_a_line_retried_into_a_new_job_leaves_the_old_jobs_dead_letter(cdr, tmp_
     quick(cdr, max_deliveries=1)
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"id": str(i), "model": "m", "prefix": ["sys"], "prompt": "p",
-                                       "input_tokens": 10, "max_tokens": 4}) + "\n" for i in range(3)))
+                                       "input_tokens": 10, "max_tokens": 4}) + "\n" for i in range(3))
+                   # a line a --skip-invalid submit refused: it has an id, and no answer
+                   + json.dumps({"id": "bad", "model": "m", "prompt": "p", "max_tokens": 0}) + "\n")
     cdr.submit([item(i, 10) for i in range(3)], "a")
     cdr.claim(C, "dead")
     cdr.reclaim_dead("m")
     assert cdr.r.xlen(MK.dead) == 3 and cdr.status("a")["done"]
     p = retry.plan(cdr, "a", str(src))
-    assert p.ids == {"0", "1", "2"}
+    assert p.ids == {"0", "1", "2"} and p.permanent["validation"] == 1  # the refused line is not retried
     assert retry.submit(cdr, "a", "a.r", str(src), p, str(tmp_path / "a.r.jsonl")) == 3
     assert cdr.r.xlen(MK.dead) == 0  # the retried lines' dead letters left with them
     assert DeadLetter(cdr).retry(job="a") == {"retried": 0, "skipped": 0}

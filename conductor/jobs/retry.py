@@ -87,7 +87,9 @@ def plan(c: Conductor, job: str, input_path: str | None, only: Iterable[str] = K
     got = job_ledger.answers(c.results(job))
     out = Plan(job, status)
     seen: set[str] = set()
-    for iid in job_ledger.input_ids(input_path):
+    # each line parsed as the intake parses it: a line a --skip-invalid submit refused has an id
+    # and no answer, and would be taken for an unanswered one (job_ledger.build reads it so too)
+    for iid in job_ledger.input_ids(input_path, checked=True):
         if iid is None or iid in seen:
             out.permanent["validation"] += 1  # refused by the intake: it would be refused again
             continue
@@ -160,8 +162,8 @@ def submit(c: Conductor, old: str, new: str, source: str, chosen: Plan, path: st
     from conductor.redis_contract.config import ModelDefaults
     with open(path, "wb") as out:
         write_lines(source, chosen.ids, out)
-    drop_dead_letters(c, old, chosen.ids)
     found = check_file(path, skip_invalid=False, rejects=None, default_max_tokens=ModelDefaults(lambda: c.r).max_tokens)
+    drop_dead_letters(c, old, chosen.ids)  # once the new input checks: a refused retry leaves them
     prepare_job(c, found, new, job_class_of(c, old))
     job_state.start(c.r, new, metadata=retry_metadata(c, old), input_path=path)
     return send_file(c, found, new).accepted
