@@ -66,6 +66,10 @@ class _Remote:
     def active(self) -> int:
         return 0
 
+    def room(self) -> int | None:
+        """The agent paces its GPU processes itself (--depth batches each)."""
+        return None
+
     def prewarm(self, shape: str, lanes: list[int], epoch: int) -> None:
         """The pre-warm signal is not passed on to GPU processes (yet)."""
 

@@ -38,7 +38,7 @@ from conductor.redis_contract.connection import as_str
 from conductor.redis_contract.records import Batch, Contract, Result, ResultError
 
 from .doorbell import Doorbell, poll_sleep
-from .engines.base import Engine, Finished
+from .engines.base import Engine, EngineDead, EngineOutage, Finished
 from .identity import host_name, owner, owner_gone, stable_worker_name
 from .latch import AdmissionLatch
 from .outage import Link, cut_retries
@@ -113,6 +113,7 @@ class Worker:
         # Only run()'s loop probes and joins Redis again after an outage; a subclass with a loop of its
         # own (the host agent) keeps reporting each failure as before.
         self._rides_out = False
+        self.engine_dead = ""  # why the engine died, when it did: run() gives its batches back and raises
 
     # ------------------------------------------------------------------ lifecycle
     def register(self, say: bool = True) -> None:
@@ -299,10 +300,13 @@ class Worker:
                     + sum(len(results) for _, results, _ in self.retry))
 
     def free_slots(self) -> int | None:
-        """How many items one pull may ask for (None: only the engine's contract limits it)."""
+        """How many items one pull may ask for (None: only the engine's contract limits it): the latch,
+        the pending ceiling, and the engine's own room (an engine that queues says how much more it
+        wants, so the worker holds about one batch beyond what runs)."""
         limits = [x for x in (self.latch.room(self.engine.active()),
                               None if self.opts.pending_ceiling is None
-                              else self.opts.pending_ceiling - self.pending()) if x is not None]
+                              else self.opts.pending_ceiling - self.pending(),
+                              self.engine.room()) if x is not None]
         return min(limits) if limits else None
 
     def _pull(self) -> bool:
@@ -351,9 +355,26 @@ class Worker:
 
     def _step(self) -> None:
         t = time.perf_counter()
-        finished = self.engine.step()
+        try:
+            finished = self.engine.step()
+        except EngineOutage as e:
+            self._engine_outage(e)
+            return
+        except EngineDead as e:
+            event("engine_dead", worker=self.name, error=str(e))
+            self.engine_dead = str(e)
+            self.stopping.set()
+            return
         self.metrics.stepped(time.perf_counter() - t)
         self._collect(finished)
+
+    def _engine_outage(self, err: EngineOutage) -> None:
+        """What serves the engine went away: its unfinished items go back to Redis (served first by
+        whoever claims next, this worker too once the engine has room again), not answered as failed."""
+        with self._lock:
+            batches, items = len(self.inflight), sum(e.left for e in self.inflight.values())
+        event("engine_outage", worker=self.name, batches=batches, items=items, error=str(err))
+        self._give_back_inflight()
 
     def turn(self) -> bool:
         """One turn of the loop; returns whether anything happened."""
@@ -403,6 +424,13 @@ class Worker:
         self.notifier.ready(f"pulling for {self.contract.model} ({self.engine.kind}) as {self.name}")
 
     def run(self) -> None:
+        """Serve until stopped (or idle, or done with --max-batches); an engine that died ends it with
+        EngineDead once its batches went back."""
+        self._serve()
+        if self.engine_dead:
+            raise EngineDead(f"{self.engine_dead}; its batches went back to the queue")
+
+    def _serve(self) -> None:
         self._start()
         idle_since = time.monotonic()
         sleep = 0.001
@@ -579,6 +607,10 @@ class Worker:
 
     def hand_back(self) -> None:
         """Write what finished, and give unfinished batches to the reclaimed queue at once."""
+        self._give_back_inflight()
+        self.engine.close()
+
+    def _give_back_inflight(self) -> None:
         with self._lock:
             for entry in self.inflight.values():
                 if entry.results:
@@ -595,5 +627,4 @@ class Worker:
         event("handed_back", worker=self.name, batches=len(ids), requeued=res.get("items", 0))
         with self._lock:
             self.inflight.clear()
-        self.engine.close()
 

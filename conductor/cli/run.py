@@ -122,12 +122,39 @@ def _worker_cmd(args: argparse.Namespace, url: str, model: str, i: int, port: in
     store = ["--store", args.store] if args.store else []  # else CONDUCTOR_STORE, inherited
     cmd = [sys.executable, "-m", "conductor", "--redis", url, *store, "--log-level", "warning", "worker",
            "--engine", args.engine, "--model", model, "--name", f"run-{model}-{i}",
-           "--max-batch-size", str(args.max_batch_size), "--max-batch-tokens", str(args.max_batch_tokens),
-           "--max-input-len", str(args.max_input_len), "--sim-time-scale", str(args.sim_time_scale),
-           "--metrics-port", str(port), "--drain-s", str(WORKER_DRAIN_S)]
-    if args.model_path:
-        cmd += ["--model-path", args.model_path]
+           "--sim-time-scale", str(args.sim_time_scale), "--metrics-port", str(port), "--drain-s", str(WORKER_DRAIN_S)]
+    for flag, value in (("--max-batch-size", args.max_batch_size), ("--max-batch-tokens", args.max_batch_tokens),
+                        ("--max-input-len", args.max_input_len), ("--model-path", args.model_path),
+                        ("--endpoint", args.endpoint), ("--served-model", args.served_model),
+                        ("--max-in-flight", args.max_in_flight)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    for key, value in args.engine_arg or ():
+        cmd += ["--engine-arg", f"{key}={json.dumps(value)}"]
     return cmd
+
+
+def worker_env(engine: str, i: int, n: int) -> dict[str, str] | None:
+    """The environment of run's worker ``i`` of ``n``: vLLM engines of one host split it. On CPU each
+    takes its share of this process's cores (vLLM's automatic binding would put every engine on the
+    same ones); with GPUs, one each (CUDA_VISIBLE_DEVICES). Whatever the caller set stays."""
+    if engine != "vllm":
+        return None
+    env = dict(os.environ)
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # run prints its own progress; vLLM's INFO lines drown it
+    gpus = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+    if n > 1 and gpus:
+        env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
+    elif n > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and not _has_cuda():
+        cores = sorted(os.sched_getaffinity(0))
+        share = cores[i * len(cores) // n:(i + 1) * len(cores) // n] or [cores[i % len(cores)]]
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, share))
+    return env
+
+
+def _has_cuda() -> bool:
+    import shutil
+    return shutil.which("nvidia-smi") is not None
 
 
 class _Workers:
@@ -138,10 +165,10 @@ class _Workers:
         self.ports: list[int] = []
         self.stopped_at = 0.0
 
-    def start(self, cmd: list[str], port: int) -> None:
+    def start(self, cmd: list[str], port: int, env: dict[str, str] | None = None) -> None:
         from conductor.embedded import tie_to_parent
         self.ports.append(port)
-        self.procs.append(subprocess.Popen(cmd, preexec_fn=tie_to_parent()))
+        self.procs.append(subprocess.Popen(cmd, preexec_fn=tie_to_parent(), env=env))
 
     def all_exited(self) -> bool:
         return all(p.poll() is not None for p in self.procs)
@@ -246,7 +273,7 @@ def _serve(args: argparse.Namespace, c: Any, found: Any, job: str, stop: _StopFl
     for m, i in ((m, i) for m in models for i in range(args.workers)):
         if not stop:
             port = free_port()
-            workers.start(_worker_cmd(args, url, m, i, port), port)
+            workers.start(_worker_cmd(args, url, m, i, port), port, worker_env(args.engine, i, args.workers))
     t0 = time.monotonic()
     rep = send_file(c, found, job, should_stop=lambda: bool(stop))
     if not stop:

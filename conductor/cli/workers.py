@@ -4,6 +4,8 @@ engine flags they (and ``conductor run``) share."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import signal
 from typing import Any
 
@@ -11,20 +13,51 @@ from conductor.cli.args import non_negative_float, positive_float, positive_int
 from conductor.cli.connect import conductor_from
 from conductor.errors import ConductorError
 
+ENGINES = ("sim", "torch", "trtllm", "vllm", "openai")
+# The contract flags' defaults where the engine does not say (vllm takes them from its configuration,
+# openai's input length from the server's max_model_len when it tells).
+CONTRACT_DEFAULTS = {"max_batch_size": 64, "max_batch_tokens": 8192, "max_input_len": 4096}
+
 
 def engine_flags(p: argparse.ArgumentParser, model_required: bool = True) -> None:
-    p.add_argument("--engine", choices=["sim", "torch", "trtllm"], default="sim",
-                   help="sim: a cost model, no GPU; torch: transformers; trtllm: TensorRT-LLM")
+    p.add_argument("--engine", choices=ENGINES, default="sim",
+                   help="sim: a cost model, no GPU; torch: transformers; trtllm: TensorRT-LLM; vllm: vLLM in "
+                        "process; openai: any OpenAI-compatible server (--endpoint)")
     if model_required:
         p.add_argument("--model", required=True, help="model name (the engine's identity in the conductor)")
-    p.add_argument("--model-path", help="torch/trtllm: local model folder (torch: 'tiny' for a random tiny Llama)")
-    p.add_argument("--max-batch-size", type=positive_int, default=64, help="items per batch (the contract)")
-    p.add_argument("--max-batch-tokens", type=positive_int, default=8192,
-                   help="input tokens per batch, padded in memory mode (the contract)")
-    p.add_argument("--max-input-len", type=positive_int, default=4096,
-                   help="longest input the engine takes; longer items get an error result")
+    p.add_argument("--model-path", help="torch/trtllm/vllm: local model folder (torch: 'tiny' for a random tiny "
+                                        "Llama; python -m conductor.workers.engines.random_model DIR writes one)")
+    p.add_argument("--max-batch-size", type=positive_int,
+                   help="items per batch (the contract; default 64, vllm: its max_num_seqs, which this sets)")
+    p.add_argument("--max-batch-tokens", type=positive_int,
+                   help="input tokens per batch, padded in memory mode (the contract; default 8192, vllm: its KV "
+                        "cache in tokens)")
+    p.add_argument("--max-input-len", type=positive_int,
+                   help="longest input the engine takes; longer items get an error result (default 4096, vllm: "
+                        "its max_model_len - 1, openai: the server's when it says)")
     p.add_argument("--sim-time-scale", type=non_negative_float, default=0.0,
                    help="sim: multiply the cost model's sleeps by this (0: no sleeping)")
+    p.add_argument("--engine-arg", action="append", default=None, metavar="KEY=VALUE", type=engine_arg,
+                   help="vllm: one of vLLM's EngineArgs (gpu_memory_utilization=0.85, max_model_len=8192, "
+                        "tensor_parallel_size=2); the value is read as JSON when it parses, else as text; repeat it")
+    p.add_argument("--endpoint", metavar="URL", help="openai: the server's base URL (http://host:8000/v1)")
+    p.add_argument("--api-key", dest="engine_api_key", metavar="KEY",
+                   help="openai: the server's API key (default: env OPENAI_API_KEY, else none)")
+    p.add_argument("--served-model", metavar="NAME", help="openai: the model name the server knows "
+                                                         "(default: --model)")
+    p.add_argument("--max-in-flight", type=positive_int,
+                   help="openai: requests in flight to the server at most; the worker adapts below it (halved on "
+                        "429, 5xx and timeouts, grown on success; default: the batch size)")
+
+
+def engine_arg(raw: str) -> tuple[str, Any]:
+    key, sep, value = raw.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"{raw!r} is not KEY=VALUE with KEY one of vLLM's EngineArgs fields")
+    try:
+        return key, json.loads(value)
+    except ValueError:
+        return key, value
 
 
 def consumer_flags(p: argparse.ArgumentParser, whose: str) -> None:
@@ -43,12 +76,24 @@ def consumer_flags(p: argparse.ArgumentParser, whose: str) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """make_engine's keyword arguments from the engine flags (plain data: the agent sends them on)."""
     kw: dict[str, Any] = {"model": args.model}
+    given = {k: getattr(args, k) for k in CONTRACT_DEFAULTS}
+    if args.engine == "vllm":
+        kw.update(given, model_path=args.model_path, engine_args=dict(args.engine_arg or ()))
+        return kw
+    if args.engine_arg:
+        raise ConductorError(f"--engine-arg: only the vllm engine takes engine arguments, not {args.engine}")
+    if args.engine == "openai":
+        if not args.endpoint:
+            raise ConductorError("--endpoint: required with --engine openai (the server's base URL, "
+                                 "http://host:8000/v1)")
+        kw.update(given, endpoint=args.endpoint, api_key=args.engine_api_key or os.environ.get("OPENAI_API_KEY"),
+                  served_model=args.served_model, max_in_flight=args.max_in_flight)
+        return kw
+    kw.update({k: CONTRACT_DEFAULTS[k] if v is None else v for k, v in given.items()})
     if args.engine == "sim":
-        kw.update(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
-                  max_input_len=args.max_input_len, time_scale=args.sim_time_scale)
+        kw.update(time_scale=args.sim_time_scale)
     else:
-        kw.update(max_batch_size=args.max_batch_size, max_batch_tokens=args.max_batch_tokens,
-                  max_input_len=args.max_input_len, model_path=args.model_path)
+        kw.update(model_path=args.model_path)
     return kw
 
 
@@ -94,7 +139,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_agent(args: argparse.Namespace) -> int:
     from conductor.workers.host_agent import HostAgent
     from conductor.workers.worker import WorkerOptions
-    if args.engine != "sim" and not args.model_path:
+    if args.engine not in ("sim", "openai") and not args.model_path:
         raise ConductorError(f"--model-path: required with --engine {args.engine}")
     stop_cleanly_until_ready()
     c = conductor_from(args)

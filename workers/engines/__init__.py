@@ -17,7 +17,13 @@ def make_engine(kind: str, **kw: Any) -> Engine:
     if kind == "trtllm":
         from .trtllm import TrtllmEngine
         return TrtllmEngine(**kw)
-    raise ValueError(f"engine: unknown engine {kind!r} (sim, torch, trtllm)")
+    if kind == "vllm":
+        from .vllm_engine import VllmEngine
+        return VllmEngine(**kw)
+    if kind == "openai":
+        from .openai_engine import OpenAIEngine
+        return OpenAIEngine(**kw)
+    raise ValueError(f"engine: unknown engine {kind!r} (sim, torch, trtllm, vllm, openai)")
 
 
 __all__ = ["Engine", "Finished", "make_engine"]

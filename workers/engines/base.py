@@ -22,6 +22,17 @@ class EngineConfigError(ConductorError, ValueError):
     """A bad engine flag, named at the start of the message (``--model-path: ...``)."""
 
 
+class EngineDead(ConductorError):
+    """Raised by ``step``: the engine cannot go on (its process died). The worker gives back every
+    batch it holds (they run again elsewhere, answered once) and exits non-zero, for systemd to restart."""
+
+
+class EngineOutage(ConductorError):
+    """Raised by ``step``: what serves the engine went away (a server down or restarting). The engine
+    has dropped its unfinished requests; the worker gives their batches back (not a failure of the items)
+    and claims again once ``room`` is above 0."""
+
+
 class Finished:
     """One sequence that left the engine, with its output or a per-item error."""
 
@@ -55,6 +66,10 @@ class ContractHolder:
     def contract(self) -> Contract:
         return self._contract
 
+    def room(self) -> int | None:
+        """Items the engine wants claimed for it now; None: as many as the contract allows."""
+        return None
+
 
 @runtime_checkable
 class Engine(Protocol):
@@ -74,6 +89,11 @@ class Engine(Protocol):
 
     def active(self) -> int:
         """Sequences alive in the engine (admitted, not yet finished)."""
+
+    def room(self) -> int | None:
+        """How many items to claim for it now (0: none, None: no limit of its own). An engine that
+        queues what it cannot run yet says how much more it wants, so the worker holds about one
+        batch beyond what runs and the backlog stays in Redis."""
 
     def prewarm(self, shape: str, lanes: list[int], epoch: int) -> None:
         """Prepare for a shape before it is dispatched (graphs, prefix cache)."""

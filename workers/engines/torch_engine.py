@@ -139,7 +139,7 @@ class TorchEngine(ContractHolder):
             cfg = LlamaConfig(**TINY_CONFIG)
             # Any: transformers types PreTrainedModel.to through a decorator that mypy reads as
             # taking the model, not the device
-            self.lm: Any = LlamaForCausalLM(cfg)
+            self.lm: Any = LlamaForCausalLM(cfg)  # type: ignore[no-untyped-call]  # untyped in transformers 5.19
             self.tok: Any = ByteTokenizer()
             self.eos = ByteTokenizer.eos_token_id
             self.pad = ByteTokenizer.pad_token_id
