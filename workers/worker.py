@@ -469,7 +469,9 @@ class Worker:
                     break
                 if self.link.down:
                     continue
-                if bell is None or self.retry:  # polling, or results waiting for Redis to come back
+                # polling, results waiting for Redis to come back, or an engine not taking work (a server
+                # away): a doorbell would not ring when it is back
+                if bell is None or self.retry or self.engine.room() == 0:
                     sleep = poll_sleep(sleep, self.opts.poll_max_s)
                     continue
                 got = bell.wait_idle(maint.due_in(), self.opts.idle_exit_s, idle_since, self.last_claim,

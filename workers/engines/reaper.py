@@ -41,6 +41,14 @@ def start_time(pid: int) -> str | None:
         return None
 
 
+def alive(pid: int) -> bool:
+    """Whether the process runs (a zombie, dead and not yet waited for, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def descendants(pid: int | None = None) -> list[int]:
     """Every live process below ``pid`` (this one by default), from /proc."""
     root = os.getpid() if pid is None else pid
@@ -67,6 +75,7 @@ class Reaper:
 
     def __init__(self, pids: list[int]) -> None:
         args = [f"{p}:{t}" for p in pids if (t := start_time(p)) is not None]
+        self.pids = [int(a.split(":")[0]) for a in args]
         self.proc: subprocess.Popen[bytes] | None = None
         if args and sys.platform.startswith("linux"):
             self.proc = subprocess.Popen([sys.executable, "-c", _REAPER, *args], stdin=subprocess.PIPE,

