@@ -238,6 +238,8 @@ class OpenAIEngine(ContractHolder):
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=5)
+            if not self._thread.is_alive():
+                self._loop.close()
             self._sync.close()
         self._live = 0
 
