@@ -28,7 +28,9 @@ class WorkerMetrics:
         self.claim_seconds = M.CLAIM_SECONDS.labels(*lw)
         self.shape_switches = M.SHAPE_SWITCHES.labels(*lw)
         self.prefix_hits = M.PREFIX_HIT_TOKENS.labels(*lw)
-        self._prefix_hits_seen = 0
+        self.engine_queries = M.ENGINE_PREFIX_QUERIES.labels(*lw)
+        self.engine_hits = M.ENGINE_PREFIX_HITS.labels(*lw)
+        self._seen: dict[str, int] = {}
         self.fill = M.BATCH_FILL.labels(*lw)
         self.size = M.BATCH_SIZE.labels(*lw)
         self.padded = M.PADDED_TOKENS.labels(*lw)
@@ -49,6 +51,7 @@ class WorkerMetrics:
         """Drop this worker's series (a worker renamed at start leaves none under its old name)."""
         for fam in (M.ACTIVE_SEQUENCES, M.LATCH_GATED, M.LATCH_TRANSITIONS, M.FINISHED, M.OUTPUT_TOKENS,
                     M.STEP_SECONDS, M.RETRY_BUFFER, M.CLAIM_SECONDS, M.SHAPE_SWITCHES, M.PREFIX_HIT_TOKENS,
+                    M.ENGINE_PREFIX_QUERIES, M.ENGINE_PREFIX_HITS,
                     M.BATCH_FILL, M.BATCH_SIZE, M.PADDED_TOKENS, M.ACTUAL_TOKENS, M.WARM_CLAIMS,
                     M.WARM_CLAIM_RATIO, M.BUSY_SECONDS, M.IDLE_WITH_WORK_SECONDS):
             try:
@@ -102,8 +105,13 @@ class WorkerMetrics:
         self.retry_depth.set(retry_depth)
 
     def engine_counters(self, counters: object) -> None:
-        """The engine's own tallies (sim and torch count prefix-cache hits; others may not)."""
-        hits = getattr(counters, "prefix_hit_tokens", None)
-        if isinstance(hits, int) and hits > self._prefix_hits_seen:
-            self.prefix_hits.inc(hits - self._prefix_hits_seen)
-            self._prefix_hits_seen = hits
+        """The engine's own tallies, where it keeps them: prefix-cache hits in the items' input tokens
+        (sim, torch, vllm, openai when the server reports cached tokens), and vLLM's own prefix-cache
+        queries and hits in its tokens."""
+        for field, counter in (("prefix_hit_tokens", self.prefix_hits), ("prefix_queries", self.engine_queries),
+                               ("prefix_hits", self.engine_hits)):
+            now = getattr(counters, field, None)
+            seen = self._seen.get(field, 0)
+            if isinstance(now, int) and now > seen:
+                counter.inc(now - seen)
+                self._seen[field] = now

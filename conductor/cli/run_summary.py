@@ -26,6 +26,7 @@ class RunSummary:
         self.actual_tokens = 0
         self._batches: dict[str, int] = {}  # batch id -> its padded tokens
         self.prefix_hit_tokens: int | None = None
+        self.engine_queries = self.engine_hits = 0  # the engine's own prefix-cache count (vllm), in its tokens
         self.busy_s: list[float] = []  # each worker's busy seconds (its engine held sequences), when all were read
 
     def add(self, record: bytes) -> None:
@@ -48,7 +49,7 @@ class RunSummary:
         """Sum conductor_prefix_hit_tokens and take each worker's conductor_worker_busy_seconds from the
         workers' endpoints; both left unknown if any is unreadable (a partial sum would understate the
         hits, a missing worker would hide the imbalance)."""
-        total, busy = 0.0, []
+        total, busy, queries, hits = 0.0, [], 0.0, 0.0
         for port in ports:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as resp:
@@ -60,8 +61,13 @@ class RunSummary:
                     total += sum(s.value for s in fam.samples if s.name.endswith("_total"))
                 elif fam.name == "conductor_worker_busy_seconds":
                     busy.append(sum(s.value for s in fam.samples if s.name.endswith("_total")))
+                elif fam.name == "conductor_engine_prefix_cache_queries":
+                    queries += sum(s.value for s in fam.samples if s.name.endswith("_total"))
+                elif fam.name == "conductor_engine_prefix_cache_hits":
+                    hits += sum(s.value for s in fam.samples if s.name.endswith("_total"))
         self.prefix_hit_tokens = int(total)
         self.busy_s = busy
+        self.engine_queries, self.engine_hits = int(queries), int(hits)
 
     def text(self) -> str:
         mean = self.results / self.batches if self.batches else 0.0
@@ -72,5 +78,7 @@ class RunSummary:
         if len(self.busy_s) > 1 and sum(self.busy_s) > 0:
             fleet = (f", {len(self.busy_s)} workers busy {min(self.busy_s):.1f} to {max(self.busy_s):.1f} s "
                      f"(max/mean {max(self.busy_s) / (sum(self.busy_s) / len(self.busy_s)):.2f})")
+        engine = (f", the engine's prefix cache {self.engine_hits / self.engine_queries:.1%} of "
+                  f"{self.engine_queries:,} prompt tokens" if self.engine_queries else "")
         return (f"{self.batches:,} batches, {mean:.1f} items per batch (mean), padding {self.padding():.1%} "
-                f"of dispatched tokens, {hits}{fleet}")
+                f"of dispatched tokens, {hits}{engine}{fleet}")

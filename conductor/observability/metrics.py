@@ -37,6 +37,10 @@ CLAIM_SECONDS = Histogram("conductor_claim_seconds", "Claim round trip (claim.lu
 RETRY_BUFFER = Gauge("conductor_worker_retry_buffer_batches", "Batches whose result writes wait for Redis", LW)
 PREFIX_HIT_TOKENS = Counter("conductor_prefix_hit_tokens", "Input tokens the engine's prefix cache served "
                             "(not computed)", LW)
+ENGINE_PREFIX_QUERIES = Counter("conductor_engine_prefix_cache_queries", "Prompt tokens the engine looked up in its "
+                                "prefix cache, in the engine's own tokens (engines that count them: vllm)", LW)
+ENGINE_PREFIX_HITS = Counter("conductor_engine_prefix_cache_hits", "Prompt tokens the engine's prefix cache held, in "
+                             "the engine's own tokens (engines that count them: vllm)", LW)
 SHAPE_SWITCHES = Counter("conductor_worker_shape_switches", "Batches whose shape differs from the previous one", LW)
 WARM_CLAIMS = Counter("conductor_worker_warm_claims", "Batches of the shape the worker's previous batch had (a warm "
                       "prefix)", LW)

@@ -1,0 +1,370 @@
+"""Issue 33: the conductor on a real engine against vLLM's own batch runner, on the same OpenAI batch files.
+
+    .venv/bin/python -m bench.real_engine                        # every file and case on this CPU; rewrites its section
+    .venv/bin/python -m bench.real_engine --files prefix --cases a,b --lines 96 --no-write   # a short look
+    .venv/bin/python -m bench.real_engine --gpu                  # on a GPU host: a larger random model
+
+The bench writes a random-initialised Llama (workers/engines/random_model.py; on this CPU 6 layers,
+hidden 512, a byte-level tokenizer; with --gpu 16 layers, hidden 2048) and the files of
+bench/real_engine_files.py, then times each case from its command's start to its end, model load
+included on every side:
+
+* (a) ``python -m vllm.entrypoints.openai.run_batch`` on the file, one engine (vLLM's defaults: its
+  engine core in a process of its own); (a, sorted) the same on the file sorted by system prompt:
+  the limit a hand-grouped file gives;
+* (b) ``conductor run --engine vllm --workers 1`` (an embedded Redis, the submit, the worker);
+* (c) two engines: ``conductor run --workers 2`` against two batch runners started together, each
+  given half of the file, lines dealt alternately, each engine on half of the cores (on a GPU, half
+  of its memory each);
+* (d) ``conductor run --engine openai`` against one ``vllm serve`` started for it (its start counted).
+
+Figures: wall seconds, prompt and output tokens per second (prompt tokens from the model's own chat
+template, the same for every case), vLLM's own prefix-cache hit rate (its counters: the runner's and
+the server's /metrics, scraped while it runs, the last scrape before it ends; the conductor's worker
+publishes its engine's counters), and every id answered exactly once without an error.
+
+The KV cache is sized so that it cannot hold every system prompt at once (on this CPU 32 MiB: about
+10,900 tokens against 24 prompts of 500 to 1,500). Exit status: 0, also when a goal is missed; 1
+when a case lost, duplicated or failed an id.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.common import command_line, git_rev, machine, now_utc, publish, table
+from bench.real_engine_files import write as write_file
+from conductor.embedded import free_port
+from conductor.workers.engines.random_model import ModelSize, write_random_llama
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU_SIZE = ModelSize(layers=6, hidden=512, heads=8, kv_heads=2, intermediate=1536, max_positions=4096)
+GPU_SIZE = ModelSize(layers=16, hidden=2048, heads=16, kv_heads=8, intermediate=5632, max_positions=8192)
+MODEL = "tiny"
+GOALS = {"b/a prefix": 1.2, "b/a unique": 0.95, "c/a2 prefix": 1.3, "d/b": 0.9}
+
+
+@dataclass
+class Case:
+    name: str
+    file: str
+    wall_s: float
+    answered: int
+    expected: int
+    errors: int
+    twice: int
+    output_tokens: int
+    hit_rate: float | None
+    note: str = ""
+    prompt_tokens: int = 0
+
+    @property
+    def clean(self) -> bool:
+        return self.answered == self.expected and self.errors == 0 and self.twice == 0
+
+    def row(self) -> list[object]:
+        hit = "?" if self.hit_rate is None else f"{self.hit_rate:.1%}"
+        ok = "yes" if self.clean else (f"NO ({self.answered}/{self.expected}, {self.errors} errors, "
+                                       f"{self.twice} twice)")
+        return [self.file, self.name, f"{self.wall_s:.1f}", f"{self.prompt_tokens / self.wall_s:,.0f}",
+                f"{self.output_tokens / self.wall_s:,.0f}", hit, ok]
+
+
+@dataclass
+class Setup:
+    model_dir: Path
+    work: Path
+    gpu: bool
+    kv_bytes: int
+    env: dict[str, str] = field(default_factory=dict)
+
+    def engine_flags(self) -> list[str]:
+        """vLLM's own flags for a runner or a server: the same engine settings the conductor's engine gets."""
+        return [] if self.gpu else ["--enforce-eager", "--kv-cache-memory-bytes", str(self.kv_bytes)]
+
+    def conductor_engine_args(self) -> list[str]:
+        return [] if self.gpu else ["--engine-arg", f"kv_cache_memory_bytes={self.kv_bytes}"]
+
+
+# ------------------------------------------------------------------ the peer: vLLM's batch runner
+class Scraper:
+    """Polls a vLLM /metrics endpoint while a process runs; keeps the last prefix-cache counters seen."""
+
+    def __init__(self, port: int) -> None:
+        self.port, self.queries, self.hits = port, 0.0, 0.0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._loop, daemon=True)
+        self._t.start()
+
+    def read(self) -> None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=2) as resp:
+                text = resp.read().decode()
+        except OSError:
+            return
+        q, h = _sum(text, "vllm:prefix_cache_queries_total"), _sum(text, "vllm:prefix_cache_hits_total")
+        if q is not None and h is not None and q >= self.queries:
+            self.queries, self.hits = q, h
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.5):
+            self.read()
+
+    def stop(self) -> float | None:
+        self._stop.set()
+        self._t.join(timeout=5)
+        return self.hits / self.queries if self.queries else None
+
+
+def _sum(text: str, name: str) -> float | None:
+    vals = [float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines() if ln.startswith((name + "{", name + " "))]
+    return sum(vals) if vals else None
+
+
+def runner_cmd(s: Setup, src: Path, out: Path, port: int) -> list[str]:
+    return [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(src), "-o", str(out), "--model",
+            str(s.model_dir), "--served-model-name", MODEL, "--enable-metrics", "--port", str(port),
+            *s.engine_flags()]
+
+
+def runner_rows(out: Path) -> list[tuple[str, bool, int]]:
+    """(custom_id, ok, completion tokens) of each line of a runner's output."""
+    rows = []
+    for ln in out.read_text().splitlines():
+        r = json.loads(ln)
+        body = ((r.get("response") or {}).get("body") or {})
+        rows.append((r["custom_id"], r.get("error") is None and bool(body),
+                     int((body.get("usage") or {}).get("completion_tokens") or 0)))
+    return rows
+
+
+def _tally(name: str, kind: str, wall: float, rows: list[tuple[str, bool, int]], expected: int,
+           hit: float | None, note: str = "") -> Case:
+    ids = [r[0] for r in rows]
+    return Case(name, kind, wall, len(set(ids)), expected, sum(1 for r in rows if not r[1]),
+                len(ids) - len(set(ids)), sum(r[2] for r in rows), hit, note)
+
+
+def run_runners(s: Setup, name: str, kind: str, srcs: list[Path], expected: int, binds: list[str | None]) -> Case:
+    """One or more batch runners started together; the wall time is the last one's end."""
+    procs, scrapers, outs = [], [], []
+    t0 = time.monotonic()
+    for k, (src, bind) in enumerate(zip(srcs, binds, strict=True)):
+        port = free_port()
+        out = s.work / f"{name}-{kind}-{k}.out.jsonl"
+        env = dict(s.env)
+        if bind is not None:
+            env[("CUDA_VISIBLE_DEVICES" if s.gpu else "VLLM_CPU_OMP_THREADS_BIND")] = bind
+        procs.append(subprocess.Popen(runner_cmd(s, src, out, port), env=env, stdout=subprocess.DEVNULL,
+                                      stderr=(s.work / f"{name}-{kind}-{k}.log").open("wb")))
+        scrapers.append(Scraper(port))
+        outs.append(out)
+    for p in procs:
+        p.wait()
+    wall = time.monotonic() - t0
+    rates = [sc.stop() for sc in scrapers]
+    q = sum(sc.queries for sc in scrapers)
+    hit = sum(sc.hits for sc in scrapers) / q if q else None
+    rows = [r for out in outs if out.exists() for r in runner_rows(out)]
+    return _tally(name, kind, wall, rows, expected, hit,
+                  "" if all(r is not None for r in rates) else "hits partly unread")
+
+
+# ------------------------------------------------------------------ the conductor
+_ENGINE_HITS = re.compile(r"the engine's prefix cache ([\d.]+)% of")
+
+
+def conductor_rows(out: Path) -> list[tuple[str, bool, int]]:
+    rows = []
+    for ln in out.read_text().splitlines():
+        r = json.loads(ln)
+        rows.append((r["id"], r.get("error") is None, int(r.get("output_tokens") or 0)))
+    return rows
+
+
+def run_conductor(s: Setup, name: str, kind: str, src: Path, expected: int, extra: list[str], workers: int,
+                  t0: float | None = None) -> tuple[Case, str]:
+    out = s.work / f"{name}-{kind}.out.jsonl"
+    log = s.work / f"{name}-{kind}.log"
+    start = time.monotonic() if t0 is None else t0
+    p = subprocess.run([sys.executable, "-m", "conductor", "run", str(src), "--workers", str(workers), "-o",
+                        str(out), *extra], env=s.env, stdout=subprocess.DEVNULL, stderr=log.open("wb"), cwd=str(ROOT))
+    wall = time.monotonic() - start
+    err = log.read_text(errors="replace")
+    m = _ENGINE_HITS.search(err)
+    rows = conductor_rows(out) if out.exists() else []
+    case = _tally(name, kind, wall, rows, expected, float(m.group(1)) / 100 if m else None,
+                  "" if p.returncode == 0 else f"exit {p.returncode}")
+    return case, err
+
+
+def run_openai(s: Setup, kind: str, src: Path, expected: int) -> Case:
+    """(d): one vllm serve started for the run, then conductor run --engine openai; both timed."""
+    port = free_port()
+    t0 = time.monotonic()
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                               str(s.model_dir), "--served-model-name", MODEL, "--port", str(port),
+                               *s.engine_flags()], env=s.env, stdout=subprocess.DEVNULL,
+                              stderr=(s.work / f"serve-{kind}.log").open("wb"), start_new_session=True)
+    scraper = Scraper(port)
+    try:
+        case, _ = run_conductor(s, "d", kind, src, expected,
+                                ["--engine", "openai", "--endpoint", f"http://127.0.0.1:{port}/v1"], 1, t0=t0)
+        scraper.read()
+        case.hit_rate = scraper.stop()
+        return case
+    finally:
+        scraper.stop()
+        os.killpg(server.pid, 9)
+        server.wait()
+
+
+# ------------------------------------------------------------------ files and tokens
+def prompt_tokens(model_dir: Path, src: Path) -> int:
+    """Prompt tokens of a file as every engine here counts them: the model's chat template, then its tokenizer."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    n = 0
+    for ln in src.read_text().splitlines():
+        msgs = json.loads(ln)["body"]["messages"]
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        n += len(tok.encode(text, add_special_tokens=False))
+    return n
+
+
+def halves(src: Path, work: Path) -> list[Path]:
+    lines = src.read_text().splitlines(keepends=True)
+    out = []
+    for k in range(2):
+        p = work / f"{src.stem}.half{k}.jsonl"
+        p.write_text("".join(lines[k::2]))
+        out.append(p)
+    return out
+
+
+def core_halves() -> list[str]:
+    cores = sorted(os.sched_getaffinity(0))
+    half = max(1, len(cores) // 2)
+    return [",".join(map(str, cores[:half])), ",".join(map(str, cores[half:] or cores[:half]))]
+
+
+def run_file(s: Setup, kind: str, lines: int, cases: list[str]) -> list[Case]:
+    src = write_file(s.work / f"{kind}.jsonl", kind, lines, MODEL)
+    ptok = prompt_tokens(s.model_dir, src)
+    out: list[Case] = []
+    vllm = ["--engine", "vllm", "--model-path", str(s.model_dir), *s.conductor_engine_args()]
+
+    def add(c: Case) -> None:
+        c.prompt_tokens = ptok
+        out.append(c)
+        hit = "?" if c.hit_rate is None else f"{c.hit_rate:.1%}"
+        print(f"  {kind:7} {c.name:9} {c.wall_s:7.1f} s  answered {c.answered}/{c.expected}  errors {c.errors}  "
+              f"hits {hit} {c.note}", flush=True)
+    if "a" in cases:
+        add(run_runners(s, "a", kind, [src], lines, [None]))
+        if kind == "prefix":
+            srt = write_file(s.work / "prefix-sorted.jsonl", "prefix-sorted", lines, MODEL)
+            add(run_runners(s, "a sorted", kind, [srt], lines, [None]))
+    if "b" in cases:
+        add(run_conductor(s, "b", kind, src, lines, vllm, 1)[0])
+    if "c" in cases and kind == "prefix":
+        binds = ["0", "1"] if s.gpu else core_halves()
+        add(run_runners(s, "a2 halves", kind, halves(src, s.work), lines, binds))
+        add(run_conductor(s, "c", kind, src, lines, vllm, 2)[0])
+    if "d" in cases and kind in ("prefix", "mixed"):
+        add(run_openai(s, kind, src, lines))
+    return out
+
+
+def ratios(cases: list[Case]) -> list[tuple[str, float, float | None]]:
+    """(what, ratio of speeds, goal) for each comparison the cases allow."""
+    by = {(c.file, c.name): c.wall_s for c in cases}
+    out = []
+
+    def speedup(what: str, num: tuple[str, str], den: tuple[str, str], goal: float | None) -> None:
+        if num in by and den in by:
+            out.append((what, by[den] / by[num], goal))
+    for f in ("prefix", "unique", "mixed"):
+        speedup(f"(b) over (a), {f}", (f, "b"), (f, "a"), GOALS.get(f"b/a {f}"))
+    speedup("(a, sorted) over (a), prefix: the limit", ("prefix", "a sorted"), ("prefix", "a"), None)
+    speedup("(c) over two half-file runners, prefix", ("prefix", "c"), ("prefix", "a2 halves"), GOALS["c/a2 prefix"])
+    for f in ("prefix", "mixed"):
+        speedup(f"(d) over (b), {f}", (f, "d"), (f, "b"), GOALS["d/b"])
+    return out
+
+
+def report(cases: list[Case], args: argparse.Namespace, size: ModelSize, kv_bytes: int) -> str:
+    rows = [c.row() for c in cases]
+    rat = [[w, f"{r:.2f}x", "-" if g is None else f"{g:.2f}x", "-" if g is None else ("met" if r >= g else "MISSED")]
+           for w, r, g in ratios(cases)]
+    return "\n".join([
+        "## Real engines: the conductor against vLLM's own batch runner (issue 33)",
+        "",
+        f"Command: `{command_line()}`, {now_utc()}, commit {git_rev()}; {machine()}.",
+        f"Model: a random Llama written by the bench ({size.layers} layers, hidden {size.hidden}, {size.heads} "
+        f"heads, {size.kv_heads} KV heads, byte-level tokenizer), vLLM {_vllm_version()}"
+        + ("" if args.gpu else f", CPU, enforce_eager, KV cache {kv_bytes >> 20} MiB on every engine") + ".",
+        f"Files: {args.lines} OpenAI chat lines each (bench/real_engine_files.py); every line greedy.",
+        "Wall seconds from a command's start to its end, model load included on every side; tokens per second "
+        "over that wall time.",
+        "",
+        table(["file", "case", "wall s", "prompt tok/s", "output tok/s", "vLLM prefix-cache hits",
+               "every id once, no error"], rows),
+        "",
+        table(["comparison", "speed ratio", "goal", ""], rat),
+    ])
+
+
+def _vllm_version() -> str:
+    try:
+        from importlib.metadata import version
+        for dist in ("vllm", "vllm-cpu"):
+            try:
+                return f"{version(dist)} ({dist})"
+            except Exception:  # noqa: BLE001 - the other distribution name
+                continue
+    except ImportError:
+        pass
+    return "?"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--files", default="prefix,unique,mixed", help="comma list of prefix, unique, mixed")
+    p.add_argument("--cases", default="a,b,c,d", help="comma list of a, b, c, d")
+    p.add_argument("--lines", type=int, default=384)
+    p.add_argument("--gpu", action="store_true", help="a GPU host: the larger model, vLLM's own memory settings")
+    p.add_argument("--kv-mb", type=int, default=32, help="CPU: each engine's KV cache, MiB")
+    p.add_argument("--model-dir", help="use this model folder instead of writing one")
+    p.add_argument("--no-write", action="store_true", help="do not rewrite the RESULTS.md section")
+    p.add_argument("--json", help="also write the figures here")
+    args = p.parse_args(argv)
+    size = GPU_SIZE if args.gpu else CPU_SIZE
+    with tempfile.TemporaryDirectory(prefix="real-engine-") as tmp:
+        work = Path(tmp)
+        model_dir = Path(args.model_dir) if args.model_dir else write_random_llama(work / "model", size)
+        env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", PYTHONWARNINGS="ignore")
+        s = Setup(model_dir, work, args.gpu, args.kv_mb << 20, env)
+        cases: list[Case] = []
+        for kind in args.files.split(","):
+            cases += run_file(s, kind, args.lines, args.cases.split(","))
+        text = report(cases, args, size, s.kv_bytes)
+        publish(text, "real-engines", write=not args.no_write, json_path=args.json,
+                data=[c.__dict__ for c in cases] + [{"ratios": ratios(cases)}])
+    return 0 if all(c.clean for c in cases) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
