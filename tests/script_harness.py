@@ -631,6 +631,33 @@ def _intake_task(c: Conductor, owner: str) -> str:
     return K.intake_task_key("j")
 
 
+def _schema_init(c: Conductor) -> Call:
+    c.r.delete(K.SCHEMA_KEY)  # Conductor() wrote it
+    return Call("schema_init", [K.SCHEMA_KEY, K.MODELS_KEY, K.JOBS_KEY], [6])
+
+
+def schema_init_empty(c: Conductor) -> Call:
+    """An empty Redis gets the current version in one step (lua/schema_init.lua)."""
+    call = _schema_init(c)
+    return Call(call.script, call.keys, call.args, check=lambda r: r.get(K.SCHEMA_KEY) == b"6")
+
+
+def schema_init_not_empty(c: Conductor) -> Call:
+    """Conductor registries without a version: nothing written (the migrations run instead)."""
+    call = _schema_init(c)
+    c.r.sadd(K.MODELS_KEY, "m")
+    return Call(call.script, call.keys, call.args, check=lambda r: not r.exists(K.SCHEMA_KEY))
+
+
+def intake_create_new(c: Conductor) -> Call:
+    """A task recorded with its creator's lease (lua/intake_create.lua), over an ended one."""
+    key = K.intake_task_key("j")
+    c.r.hset(key, mapping={"state": "done", "owner": "old", "lease_ms": 0, "line": 9})
+    return Call("intake_create", [key], ["first", 5000, "job", "j", "source", "cli", "path", "/in.jsonl",
+                                                   "state", "checking", "line", 0],
+                check=lambda r: r.hget(key, "owner") == b"first" and r.hget(key, "line") == b"0")
+
+
 def intake_lease_lapsed(c: Conductor) -> Call:
     """A resumer takes the task whose holder stopped renewing (lua/intake_lease.lua)."""
     key = _intake_task(c, "first")
@@ -682,6 +709,8 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
               claim_hygiene_retires_empty,
               claim_hygiene_big_lane, claim_reindexes, claim_enters_cleanup, claim_leaves_cleanup],
     "job_class": [job_class_new],
+    "intake_create": [intake_create_new],
+    "schema_init": [schema_init_empty, schema_init_not_empty],
     "intake_lease": [intake_lease_lapsed],
     "intake_cursor": [intake_cursor_moves],
     "submit": [submit_new_shapes, submit_leaves_cleanup_reuses_lane, submit_known_shape_without_prefix,

@@ -395,3 +395,45 @@ def test_an_unreadable_task_is_failed_only_once_nobody_holds_it_for_the_deadline
     monkeypatch.setenv(intake_resume.UNREADABLE_ENV, "soon")
     with pytest.raises(ConductorError, match=intake_resume.UNREADABLE_ENV):
         intake_resume.Resumer(cdr, "x")
+
+
+def test_a_fresh_intake_task_is_born_leased_so_a_racing_resumer_never_takes_it(cdr, redis_url, tmp_path, monkeypatch):
+    # Issue 37: a task recorded and then leased by a second call was, in between, an open task with no
+    # live lease; a worker's resumer took it from the submit still running it ("its intake task was
+    # taken by another process"). Here a resumer sweeps without pause while 300 fresh intakes begin.
+    import threading
+
+    from conductor.intake.intake_resume import Resumer
+    src = tmp_path / "in.jsonl"
+    src.write_text("")
+    taken: list[str] = []
+    monkeypatch.setattr(Resumer, "_run", lambda self, job: taken.append(job))
+    resumer = Resumer(Conductor(redis.Redis.from_url(redis_url)), "resumer")
+    stop_sweeping = threading.Event()
+
+    def sweep() -> None:
+        while not stop_sweeping.is_set():
+            resumer.tick()
+    sweeper = threading.Thread(target=sweep)
+    sweeper.start()
+    refused: list[str] = []
+    try:
+        for i in range(300):
+            try:
+                T.create(cdr, T.Task(job=f"j{i}", source="cli", path=str(src), state="sending", defaults={}),
+                         "creator")
+            except ConductorError as e:
+                refused.append(str(e))
+            task = T.read(cdr.r, f"j{i}")
+            assert task is not None and task.owner == "creator" and task.lease_ms > 0
+            cdr.r.hset(K.intake_task_key(f"j{i}"), "state", "done")  # ended: the sweep drops it from the index
+    finally:
+        stop_sweeping.set()
+        sweeper.join(30)
+    assert refused == [] and taken == []
+    # a live holder's task is not replaced; an ended one is, with a fresh lease
+    cdr.r.hset(K.intake_task_key("j0"), mapping={"state": "sending", "lease_ms": T.server_ms(cdr.r) + 60_000})
+    with pytest.raises(ConductorError, match="being submitted by another process \\(creator\\)"):
+        T.create(cdr, T.Task(job="j0", source="cli", path=str(src), state="sending", defaults={}), "second")
+    T.create(cdr, T.Task(job="j1", source="cli", path=str(src), state="sending", defaults={}), "second")
+    assert T.read(cdr.r, "j1").owner == "second"

@@ -7,9 +7,9 @@ Redis whose version this code does not know (a newer layout, or one never migrat
 A fleet starts together (systemd at boot, ``docker compose up`` with replicas), so several
 processes meet an empty or older Redis at the same moment (issue 37):
 
-* An empty Redis gets the current version in one atomic step (``_EMPTY_LUA``): there is nothing to
-  move, so no process can read a half-migrated version in between.
-* Migrations run under a lease (``cdr:schema:lock``, SET NX PX, renewed while they run): one
+* An empty Redis gets the current version in one atomic step (lua/schema_init.lua): there is
+  nothing to move, so no process can read a half-migrated version in between.
+* Migrations run under a lease (``cdr:schema:lock``, lua/lease.lua: SET NX PX, renewed while they run): one
   runner; every other process that needs the schema (a second ``conductor migrate``, a worker, a
   submit) waits for it, says so once, and gives up after ``CONDUCTOR_SCHEMA_WAIT_S`` seconds
   (default 300). A runner that dies leaves the lease to expire, and the next one takes over from
@@ -32,38 +32,15 @@ from types import ModuleType
 import redis
 
 from conductor.errors import SchemaMismatch
+from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.connection import as_str
 from conductor.redis_contract.keys import JOBS_KEY, MODELS_KEY, SCHEMA_KEY, SCHEMA_LOCK_KEY
+from conductor.redis_contract.scripts import Scripts
 
 log = logging.getLogger("conductor.schema")
 
 LEASE_MS = 30_000  # a runner renews every third of it; a dead one frees it this long after
 POLL_S = 0.1
-
-# KEYS: schema, models, jobs. ARGV: the current version. The version is written only where there
-# is none and the registries every writer fills first are empty: a Redis holding conductor keys
-# without a version is not empty, and goes through the migrations (under the lease) as before.
-# Returns the version Redis then holds, or 0 when it holds conductor keys and no version.
-_EMPTY_LUA = """
-local have = redis.call('GET', KEYS[1])
-if have then return tonumber(have) end
-if redis.call('EXISTS', KEYS[2]) == 1 or redis.call('EXISTS', KEYS[3]) == 1 then return 0 end
-redis.call('SET', KEYS[1], ARGV[1])
-return tonumber(ARGV[1])
-"""
-
-# KEYS: the lease. ARGV: holder, lease ms. Renew only a lease this runner still holds.
-_RENEW_LUA = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return 1
-"""
-
-_RELEASE_LUA = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-redis.call('DEL', KEYS[1])
-return 1
-"""
 
 
 def migrations() -> list[ModuleType]:
@@ -97,11 +74,11 @@ def migrate(client: redis.Redis, *, wait_s: float | None = None) -> list[int]:
     """Apply pending migrations under the lease; returns the versions this call applied (none when
     another runner, waited for, did them)."""
     holder = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-    _take_lease(client, holder, wait_bound_s() if wait_s is None else wait_s)
+    scripts = Scripts(client)
+    _take_lease(client, scripts, holder, wait_bound_s() if wait_s is None else wait_s)
     lost = threading.Event()
     stop = threading.Event()
-    renewer = threading.Thread(target=_renew, args=(client, holder, stop, lost), daemon=True,
-                               name="schema-lease")
+    renewer = threading.Thread(target=_renew, args=(scripts, holder, stop, lost), daemon=True, name="schema-lease")
     renewer.start()
     try:
         applied = []
@@ -119,20 +96,20 @@ def migrate(client: redis.Redis, *, wait_s: float | None = None) -> list[int]:
     finally:
         stop.set()
         renewer.join()
-        client.register_script(_RELEASE_LUA)(keys=[SCHEMA_LOCK_KEY], args=[holder])
+        # handed back: renewed to expire at once (lua/lease.lua extends only its holder's lease)
+        calls.lease(SCHEMA_LOCK_KEY, holder, 1).run(scripts)
 
 
-def _take_lease(client: redis.Redis, holder: str, wait_s: float) -> None:
+def _take_lease(client: redis.Redis, scripts: Scripts, holder: str, wait_s: float) -> None:
     waited = _Waiter(client, wait_s, "to run the migrations")
-    while not client.set(SCHEMA_LOCK_KEY, holder, nx=True, px=LEASE_MS):
+    while not calls.lease(SCHEMA_LOCK_KEY, holder, LEASE_MS).run(scripts):
         waited.tick()
 
 
-def _renew(client: redis.Redis, holder: str, stop: threading.Event, lost: threading.Event) -> None:
-    renew = client.register_script(_RENEW_LUA)
+def _renew(scripts: Scripts, holder: str, stop: threading.Event, lost: threading.Event) -> None:
     while not stop.wait(LEASE_MS / 3000):
         try:
-            if not renew(keys=[SCHEMA_LOCK_KEY], args=[holder, LEASE_MS]):
+            if not calls.lease(SCHEMA_LOCK_KEY, holder, LEASE_MS).run(scripts):
                 lost.set()
                 return
         except redis.RedisError:
@@ -174,7 +151,7 @@ def _write_empty(client: redis.Redis, want: int) -> int:
             return current(client)
         client.set(SCHEMA_KEY, want, nx=True)
         return current(client)
-    return int(client.register_script(_EMPTY_LUA)(keys=[SCHEMA_KEY, MODELS_KEY, JOBS_KEY], args=[want]))
+    return calls.schema_init(want).run(Scripts(client))
 
 
 def check(client: redis.Redis, *, auto: bool = True, wait_s: float | None = None) -> int:
