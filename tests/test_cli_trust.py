@@ -227,9 +227,15 @@ def test_a_signal_stops_workers_and_redis_writes_what_completed_and_leaves_nothi
     assert took < 8, took  # each about 1.5 s alone; the slack is for four at once on a loaded machine
     for sig, (_, out), err in zip(sigs[:3], runs, errs, strict=False):
         assert "Traceback" not in err
-        done = rows(out)
-        m = re.search(rf"stopped by {sig.name}: (\d+) results written to {re.escape(str(out))}, (\d+) of 3000", err)
+        # the earlier output is kept as it was; what completed went beside it, named (issue 37)
+        part = out.parent / "out.partial.jsonl"
+        assert out.read_text() == "earlier\n"
+        done = rows(part)
+        m = re.search(rf"stopped by {sig.name}: (\d+) results written to {re.escape(str(part))} "
+                      rf"\({re.escape(str(out))} kept as it was\), (\d+) of 3000", err)
         assert m and int(m.group(1)) == len(done) > 0 and int(m.group(2)) == 3000 - len(done), err
+        assert "the embedded Redis went with this run, and the job with it: a rerun starts over: " in err
+        assert "--resume" not in err.splitlines()[-1]
         assert len({r["id"] for r in done}) == len(done)
         assert not list(out.parent.glob(".out.jsonl.*.part"))
     for sig, (port, redis_dir) in zip(sigs, going, strict=True):

@@ -249,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         args.values += extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed: run's resume hint repeats it
     logging.basicConfig(level=args.log_level if isinstance(args.log_level, int) else logging.INFO,
                         format="%(message)s", stream=sys.stderr)
     try:

@@ -1,0 +1,78 @@
+"""Issue 37, what a newcomer met, each finding tried again through the real ``conductor`` command as
+a subprocess against a real redis-server: an interrupted run keeps an earlier output and prints a
+resume command that runs as printed, a Redis URL that never answers, unknown models, a job's
+class, one vocabulary for answers, and the smaller points."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tests.conftest import ROOT, cli
+
+
+def lines(path: Path, count: int, model: str = "m", start: int = 0) -> Path:
+    path.write_text("".join(json.dumps({"id": f"i{k}", "model": model, "prefix": [f"system {k % 3}"],
+                                        "prompt": "p", "input_tokens": 20, "max_tokens": 16}) + "\n"
+                            for k in range(start, start + count)))
+    return path
+
+
+def no_url_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k != "CONDUCTOR_REDIS_URL"}
+
+
+# ---------------------------------------------------------------- an interrupted run (findings 3 and 7)
+
+def test_a_stopped_run_keeps_the_earlier_output_and_its_resume_hint_runs_as_printed(redis_url, tmp_path):
+    small = lines(tmp_path / "c.jsonl", 200)
+    out = tmp_path / "full.jsonl"
+    cli("run", str(small), "--job", "first", "-o", str(out), url=redis_url)
+    earlier = out.read_bytes()
+    assert len(earlier.splitlines()) == 200
+
+    big = lines(tmp_path / "big.jsonl", 1500)
+    env = dict(no_url_env(), CONDUCTOR_PROGRESS_S="0")
+    p = subprocess.Popen([sys.executable, "-m", "conductor", "run", str(big), "--job", "big", "--workers", "1",
+                          "--max-batch-size", "16", "--sim-time-scale", "5", "-o", str(out), "--redis", redis_url],
+                         cwd=str(ROOT), stderr=subprocess.PIPE, env=env, start_new_session=True)
+    try:
+        assert p.stderr is not None
+        deadline = time.monotonic() + 120
+        while True:
+            line = p.stderr.readline()
+            assert line and time.monotonic() < deadline, "the run did not get going"
+            if (m := re.search(rb": (\d+)/1500 results", line)) and int(m.group(1)) > 0:
+                break
+        os.killpg(p.pid, signal.SIGINT)
+        assert p.wait(60) == 130
+        err = p.stderr.read().decode()
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        if p.stderr is not None:
+            p.stderr.close()
+    assert out.read_bytes() == earlier  # the earlier complete output, as it was
+    part = tmp_path / "full.partial.jsonl"
+    stop_line = err.strip().splitlines()[-1]
+    m = re.search(rf"stopped by SIGINT: (\d+) results written to {re.escape(str(part))} "
+                  rf"\({re.escape(str(out))} kept as it was\), (\d+) of 1500 items not done; to finish it: (.*)$",
+                  stop_line)
+    assert m, err
+    assert int(m.group(1)) == len(part.read_text().splitlines()) > 0
+    hint = m.group(3)
+    assert f"-o {out}" in hint and f"--redis {redis_url}" in hint and hint.endswith("--job big --resume")
+
+    # pasted as printed (no CONDUCTOR_REDIS_URL: the hint carries its Redis), it finishes the job
+    done = subprocess.run(shlex.split(hint), cwd=str(ROOT), capture_output=True, env=no_url_env(), timeout=300)
+    assert done.returncode == 0, done.stderr.decode()
+    ids = [json.loads(x)["id"] for x in out.read_text().splitlines()]
+    assert sorted(ids) == sorted(f"i{k}" for k in range(1500))
