@@ -76,3 +76,50 @@ def test_a_stopped_run_keeps_the_earlier_output_and_its_resume_hint_runs_as_prin
     assert done.returncode == 0, done.stderr.decode()
     ids = [json.loads(x)["id"] for x in out.read_text().splitlines()]
     assert sorted(ids) == sorted(f"i{k}" for k in range(1500))
+
+
+# ---------------------------------------------------------------- a port that is not Redis (finding 4)
+
+def _silent_port(answer: bytes | None) -> tuple[int, object]:
+    """A listening port that accepts and never answers (``answer`` None) or answers ``answer`` to anything."""
+    import socket
+    import threading
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            held.append(conn)
+            if answer is not None:
+                conn.recv(1024)
+                conn.sendall(answer)
+
+    threading.Thread(target=serve, daemon=True).start()
+
+    def close() -> None:
+        srv.close()
+        for c in held:
+            c.close()
+    return srv.getsockname()[1], close
+
+
+def test_a_port_that_accepts_and_never_answers_is_one_line_and_exit_2_within_seconds():
+    for answer, expect in ((None, "did not answer within 5 s: it accepted the connection and sent nothing"),
+                           (b"HTTP/1.1 400 Bad Request\r\n\r\n", "answered, but not as Redis does")):
+        port, close = _silent_port(answer)
+        try:
+            t0 = time.monotonic()
+            p = subprocess.run([sys.executable, "-m", "conductor", "--redis", f"redis://127.0.0.1:{port}/0", "jobs"],
+                               capture_output=True, env=no_url_env(), cwd=str(ROOT), timeout=120)
+            took = time.monotonic() - t0
+        finally:
+            close()  # type: ignore[operator]
+        err = p.stderr.decode().strip().splitlines()
+        assert p.returncode == 2 and len(err) == 1 and err[0].startswith("conductor: ") and expect in err[0], err
+        assert took < 60, took  # the old client waited out every retry's timeout: minutes
