@@ -88,9 +88,9 @@ def test_workers_zero_leaves_an_existing_output_file_alone(redis_url, tmp_path):
 
 
 def test_a_directory_or_a_missing_file_is_one_clear_line(redis_url, tmp_path):
-    err = one_line_error(cli("submit", str(tmp_path), url=redis_url, check=False))
+    err = one_line_error(cli("submit", "--create", str(tmp_path), url=redis_url, check=False))
     assert err == f"conductor: {tmp_path} is a directory, not a file"
-    err = one_line_error(cli("submit", str(tmp_path / "nope.jsonl"), url=redis_url, check=False))
+    err = one_line_error(cli("submit", "--create", str(tmp_path / "nope.jsonl"), url=redis_url, check=False))
     assert "No such file" in err and "nope.jsonl" in err
     err = one_line_error(cli("run", str(tmp_path), "-o", str(tmp_path / "o.jsonl"), url=redis_url, check=False))
     assert "is a directory" in err

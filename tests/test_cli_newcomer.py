@@ -5,6 +5,7 @@ class, one vocabulary for answers, and the smaller points."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -123,3 +124,53 @@ def test_a_port_that_accepts_and_never_answers_is_one_line_and_exit_2_within_sec
         err = p.stderr.decode().strip().splitlines()
         assert p.returncode == 2 and len(err) == 1 and err[0].startswith("conductor: ") and expect in err[0], err
         assert took < 60, took  # the old client waited out every retry's timeout: minutes
+
+
+# ---------------------------------------------------------------- a model name with a typo (finding 5)
+
+def test_a_typo_in_a_model_is_refused_at_submit_with_a_did_you_mean_and_never_becomes_a_model(redis_url, cdr,
+                                                                                               tmp_path):
+    from conductor.redis_contract import keys as K
+    cdr.ensure_model("demo-7b")  # a worker of demo-7b registered
+    src = tmp_path / "typo.jsonl"
+    src.write_text("".join(json.dumps({"id": f"i{k}", "model": "demo-7bb" if k == 2 else "demo-7b", "prompt": "p",
+                                       "max_tokens": 4}) + "\n" for k in range(5)))
+    p = cli("submit", str(src), "--job", "t", url=redis_url, check=False)
+    err = p.stderr.decode()
+    assert p.returncode == 2, err
+    assert "line 3: model: 'demo-7bb' is unknown to this Redis; did you mean 'demo-7b'? (known: demo-7b; " \
+           "--create makes it)" in err
+    assert cdr.models() == ["demo-7b"] and not cdr.r.zscore(K.JOBS_KEY, "t")  # nothing written
+    # inspect never offers the refused name
+    p = cli("inspect", "demo-7bbb", url=redis_url, check=False)
+    assert p.returncode == 2 and "'demo-7bb'" not in p.stderr.decode() and "'demo-7b'" in p.stderr.decode()
+    # --skip-invalid submits the other lines (the refused one in the rejects), still no new model
+    cli("submit", str(src), "--job", "t", "--skip-invalid", url=redis_url)
+    assert cdr.models() == ["demo-7b"] and cdr.status("t")["submitted"] == 4
+    # --create says the model is new (its workers start later): then it is made
+    cli("submit", str(src), "--job", "t2", "--create", url=redis_url)
+    assert cdr.models() == ["demo-7b", "demo-7bb"]
+
+
+def test_a_batch_api_line_for_an_unserved_model_fails_validation_naming_the_line(redis_url, cdr, tmp_path):
+    from openai import OpenAI
+
+    from tests.test_durable_intake import start_serve
+    from tests.test_serve import KEY, follow, jsonl, request
+    cdr.ensure_model("m")
+    serve, base = start_serve(redis_url, tmp_path / "files")
+    try:
+        client = OpenAI(base_url=base + "/v1", api_key=KEY)
+        rows = [request(i) for i in range(4)]
+        rows[2]["body"]["model"] = "mm"
+        f = client.files.create(file=("in.jsonl", io.BytesIO(jsonl(rows))), purpose="batch")
+        b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        b = follow(client, b.id, {"failed", "in_progress", "completed"})
+    finally:
+        serve.terminate()
+        assert serve.wait(30) == 0
+    assert b.status == "failed"
+    (e,) = b.errors.data
+    assert (e.code, e.line, e.param) == ("model_not_found", 3, "body.model")
+    assert "'mm' is not served here; did you mean 'm'? (served: m)" in e.message
+    assert cdr.models() == ["m"]

@@ -28,13 +28,14 @@ from conductor.errors import ConductorError
 from conductor.intake import intake_task as T
 from conductor.redis_contract import keys as K
 from tests.conftest import ROOT
-from tests.test_serve import KEY, follow, get, jsonl, lines_of, request, stop, worker
+from tests.test_serve import KEY, follow, get, jsonl, lines_of, request, served, stop, worker
 
 LINES = 60
 CHUNK = 25  # 3 chunks: 25, 25, 10
 
 
 def start_serve(redis_url: str, data_dir: Path, **env: str) -> tuple[subprocess.Popen, str]:
+    served(redis_url)
     port = free_port()
     full = {**os.environ, "CONDUCTOR_REDIS_URL": redis_url, "CONDUCTOR_API_KEYS": KEY,
             "CONDUCTOR_TEST_SEND_CHUNK": str(CHUNK), **env}
@@ -159,7 +160,7 @@ def test_cli_submit_killed_mid_file_is_resumed_by_a_workers_maintenance(redis_ur
     r = redis.Redis.from_url(redis_url)
     env = dict(os.environ, CONDUCTOR_REDIS_URL=redis_url, CONDUCTOR_TEST_SEND_CHUNK=str(CHUNK),
                CONDUCTOR_TEST_PAUSE_AT="unrecorded_chunk")
-    p = subprocess.Popen([sys.executable, "-m", "conductor", "submit", str(src), "--job", "cj"], env=env,
+    p = subprocess.Popen([sys.executable, "-m", "conductor", "submit", "--create", str(src), "--job", "cj"], env=env,
                          cwd=str(ROOT), stdout=subprocess.DEVNULL)
     try:
         task = wait_paused(r, "cj", "unrecorded_chunk")
@@ -302,6 +303,7 @@ def test_a_batch_cancelled_before_its_intake_declared_anything_gets_nothing_writ
     from conductor.jobs import job_state
     src = tmp_path / "in.jsonl"
     src.write_bytes(jsonl([request(i) for i in range(5)]))
+    cdr.r.sadd(K.MODELS_KEY, "m")  # a model this Redis knows (a batch for an unknown one fails validation)
     T.create(cdr, T.Task(job="batch_x", source="api", path=str(src), file_id="file-x", endpoint="/v1/chat/completions"),
              "me")
     job_state.start(cdr.r, "batch_x", status="validating")

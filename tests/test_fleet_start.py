@@ -36,7 +36,7 @@ def _start_fleet(url: str, src: Path, job: str, logs: Path) -> tuple[list[subpro
             return subprocess.Popen([*base, *argv], env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=err)
     workers = [start(f"w{i}", ["worker", "--engine", "sim", "--model", "m", "--create", "--name", f"w{i}",
                                "--max-batch-size", "8"]) for i in range(WORKERS)]
-    submit = start("submit", ["submit", str(src), "--job", job, "--quiet"])
+    submit = start("submit", ["submit", str(src), "--job", job, "--quiet", "--create"])
     return workers, submit
 
 

@@ -47,8 +47,18 @@ def jsonl(rows: list[dict]) -> bytes:
     return "".join(json.dumps(r) + "\n" for r in rows).encode()
 
 
+def served(url: str, *models: str) -> None:
+    """The models a fleet serves, known to Redis before a batch names them (as a worker started with
+    --create makes its model): the Batch API refuses a line for a model Redis does not know."""
+    from conductor.client import Conductor, connect
+    c = Conductor(connect(url))
+    for m in models or ("m",):
+        c.ensure_model(m)
+
+
 @pytest.fixture()
 def serve(redis_url, tmp_path) -> Iterator[str]:
+    served(redis_url)
     port = free_port()
     env = dict(os.environ, CONDUCTOR_REDIS_URL=redis_url, CONDUCTOR_API_KEYS=f"other-key,{KEY}")
     p = subprocess.Popen([sys.executable, "-m", "conductor", "serve", "--port", str(port),

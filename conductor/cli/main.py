@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--skip-invalid", action="store_true", help="submit the valid lines, reject the others")
     s.add_argument("--rejects", metavar="FILE", help="write rejected lines here (JSON lines with line, field, error)")
     s.add_argument("--quiet", action="store_true", help="print only the job id")
+    s.add_argument("--create", action="store_true",
+                   help="submit to models Redis does not know yet (workers not started yet); without it a line "
+                        "naming an unknown model (a typo) is refused, with a did-you-mean")
     from conductor.cli.batch_api import add_commands, add_submit_flags
     add_submit_flags(s)
     add_class_flags(s)

@@ -24,7 +24,7 @@ def known_job(c: Conductor, job: str) -> list[str]:
     follow forever)."""
     models = c.job_models(job)
     if not models:
-        from conductor.cli.admin import did_you_mean
+        from conductor.errors import did_you_mean
         from conductor.redis_contract import keys as K
         recent = [as_str(j) for j in c.r.zrevrange(K.JOBS_KEY, 0, 999)]
         raise ConductorError(f"job {job!r} is unknown to this Redis{did_you_mean(job, recent)} "

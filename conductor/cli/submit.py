@@ -63,7 +63,7 @@ def rejects_output(path: str | None) -> Iterator[Output | None]:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from conductor.cli.progress import ProgressLine
-    from conductor.intake.file_intake import LARGE_SUBMIT, check_file, prepare_job
+    from conductor.intake.file_intake import LARGE_SUBMIT, KnownModels, check_file, prepare_job
     from conductor.intake.intake_run import Defaults, run
     from conductor.intake.intake_task import Task, cli_owner, create, file_identity
     conductors: list[Any] = []  # connected only when a line needs a model's default (or to submit)
@@ -72,10 +72,17 @@ def cmd_submit(args: argparse.Namespace) -> int:
         if not conductors:
             conductors.append(conductor_from(args))
         return conductors[0].r
+    def known_models() -> list[str]:
+        redis_client()
+        models: list[str] = conductors[0].models()
+        return models
     refuse_overwrite([args.file], {"--rejects": args.rejects})
     defaults = Defaults(redis_client, None)  # recorded with the task: a resumed intake builds the same items
+    # a model Redis does not know is a typo unless --create says it is new (a fleet not started yet)
+    known = None if args.create else KnownModels(known_models)
     with rejects_output(args.rejects) as rej:
-        found = check_file(args.file, skip_invalid=args.skip_invalid, rejects=rej, default_max_tokens=defaults)
+        found = check_file(args.file, skip_invalid=args.skip_invalid, rejects=rej, default_max_tokens=defaults,
+                           check=known)
     redis_client()
     c = conductors[0]
     job = args.job or default_job(args.file)
