@@ -427,7 +427,7 @@ def test_status_and_jobs_count_input_lines_as_the_ledger_does(redis_url: str, tm
             "items submitted 9" in text, text
         listed = next(ln.split() for ln in cli("jobs", url=redis_url).stdout.decode().splitlines()
                       if ln.startswith("lc "))
-        assert listed[4] == "12" and listed[-2] == "9", listed  # lines ... items
+        assert listed[4] == "12" and listed[-5] == "9", listed  # lines ... items (then tenant, priority, deadline)
         return lines
 
     b, _why = c.claim(contract(size=3), "w")  # one batch completes, one fails, the rest wait

@@ -174,3 +174,70 @@ def test_a_batch_api_line_for_an_unserved_model_fails_validation_naming_the_line
     assert (e.code, e.line, e.param) == ("model_not_found", 3, "body.model")
     assert "'mm' is not served here; did you mean 'm'? (served: m)" in e.message
     assert cdr.models() == ["m"]
+
+
+# ---------------------------------------------------------------- a job's class (finding 6)
+
+def test_a_jobs_class_is_shown_and_one_past_its_deadline_is_reported(redis_url, tmp_path):
+    from tests.helpers import wait_for
+    src = lines(tmp_path / "a.jsonl", 5)
+    cli("submit", str(src), "--create", "--job", "a", "--tenant", "team-a", "--priority", "background",
+        "--deadline", "2h", url=redis_url)
+    cli("submit", str(src), "--job", "own", url=redis_url)
+    cli("submit", str(src), "--job", "soon", "--deadline", "3s", url=redis_url)
+    table = cli("jobs", url=redis_url).stdout.decode().splitlines()
+    assert table[0].split()[-5:] == ["items", "tenant", "priority", "deadline", "state"]
+    row = next(x for x in table if x.startswith("a "))
+    assert " team-a " in row and " background " in row and row.endswith("in_progress")
+    own = next(x for x in table if x.startswith("own "))
+    assert own.split()[-4:] == ["-", "batch", "-", "in_progress"]
+    rows = {r["job"]: r for r in json.loads(cli("jobs", "--json", url=redis_url).stdout)}
+    assert (rows["a"]["tenant"], rows["a"]["priority"], rows["a"]["past_deadline"]) == ("team-a", "background", False)
+    assert abs(rows["a"]["deadline_ms"] / 1000 - time.time() - 7200) < 120 and rows["a"]["deadline"].endswith("Z")
+    assert (rows["own"]["tenant"], rows["own"]["deadline"]) == (None, None)
+    first = cli("status", "a", url=redis_url).stdout.decode().splitlines()[0]
+    assert "tenant team-a, priority background, deadline " in first and "(in 2h)" in first
+
+    # three seconds on, job soon is past its deadline: jobs and status say so
+    wait_for(lambda: json.loads(cli("jobs", "--json", url=redis_url).stdout)[-1]["past_deadline"], "past it",
+             timeout=60)
+    soon = next(x for x in cli("jobs", url=redis_url).stdout.decode().splitlines() if x.startswith("soon "))
+    assert soon.endswith("in_progress, past its deadline")
+    assert "(past it by " in cli("status", "soon", url=redis_url).stdout.decode().splitlines()[0]
+    st = json.loads(cli("status", "soon", "--json", url=redis_url).stdout)
+    assert st["past_deadline"] is True and st["tenant"] is None and st["priority"] == "batch"
+
+
+def test_a_deadline_already_past_is_refused_for_a_new_job(redis_url, cdr, tmp_path):
+    from conductor.redis_contract import keys as K
+    src = lines(tmp_path / "a.jsonl", 5)
+    p = cli("submit", str(src), "--create", "--job", "late", "--deadline", "2020-01-01T00:00:00Z", url=redis_url,
+            check=False)
+    err = p.stderr.decode().strip().splitlines()
+    assert p.returncode == 2 and len(err) == 1, err
+    assert err[0].startswith("conductor: --deadline: 2020-01-01T00:00:00Z is ") and "in the past" in err[0]
+    assert cdr.r.zscore(K.JOBS_KEY, "late") is None and cdr.models() == []
+
+
+# ---------------------------------------------------------------- one vocabulary (finding 8)
+
+def test_status_says_cancelled_in_every_line_and_watch_on_a_cancelled_job_exits_0(redis_url, cdr, tmp_path):
+    from tests.conftest import item
+    src = lines(tmp_path / "a.jsonl", 30)
+    cli("submit", str(src), "--create", "--job", "c", url=redis_url)
+    cdr.submit([item(i, 10) for i in range(20)], "lib")  # a library submit: no input lines known
+    for job in ("c", "lib"):
+        cli("cancel", job, url=redis_url)
+    text = cli("status", "c", url=redis_url).stdout.decode().splitlines()
+    assert "lines 30: 0 completed, 0 failed, 30 cancelled, 0 expired, 0 refused, 0 pending" in text[0]
+    assert text[1] == "job c: submitted 30, completed 0, failed 0, cancelled 30, pending 0"
+    text = cli("status", "lib", url=redis_url).stdout.decode().splitlines()
+    assert "items 20: 0 completed, 0 failed, 20 cancelled, 0 expired, 0 pending" in text[0]
+    assert text[1] == "job lib: submitted 20, completed 0, failed 0, cancelled 20, pending 0"
+    st = json.loads(cli("status", "c", "--json", url=redis_url).stdout)
+    assert (st["failed"], st["cancelled"], st["request_counts"]["failed"]) == (0, 30, 30)  # OpenAI's counts
+    row = next(r for r in json.loads(cli("jobs", "--json", url=redis_url).stdout) if r["job"] == "c")
+    assert (row["failed"], row["cancelled"]) == (0, 30)
+    for job in ("c", "lib"):
+        p = cli("status", job, "--watch", url=redis_url, check=False)
+        assert p.returncode == 0, p.stdout.decode()

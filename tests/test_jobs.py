@@ -47,9 +47,9 @@ def test_jobs_lists_every_job_with_its_counters_and_state(redis_url, cdr, tmp_pa
     assert all(r["created_ms"] > 0 for r in listed)
     text = cli("jobs", url=redis_url).stdout.decode().splitlines()
     assert text[0].split() == ["job", "created", "models", "lines", "completed", "failed", "cancelled", "expired",
-                               "refused", "pending", "items", "state"]
+                               "refused", "pending", "items", "tenant", "priority", "deadline", "state"]
     assert text[3].split()[0] == "open-job" and \
-        text[3].split()[-10:] == ["m,n", "5", "0", "0", "0", "0", "0", "5", "5", "in_progress"]
+        text[3].split()[-13:] == ["m,n", "5", "0", "0", "0", "0", "0", "5", "5", "-", "batch", "-", "in_progress"]
     assert [r["job"] for r in json.loads(cli("jobs", "--json", "--limit", "1", url=redis_url).stdout)] == \
         ["open-job"]
 

@@ -117,7 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     from conductor.cli.retry import add_commands as add_ledger_commands
     add_ledger_commands(command)
 
-    jb = command("jobs", "list jobs: created, models, submitted, completed, failed, pending, state", cmd_jobs)
+    jb = command("jobs", "list jobs, oldest first, one row each: when created, its models, its input lines and how "
+                 "each was answered (completed; failed: an error of the engine; cancelled; expired; refused at "
+                 "validation; pending), its items in Redis, tenant ('-': its own), priority, deadline and state "
+                 "(OpenAI's status names; 'past its deadline' when late)", cmd_jobs)
     jb.add_argument("--json", action="store_true", help="one JSON list of job objects")
     jb.add_argument("--limit", type=non_negative_int, default=100, help="the newest this many jobs (0: all)")
 
@@ -130,10 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--errors", metavar="FILE", help="with --format openai: failed lines go to FILE (OpenAI's "
                                                     "error file) instead of the output")
 
-    st = command("status", "a job's submitted, completed, failed and pending items", cmd_status)
+    st = command("status", "a job's state, its input lines and items by how each was answered (completed; failed: an "
+                 "error of the engine; cancelled; expired; refused at validation; pending), its tenant, priority "
+                 "and deadline, and its lifecycle times; then one line of its items", cmd_status)
     st.add_argument("job", help="job id (conductor jobs lists them)")
     st.add_argument("--watch", action="store_true",
-                    help="repeat until every item has a result; exit 1 if any failed")
+                    help="repeat until every item has a result; exit 1 if any failed or expired (a cancel is not "
+                         "a failure: 0)")
     st.add_argument("--json", action="store_true", help="one JSON object per report")
     st.add_argument("--interval", type=positive_float, default=1.0, help="seconds between reports with --watch")
 

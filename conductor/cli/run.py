@@ -213,7 +213,7 @@ def _run(args: argparse.Namespace, found: Any, stop: _StopFlag) -> int:  # noqa:
         c = Conductor.from_url(url, store=store_from(args.store))
         job = choose_job(c, args)
         from conductor.intake.file_intake import prepare_job
-        prepare_job(c, found, job, job_class(args))
+        prepare_job(c, found, job, job_class(args, c, job))
         from conductor.jobs.job_state import start
         start(c.r, job, run=json.dumps(run_options(args)))
         from conductor.cli.submit import record_input

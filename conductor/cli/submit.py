@@ -29,17 +29,31 @@ def add_class_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--priority", default="batch", choices=("interactive", "batch", "background"),
                    help="interactive: claimed before any other work; background: only what nothing else wants")
     p.add_argument("--deadline", metavar="WHEN", help="when the job is due (1h, 90m, 2d from now, or an ISO 8601 "
-                                                      "time): within a tenant the job due first goes first, and "
-                                                      "conductor jobs reports one past it")
+                                                      "time; a past one is refused): within a tenant the job due "
+                                                      "first goes first, and conductor jobs and status report one "
+                                                      "past it")
 
 
-def job_class(args: argparse.Namespace) -> JobClass:
+def job_class(args: argparse.Namespace, c: Any = None, job: str = "") -> JobClass:
+    """The class the flags give; with ``c`` and ``job``, a deadline already past refused for a new
+    job: a job due before it exists is a mistyped date, not a request (issue 37). A job that exists
+    keeps the class it was made with (job_class.lua), so running its submit again still passes."""
+    import time
+
     from conductor.errors import BadInput
     from conductor.jobs.job_class import parse_deadline
     try:
-        return JobClass(args.tenant, args.priority, parse_deadline(args.deadline, "--deadline"))
+        cls = JobClass(args.tenant, args.priority, parse_deadline(args.deadline, "--deadline"))
     except BadInput as e:
         raise ConductorError(str(e)) from None
+    late_s = time.time() - cls.deadline_ms / 1000
+    if c is not None and cls.deadline_ms and late_s > 0:
+        from conductor.jobs.job_state import ago
+        from conductor.redis_contract import keys as K
+        if c.r.zscore(K.JOBS_KEY, job) is None:
+            raise ConductorError(f"--deadline: {args.deadline} is {ago(late_s)} in the past, so job {job} would be "
+                                 "late before it starts; give when it is due (1h, 2d, or a future ISO 8601 time)")
+    return cls
 
 
 @contextmanager
@@ -86,7 +100,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     redis_client()
     c = conductors[0]
     job = args.job or default_job(args.file)
-    cls = job_class(args)
+    cls = job_class(args, c, job)
     prepare_job(c, found, job, cls)  # nothing is written when any part of the file would be refused
     # From here the intake is a task in Redis (conductor/intake/intake_task.py): killed, this command's
     # intake is resumed from its cursor by conductor serve or a worker's maintenance (README).
