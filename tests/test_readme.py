@@ -57,6 +57,9 @@ def test_using_it_runs_as_written_after_the_setup_line(redis_url, tmp_path):
 
     block = _block_after("## Using it")
     assert block[0].startswith("source .venv/bin/activate") and "redis-server" in block[1]
+    # issue 37: a Redis of its own that keeps its data (AOF), never whatever answers on 6379
+    assert "--appendonly yes" in block[1] and "--save ''" not in block[1] and "ping ||" not in block[1]
+    assert "redis://127.0.0.1:6390/0" in block[2]
     script = []
     for ln in block:
         if ln.startswith("source .venv/bin/activate"):
@@ -64,7 +67,7 @@ def test_using_it_runs_as_written_after_the_setup_line(redis_url, tmp_path):
         elif "redis-server" in ln:
             continue
         else:
-            script.append(ln.replace("redis://127.0.0.1:6379/0", redis_url))
+            script.append(ln.replace("redis://127.0.0.1:6390/0", redis_url))
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     p = subprocess.run(["bash", "-euo", "pipefail", "-c", "\n".join(script)], cwd=str(tmp_path),
                        capture_output=True, timeout=240)
