@@ -45,7 +45,8 @@ def test_every_option_has_help_and_its_default_is_shown():
                 continue
             label = action.option_strings or [action.dest]
             assert action.help, f"{name} {label[0]} has no help text"
-            if action.default not in (None, False, argparse.SUPPRESS):  # SUPPRESS: a global option, again
+            # SUPPRESS: a global option, again; an empty default ('', []) is noise, not shown (issue 37)
+            if action.default not in (None, False, argparse.SUPPRESS, "") and action.default != []:
                 shown = f"default: {action.default}"
                 assert shown in re.sub(r"\s+", " ", text), f"{name} {label[0]}: {shown!r} not in its help"
     # options without a value of their own say where the value comes from

@@ -241,3 +241,40 @@ def test_status_says_cancelled_in_every_line_and_watch_on_a_cancelled_job_exits_
     for job in ("c", "lib"):
         p = cli("status", job, "--watch", url=redis_url, check=False)
         assert p.returncode == 0, p.stdout.decode()
+
+
+# ---------------------------------------------------------------- the smaller points (finding 11)
+
+def test_a_bad_line_is_said_with_one_prefix_and_help_has_no_markup_or_empty_defaults(redis_url, tmp_path):
+    src = tmp_path / "bad.jsonl"
+    src.write_text(json.dumps({"id": "a", "model": "m", "prompt": "hi", "max_tokens": 4}) + "\n" + '{"id": "b"}\n')
+    p = cli("submit", str(src), "--create", url=redis_url, check=False)
+    err = p.stderr.decode().strip().splitlines()
+    assert p.returncode == 2 and len(err) == 2 and all(x.startswith("conductor: ") for x in err), err
+    assert err[0].startswith("conductor: line 2: ")
+    for argv in ([], ["submit"], ["run"], ["serve"], ["jobs"], ["status"]):
+        text = cli(*argv, "--help", url=redis_url).stdout.decode()
+        assert "``" not in text and "(default: )" not in text and "(default: [])" not in text, argv
+    assert "tenant" in cli("jobs", "--help", url=redis_url).stdout.decode()  # the help says what it shows
+    assert "cancelled" in cli("status", "--help", url=redis_url).stdout.decode()
+
+
+def test_a_mistyped_command_gets_a_did_you_mean(redis_url):
+    p = cli("sumbit", "x.jsonl", url=redis_url, check=False)
+    err = p.stderr.decode().strip()
+    assert p.returncode == 2 and err == ("conductor: argument COMMAND: invalid choice: 'sumbit'; did you mean "
+                                         "'submit'? (see conductor --help)")
+
+
+def test_tenants_show_the_jobs_without_a_tenant_as_one_row_and_an_empty_tenant_is_refused(redis_url, tmp_path):
+    src = lines(tmp_path / "a.jsonl", 3)
+    cli("submit", str(src), "--create", "--job", "team-job", "--tenant", "team-a", url=redis_url)
+    for k in range(3):
+        cli("submit", str(src), "--job", f"own-{k}", url=redis_url)
+    rows = json.loads(cli("tenants", "--json", url=redis_url).stdout)
+    assert [(r["tenant"], r["own"], r["waiting_items"]) for r in rows] == [("team-a", False, 3), (None, True, 9)]
+    text = cli("tenants", url=redis_url).stdout.decode().splitlines()
+    assert [ln.split()[0] for ln in text[1:]] == ["team-a", "-"] and "(no tenant)" in text[2]
+    for argv in (["tenant", ""], ["tenant", "", "--weight", "2"]):
+        p = cli(*argv, url=redis_url, check=False)
+        assert p.returncode == 2 and p.stderr.decode().startswith("conductor: tenant: a name is needed"), argv

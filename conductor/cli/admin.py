@@ -128,6 +128,9 @@ def cmd_trim_results(args: argparse.Namespace) -> int:
 def cmd_tenant(args: argparse.Namespace) -> int:
     from conductor.errors import BadInput
     from conductor.jobs.tenants import render, set_weight, tenant_rows
+    if not args.tenant.strip():
+        raise ConductorError("tenant: a name is needed (a job without --tenant is its own tenant, weight 1; "
+                             "conductor tenants lists them as one row)")
     c = conductor_from(args)
     if args.weight is not None:
         try:

@@ -47,7 +47,10 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="conductor", description=__doc__, formatter_class=DefaultsFormatter,
+    # the help's first line, plain text (the module's docstring is reST: its ``quotes`` showed in --help)
+    p = Parser(prog="conductor", description="conductor: submit, work, read results, watch and inspect, from the "
+                                             "command line. 'conductor COMMAND --help' shows a command's options.",
+               formatter_class=DefaultsFormatter,
                epilog="Exit status: 0 done; 1 finished but not clean (items failed or pending, counter drift); "
                       "2 refused (bad arguments or input, unknown job or model, Redis unreachable) or a write "
                       "failed; 130 interrupted (run: SIGTERM=143, SIGHUP=129); 141 the reader of the output went away.")
@@ -190,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "waiting", cmd_tenant)
     tn.add_argument("tenant", help="tenant name (conductor submit --tenant T)")
     tn.add_argument("--weight", type=float, help="its weight (default 1): weight 3 gets three times the share of 1")
-    ts = command("tenants", "every tenant: weight, service, share of the last minute, waiting work", cmd_tenants)
+    ts = command("tenants", "every tenant: weight, service, share of the last minute, waiting work; the jobs "
+                            "without a tenant (each its own) as one row, '- (no tenant)'", cmd_tenants)
     ts.add_argument("model", nargs="?", help="one model (default: all)")
     ts.add_argument("--json", action="store_true", help="one JSON list of tenant objects")
 

@@ -98,9 +98,9 @@ def check_file(path: str, *, skip_invalid: bool, rejects: str | Writer | None,
     found = scan_to_send(path, rejects=rejects, default_max_tokens=default_max_tokens, check=check)
     if found.refused:
         for e in found.errors:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"conductor: {e}", file=sys.stderr)
         if len(found.refused) > len(found.errors):
-            print(f"error: ... and {len(found.refused) - len(found.errors)} more", file=sys.stderr)
+            print(f"conductor: ... and {len(found.refused) - len(found.errors)} more", file=sys.stderr)
         if not skip_invalid:
             raise ConductorError(f"{len(found.refused)} invalid line(s) in {path}; nothing submitted "
                                  "(--skip-invalid submits the valid ones)")
