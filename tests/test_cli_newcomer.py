@@ -257,6 +257,8 @@ def test_a_bad_line_is_said_with_one_prefix_and_help_has_no_markup_or_empty_defa
         assert "``" not in text and "(default: )" not in text and "(default: [])" not in text, argv
     assert "tenant" in cli("jobs", "--help", url=redis_url).stdout.decode()  # the help says what it shows
     assert "cancelled" in cli("status", "--help", url=redis_url).stdout.decode()
+    retry_help = " ".join(cli("retry", "--help", url=redis_url).stdout.decode().split())
+    assert "conductor/files/retries/NEW.jsonl" in retry_help  # where it keeps a retry's input, said up front
 
 
 def test_a_mistyped_command_gets_a_did_you_mean(redis_url):
