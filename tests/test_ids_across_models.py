@@ -35,13 +35,13 @@ def test_an_id_the_job_has_under_another_model_is_refused_naming_the_line(cdr, r
     second.write_text("\n".join([_line("z", "b"), _line("x", "b")]) + "\n")
     cli("submit", "--create", str(first), "--job", "j", url=redis_url)
     before = _everything(cdr.r)
-    p = cli("submit", "--create", str(second), "--job", "j", url=redis_url, check=False)
+    p = cli("submit", "--create", str(second), "--job", "j", "--resume", url=redis_url, check=False)
     err = p.stderr.decode()
     assert p.returncode != 0
     assert "line 2: id: 'x' is already in job j under model a" in err, err
     assert _everything(cdr.r) == before
     # the same file again, and another job, are fine
-    cli("submit", "--create", str(first), "--job", "j", url=redis_url)
+    cli("submit", "--create", str(first), "--job", "j", "--resume", url=redis_url)
     cli("submit", "--create", str(second), "--job", "k", url=redis_url)
 
 

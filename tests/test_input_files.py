@@ -33,7 +33,7 @@ def test_parquet_native_columns_submit_like_the_same_jsonl(redis_url, tmp_path):
     s1 = {k: v for k, v in r.hgetall(mk.job_sums("j1")).items()}
     assert set(s1) == set(r.hgetall(mk.job_sums("j2")))
     # a re-run of the Parquet file adds nothing
-    p = cli("submit", "--create", str(pqf), "--job", "j2", url=redis_url)
+    p = cli("submit", "--create", str(pqf), "--job", "j2", "--resume", url=redis_url)
     assert b"submitted 0 items (250 already there)" in p.stderr
 
 

@@ -73,16 +73,19 @@ def test_a_resubmit_with_other_content_is_refused_and_writes_nothing(redis_url, 
     (tmp_path / "other").mkdir()
     other = write(tmp_path / "other" / "prompts.jsonl",
                   rows(2, prompt="different") + rows(2, start=2) + rows(1, start=9))
+    # without --resume the job that exists is refused at once (issue 37: as run refuses it)
     err = one_line_error(cli("submit", "--create", other, url=redis_url, check=False))
+    assert "job prompts exists in this Redis (5 items, 0 answered): --resume adds what it lacks" in err
+    err = one_line_error(cli("submit", "--create", "--resume", other, url=redis_url, check=False))
     assert "job prompts already has 2 of these ids with other content" in err and "nothing submitted" in err
     assert {k: cdr.r.dump(k) for k in sorted(cdr.r.scan_iter("cdr:*"))} == before
     # the same content again stays an idempotent duplicate
-    p = cli("submit", "--create", first, url=redis_url)
+    p = cli("submit", "--create", "--resume", first, url=redis_url)
     assert b"submitted 0 items (5 already there)" in p.stderr
     # another shape under a known id is other content too
     moved = [{**r, "prefix": ["new system prompt"]} for r in rows(1)]
     err = one_line_error(cli("submit", "--create", write(tmp_path / "m.jsonl", moved), "--job", "prompts",
-                             url=redis_url, check=False))
+                             "--resume", url=redis_url, check=False))
     assert "already has 1 of these ids" in err
 
 

@@ -77,7 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
     s = command("submit", "validate and submit a JSONL or Parquet file, print the job id, exit", cmd_submit)
     s.add_argument("file", help="JSON lines or Parquet: native or OpenAI batch format (README: Input lines)")
     s.add_argument("--job", help="job id (default: the file's name without its extension); a job that exists is "
-                                 "resumed: ids it has are skipped")
+                                 "refused unless --resume, as run refuses it")
+    s.add_argument("--resume", action="store_true",
+                   help="add to the job when it exists (an interrupted submit, a file in parts): ids it has are "
+                        "skipped, so a submit run again neither loses nor duplicates")
     s.add_argument("--skip-invalid", action="store_true", help="submit the valid lines, reject the others")
     s.add_argument("--rejects", metavar="FILE", help="write rejected lines here (JSON lines with line, field, error)")
     s.add_argument("--quiet", action="store_true", help="print only the job id")

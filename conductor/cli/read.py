@@ -194,7 +194,7 @@ def _lost(job: str, st: dict[str, Any]) -> int:
     print(f"conductor: {st['lost']} item(s) the producer sent to job {job} are missing from this Redis "
           f"(declared {st['declared']}, present {st['submitted']}): a failover to a replica that had not "
           "received them, or a submit that stopped halfway. Submit the same file again with the same "
-          "--job: submission is idempotent, only the missing items are added.", file=sys.stderr)
+          "--job and --resume: submission is idempotent, only the missing items are added.", file=sys.stderr)
     return 3
 
 

@@ -1,6 +1,7 @@
 """``conductor submit``: a JSONL or Parquet file of items into a job (conductor/intake/file_intake.py
-reads it in passes). Submitting into a job that exists is an idempotent resume: ids already there
-are skipped, and a submit that adds nothing says so plainly. (``conductor run``: cli/run.py.)"""
+reads it in passes). A job that exists is refused unless ``--resume`` (as ``run`` refuses it);
+a resume is idempotent: ids already there are skipped, and a submit that adds nothing says so
+plainly. (``conductor run``: cli/run.py.)"""
 
 from __future__ import annotations
 
@@ -100,6 +101,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     redis_client()
     c = conductors[0]
     job = args.job or default_job(args.file)
+    refuse_existing(c, job, args.resume)
     cls = job_class(args, c, job)
     prepare_job(c, found, job, cls)  # nothing is written when any part of the file would be refused
     # From here the intake is a task in Redis (conductor/intake/intake_task.py): killed, this command's
@@ -127,11 +129,22 @@ def cmd_submit(args: argparse.Namespace) -> int:
         pass
     elif sent.accepted == 0:
         print(f"submitted 0 items ({sent.duplicates} already there) to job {job}: nothing new, every item of "
-              f"{args.file} was already in it (a submit into a job resumes it; --job NAME starts a fresh one)",
-              file=sys.stderr)
+              f"{args.file} was already in it", file=sys.stderr)
     else:
         print(f"submitted {sent.accepted} items ({sent.duplicates} already there) to job {job}", file=sys.stderr)
     return 0
+
+
+def refuse_existing(c: Any, job: str, resume: bool) -> None:
+    """A job name this Redis knows is added to only when asked (``--resume``), as ``run`` does: a name
+    reused by accident (the default, a file's stem) would otherwise merge two inputs into one job."""
+    from conductor.redis_contract import keys as K
+    if resume or c.r.zscore(K.JOBS_KEY, job) is None:
+        return
+    st = c.status(job)
+    raise ConductorError(f"job {job} exists in this Redis ({st['submitted']} items, {st['completed'] + st['failed']} "
+                         "answered): --resume adds what it lacks (ids it has are skipped), --job NEW starts a fresh "
+                         "one; nothing submitted")
 
 
 def record_input(c: Any, job: str, path: str) -> None:
