@@ -620,6 +620,11 @@ def lease_mine(c: Conductor) -> Call:
     return Call("lease", [MK.maint_lease], ["w", 5000], check=lambda r: r.pttl(MK.maint_lease) > 1000)
 
 
+def lease_handed_back(c: Conductor) -> Call:
+    c.r.set(MK.maint_lease, "w", px=5000)
+    return Call("lease", [MK.maint_lease], ["w", 0], check=lambda r: not r.exists(MK.maint_lease))
+
+
 def lease_taken(c: Conductor) -> Call:
     c.r.set(MK.maint_lease, "other", px=5000)
     return Call("lease", [MK.maint_lease], ["w", 5000], check=lambda r: r.get(MK.maint_lease) == b"other")
@@ -734,7 +739,7 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "heartbeat": [heartbeat],
     "seal": [seal, seal_rings],
     "declare": [declare],
-    "lease": [lease_free, lease_mine, lease_taken],
+    "lease": [lease_free, lease_mine, lease_taken, lease_handed_back],
     "take_name": [take_name_free, take_name_next, take_name_none_free],
     "cancel": [cancel_waiting],
     "batch_finalize": [batch_finalize_start, batch_finalize_done],

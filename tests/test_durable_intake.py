@@ -410,7 +410,8 @@ def test_a_fresh_intake_task_is_born_leased_so_a_racing_resumer_never_takes_it(c
     src.write_text("")
     taken: list[str] = []
     monkeypatch.setattr(Resumer, "_run", lambda self, job: taken.append(job))
-    resumer = Resumer(Conductor(redis.Redis.from_url(redis_url)), "resumer")
+    own = redis.Redis.from_url(redis_url)
+    resumer = Resumer(Conductor(own), "resumer")
     stop_sweeping = threading.Event()
 
     def sweep() -> None:
@@ -432,6 +433,7 @@ def test_a_fresh_intake_task_is_born_leased_so_a_racing_resumer_never_takes_it(c
     finally:
         stop_sweeping.set()
         sweeper.join(30)
+        own.close()
     assert refused == [] and taken == []
     # a live holder's task is not replaced; an ended one is, with a fresh lease
     cdr.r.hset(K.intake_task_key("j0"), mapping={"state": "sending", "lease_ms": T.server_ms(cdr.r) + 60_000})

@@ -25,6 +25,13 @@ from tests.helpers import wait_for
 WORKERS = 8
 
 
+@pytest.fixture()
+def r(redis_url):
+    client = connect(redis_url)
+    yield client
+    client.close()
+
+
 def _start_fleet(url: str, src: Path, job: str, logs: Path) -> tuple[list[subprocess.Popen], subprocess.Popen]:
     """Eight workers and a submit, started together; each one's stderr in ``logs``/NAME.err."""
     env = dict(os.environ, CONDUCTOR_REDIS_URL=url)
@@ -67,6 +74,7 @@ def _fleet_round(url: str, tmp_path: Path, n: int) -> None:
             p.wait(60)
     assert [p.returncode for p in workers] == [0] * WORKERS
     assert r.get(K.SCHEMA_KEY) == str(schema.latest()).encode()
+    r.close()
 
 
 def test_eight_workers_and_a_submit_started_together_on_an_empty_redis_all_come_up(redis_url, tmp_path):
@@ -84,10 +92,14 @@ def test_concurrent_checks_on_an_empty_redis_never_see_a_partial_version(redis_u
     # Sixteen clients check the schema of an empty Redis at the same moment, twenty times: each gets
     # the current version (the old step-by-step migration let a reader see 1..5 and refuse).
     clients = [connect(redis_url) for _ in range(16)]
-    for _ in range(20):
-        clients[0].flushall()
-        got, errors = _check_together(clients)
-        assert not errors and got == [schema.latest()] * len(clients)
+    try:
+        for _ in range(20):
+            clients[0].flushall()
+            got, errors = _check_together(clients)
+            assert not errors and got == [schema.latest()] * len(clients)
+    finally:
+        for c in clients:
+            c.close()
 
 
 def _check_together(clients: list) -> tuple[list[int], list[BaseException]]:
@@ -109,8 +121,7 @@ def _check_together(clients: list) -> tuple[list[int], list[BaseException]]:
     return got, errors
 
 
-def test_conductor_keys_without_a_version_still_go_through_the_migrations(redis_url):
-    r = connect(redis_url)
+def test_conductor_keys_without_a_version_still_go_through_the_migrations(redis_url, r):
     r.sadd(K.MODELS_KEY, "m")  # not empty: the empty layout is not written over it
     assert schema.check(r) == schema.latest()
     wait_for(lambda: not r.exists(K.SCHEMA_LOCK_KEY), "the lease handed back")
@@ -130,8 +141,7 @@ def _slow_migrations(monkeypatch, calls: list[int], pause_s: float) -> None:
     monkeypatch.setattr(schema, "migrations", lambda: mods)
 
 
-def test_concurrent_migrations_have_one_runner_and_the_others_wait(redis_url, monkeypatch):
-    r = connect(redis_url)
+def test_concurrent_migrations_have_one_runner_and_the_others_wait(redis_url, r, monkeypatch):
     r.set(K.SCHEMA_KEY, schema.latest() - 1)
     calls: list[int] = []
     _slow_migrations(monkeypatch, calls, 1.0)
@@ -144,17 +154,24 @@ def test_concurrent_migrations_have_one_runner_and_the_others_wait(redis_url, mo
             fn()
         except BaseException as e:  # noqa: BLE001 - collected for the assertion
             errors.append(e)
-    threads = [threading.Thread(target=run, args=(lambda: applied.append(schema.migrate(connect(redis_url))),))
+    opened: list = []
+
+    def client():
+        opened.append(connect(redis_url))
+        return opened[-1]
+    threads = [threading.Thread(target=run, args=(lambda: applied.append(schema.migrate(client())),))
                for _ in range(4)]
     threads[0].start()
     wait_for(lambda: r.exists(K.SCHEMA_LOCK_KEY), "the first runner's lease")
     for t in threads[1:]:
         t.start()
     # a process that needs the schema meanwhile waits for the runner, then comes up
-    waiter = threading.Thread(target=run, args=(lambda: checked.append(schema.check(connect(redis_url))),))
+    waiter = threading.Thread(target=run, args=(lambda: checked.append(schema.check(client())),))
     waiter.start()
     for t in [*threads, waiter]:
         t.join(60)
+    for c in opened:
+        c.close()
     assert not errors
     assert calls == [schema.latest()]  # one runner ran the last step, once
     assert sorted(applied) == [[], [], [], [schema.latest()]]
@@ -162,8 +179,7 @@ def test_concurrent_migrations_have_one_runner_and_the_others_wait(redis_url, mo
     wait_for(lambda: not r.exists(K.SCHEMA_LOCK_KEY), "the lease handed back")
 
 
-def test_a_worker_waits_for_a_running_migration_says_so_and_comes_up(redis_url, tmp_path):
-    r = connect(redis_url)
+def test_a_worker_waits_for_a_running_migration_says_so_and_comes_up(redis_url, r, tmp_path):
     r.set(K.SCHEMA_KEY, schema.latest() - 1)
     r.set(K.SCHEMA_LOCK_KEY, "host-a:123:abc", px=60_000)  # a migration in progress elsewhere
     env = dict(os.environ, CONDUCTOR_REDIS_URL=redis_url)
@@ -183,8 +199,7 @@ def test_a_worker_waits_for_a_running_migration_says_so_and_comes_up(redis_url, 
         assert p.wait(60) == 0
 
 
-def test_a_migration_that_does_not_finish_within_the_bound_is_one_line(redis_url):
-    r = connect(redis_url)
+def test_a_migration_that_does_not_finish_within_the_bound_is_one_line(redis_url, r):
     r.set(K.SCHEMA_KEY, schema.latest() - 1)
     r.set(K.SCHEMA_LOCK_KEY, "host-a:123:abc", px=120_000)
     p = cli("submit", "examples/prompts.jsonl", url=redis_url, check=False,

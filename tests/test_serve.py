@@ -51,9 +51,13 @@ def served(url: str, *models: str) -> None:
     """The models a fleet serves, known to Redis before a batch names them (as a worker started with
     --create makes its model): the Batch API refuses a line for a model Redis does not know."""
     from conductor.client import Conductor, connect
-    c = Conductor(connect(url))
-    for m in models or ("m",):
-        c.ensure_model(m)
+    r = connect(url)
+    try:
+        c = Conductor(r)
+        for m in models or ("m",):
+            c.ensure_model(m)
+    finally:
+        r.close()  # no socket left to the garbage collector (a ResourceWarning in whichever test comes next)
 
 
 @pytest.fixture()

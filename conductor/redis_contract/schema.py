@@ -96,8 +96,7 @@ def migrate(client: redis.Redis, *, wait_s: float | None = None) -> list[int]:
     finally:
         stop.set()
         renewer.join()
-        # handed back: renewed to expire at once (lua/lease.lua extends only its holder's lease)
-        calls.lease(SCHEMA_LOCK_KEY, holder, 1).run(scripts)
+        calls.lease(SCHEMA_LOCK_KEY, holder, 0).run(scripts)  # handed back: the next runner need not wait
 
 
 def _take_lease(client: redis.Redis, scripts: Scripts, holder: str, wait_s: float) -> None:
@@ -142,16 +141,20 @@ class _Waiter:
 
 def _write_empty(client: redis.Redis, want: int) -> int:
     """The empty layout in one step; the version Redis then holds (0: conductor keys, no version)."""
-    if isinstance(client, redis.RedisCluster):
-        # The three keys live in three slots, which one script may not touch on a cluster. The
-        # read then SET NX is as safe here: every process writes conductor keys only after its own
-        # check found a version, so with no version nothing but this path writes, and SET NX
-        # lets one process write it.
-        if client.exists(MODELS_KEY) or client.exists(JOBS_KEY):
-            return current(client)
-        client.set(SCHEMA_KEY, want, nx=True)
+    if not isinstance(client, redis.RedisCluster):
+        try:
+            return calls.schema_init(want).run(Scripts(client))
+        except redis.ResponseError as e:
+            if "slot" not in str(e):
+                raise
+    # A cluster node (through a cluster client or a plain one): the three keys live in three slots,
+    # which one script may not touch. The read then SET NX is as safe here: every process writes
+    # conductor keys only after its own check found a version, so with no version nothing but this
+    # path writes, and SET NX lets one process write it.
+    if client.exists(MODELS_KEY) or client.exists(JOBS_KEY):
         return current(client)
-    return calls.schema_init(want).run(Scripts(client))
+    client.set(SCHEMA_KEY, want, nx=True)
+    return current(client)
 
 
 def check(client: redis.Redis, *, auto: bool = True, wait_s: float | None = None) -> int:

@@ -132,7 +132,8 @@ def schema_init(version: int) -> Call[int]:
 
 def lease(key: str, owner: str, ms: int) -> Call[bool]:
     """lua/lease.lua: whether ``owner`` holds the lease ``key`` now (a model's maintenance lease,
-    ``ModelKeys.maint_lease``, or the expiry lease, ``keys.EXPIRY_LEASE_KEY``)."""
+    ``ModelKeys.maint_lease``, the expiry lease, ``keys.EXPIRY_LEASE_KEY``, the schema's migration
+    lease); ``ms`` 0 hands the caller's lease back (False)."""
     return Call("lease", [key], [owner, ms], lambda raw: bool(int(raw)))
 
 
