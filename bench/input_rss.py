@@ -62,7 +62,7 @@ def submit_rss(path: Path, env: dict[str, str], cwd: Path) -> tuple[float, int, 
     with EmbeddedRedis() as server:
         t0 = time.monotonic()
         out = subprocess.run([sys.executable, "-c", _LAUNCH, sys.executable, "-m", "conductor", "--redis", server.url,
-                              "submit", str(path), "--job", "j", "--quiet"], env=env, cwd=str(cwd),
+                              "submit", str(path), "--job", "j", "--quiet", "--create"], env=env, cwd=str(cwd),
                              capture_output=True, text=True, check=True).stdout.split()
         return int(out[0]) / 1024, int(out[1]), time.monotonic() - t0
 

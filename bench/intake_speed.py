@@ -106,14 +106,14 @@ def parsed(path: Path) -> list[PreparedItem]:
 def run_cli_in_process(url: str, path: Path, job: str) -> None:
     from conductor.cli.main import main
     with contextlib.redirect_stdout(io.StringIO()):
-        rc = main(["--redis", url, "submit", str(path), "--job", job, "--quiet"])
+        rc = main(["--redis", url, "submit", str(path), "--job", job, "--quiet", "--create"])
     assert rc == 0, rc
 
 
 def run_cli_process(url: str, path: Path, job: str, tree: Path = ROOT) -> None:
     # python -m puts the working directory first on sys.path: the tree's package wins
-    subprocess.run([sys.executable, "-m", "conductor", "--redis", url, "submit", str(path), "--job", job, "--quiet"],
-                   check=True, cwd=str(tree), stdout=subprocess.DEVNULL, env=dict(os.environ))
+    subprocess.run([sys.executable, "-m", "conductor", "--redis", url, "submit", str(path), "--job", job, "--quiet",
+                    "--create"], check=True, cwd=str(tree), stdout=subprocess.DEVNULL, env=dict(os.environ))
 
 
 def run_api(c: Conductor, path: Path, job: str) -> None:

@@ -165,7 +165,7 @@ def run(n: int, maxmemory: str, work: Path, *, stall_s: float = 60.0, timeout_s:
         try:
             if order == "fleet-first":
                 start_workers()
-            sub = subprocess.run([*base, "submit", str(inp), "--job", "big"], env=env, cwd=str(ROOT),
+            sub = subprocess.run([*base, "submit", str(inp), "--job", "big", "--create"], env=env, cwd=str(ROOT),
                                  capture_output=True, timeout=timeout_s)
             if order == "backlog-first":
                 res.submit_used = int(c.r.info("memory")["used_memory"])

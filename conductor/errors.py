@@ -7,6 +7,13 @@ class ConductorError(Exception):
     """Base class of every error the conductor raises on purpose."""
 
 
+def did_you_mean(name: str, known: list[str]) -> str:
+    """``; did you mean 'demo-7b'?`` when a known name is close to ``name``, else ''."""
+    import difflib
+    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(repr(k) for k in close)}?" if close else ""
+
+
 class BadInput(ConductorError):
     """An item or argument that the conductor refuses; names the field (and line, if any)."""
 
@@ -15,6 +22,10 @@ class BadInput(ConductorError):
         self.line = line
         where = f"line {line}: " if line is not None else ""
         super().__init__(f"{where}{field}: {message}")
+
+
+class NoSuchModel(BadInput):
+    """A line naming a model Redis does not know (a typo, or a model no worker serves yet)."""
 
 
 class DuplicateId(BadInput):

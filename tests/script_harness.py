@@ -620,6 +620,11 @@ def lease_mine(c: Conductor) -> Call:
     return Call("lease", [MK.maint_lease], ["w", 5000], check=lambda r: r.pttl(MK.maint_lease) > 1000)
 
 
+def lease_handed_back(c: Conductor) -> Call:
+    c.r.set(MK.maint_lease, "w", px=5000)
+    return Call("lease", [MK.maint_lease], ["w", 0], check=lambda r: not r.exists(MK.maint_lease))
+
+
 def lease_taken(c: Conductor) -> Call:
     c.r.set(MK.maint_lease, "other", px=5000)
     return Call("lease", [MK.maint_lease], ["w", 5000], check=lambda r: r.get(MK.maint_lease) == b"other")
@@ -629,6 +634,33 @@ def _intake_task(c: Conductor, owner: str) -> str:
     from conductor.intake import intake_task as T
     T.create(c, T.Task(job="j", source="cli", path="/nowhere/in.jsonl", state="sending", defaults={}), owner)
     return K.intake_task_key("j")
+
+
+def _schema_init(c: Conductor) -> Call:
+    c.r.delete(K.SCHEMA_KEY)  # Conductor() wrote it
+    return Call("schema_init", [K.SCHEMA_KEY, K.MODELS_KEY, K.JOBS_KEY], [6])
+
+
+def schema_init_empty(c: Conductor) -> Call:
+    """An empty Redis gets the current version in one step (lua/schema_init.lua)."""
+    call = _schema_init(c)
+    return Call(call.script, call.keys, call.args, check=lambda r: r.get(K.SCHEMA_KEY) == b"6")
+
+
+def schema_init_not_empty(c: Conductor) -> Call:
+    """Conductor registries without a version: nothing written (the migrations run instead)."""
+    call = _schema_init(c)
+    c.r.sadd(K.MODELS_KEY, "m")
+    return Call(call.script, call.keys, call.args, check=lambda r: not r.exists(K.SCHEMA_KEY))
+
+
+def intake_create_new(c: Conductor) -> Call:
+    """A task recorded with its creator's lease (lua/intake_create.lua), over an ended one."""
+    key = K.intake_task_key("j")
+    c.r.hset(key, mapping={"state": "done", "owner": "old", "lease_ms": 0, "line": 9})
+    return Call("intake_create", [key], ["first", 5000, "job", "j", "source", "cli", "path", "/in.jsonl",
+                                                   "state", "checking", "line", 0],
+                check=lambda r: r.hget(key, "owner") == b"first" and r.hget(key, "line") == b"0")
 
 
 def intake_lease_lapsed(c: Conductor) -> Call:
@@ -682,6 +714,8 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
               claim_hygiene_retires_empty,
               claim_hygiene_big_lane, claim_reindexes, claim_enters_cleanup, claim_leaves_cleanup],
     "job_class": [job_class_new],
+    "intake_create": [intake_create_new],
+    "schema_init": [schema_init_empty, schema_init_not_empty],
     "intake_lease": [intake_lease_lapsed],
     "intake_cursor": [intake_cursor_moves],
     "submit": [submit_new_shapes, submit_leaves_cleanup_reuses_lane, submit_known_shape_without_prefix,
@@ -705,7 +739,7 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "heartbeat": [heartbeat],
     "seal": [seal, seal_rings],
     "declare": [declare],
-    "lease": [lease_free, lease_mine, lease_taken],
+    "lease": [lease_free, lease_mine, lease_taken, lease_handed_back],
     "take_name": [take_name_free, take_name_next, take_name_none_free],
     "cancel": [cancel_waiting],
     "batch_finalize": [batch_finalize_start, batch_finalize_done],

@@ -159,7 +159,7 @@ def test_reader_reads_and_cannot_submit_or_write(urls, tmp_path):
     denied(r.xdel, MK.job_results("j"), "0-1")
     denied(r.flushall)
     assert snapshot(urls) == before
-    p = cli("submit", str(out), "--job", "j2", url=urls["reader"], check=False)
+    p = cli("submit", "--create", str(out), "--job", "j2", url=urls["reader"], check=False)
     assert p.returncode != 0
 
 
@@ -236,7 +236,7 @@ def test_a_whole_job_with_producer_worker_and_reader_users(urls, tmp_path):
     rows += [{"id": f"b{i}", "model": "m", "prefix": ["B"], "prompt": "y", "input_tokens": 10, "max_tokens": 4}
              for i in range(10)]
     src = _jsonl(tmp_path / "in.jsonl", rows)
-    p = cli("submit", str(src), "--job", "e2e", url=urls["producer"], check=False)
+    p = cli("submit", "--create", str(src), "--job", "e2e", url=urls["producer"], check=False)
     assert p.returncode == 0, p.stderr.decode()
     w = Conductor.from_url(urls["worker"])
     c4 = Contract(model="m", max_batch_size=4, max_batch_tokens=64, max_input_len=4096)
@@ -278,7 +278,7 @@ def test_each_documented_command_as_each_role(urls, tmp_path):
     quick(Conductor.from_url(urls["admin"]))
     src = _jsonl(tmp_path / "in.jsonl", [{"id": str(i), "model": "m", "prompt": "p", "input_tokens": 8,
                                           "max_tokens": 4} for i in range(6)])
-    assert cli("submit", str(src), "--job", "J", url=urls["producer"], check=False).returncode == 0
+    assert cli("submit", "--create", str(src), "--job", "J", url=urls["producer"], check=False).returncode == 0
     w = Conductor.from_url(urls["worker"])
     b, _ = w.claim(C, "w")
     w.complete(b, results_for(b))
@@ -292,7 +292,8 @@ def test_each_documented_command_as_each_role(urls, tmp_path):
     cli("reclaim", "m", url=urls["worker"])
     cli("trim-results", "J", "--older-than-s", "86400", url=urls["worker"])
     before = snapshot(urls)
-    refused = {"reader": [("submit", str(src), "--job", "J2"), ("config", "m", "quiet_ms=1"), ("pause", "m"),
+    refused = {"reader": [("submit", "--create", str(src), "--job", "J2"), ("config", "m", "quiet_ms=1"),
+                          ("pause", "m"),
                           ("trim-results", "J", "--older-than-s", "0")],
                "producer": [("config", "m", "quiet_ms=1"), ("pause", "m"),
                             ("trim-results", "J", "--older-than-s", "0")]}

@@ -58,6 +58,8 @@ def serve(redis_server: EmbeddedRedis, tmp_path_factory: pytest.TempPathFactory)
 
 
 def start_serve(url: str, data: Path, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    from tests.test_serve import served
+    served(url)
     port = port or free_port()
     env = dict(os.environ, CONDUCTOR_REDIS_URL=url, CONDUCTOR_API_KEYS=KEY)
     p = subprocess.Popen([sys.executable, "-m", "conductor", "serve", "--port", str(port), "--data-dir", str(data)],
@@ -251,8 +253,8 @@ def test_cli_retry_after_expiry_and_verify_job(redis_url: str, tmp_path: Path) -
     env = {"XDG_DATA_HOME": str(tmp_path / "data")}
     # a window the submit and the first batches fit in on a busy machine (with 1 s, a slow start
     # expired every line before the worker's first claim)
-    cli("submit", str(src), "--job", "old", "--completion-window", "6s", "--tenant", "t1", "--priority", "background",
-        url=redis_url, env=env)
+    cli("submit", "--create", str(src), "--job", "old", "--completion-window", "6s", "--tenant", "t1", "--priority",
+        "background", url=redis_url, env=env)
     from tests.worker_kit import sim, worker
     # x0-x3 (a full batch of their own) are too long for it; at most one batch in flight at a time
     w = worker(c, sim(max_input_len=20), pending_ceiling=4)
@@ -313,7 +315,7 @@ def test_refused_lines_are_answered_as_validation_in_the_cli_error_file(redis_ur
     rows.append(dict(rows[5]))  # refused: a repeated id
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(x) + "\n" for x in rows))
-    cli("submit", str(src), "--job", "sk", "--skip-invalid", url=redis_url)
+    cli("submit", "--create", str(src), "--job", "sk", "--skip-invalid", url=redis_url)
     while not c.status("sk")["done"]:
         b, why = c.claim(contract(), "w")
         if b is not None:
@@ -328,7 +330,7 @@ def test_refused_lines_are_answered_as_validation_in_the_cli_error_file(redis_ur
     led = json.loads(cli("verify-job", "sk", "--json", url=redis_url).stdout)
     assert led["clean"] and led["answers"] == {"completed": 7, "validation": 2} and led["inputs"] == 9
     # the same file cancelled before it ran: each line once, refused ones 'validation', the rest 'cancelled'
-    cli("submit", str(src), "--job", "sk2", "--skip-invalid", url=redis_url)
+    cli("submit", "--create", str(src), "--job", "sk2", "--skip-invalid", url=redis_url)
     cli("cancel", "sk2", url=redis_url)
     cli("results", "sk2", "--format", "openai", "-o", str(tmp_path / "out2.jsonl"), "--errors",
         str(tmp_path / "err2.jsonl"), url=redis_url)
@@ -407,7 +409,7 @@ def test_status_and_jobs_count_input_lines_as_the_ledger_does(redis_url: str, tm
     rows += [dict(rows[6]), dict(rows[7])]  # refused: repeated ids
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps(x) + "\n" for x in rows))
-    cli("submit", str(src), "--job", "lc", "--skip-invalid", url=redis_url)
+    cli("submit", "--create", str(src), "--job", "lc", "--skip-invalid", url=redis_url)
 
     def agree() -> dict:
         st = json.loads(cli("status", "lc", "--json", url=redis_url).stdout)
@@ -425,7 +427,7 @@ def test_status_and_jobs_count_input_lines_as_the_ledger_does(redis_url: str, tm
             "items submitted 9" in text, text
         listed = next(ln.split() for ln in cli("jobs", url=redis_url).stdout.decode().splitlines()
                       if ln.startswith("lc "))
-        assert listed[4] == "12" and listed[-2] == "9", listed  # lines ... items
+        assert listed[4] == "12" and listed[-5] == "9", listed  # lines ... items (then tenant, priority, deadline)
         return lines
 
     b, _why = c.claim(contract(size=3), "w")  # one batch completes, one fails, the rest wait

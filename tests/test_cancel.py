@@ -90,7 +90,8 @@ def test_cancel_on_the_command_line(redis_url, tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"id": f"a{i}", "model": "m", "prompt": "hi", "max_tokens": 4}) + "\n"
                            for i in range(50)))
-    cli("submit", str(src), "--job", "cj", "--completion-window", "24h", "--metadata", "team=x", url=redis_url)
+    cli("submit", "--create", str(src), "--job", "cj", "--completion-window", "24h", "--metadata", "team=x",
+        url=redis_url)
     out = cli("status", "cj", url=redis_url).stdout.decode()
     assert out.startswith("job cj: in_progress | lines 50: 0 completed, 0 failed, 0 cancelled, 0 expired, "
                           "0 refused, 50 pending | items submitted 50, pending 50")
@@ -100,7 +101,7 @@ def test_cancel_on_the_command_line(redis_url, tmp_path):
     assert cli("status", "cj", url=redis_url).stdout.decode().startswith("job cj: cancelled")
     p = cli("cancel", "nope", url=redis_url, check=False)
     assert p.returncode == 2 and b"unknown" in p.stderr and b"Traceback" not in p.stderr
-    p = cli("submit", str(src), "--job", "x", "--completion-window", "soon", url=redis_url, check=False)
+    p = cli("submit", "--create", str(src), "--job", "x", "--completion-window", "soon", url=redis_url, check=False)
     assert p.returncode == 2 and b"--completion-window" in p.stderr
     p = cli("inspect", "m", "--verify", url=redis_url, check=False)
     assert p.returncode == 0, p.stdout.decode() + p.stderr.decode()

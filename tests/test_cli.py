@@ -18,7 +18,7 @@ def test_bad_lines_are_refused_with_line_and_field_and_nothing_is_submitted(redi
         json.dumps({**good, "id": "a"}),
     ]
     src.write_bytes("\n".join(lines).encode() + b"\n" + b'{"id": "\xff\xfe", "model": "m"}\n')
-    p = cli("submit", str(src), "--job", "bad", url=redis_url, check=False)
+    p = cli("submit", "--create", str(src), "--job", "bad", url=redis_url, check=False)
     err = p.stderr.decode()
     assert p.returncode == 2
     for needle in ("line 2: max_tokens", "line 3: input_tokens", "line 4: input_tokens", "line 5: format",
@@ -34,7 +34,7 @@ def test_skip_invalid_submits_good_lines_and_writes_rejects(redis_url, tmp_path)
     src.write_text(json.dumps({"id": "a", "model": "m", "prompt": "hi", "max_tokens": 4}) + "\n"
                    + json.dumps({"id": "b", "model": "m", "prompt": "hi", "max_tokens": 0}) + "\n")
     rejects = tmp_path / "rej.jsonl"
-    cli("submit", str(src), "--job", "s", "--skip-invalid", "--rejects", str(rejects), url=redis_url)
+    cli("submit", "--create", str(src), "--job", "s", "--skip-invalid", "--rejects", str(rejects), url=redis_url)
     rej = [json.loads(x) for x in rejects.read_text().splitlines()]
     assert [(r["line"], r["field"]) for r in rej] == [(2, "max_tokens")]
     st = json.loads(cli("status", "s", "--json", url=redis_url).stdout)
@@ -48,7 +48,7 @@ def test_openai_batch_lines(redis_url, tmp_path):
                  {"role": "system", "content": "be brief"}, {"role": "user", "content": f"q{i}"}]}}
             for i in range(5)]
     src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    cli("submit", str(src), "--job", "oa", url=redis_url)
+    cli("submit", "--create", str(src), "--job", "oa", url=redis_url)
     insp = json.loads(cli("inspect", "gpt-x", "--json", url=redis_url).stdout)[0]
     assert len(insp["shapes"]) == 1 and insp["shapes"][0]["items"] == 5
 
@@ -57,7 +57,7 @@ def test_unreachable_redis_is_one_clear_line(tmp_path):
     from conductor.embedded import free_port
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"id": "a", "model": "m", "prompt": "hi", "max_tokens": 4}) + "\n")
-    p = cli("submit", str(src), url=f"redis://127.0.0.1:{free_port()}/0", check=False, timeout=60)
+    p = cli("submit", "--create", str(src), url=f"redis://127.0.0.1:{free_port()}/0", check=False, timeout=60)
     err = p.stderr.decode().strip()
     assert p.returncode == 2 and "Traceback" not in err
     assert err.startswith("conductor: cannot reach Redis at redis://127.0.0.1:")
@@ -88,7 +88,7 @@ def test_trim_results_is_refused_while_work_is_left_then_trims(redis_url, tmp_pa
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"id": f"i{k}", "model": "m", "prompt": "hi", "max_tokens": 4}) + "\n"
                            for k in range(5)))
-    cli("submit", str(src), "--job", "t", url=redis_url)
+    cli("submit", "--create", str(src), "--job", "t", url=redis_url)
     p = cli("trim-results", "t", "--older-than-s", "0", url=redis_url, check=False)
     assert p.returncode == 2 and b"without a result" in p.stderr  # nothing trimmed while items wait
     c = Conductor(connect(redis_url))

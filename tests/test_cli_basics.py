@@ -45,7 +45,8 @@ def test_every_option_has_help_and_its_default_is_shown():
                 continue
             label = action.option_strings or [action.dest]
             assert action.help, f"{name} {label[0]} has no help text"
-            if action.default not in (None, False, argparse.SUPPRESS):  # SUPPRESS: a global option, again
+            # SUPPRESS: a global option, again; an empty default ('', []) is noise, not shown (issue 37)
+            if action.default not in (None, False, argparse.SUPPRESS, "") and action.default != []:
                 shown = f"default: {action.default}"
                 assert shown in re.sub(r"\s+", " ", text), f"{name} {label[0]}: {shown!r} not in its help"
     # options without a value of their own say where the value comes from
@@ -88,9 +89,9 @@ def test_workers_zero_leaves_an_existing_output_file_alone(redis_url, tmp_path):
 
 
 def test_a_directory_or_a_missing_file_is_one_clear_line(redis_url, tmp_path):
-    err = one_line_error(cli("submit", str(tmp_path), url=redis_url, check=False))
+    err = one_line_error(cli("submit", "--create", str(tmp_path), url=redis_url, check=False))
     assert err == f"conductor: {tmp_path} is a directory, not a file"
-    err = one_line_error(cli("submit", str(tmp_path / "nope.jsonl"), url=redis_url, check=False))
+    err = one_line_error(cli("submit", "--create", str(tmp_path / "nope.jsonl"), url=redis_url, check=False))
     assert "No such file" in err and "nope.jsonl" in err
     err = one_line_error(cli("run", str(tmp_path), "-o", str(tmp_path / "o.jsonl"), url=redis_url, check=False))
     assert "is a directory" in err

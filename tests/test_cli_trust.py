@@ -82,7 +82,7 @@ def test_options_no_engine_honours_are_refused_naming_the_field(redis_url, tmp_p
     src = tmp_path / "in.jsonl"
     src.write_text("".join(Path(openai_lines(tmp_path / f"{k}.jsonl", 1, **body)).read_text().replace('"r0"', f'"r{k}"')
                            for k, (body, _) in enumerate(refused)))
-    p = cli("submit", str(src), "--job", "o", url=redis_url, check=False)
+    p = cli("submit", "--create", str(src), "--job", "o", url=redis_url, check=False)
     err = p.stderr.decode()
     assert p.returncode == 2 and "nothing submitted" in err
     for k, (_, field) in enumerate(refused):
@@ -107,7 +107,7 @@ def test_no_command_writes_over_its_input(redis_url, tmp_path):
     (tmp_path / "sym.jsonl").symlink_to(src)
     os.link(src, tmp_path / "hard.jsonl")
     for argv in (["run", str(src), "-o", str(src)], ["run", str(src), "-o", str(tmp_path / "hard.jsonl")],
-                 ["submit", str(src), "--rejects", str(tmp_path / "sym.jsonl")]):
+                 ["submit", "--create", str(src), "--rejects", str(tmp_path / "sym.jsonl")]):
         err = one_line_error(cli(*argv, url=redis_url, check=False))
         assert "is the input file" in err and "refusing to write over it" in err, argv
     assert src.read_bytes() == before
@@ -126,7 +126,8 @@ def test_every_write_error_is_one_line_naming_the_path(redis_url, cdr, tmp_path)
     assert err == "conductor: cannot write standard output: No space left on device"
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"id": "a", "model": "m", "prompt": "hi", "max_tokens": 4}) + "\n" + '{"id": "b"}\n')
-    err = refusal(cli("submit", "--skip-invalid", "--rejects", "/dev/full", str(bad), url=redis_url, check=False))
+    err = refusal(cli("submit", "--create", "--skip-invalid", "--rejects", "/dev/full", str(bad), url=redis_url,
+                      check=False))
     assert err == "conductor: cannot write /dev/full: No space left on device"  # after the refused line's report
     src = tmp_path / "ok.jsonl"
     src.write_text("".join(json.dumps({"id": f"k{k}", "model": "m", "prompt": "x" * 300, "max_tokens": 2}) + "\n"
@@ -227,9 +228,15 @@ def test_a_signal_stops_workers_and_redis_writes_what_completed_and_leaves_nothi
     assert took < 8, took  # each about 1.5 s alone; the slack is for four at once on a loaded machine
     for sig, (_, out), err in zip(sigs[:3], runs, errs, strict=False):
         assert "Traceback" not in err
-        done = rows(out)
-        m = re.search(rf"stopped by {sig.name}: (\d+) results written to {re.escape(str(out))}, (\d+) of 3000", err)
+        # the earlier output is kept as it was; what completed went beside it, named (issue 37)
+        part = out.parent / "out.partial.jsonl"
+        assert out.read_text() == "earlier\n"
+        done = rows(part)
+        m = re.search(rf"stopped by {sig.name}: (\d+) results written to {re.escape(str(part))} "
+                      rf"\({re.escape(str(out))} kept as it was\), (\d+) of 3000", err)
         assert m and int(m.group(1)) == len(done) > 0 and int(m.group(2)) == 3000 - len(done), err
+        assert "the embedded Redis went with this run, and the job with it: a rerun starts over: " in err
+        assert "--resume" not in err.splitlines()[-1]
         assert len({r["id"] for r in done}) == len(done)
         assert not list(out.parent.glob(".out.jsonl.*.part"))
     for sig, (port, redis_dir) in zip(sigs, going, strict=True):
@@ -263,10 +270,10 @@ def test_global_options_after_the_command_a_bom_a_missing_field_and_pending_resu
                     + b'{"id": "x", "model": "m", "max_tokens": 4}\n')
     env = {k: v for k, v in os.environ.items() if k != "CONDUCTOR_REDIS_URL"}
     base = [sys.executable, "-m", "conductor"]
-    p = subprocess.run(base + ["submit", str(src), "--job", "b", "--redis", url, "--log-level", "warning"],
+    p = subprocess.run(base + ["submit", "--create", str(src), "--job", "b", "--redis", url, "--log-level", "warning"],
                        capture_output=True, env=env, cwd=str(ROOT))
     assert p.returncode == 2 and b"line 6: prompt: missing" in p.stderr and b"line 1" not in p.stderr, p.stderr
-    subprocess.run(base + ["submit", str(src), "--job", "b", "--skip-invalid", "--redis", url], check=True,
+    subprocess.run(base + ["submit", "--create", str(src), "--job", "b", "--skip-invalid", "--redis", url], check=True,
                    capture_output=True, env=env, cwd=str(ROOT))
     c = Conductor(r)
     quick(c)

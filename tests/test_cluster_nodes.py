@@ -43,7 +43,7 @@ def test_one_job_three_models_three_nodes_through_the_cli(cluster, tmp_path):
                                 "prompt": "x", "input_tokens": 20 + i % 90, "max_tokens": 8}) + "\n")
     for m in MODELS:
         cli("config", m, "--create", "quiet_ms=200", url=url)
-    assert cli("submit", str(src), "--job", "cj", url=url).stdout.decode().strip() == "cj"
+    assert cli("submit", "--create", str(src), "--job", "cj", url=url).stdout.decode().strip() == "cj"
     rows = follow_with_workers(url, "cj", tmp_path / "out.jsonl", [(m, f"w-{m}") for m in MODELS],
                                batch_size=32, batch_tokens=4096, timeout=180)
     ids = Counter(r["id"] for r in rows)

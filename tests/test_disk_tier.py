@@ -225,7 +225,7 @@ def test_a_store_that_refuses_writes_is_one_clear_line_and_nothing_is_written(re
     c = Conductor.from_url(redis_url)
     c.ensure_model("m")
     quick(c, resident_tokens=200)
-    p = cli("--store", str(blocker / "store"), "submit", str(src), "--job", "j", url=redis_url, check=False)
+    p = cli("--store", str(blocker / "store"), "submit", "--create", str(src), "--job", "j", url=redis_url, check=False)
     err = p.stderr.decode().strip()
     assert p.returncode == 2 and len(err.splitlines()) == 1 and "store" in err and "cannot write" in err, err
     assert c.r.zcard(MK.segs) == 0 and not c.r.exists(MK.job_sums("j"))
@@ -244,7 +244,7 @@ def test_a_worker_process_drains_a_backlog_ten_times_the_ceiling(redis_url, tmp_
     c = Conductor.from_url(redis_url)
     c.ensure_model("m")
     quick(c, resident_tokens=ceiling, results_window=100)
-    cli("submit", str(src), "--job", "big", url=redis_url)
+    cli("submit", "--create", str(src), "--job", "big", url=redis_url)
     assert int(c.r.hget(MK.intake, "stored_tokens")) == n * tokens - ceiling
     samples: list[int] = []
     stop = threading.Event()
@@ -351,7 +351,7 @@ def test_a_fresh_worker_drains_a_backlog_larger_than_maxmemory(tmp_path, monkeyp
         c = Conductor.from_url(srv.url)
         c.ensure_model("m")
         quick(c, resident_tokens=40_000)  # some 64 items of 626 tokens
-        cli("submit", str(src), "--job", "big", url=srv.url)
+        cli("submit", "--create", str(src), "--job", "big", url=srv.url)
         assert int(c.r.hget(MK.intake, "stored_items")) > n - 100
         rows = follow_with_workers(srv.url, "big", tmp_path / "out.jsonl", [("m", "fresh")], batch_size=32,
                                    batch_tokens=32 * 640)

@@ -28,13 +28,14 @@ from conductor.errors import ConductorError
 from conductor.intake import intake_task as T
 from conductor.redis_contract import keys as K
 from tests.conftest import ROOT
-from tests.test_serve import KEY, follow, get, jsonl, lines_of, request, stop, worker
+from tests.test_serve import KEY, follow, get, jsonl, lines_of, request, served, stop, worker
 
 LINES = 60
 CHUNK = 25  # 3 chunks: 25, 25, 10
 
 
 def start_serve(redis_url: str, data_dir: Path, **env: str) -> tuple[subprocess.Popen, str]:
+    served(redis_url)
     port = free_port()
     full = {**os.environ, "CONDUCTOR_REDIS_URL": redis_url, "CONDUCTOR_API_KEYS": KEY,
             "CONDUCTOR_TEST_SEND_CHUNK": str(CHUNK), **env}
@@ -159,7 +160,7 @@ def test_cli_submit_killed_mid_file_is_resumed_by_a_workers_maintenance(redis_ur
     r = redis.Redis.from_url(redis_url)
     env = dict(os.environ, CONDUCTOR_REDIS_URL=redis_url, CONDUCTOR_TEST_SEND_CHUNK=str(CHUNK),
                CONDUCTOR_TEST_PAUSE_AT="unrecorded_chunk")
-    p = subprocess.Popen([sys.executable, "-m", "conductor", "submit", str(src), "--job", "cj"], env=env,
+    p = subprocess.Popen([sys.executable, "-m", "conductor", "submit", "--create", str(src), "--job", "cj"], env=env,
                          cwd=str(ROOT), stdout=subprocess.DEVNULL)
     try:
         task = wait_paused(r, "cj", "unrecorded_chunk")
@@ -302,6 +303,7 @@ def test_a_batch_cancelled_before_its_intake_declared_anything_gets_nothing_writ
     from conductor.jobs import job_state
     src = tmp_path / "in.jsonl"
     src.write_bytes(jsonl([request(i) for i in range(5)]))
+    cdr.r.sadd(K.MODELS_KEY, "m")  # a model this Redis knows (a batch for an unknown one fails validation)
     T.create(cdr, T.Task(job="batch_x", source="api", path=str(src), file_id="file-x", endpoint="/v1/chat/completions"),
              "me")
     job_state.start(cdr.r, "batch_x", status="validating")
@@ -395,3 +397,47 @@ def test_an_unreadable_task_is_failed_only_once_nobody_holds_it_for_the_deadline
     monkeypatch.setenv(intake_resume.UNREADABLE_ENV, "soon")
     with pytest.raises(ConductorError, match=intake_resume.UNREADABLE_ENV):
         intake_resume.Resumer(cdr, "x")
+
+
+def test_a_fresh_intake_task_is_born_leased_so_a_racing_resumer_never_takes_it(cdr, redis_url, tmp_path, monkeypatch):
+    # Issue 37: a task recorded and then leased by a second call was, in between, an open task with no
+    # live lease; a worker's resumer took it from the submit still running it ("its intake task was
+    # taken by another process"). Here a resumer sweeps without pause while 300 fresh intakes begin.
+    import threading
+
+    from conductor.intake.intake_resume import Resumer
+    src = tmp_path / "in.jsonl"
+    src.write_text("")
+    taken: list[str] = []
+    monkeypatch.setattr(Resumer, "_run", lambda self, job: taken.append(job))
+    own = redis.Redis.from_url(redis_url)
+    resumer = Resumer(Conductor(own), "resumer")
+    stop_sweeping = threading.Event()
+
+    def sweep() -> None:
+        while not stop_sweeping.is_set():
+            resumer.tick()
+    sweeper = threading.Thread(target=sweep)
+    sweeper.start()
+    refused: list[str] = []
+    try:
+        for i in range(300):
+            try:
+                T.create(cdr, T.Task(job=f"j{i}", source="cli", path=str(src), state="sending", defaults={}),
+                         "creator")
+            except ConductorError as e:
+                refused.append(str(e))
+            task = T.read(cdr.r, f"j{i}")
+            assert task is not None and task.owner == "creator" and task.lease_ms > 0
+            cdr.r.hset(K.intake_task_key(f"j{i}"), "state", "done")  # ended: the sweep drops it from the index
+    finally:
+        stop_sweeping.set()
+        sweeper.join(30)
+        own.close()
+    assert refused == [] and taken == []
+    # a live holder's task is not replaced; an ended one is, with a fresh lease
+    cdr.r.hset(K.intake_task_key("j0"), mapping={"state": "sending", "lease_ms": T.server_ms(cdr.r) + 60_000})
+    with pytest.raises(ConductorError, match="being submitted by another process \\(creator\\)"):
+        T.create(cdr, T.Task(job="j0", source="cli", path=str(src), state="sending", defaults={}), "second")
+    T.create(cdr, T.Task(job="j1", source="cli", path=str(src), state="sending", defaults={}), "second")
+    assert T.read(cdr.r, "j1").owner == "second"

@@ -25,7 +25,7 @@ def test_ten_thousand_items_twenty_shapes_two_workers(redis_url, tmp_path):
     src = tmp_path / "in.jsonl"
     write_items(src)
     cli("config", "e2e", "--create", "quiet_ms=300", url=redis_url)
-    p = cli("submit", str(src), "--job", "big", url=redis_url)
+    p = cli("submit", "--create", str(src), "--job", "big", url=redis_url)
     assert p.stdout.decode().strip() == "big"
     rows = follow_with_workers(redis_url, "big", tmp_path / "out.jsonl", [("e2e", "w0"), ("e2e", "w1")],
                                batch_size=64, batch_tokens=8192)

@@ -145,7 +145,7 @@ def test_torch_tiny_through_the_command_line(redis_url, tmp_path):
             f.write(json.dumps({"id": f"t{k}", "model": "tiny-llm", "prefix": ["You are terse."], "prompt": prompt,
                                 "max_tokens": 10}) + "\n")
     cli("config", "tiny-llm", "--create", "quiet_ms=50", "release_batches=0", "activate_batches=0", url=redis_url)
-    cli("submit", str(src), "--job", "tj", url=redis_url)
+    cli("submit", "--create", str(src), "--job", "tj", url=redis_url)
     cli("worker", "--engine", "torch", "--model", "tiny-llm", "--model-path", "tiny", "--max-batch-size", "4",
         "--high-water", "8", "--low-water", "2", "--idle-exit", "2", "--name", "gpu0", url=redis_url, timeout=180)
     out = cli("results", "tj", url=redis_url).stdout.decode().splitlines()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -31,11 +30,9 @@ from tests.real_engine_kit import (
     VLLM_ENV,
     VLLM_WARNINGS,
     assert_each_once,
-    chat_line,
     shaped_lines,
     submit_lines,
     vllm_env,
-    write_lines,
     write_model,
 )
 
@@ -84,6 +81,21 @@ def test_the_contract_comes_from_vllms_configuration(eng):
     assert c.max_input_len == eng.max_model_len - 1 == 1023  # the model's max_position_embeddings
     cache = eng.llm.vllm_config.cache_config
     assert 0 < c.max_batch_tokens <= cache.num_gpu_blocks * cache.block_size
+
+
+def test_completion_and_native_items_are_plain_text_prompts(eng):
+    """A /v1/completions line and a native line are tokenized as text: the prefix parts one a line, then
+    the prompt; the same text as one completion gives the same greedy answer."""
+    cmp = BatchItem(id="c", job="j", input_tokens=5, max_tokens=6, prompt="once upon",
+                    payload={"custom_id": "c", "url": "/v1/completions", "options": {"temperature": 0}})
+    native = BatchItem(id="n", job="j", input_tokens=5, max_tokens=6, prompt="a time", payload=None)
+    got = run(eng, mk_batch("p-1", [cmp], prefix=[]))
+    got.update(run(eng, mk_batch("p-2", [native], prefix=["once upon"])))
+    whole = BatchItem(id="w", job="j", input_tokens=5, max_tokens=6, prompt="once upon\na time",
+                      payload={"custom_id": "w", "url": "/v1/completions", "options": {"temperature": 0}})
+    got.update(run(eng, mk_batch("p-3", [whole], prefix=[])))
+    assert all(f.error is None and f.output_tokens == 6 for f in got.values())
+    assert got["n"].output == got["w"].output  # a native line decodes greedily
 
 
 def test_request_options_are_honoured(eng):
@@ -221,23 +233,20 @@ def test_a_dead_engine_core_s_batches_go_back_and_are_answered_once(redis_url: s
     assert_each_once(c, "core", [x["custom_id"] for x in lines])
 
 
-def test_a_file_end_to_end_through_conductor_run(tmp_path: Path, model_dir: Path):
-    lines = shaped_lines(30, shapes=3, max_tokens=6)
-    lines.append(chat_line("long", None, "w" * 1200, 4))  # over the model's 1024 positions: its own error
-    lines.append({"custom_id": "cmp", "method": "POST", "url": "/v1/completions",
-                  "body": {"model": "tiny", "prompt": "once upon", "max_tokens": 5}})
-    src = write_lines(tmp_path / "in.jsonl", lines)
-    out = tmp_path / "out.jsonl"
-    p = subprocess.run([sys.executable, "-m", "conductor", "run", str(src), "--engine", "vllm", "--model-path",
-                        str(model_dir), "--workers", "1", "-o", str(out), "--engine-arg",
-                        f"kv_cache_memory_bytes={KV_BYTES}"], env=vllm_env(), cwd=str(ROOT), capture_output=True,
-                       timeout=300)
-    assert p.returncode == 0, p.stderr.decode()[-3000:]
-    rows = [json.loads(x) for x in out.read_text().splitlines()]
-    by = {r["id"]: r for r in rows}
-    assert len(rows) == len(by) == len(lines)
-    assert by["long"]["error"]["code"] == "input_too_long"
-    assert by["cmp"]["output_tokens"] == 5 and by["cmp"]["error"] is None
-    assert all(r["error"] is None and r["output_tokens"] == 6 for i, r in by.items() if i.startswith("r"))
-    hits = re.search(r"prefix hits ([\d,]+) tokens", p.stderr.decode())
-    assert hits and int(hits.group(1).replace(",", "")) > 0, p.stderr.decode()[-1000:]  # vLLM's cache, counted
+def test_a_file_end_to_end_through_conductor_run_is_the_benchmarks_quick_form(tmp_path: Path, model_dir: Path):
+    """bench/real_engine.py's case (b) on a short prefix-heavy file: ``conductor run --engine vllm`` answers
+    every line once without an error, and vLLM's own prefix cache served part of the prompts."""
+    out = tmp_path / "bench.json"
+    env = {k: v for k, v in VLLM_ENV.items() if k not in os.environ}
+    os.environ.update(env)  # the bench's processes take this process's environment
+    try:
+        from bench.real_engine import main
+        assert main(["--files", "prefix", "--cases", "b", "--lines", "24", "--model-dir", str(model_dir),
+                     "--no-write", "--json", str(out)]) == 0
+    finally:
+        for k in env:
+            os.environ.pop(k, None)
+    (case, _ratios) = json.loads(out.read_text())
+    assert case["name"] == "b" and case["answered"] == case["expected"] == 24 and case["errors"] == 0
+    assert case["twice"] == 0 and case["output_tokens"] > 0
+    assert case["hit_rate"] > 0.3, case  # 24 lines over 24 prompts of 500 to 1,500 tokens: most repeat one

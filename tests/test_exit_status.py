@@ -69,7 +69,7 @@ def test_store_and_parquet_commands_exit_0_every_time_beside_a_load(redis_url, t
     reports: list[bytes] = []  # what a failing inspect printed (its findings are on stdout)
     with cpu_load():
         for k in range(rounds):
-            cmds = [["inspect", "m", "--verify"], ["submit", str(src), "--job", f"p{k}"], ["results", "r"]]
+            cmds = [["inspect", "m", "--verify"], ["submit", "--create", str(src), "--job", f"p{k}"], ["results", "r"]]
             procs = [(cmd, subprocess.Popen(base + cmd, cwd=str(ROOT), env=env, stdout=subprocess.PIPE,
                                             stderr=subprocess.PIPE)) for cmd in cmds]
             for cmd, p in procs:

@@ -34,7 +34,7 @@ def test_items_a_failover_lost_are_reported_and_a_resubmit_brings_them_back(tmp_
         p.acl_setuser("repl", enabled=False)
         p.client_kill_filter(user="repl")
         wait_for(lambda: r.info("replication").get("master_link_status") == "down", "the link stayed up")
-        cli("submit", str(src), "--job", "j", url=primary.url)
+        cli("submit", "--create", str(src), "--job", "j", "--resume", url=primary.url)  # into the declared job
         assert p.hget(MK.job_intake("j"), "submitted") == b"300"  # the producer saw all 300 accepted
         time.sleep(0.3)
         assert r.hget(MK.job_intake("j"), "submitted") is None  # the replica got none of them
@@ -47,7 +47,7 @@ def test_items_a_failover_lost_are_reported_and_a_resubmit_brings_them_back(tmp_
         doc = json.loads(cli("status", "j", "--json", url=replica.url, check=False).stdout)
         assert (doc["lost"], doc["declared"], doc["submitted"]) == (300, 300, 0)
         # the same file again: the missing items come back, nothing is counted twice
-        cli("submit", str(src), "--job", "j", url=replica.url)
+        cli("submit", "--create", str(src), "--job", "j", "--resume", url=replica.url)
         st = cli("status", "j", url=replica.url, check=False)
         assert st.returncode == 0 and "lost" not in st.stdout.decode()
         assert json.loads(cli("status", "j", "--json", url=replica.url).stdout)["submitted"] == 300

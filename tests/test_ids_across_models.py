@@ -22,7 +22,7 @@ def _line(i: str, model: str) -> str:
 def test_a_file_with_one_id_under_two_models_is_refused_naming_the_line(cdr, redis_url, tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join([_line("x", "a"), _line("y", "a"), _line("x", "b")]) + "\n")
-    p = cli("submit", str(src), "--job", "j", url=redis_url, check=False)
+    p = cli("submit", "--create", str(src), "--job", "j", url=redis_url, check=False)
     err = p.stderr.decode()
     assert p.returncode != 0
     assert "line 3: id: duplicate of line 1 (there for model a: an id names one item of a job" in err, err
@@ -33,16 +33,16 @@ def test_an_id_the_job_has_under_another_model_is_refused_naming_the_line(cdr, r
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     first.write_text(_line("x", "a") + "\n")
     second.write_text("\n".join([_line("z", "b"), _line("x", "b")]) + "\n")
-    cli("submit", str(first), "--job", "j", url=redis_url)
+    cli("submit", "--create", str(first), "--job", "j", url=redis_url)
     before = _everything(cdr.r)
-    p = cli("submit", str(second), "--job", "j", url=redis_url, check=False)
+    p = cli("submit", "--create", str(second), "--job", "j", "--resume", url=redis_url, check=False)
     err = p.stderr.decode()
     assert p.returncode != 0
     assert "line 2: id: 'x' is already in job j under model a" in err, err
     assert _everything(cdr.r) == before
     # the same file again, and another job, are fine
-    cli("submit", str(first), "--job", "j", url=redis_url)
-    cli("submit", str(second), "--job", "k", url=redis_url)
+    cli("submit", "--create", str(first), "--job", "j", "--resume", url=redis_url)
+    cli("submit", "--create", str(second), "--job", "k", url=redis_url)
 
 
 def test_the_client_refuses_before_writing(cdr):

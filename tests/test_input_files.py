@@ -21,8 +21,8 @@ def test_parquet_native_columns_submit_like_the_same_jsonl(redis_url, tmp_path):
     jl.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     pqf = tmp_path / "in.parquet"
     pq.write_table(pa.Table.from_pylist(rows), pqf, row_group_size=64)
-    cli("submit", str(jl), "--job", "j1", url=redis_url)
-    cli("submit", str(pqf), "--job", "j2", url=redis_url)
+    cli("submit", "--create", str(jl), "--job", "j1", url=redis_url)
+    cli("submit", "--create", str(pqf), "--job", "j2", url=redis_url)
     import redis
     r = redis.Redis.from_url(redis_url)
     mk = K.ModelKeys("m")
@@ -33,7 +33,7 @@ def test_parquet_native_columns_submit_like_the_same_jsonl(redis_url, tmp_path):
     s1 = {k: v for k, v in r.hgetall(mk.job_sums("j1")).items()}
     assert set(s1) == set(r.hgetall(mk.job_sums("j2")))
     # a re-run of the Parquet file adds nothing
-    p = cli("submit", str(pqf), "--job", "j2", url=redis_url)
+    p = cli("submit", "--create", str(pqf), "--job", "j2", "--resume", url=redis_url)
     assert b"submitted 0 items (250 already there)" in p.stderr
 
 
@@ -45,7 +45,7 @@ def test_parquet_openai_columns_and_nulls(redis_url, tmp_path):
             for i in range(6)]
     f = tmp_path / "oa.parquet"
     pq.write_table(pa.Table.from_pylist(rows), f)
-    cli("submit", str(f), "--job", "oa", url=redis_url)
+    cli("submit", "--create", str(f), "--job", "oa", url=redis_url)
     insp = json.loads(cli("inspect", "gpt-x", "--json", url=redis_url).stdout)[0]
     assert len(insp["shapes"]) == 1 and insp["shapes"][0]["items"] == 6
 
@@ -56,13 +56,13 @@ def test_parquet_bad_rows_are_named_by_row_and_field(redis_url, tmp_path):
     rows[4]["id"] = "r1"
     f = tmp_path / "bad.parquet"
     pq.write_table(pa.Table.from_pylist(rows), f)
-    p = cli("submit", str(f), "--job", "b", url=redis_url, check=False)
+    p = cli("submit", "--create", str(f), "--job", "b", url=redis_url, check=False)
     err = p.stderr.decode()
     assert p.returncode == 2
     assert "line 3: max_tokens" in err and "line 5: id: duplicate of line 2" in err and "nothing submitted" in err
     cols = tmp_path / "cols.parquet"
     pq.write_table(pa.Table.from_pylist([{**rows[0], "extra": 1}]), cols)
-    p = cli("submit", str(cols), "--job", "b", url=redis_url, check=False)
+    p = cli("submit", "--create", str(cols), "--job", "b", url=redis_url, check=False)
     assert p.returncode == 2 and "extra: unknown column" in p.stderr.decode()
     st = cli("status", "b", url=redis_url, check=False)
     assert st.returncode == 2  # no job made

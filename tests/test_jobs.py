@@ -29,12 +29,12 @@ def rows(n, model="m", prompt="hi", start=0):
 def test_jobs_lists_every_job_with_its_counters_and_state(redis_url, cdr, tmp_path):
     assert cli("jobs", url=redis_url).stdout.decode().strip() == "no jobs"
     quick(cdr)
-    cli("submit", write(tmp_path / "a.jsonl", rows(3)), "--job", "done-job", url=redis_url)
+    cli("submit", "--create", write(tmp_path / "a.jsonl", rows(3)), "--job", "done-job", url=redis_url)
     drain(cdr, CONTRACT)
-    cli("submit", write(tmp_path / "b.jsonl", rows(2)), "--job", "failing-job", url=redis_url)
+    cli("submit", "--create", write(tmp_path / "b.jsonl", rows(2)), "--job", "failing-job", url=redis_url)
     b, _ = cdr.claim(CONTRACT, "w")
     cdr.complete(b, results_for(b, error=True))
-    cli("submit", write(tmp_path / "c.jsonl", rows(4) + rows(1, model="n", start=4)), "--job", "open-job",
+    cli("submit", "--create", write(tmp_path / "c.jsonl", rows(4) + rows(1, model="n", start=4)), "--job", "open-job",
         url=redis_url)
     listed = json.loads(cli("jobs", "--json", url=redis_url).stdout)
     got = {r["job"]: (r["models"], r["submitted"], r["completed"], r["failed"], r["pending"], r["state"])
@@ -47,9 +47,9 @@ def test_jobs_lists_every_job_with_its_counters_and_state(redis_url, cdr, tmp_pa
     assert all(r["created_ms"] > 0 for r in listed)
     text = cli("jobs", url=redis_url).stdout.decode().splitlines()
     assert text[0].split() == ["job", "created", "models", "lines", "completed", "failed", "cancelled", "expired",
-                               "refused", "pending", "items", "state"]
+                               "refused", "pending", "items", "tenant", "priority", "deadline", "state"]
     assert text[3].split()[0] == "open-job" and \
-        text[3].split()[-10:] == ["m,n", "5", "0", "0", "0", "0", "0", "5", "5", "in_progress"]
+        text[3].split()[-13:] == ["m,n", "5", "0", "0", "0", "0", "0", "5", "5", "-", "batch", "-", "in_progress"]
     assert [r["job"] for r in json.loads(cli("jobs", "--json", "--limit", "1", url=redis_url).stdout)] == \
         ["open-job"]
 
@@ -67,22 +67,25 @@ def test_an_unknown_job_is_an_error_also_when_following(redis_url, cdr, tmp_path
 
 def test_a_resubmit_with_other_content_is_refused_and_writes_nothing(redis_url, cdr, tmp_path):
     first = write(tmp_path / "prompts.jsonl", rows(5))
-    cli("submit", first, url=redis_url)
+    cli("submit", "--create", first, url=redis_url)
     before = {k: cdr.r.dump(k) for k in sorted(cdr.r.scan_iter("cdr:*"))}
     # another file under the same default job name: two ids clash, one is new
     (tmp_path / "other").mkdir()
     other = write(tmp_path / "other" / "prompts.jsonl",
                   rows(2, prompt="different") + rows(2, start=2) + rows(1, start=9))
-    err = one_line_error(cli("submit", other, url=redis_url, check=False))
+    # without --resume the job that exists is refused at once (issue 37: as run refuses it)
+    err = one_line_error(cli("submit", "--create", other, url=redis_url, check=False))
+    assert "job prompts exists in this Redis (5 items, 0 answered): --resume adds what it lacks" in err
+    err = one_line_error(cli("submit", "--create", "--resume", other, url=redis_url, check=False))
     assert "job prompts already has 2 of these ids with other content" in err and "nothing submitted" in err
     assert {k: cdr.r.dump(k) for k in sorted(cdr.r.scan_iter("cdr:*"))} == before
     # the same content again stays an idempotent duplicate
-    p = cli("submit", first, url=redis_url)
+    p = cli("submit", "--create", "--resume", first, url=redis_url)
     assert b"submitted 0 items (5 already there)" in p.stderr
     # another shape under a known id is other content too
     moved = [{**r, "prefix": ["new system prompt"]} for r in rows(1)]
-    err = one_line_error(cli("submit", write(tmp_path / "m.jsonl", moved), "--job", "prompts", url=redis_url,
-                             check=False))
+    err = one_line_error(cli("submit", "--create", write(tmp_path / "m.jsonl", moved), "--job", "prompts",
+                             "--resume", url=redis_url, check=False))
     assert "already has 1 of these ids" in err
 
 
@@ -106,7 +109,7 @@ def test_the_script_refuses_a_conflict_itself_with_nothing_written(cdr):
 def test_an_empty_file_makes_no_job_and_says_so(redis_url, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n  \n")
-    err = one_line_error(cli("submit", str(empty), url=redis_url, check=False))
+    err = one_line_error(cli("submit", "--create", str(empty), url=redis_url, check=False))
     assert err == f"conductor: {empty} holds no items: no job made"
     assert json.loads(cli("jobs", "--json", url=redis_url).stdout) == []
     err = one_line_error(cli("run", str(empty), "-o", str(tmp_path / "o.jsonl"), url=redis_url, check=False))

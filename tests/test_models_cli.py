@@ -34,9 +34,9 @@ def test_a_submit_to_a_paused_model_is_refused_and_leaves_no_job(redis_url, cdr,
     cli("pause", "m", url=redis_url)
     src = tmp_path / "in.jsonl"
     src.write_text(json.dumps({"id": "a", "model": "m", "prompt": "hi", "max_tokens": 4}) + "\n")
-    err = one_line_error(cli("submit", str(src), "--job", "held", url=redis_url, check=False))
+    err = one_line_error(cli("submit", "--create", str(src), "--job", "held", url=redis_url, check=False))
     assert "model m is paused" in err and "nothing submitted" in err
     assert json.loads(cli("jobs", "--json", url=redis_url).stdout) == []
     cli("resume", "m", url=redis_url)
-    cli("submit", str(src), "--job", "held", url=redis_url)
+    cli("submit", "--create", str(src), "--job", "held", url=redis_url)
     assert json.loads(cli("status", "held", "--json", url=redis_url).stdout)["submitted"] == 1

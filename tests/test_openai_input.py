@@ -74,10 +74,10 @@ def test_submit_takes_the_models_default_max_tokens_from_its_config(redis_url, t
     r.hset(ModelKeys("m").cfg, "default_max_tokens", 33)
     src = tmp_path / "in.jsonl"
     src.write_text(line(chat()) + "\n" + line(chat(), url="/v1/embeddings").replace("c1", "c2") + "\n")
-    p = cli("submit", str(src), "--job", "oa", url=redis_url, check=False)
+    p = cli("submit", "--create", str(src), "--job", "oa", url=redis_url, check=False)
     assert p.returncode == 2 and b"line 2: url: '/v1/embeddings' is not served" in p.stderr
     src.write_text(line(chat()) + "\n")
-    cli("submit", str(src), "--job", "oa", url=redis_url)
+    cli("submit", "--create", str(src), "--job", "oa", url=redis_url)
     lanes = [k for k in r.scan_iter(match="cdr:{m}:lane:*")]
     assert len(lanes) == 1 and json.loads(r.lindex(lanes[0], 0))[3] == 33
     r.close()

@@ -98,10 +98,10 @@ def test_run_in_a_pipe_writes_plain_progress_lines(redis_url, tmp_path):
 
 def test_submit_of_a_large_file_shows_its_line(redis_url, tmp_path):
     src = jsonl(tmp_path / "big.jsonl", 12_000)
-    code, out = on_pty(["submit", src, "--job", "big"], redis_url)
+    code, out = on_pty(["submit", "--create", src, "--job", "big"], redis_url)
     text = ANSI.sub(b"", out).decode()
     assert code == 0 and re.search(r"submit big .*12000/12000 items · [\d.,]+/s · ETA 0:00:00", text), text
-    p = cli("submit", src, "--job", "big", url=redis_url,
+    p = cli("submit", "--create", src, "--job", "big", "--resume", url=redis_url,
             env={"CONDUCTOR_PROGRESS_S": "0"})
     assert re.search(rb"^submit big: \d+/12000 items, ", p.stderr, re.M) and not ANSI.search(p.stderr)
     assert b"submitted 0 items (12000 already there)" in p.stderr

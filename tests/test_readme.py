@@ -11,6 +11,22 @@ def test_readme_opens_with_the_main_job_and_the_tests_and_ci_runs_the_latter():
     assert "conductor run" in main
     assert "pytest" in tests
     assert tests in (ROOT / ".ci" / "run").read_text()
+    # issue 37: the main job installs the package alone, not the test extras (117 packages, 743 MB)
+    assert "pip install -q -e . &&" in main and "[" not in main.split("conductor run")[0]
+
+
+def test_what_the_readme_commands_write_in_the_clone_is_ignored_by_git():
+    import shutil
+    import subprocess
+    ignored = ["results.jsonl", "labels-1.jsonl", "redis.log", "appendonlydir/x.aof", "dump.rdb", "fleet.jsonl",
+               "fleet-out.jsonl", "results.partial.jsonl"]
+    if shutil.which("git") and subprocess.run(["git", "rev-parse"], cwd=str(ROOT), capture_output=True).returncode == 0:
+        p = subprocess.run(["git", "check-ignore", "--no-index", *ignored], cwd=str(ROOT), capture_output=True,
+                           text=True)
+        assert sorted(p.stdout.split()) == sorted(ignored), p.stdout
+    else:  # a tree without git: the patterns are there
+        text = (ROOT / ".gitignore").read_text()
+        assert all(f"/{name.split('/')[0]}" in text for name in ignored[:-1])
 
 
 def test_ci_lints_with_ruff_and_fails_on_lint_errors():
@@ -57,6 +73,9 @@ def test_using_it_runs_as_written_after_the_setup_line(redis_url, tmp_path):
 
     block = _block_after("## Using it")
     assert block[0].startswith("source .venv/bin/activate") and "redis-server" in block[1]
+    # issue 37: a Redis of its own that keeps its data (AOF), never whatever answers on 6379
+    assert "--appendonly yes" in block[1] and "--save ''" not in block[1] and "ping ||" not in block[1]
+    assert "redis://127.0.0.1:6390/0" in block[2]
     script = []
     for ln in block:
         if ln.startswith("source .venv/bin/activate"):
@@ -64,7 +83,7 @@ def test_using_it_runs_as_written_after_the_setup_line(redis_url, tmp_path):
         elif "redis-server" in ln:
             continue
         else:
-            script.append(ln.replace("redis://127.0.0.1:6379/0", redis_url))
+            script.append(ln.replace("redis://127.0.0.1:6390/0", redis_url))
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     p = subprocess.run(["bash", "-euo", "pipefail", "-c", "\n".join(script)], cwd=str(tmp_path),
                        capture_output=True, timeout=240)

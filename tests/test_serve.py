@@ -47,8 +47,22 @@ def jsonl(rows: list[dict]) -> bytes:
     return "".join(json.dumps(r) + "\n" for r in rows).encode()
 
 
+def served(url: str, *models: str) -> None:
+    """The models a fleet serves, known to Redis before a batch names them (as a worker started with
+    --create makes its model): the Batch API refuses a line for a model Redis does not know."""
+    from conductor.client import Conductor, connect
+    r = connect(url)
+    try:
+        c = Conductor(r)
+        for m in models or ("m",):
+            c.ensure_model(m)
+    finally:
+        r.close()  # no socket left to the garbage collector (a ResourceWarning in whichever test comes next)
+
+
 @pytest.fixture()
 def serve(redis_url, tmp_path) -> Iterator[str]:
+    served(redis_url)
     port = free_port()
     env = dict(os.environ, CONDUCTOR_REDIS_URL=redis_url, CONDUCTOR_API_KEYS=f"other-key,{KEY}")
     p = subprocess.Popen([sys.executable, "-m", "conductor", "serve", "--port", str(port),

@@ -38,7 +38,7 @@ def test_verify_after_an_end_to_end_run_reports_zero_difference(redis_url, tmp_p
 def test_a_corrupted_counter_is_caught_then_repaired(redis_url, tmp_path):
     src = tmp_path / "in.jsonl"
     _write_items(src, n=120)
-    cli("submit", str(src), "--job", "cj", url=redis_url)
+    cli("submit", "--create", str(src), "--job", "cj", url=redis_url)
     assert cli("inspect", "--verify", url=redis_url, check=False).returncode == 0
     r = connect(redis_url)
     mk = K.ModelKeys("vm")

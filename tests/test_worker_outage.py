@@ -126,3 +126,55 @@ def test_a_redis_that_comes_back_empty_is_joined_again_and_the_next_job_runs(fre
     assert Counter(r["id"] for r in rows) == Counter(f"k{k:02d}" for k in range(20))
     assert not c.r.exists(MK.job("j"))  # nothing of the lost job was written back
     assert [e["event"] for e in events(log)].count("redis_down") == 1
+
+
+def test_a_worker_is_back_within_about_a_second_of_redis_returning(fresh_server, tmp_path):
+    # Issue 37: Redis away about 5 s, the worker said down_s 15.2 after 11 probes: its probes had
+    # backed off to 2 s apart, and its first calls after a good probe went out on the pool's dead
+    # sockets, each failing one more probe round. A worker with work in flight (claims, heartbeats,
+    # the maintenance lease) meets every kind of call there.
+    log = tmp_path / "a.log"
+    c = client(fresh_server.url)
+    quick(c)
+    c.submit([item(f"i{k:03d}", 10, max_tokens=400) for k in range(200)], "j")
+    a = start(fresh_server.url, "A", log, "--sim-time-scale", "1")
+    try:
+        wait_for(lambda: c.r.xpending(MK.batches, K.GROUP)["pending"] >= 2, timeout=60, what="A to claim work")
+        fresh_server.kill()
+        wait_for(lambda: said(log, "redis_down"), timeout=60, what="A to notice")
+        time.sleep(5)
+        fresh_server.start()  # returns once the server answers
+        up = time.monotonic()
+        wait_for(lambda: said(log, "redis_back"), timeout=60, what="A to come back")
+        lag = time.monotonic() - up
+        back = said(log, "redis_back")[0]
+        assert lag < 2.0, (lag, back)  # about a second at most, with slack for a loaded machine
+        assert back["down_s"] < 5 + 2.0 + 2.0, back  # the outage, the noticing, the return
+        assert a.poll() is None
+    finally:
+        a.send_signal(signal.SIGTERM)
+        assert a.wait(60) == 0
+
+
+def test_probes_while_redis_is_away_are_at_most_half_a_second_apart():
+    # The schedule itself (workers/outage.py), against a port nothing listens on, for six seconds: once
+    # the backoff has grown, the gap between two probes is what a worker adds to any outage.
+    from conductor.embedded import free_port
+    from conductor.workers.outage import Link
+    r = connect_lazily(f"redis://127.0.0.1:{free_port()}/0")
+    link = Link(r, "cdr:{m}:state", "w", "m")
+    assert link.lost(ConnectionError("refused"))
+    at = []
+    end = time.monotonic() + 6
+    while time.monotonic() < end:
+        time.sleep(link.due_in())
+        if not link.probe():
+            at.append(time.monotonic())
+    gaps = [b - a for a, b in zip(at, at[1:], strict=False)]
+    assert len(at) >= 10 and max(gaps) < 0.5 + 0.5, gaps  # was 2 s apart from the fifth probe on
+
+
+def connect_lazily(url: str):
+    """A client that has not connected (conductor's connect() pings at once, and nothing listens here)."""
+    import redis
+    return redis.Redis.from_url(url)

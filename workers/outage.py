@@ -7,8 +7,9 @@ call through it while Redis is down would log a line per call, stall its engine 
 and on SIGTERM wait for the server instead of stopping within its drain time. So once a call
 fails for want of Redis (``Link.lost``), the worker stops calling it: its engine goes on, results
 wait in the retry buffer, and ``Link.probe`` pings on a fresh connection of its own (no retries,
-a short timeout) at growing intervals until Redis answers; the worker then joins it again
-(workers/worker.py ``_rejoin``: the server may have come back empty) and calls ``Link.up``.
+a short timeout) at intervals growing from 0.1 s to ``PROBE_CAP_S`` (0.5 s) until Redis answers; the
+worker then joins it again (workers/worker.py ``_rejoin``: the server may have come back empty) and
+calls ``Link.up``.
 """
 
 from __future__ import annotations
@@ -71,10 +72,16 @@ def cut_retries(r: Any, give_up: Callable[[], bool]) -> None:
         put(StopRetry(inner, give_up))
 
 
+# The longest wait between two probes: a worker is back within this of Redis answering again (issue 37:
+# with 2 s, a 5 s outage cost up to 2 s more, and the fleet looked dead meanwhile). A probe is one
+# connection attempt, refused at once by a host whose Redis is down: twice a second costs nothing.
+PROBE_CAP_S = 0.5
+
+
 class Link:
     """Whether one worker reaches Redis. ``lost`` and ``up`` say so once each per outage."""
 
-    def __init__(self, r: Any, key: str, worker: str, model: str, *, first_s: float = 0.1, cap_s: float = 2.0,
+    def __init__(self, r: Any, key: str, worker: str, model: str, *, first_s: float = 0.1, cap_s: float = PROBE_CAP_S,
                  probe_timeout_s: float = 1.0) -> None:
         self._pool = pool_for(r, key)  # the server that holds the model's keys
         self.worker, self.model = worker, model

@@ -10,7 +10,7 @@ import time
 from typing import TYPE_CHECKING
 
 from conductor.cli.connect import conductor_from, url_from
-from conductor.errors import ConductorError
+from conductor.errors import ConductorError, did_you_mean
 from conductor.redis_contract import keys as K
 
 if TYPE_CHECKING:
@@ -24,13 +24,6 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     applied = migrate(r)
     print(f"schema {current(r)}" + (f" (applied {applied})" if applied else " (up to date)"))
     return 0
-
-
-def did_you_mean(name: str, known: list[str]) -> str:
-    """``; did you mean 'demo-7b'?`` when a known name is close to ``name``, else ''."""
-    import difflib
-    close = difflib.get_close_matches(name, known, n=3, cutoff=0.6)
-    return f"; did you mean {' or '.join(repr(k) for k in close)}?" if close else ""
 
 
 def known_model(c: Conductor, model: str, create: bool | None = False) -> None:
@@ -135,6 +128,9 @@ def cmd_trim_results(args: argparse.Namespace) -> int:
 def cmd_tenant(args: argparse.Namespace) -> int:
     from conductor.errors import BadInput
     from conductor.jobs.tenants import render, set_weight, tenant_rows
+    if not args.tenant.strip():
+        raise ConductorError("tenant: a name is needed (a job without --tenant is its own tenant, weight 1; "
+                             "conductor tenants lists them as one row)")
     c = conductor_from(args)
     if args.weight is not None:
         try:

@@ -17,17 +17,32 @@ class Parser(argparse.ArgumentParser):
     script's stderr wants the one line that says what was wrong."""
 
     def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"{self.prog}: {message} (see {self.prog} --help)\n")
+        sys.stderr.write(f"{self.prog}: {_close_choice(message)} (see {self.prog} --help)\n")
         sys.exit(2)
+
+
+def _close_choice(message: str) -> str:
+    """argparse's "invalid choice: 'sumbit' (choose from ...)" with ``; did you mean 'submit'?`` in
+    place of the whole list when a choice is close; the message as it was otherwise."""
+    import re
+
+    from conductor.errors import did_you_mean
+    m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+    if not m:
+        return message
+    choices = re.findall(r"'([^']*)'", m.group(2)) or [c.strip() for c in m.group(2).split(",")]
+    close = did_you_mean(m.group(1), choices)
+    return message[:m.start()] + f"invalid choice: '{m.group(1)}'{close}" if close else message
 
 
 class DefaultsFormatter(argparse.HelpFormatter):
     """Shows ``(default: X)`` after every option that has one; flags (False) and options without a
-    default (None) say nothing, so the help shows only defaults that mean something."""
+    default (None, '', an empty list) say nothing, so the help shows only defaults that mean something."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
-        if "%(default)" in text or action.default in (None, False, argparse.SUPPRESS):
+        if "%(default)" in text or action.default is argparse.SUPPRESS or action.default in (None, False, "") or \
+                action.default == []:
             return text
         if action.option_strings or action.nargs in ("?", "*"):
             return f"{text} (default: %(default)s)"

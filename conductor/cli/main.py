@@ -47,7 +47,10 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="conductor", description=__doc__, formatter_class=DefaultsFormatter,
+    # the help's first line, plain text (the module's docstring is reST: its ``quotes`` showed in --help)
+    p = Parser(prog="conductor", description="conductor: submit, work, read results, watch and inspect, from the "
+                                             "command line. 'conductor COMMAND --help' shows a command's options.",
+               formatter_class=DefaultsFormatter,
                epilog="Exit status: 0 done; 1 finished but not clean (items failed or pending, counter drift); "
                       "2 refused (bad arguments or input, unknown job or model, Redis unreachable) or a write "
                       "failed; 130 interrupted (run: SIGTERM=143, SIGHUP=129); 141 the reader of the output went away.")
@@ -74,10 +77,16 @@ def build_parser() -> argparse.ArgumentParser:
     s = command("submit", "validate and submit a JSONL or Parquet file, print the job id, exit", cmd_submit)
     s.add_argument("file", help="JSON lines or Parquet: native or OpenAI batch format (README: Input lines)")
     s.add_argument("--job", help="job id (default: the file's name without its extension); a job that exists is "
-                                 "resumed: ids it has are skipped")
+                                 "refused unless --resume, as run refuses it")
+    s.add_argument("--resume", action="store_true",
+                   help="add to the job when it exists (an interrupted submit, a file in parts): ids it has are "
+                        "skipped, so a submit run again neither loses nor duplicates")
     s.add_argument("--skip-invalid", action="store_true", help="submit the valid lines, reject the others")
     s.add_argument("--rejects", metavar="FILE", help="write rejected lines here (JSON lines with line, field, error)")
     s.add_argument("--quiet", action="store_true", help="print only the job id")
+    s.add_argument("--create", action="store_true",
+                   help="submit to models Redis does not know yet (workers not started yet); without it a line "
+                        "naming an unknown model (a typo) is refused, with a did-you-mean")
     from conductor.cli.batch_api import add_commands, add_submit_flags
     add_submit_flags(s)
     add_class_flags(s)
@@ -114,7 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     from conductor.cli.retry import add_commands as add_ledger_commands
     add_ledger_commands(command)
 
-    jb = command("jobs", "list jobs: created, models, submitted, completed, failed, pending, state", cmd_jobs)
+    jb = command("jobs", "list jobs, oldest first, one row each: when created, its models, its input lines and how "
+                 "each was answered (completed; failed: an error of the engine; cancelled; expired; refused at "
+                 "validation; pending), its items in Redis, tenant ('-': its own), priority, deadline and state "
+                 "(OpenAI's status names; 'past its deadline' when late)", cmd_jobs)
     jb.add_argument("--json", action="store_true", help="one JSON list of job objects")
     jb.add_argument("--limit", type=non_negative_int, default=100, help="the newest this many jobs (0: all)")
 
@@ -127,10 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--errors", metavar="FILE", help="with --format openai: failed lines go to FILE (OpenAI's "
                                                     "error file) instead of the output")
 
-    st = command("status", "a job's submitted, completed, failed and pending items", cmd_status)
+    st = command("status", "a job's state, its input lines and items by how each was answered (completed; failed: an "
+                 "error of the engine; cancelled; expired; refused at validation; pending), its tenant, priority "
+                 "and deadline, and its lifecycle times; then one line of its items", cmd_status)
     st.add_argument("job", help="job id (conductor jobs lists them)")
     st.add_argument("--watch", action="store_true",
-                    help="repeat until every item has a result; exit 1 if any failed")
+                    help="repeat until every item has a result; exit 1 if any failed or expired (a cancel is not "
+                         "a failure: 0)")
     st.add_argument("--json", action="store_true", help="one JSON object per report")
     st.add_argument("--interval", type=positive_float, default=1.0, help="seconds between reports with --watch")
 
@@ -181,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "waiting", cmd_tenant)
     tn.add_argument("tenant", help="tenant name (conductor submit --tenant T)")
     tn.add_argument("--weight", type=float, help="its weight (default 1): weight 3 gets three times the share of 1")
-    ts = command("tenants", "every tenant: weight, service, share of the last minute, waiting work", cmd_tenants)
+    ts = command("tenants", "every tenant: weight, service, share of the last minute, waiting work; the jobs "
+                            "without a tenant (each its own) as one row, '- (no tenant)'", cmd_tenants)
     ts.add_argument("model", nargs="?", help="one model (default: all)")
     ts.add_argument("--json", action="store_true", help="one JSON list of tenant objects")
 
@@ -249,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         args.values += extra
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # as typed: run's resume hint repeats it
     logging.basicConfig(level=args.log_level if isinstance(args.log_level, int) else logging.INFO,
                         format="%(message)s", stream=sys.stderr)
     try:

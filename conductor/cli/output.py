@@ -52,6 +52,20 @@ def refuse_overwrite(inputs: list[str], outputs: dict[str, str | None]) -> None:
         seen[ident] = f"the file of another option ({flag})"
 
 
+def beside(path: str) -> str:
+    """A free name next to ``path`` for a part of it: ``out.partial.jsonl``, else ``out.partial-2.jsonl``, ..."""
+    folder, name = os.path.split(path)
+    stem, dot, ext = name.rpartition(".")
+    if not stem:  # no extension (or a dot file): the tag goes last
+        stem, dot, ext = name, "", ""
+    for k in range(1, 10_000):
+        tag = "partial" if k == 1 else f"partial-{k}"
+        candidate = os.path.join(folder, f"{stem}.{tag}{dot}{ext}")
+        if not os.path.lexists(candidate):
+            return candidate
+    raise ConductorError(f"no free name beside {path} for the partial output: remove old {stem}.partial* files")
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
@@ -109,15 +123,16 @@ class Output:
         except OSError as e:
             raise OutputError(self.name, e) from None
 
-    def commit(self) -> None:
-        """Flush and close, then move the finished file into place."""
+    def commit(self, to: str | None = None) -> None:
+        """Flush and close, then move the finished file into place (at ``to`` instead of the path:
+        an interrupted run's part, beside an earlier complete output it must not replace)."""
         self.flush()
         if self.path == "-":
             return
         try:
             self.f.close()
             if self._tmp is not None:
-                os.replace(self._tmp, self.path)
+                os.replace(self._tmp, to or self.path)
                 self._tmp = None
         except OSError as e:
             self.discard()

@@ -24,7 +24,7 @@ def known_job(c: Conductor, job: str) -> list[str]:
     follow forever)."""
     models = c.job_models(job)
     if not models:
-        from conductor.cli.admin import did_you_mean
+        from conductor.errors import did_you_mean
         from conductor.redis_contract import keys as K
         recent = [as_str(j) for j in c.r.zrevrange(K.JOBS_KEY, 0, 999)]
         raise ConductorError(f"job {job!r} is unknown to this Redis{did_you_mean(job, recent)} "
@@ -105,16 +105,34 @@ def _noting(records: Iterator[bytes], answered: set[str]) -> Iterator[bytes]:
 
 
 def _status_line(st: dict[str, Any]) -> str:
-    return (f"job {st['job']}: submitted {st['submitted']}, completed {st['completed']}, "
-            f"failed {st['failed']}, pending {st['pending']}" + (f", lost {st['lost']}" if st.get("lost") else ""))
+    """The items and how each was answered, in the first line's words (failed: not a cancel's or an
+    expiry's answer, which are said as cancelled and expired when there are any)."""
+    from conductor.jobs.job_state import item_answers
+    it = item_answers(st)
+    ended = "".join(f", {k} {it[k]}" for k in ("cancelled", "expired") if it[k])
+    return (f"job {st['job']}: submitted {it['submitted']}, completed {it['completed']}, failed {it['failed']}"
+            f"{ended}, pending {it['pending']}" + (f", lost {st['lost']}" if st.get("lost") else ""))
+
+
+def _unclean(st: dict[str, Any]) -> bool:
+    """An ended job that is not clean (exit 1): items failed, or expired before they ran; a cancel is
+    what its user asked for, not a failure."""
+    from conductor.jobs.job_state import item_answers
+    it = item_answers(st)
+    return bool(it["failed"] or it["expired"])
 
 
 def _with_lines(c: Conductor, job: str, st: dict[str, Any]) -> dict[str, Any]:
-    """The item counters with the input lines (``lines``: None where the input is not known) and the
-    request counts, as ``conductor verify-job`` and the Batch API count them."""
-    from conductor.jobs.job_state import describe
+    """The item counters in ``status``'s words (failed, cancelled and expired apart), with the input
+    lines (``lines``: None where the input is not known), the request counts as ``conductor verify-job``
+    and the Batch API count them (OpenAI's: a cancelled line is failed there), and the job's class."""
+    from conductor.jobs.job_state import describe, item_answers, past_deadline
     d = describe(c, job, advance=False)
-    return {**st, "lines": d["lines"], "request_counts": d["request_counts"], "status": d["status"]}
+    deadline = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(d["deadline_ms"] / 1000)) if d["deadline_ms"] \
+        else None
+    return {**st, **item_answers(st), "lines": d["lines"], "request_counts": d["request_counts"],
+            "status": d["status"], "tenant": d["tenant"], "priority": d["priority"], "deadline": deadline,
+            "deadline_ms": d["deadline_ms"], "past_deadline": past_deadline(d["deadline_ms"], d["status"])}
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -134,7 +152,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             if not args.watch:
                 return 0
             if st["done"]:
-                return 1 if st["failed"] else 0
+                return 1 if _unclean(st) else 0
             time.sleep(args.interval)
             st = c.status(args.job, c.job_models(args.job))  # a later submit may have added a model
     hint = NoWorkerHint(c.r, models)
@@ -142,10 +160,10 @@ def cmd_status(args: argparse.Namespace) -> int:
         with ProgressLine(f"job {args.job}", st["submitted"], sys.stdout, unit="answered") as line:
             while not st["done"]:
                 hint.check(c.job_models(args.job))
-                line.update(st["completed"] + st["failed"], st["submitted"], note=f"{st['failed']} failed")
+                line.update(st["completed"] + st["failed"], st["submitted"], note=_note(st))
                 time.sleep(args.interval)
                 st = c.status(args.job, c.job_models(args.job))
-            line.update(st["completed"] + st["failed"], st["submitted"], note=f"{st['failed']} failed")
+            line.update(st["completed"] + st["failed"], st["submitted"], note=_note(st))
         print(_status_line(st), flush=True)
     else:
         rate = Rate()  # one plain line per interval, as before, with the rate and ETA added
@@ -163,14 +181,20 @@ def cmd_status(args: argparse.Namespace) -> int:
             st = c.status(args.job, c.job_models(args.job))
     if st["lost"]:
         return _lost(args.job, st)
-    return 1 if st["failed"] else 0
+    return 1 if _unclean(st) else 0
+
+
+def _note(st: dict[str, Any]) -> str:
+    from conductor.jobs.job_state import item_answers
+    it = item_answers(st)
+    return ", ".join(f"{it[k]} {k}" for k in ("failed", "cancelled", "expired") if it[k] or k == "failed")
 
 
 def _lost(job: str, st: dict[str, Any]) -> int:
-    print(f"error: {st['lost']} item(s) the producer sent to job {job} are missing from this Redis "
+    print(f"conductor: {st['lost']} item(s) the producer sent to job {job} are missing from this Redis "
           f"(declared {st['declared']}, present {st['submitted']}): a failover to a replica that had not "
           "received them, or a submit that stopped halfway. Submit the same file again with the same "
-          "--job: submission is idempotent, only the missing items are added.", file=sys.stderr)
+          "--job and --resume: submission is idempotent, only the missing items are added.", file=sys.stderr)
     return 3
 
 

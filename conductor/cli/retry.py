@@ -23,8 +23,10 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
     v.add_argument("job", help="job id (conductor jobs lists them)")
     _input_flags(v)
     v.add_argument("--json", action="store_true", help="the ledger as one JSON object")
-    r = command("retry", "submit a job's cancelled, expired or failed lines as a new job, from its kept input",
-                cmd_retry)
+    r = command("retry", "submit a job's cancelled, expired or failed lines as a new job, from its kept input; "
+                         f"the chosen lines are kept for the new job's ledger and retry as "
+                         f"{_shown_dir()}/retries/NEW.jsonl (--data-dir DIR: DIR/retries/NEW.jsonl), said when "
+                         "written", cmd_retry)
     r.add_argument("job", help="the job that ended (conductor jobs lists them)")
     r.add_argument("--job", dest="new_job", required=True, metavar="NEW", help="the new job's id")
     r.add_argument("--only", metavar="KINDS",
@@ -37,8 +39,17 @@ def add_commands(command: Callable[..., argparse.ArgumentParser]) -> None:
 def _input_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input", metavar="FILE", help="the file the job was submitted from (default: the batch's "
                                                    "uploaded file, or the file conductor submit recorded)")
-    p.add_argument("--data-dir", metavar="DIR", help="conductor serve's --data-dir, where a batch's uploaded file is "
-                                                     "kept (default: as serve's)")
+    p.add_argument("--data-dir", metavar="DIR", help="conductor serve's --data-dir, where a batch's uploaded file "
+                                                     "and a retry's input (retries/) are kept (default: "
+                                                     f"{_shown_dir()})")
+
+
+def _shown_dir() -> str:
+    """The default data directory as the help shows it (the home folder as ~)."""
+    from conductor.api.upload_store import default_dir
+    home = os.path.expanduser("~")
+    shown = str(default_dir())
+    return "~" + shown[len(home):] if home != "/" and shown.startswith(home + os.sep) else shown
 
 
 def kept_input(c: Conductor, job: str, args: argparse.Namespace) -> str | None:
@@ -92,8 +103,8 @@ def cmd_retry(args: argparse.Namespace) -> int:
     path = retry_file(args.data_dir, args.new_job)
     accepted = retry.submit(c, args.job, args.new_job, str(source), p, str(path))
     print(args.new_job)
-    print(f"submitted {accepted} items to job {args.new_job} (retry of {args.job}; input kept in {path})",
-          file=sys.stderr)
+    print(f"submitted {accepted} items to job {args.new_job} (retry of {args.job}); its input is kept in {path} "
+          "for its ledger and retry (remove it once the job is done with)", file=sys.stderr)
     return 0
 
 

@@ -12,7 +12,8 @@ the results, and leave nothing behind.
   ``WORKER_DRAIN_S``), the results completed so far are read out, the embedded server is stopped,
   and the command exits 128 + the signal's number (130, 143, 129) within about two seconds.
 * The output is written under a temporary name and moved into place once everything that
-  completed is in it (conductor/cli/output.py).
+  completed is in it (conductor/cli/output.py). A stopped run leaves an earlier OUT as it was: its
+  part goes beside it (``OUT.partial.jsonl``, named on stderr), with the command that finishes it.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -28,7 +30,7 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from conductor.cli.output import Output, refuse_overwrite
+from conductor.cli.output import Output, beside, refuse_overwrite
 from conductor.cli.run_summary import RunSummary
 from conductor.cli.submit import default_job, job_class, rejects_output
 from conductor.errors import ConductorError
@@ -75,11 +77,14 @@ def _handle(handler: Any) -> dict[int, Any]:
 
 
 def run_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {k: getattr(args, k) for k in RUN_OPTIONS}
+    """What the job's results depend on, as the workers run it: a contract flag left out is the value it
+    defaults to, or None where the engine chooses (vllm, openai)."""
+    from conductor.cli.workers import contract_value
+    return {k: contract_value(args, k) for k in RUN_OPTIONS}
 
 
 def _shown(opts: dict[str, Any]) -> str:
-    return " ".join(f"--{k.replace('_', '-')} {v}" for k, v in opts.items() if v is not None)
+    return " ".join(f"--{k.replace('_', '-')} {'(the engine default)' if v is None else v}" for k, v in opts.items())
 
 
 def choose_job(c: Any, args: argparse.Namespace) -> str:
@@ -232,22 +237,25 @@ def _run(args: argparse.Namespace, found: Any, stop: _StopFlag) -> int:  # noqa:
     out: Output | None = None
     try:
         if stop:
-            return _interrupted(stop, args, None, 0, server)
+            return _interrupted(stop, args, None, 0, None)
         from conductor.client import Conductor
         from conductor.tier.object_store import store_from
         c = Conductor.from_url(url, store=store_from(args.store))
         job = choose_job(c, args)
         from conductor.intake.file_intake import prepare_job
-        prepare_job(c, found, job, job_class(args))
+        prepare_job(c, found, job, job_class(args, c, job))
         from conductor.jobs.job_state import start
         start(c.r, job, run=json.dumps(run_options(args)))
         from conductor.cli.submit import record_input
         record_input(c, job, args.file)  # for its ledger and retry (conductor verify-job, retry)
+        # An earlier output stays whole when this run is stopped: the part goes beside it (README).
+        earlier = os.path.isfile(args.output)
         out = Output(args.output)
         summary, t0 = _serve(args, c, found, job, stop, workers, url, out)
-        out.commit()
+        written = beside(args.output) if stop and earlier else args.output
+        out.commit(to=written)
         if stop:
-            return _interrupted(stop, args, c, summary.results, server, job)
+            return _interrupted(stop, args, c, summary.results, None if server else url, job, written)
         return _finish(args, c, job, summary, t0)
     except BaseException:
         if out is not None:
@@ -328,14 +336,58 @@ def _finish(args: argparse.Namespace, c: Any, job: str, summary: RunSummary, t0:
     return 0 if st["pending"] == 0 else 1
 
 
-def _interrupted(stop: _StopFlag, args: argparse.Namespace, c: Any, n: int, server: Any, job: str = "") -> int:
+def _interrupted(stop: _StopFlag, args: argparse.Namespace, c: Any, n: int, url: str | None, job: str = "",
+                 written: str = "") -> int:
+    """The stop's one line: what was written where, and the command that goes on (``url`` None: the
+    embedded Redis, gone with the run, so a rerun starts over)."""
     name = signal.Signals(stop.signum).name
     if c is None:
         print(f"conductor: stopped by {name} before the job started; nothing written", file=sys.stderr)
         return 128 + stop.signum
     st = c.status(job)
-    later = ("the embedded Redis goes with this run: run it again to do the rest" if server else
-             f"conductor run {args.file} --job {job} --resume finishes it")
-    print(f"conductor: stopped by {name}: {n} results written to {args.output}, {st['pending']} of "
-          f"{st['submitted']} items not done ({later})", file=sys.stderr)
+    kept = f" ({args.output} kept as it was)" if written != args.output else ""
+    if url is None:
+        later = (f"the embedded Redis went with this run, and the job with it: a rerun starts over: "
+                 f"{rerun_command(args, None, None)}; pass --redis URL (a Redis of yours) for a run you can resume")
+    else:
+        later = f"to finish it: {rerun_command(args, job, url)}"
+    print(f"conductor: stopped by {name}: {n} results written to {written}{kept}, {st['pending']} of "
+          f"{st['submitted']} items not done; {later}", file=sys.stderr)
     return 128 + stop.signum
+
+
+def rerun_command(args: argparse.Namespace, job: str | None, url: str | None) -> str:
+    """This run's command line as typed, with ``-o``, ``--redis URL`` and (``job`` given) ``--job J
+    --resume`` put in place: pasted into the same folder, it continues the job (or repeats the run)."""
+    from conductor.redis_contract.connection import redact_url
+    takes_value = {"--job", "-o", "--output", "--redis"}
+    typed = list(getattr(args, "argv", None) or ["run", args.file])
+    kept: list[str] = []
+    skip = False
+    for tok in typed:
+        if skip:
+            skip = False
+        elif tok in takes_value:
+            skip = True
+        elif tok != "--resume" and not tok.startswith(tuple(f"{o}=" for o in takes_value)) and \
+                not (tok.startswith("-o") and not tok.startswith("--")):
+            kept.append(tok)
+    cmd = [*_program(), *kept, "-o", args.output]
+    if url is not None:
+        cmd += ["--redis", redact_url(url)]
+    if job is not None:
+        cmd += ["--job", job, "--resume"]
+    text = shlex.join(cmd)
+    return text + (" (the password elided: put it back)" if url is not None and redact_url(url) != url else "")
+
+
+def _program() -> list[str]:
+    """How this command was started, as a shell would run it again."""
+    import shutil
+    first = sys.argv[0] if sys.argv else ""
+    if os.path.basename(first) == "conductor":
+        found = shutil.which("conductor")
+        if found and os.path.exists(first) and os.path.samefile(found, first):
+            return ["conductor"]
+        return [first]
+    return [sys.executable, "-m", "conductor"]

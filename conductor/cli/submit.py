@@ -1,6 +1,7 @@
 """``conductor submit``: a JSONL or Parquet file of items into a job (conductor/intake/file_intake.py
-reads it in passes). Submitting into a job that exists is an idempotent resume: ids already there
-are skipped, and a submit that adds nothing says so plainly. (``conductor run``: cli/run.py.)"""
+reads it in passes). A job that exists is refused unless ``--resume`` (as ``run`` refuses it);
+a resume is idempotent: ids already there are skipped, and a submit that adds nothing says so
+plainly. (``conductor run``: cli/run.py.)"""
 
 from __future__ import annotations
 
@@ -29,17 +30,31 @@ def add_class_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--priority", default="batch", choices=("interactive", "batch", "background"),
                    help="interactive: claimed before any other work; background: only what nothing else wants")
     p.add_argument("--deadline", metavar="WHEN", help="when the job is due (1h, 90m, 2d from now, or an ISO 8601 "
-                                                      "time): within a tenant the job due first goes first, and "
-                                                      "conductor jobs reports one past it")
+                                                      "time; a past one is refused): within a tenant the job due "
+                                                      "first goes first, and conductor jobs and status report one "
+                                                      "past it")
 
 
-def job_class(args: argparse.Namespace) -> JobClass:
+def job_class(args: argparse.Namespace, c: Any = None, job: str = "") -> JobClass:
+    """The class the flags give; with ``c`` and ``job``, a deadline already past refused for a new
+    job: a job due before it exists is a mistyped date, not a request (issue 37). A job that exists
+    keeps the class it was made with (job_class.lua), so running its submit again still passes."""
+    import time
+
     from conductor.errors import BadInput
     from conductor.jobs.job_class import parse_deadline
     try:
-        return JobClass(args.tenant, args.priority, parse_deadline(args.deadline, "--deadline"))
+        cls = JobClass(args.tenant, args.priority, parse_deadline(args.deadline, "--deadline"))
     except BadInput as e:
         raise ConductorError(str(e)) from None
+    late_s = time.time() - cls.deadline_ms / 1000
+    if c is not None and cls.deadline_ms and late_s > 0:
+        from conductor.jobs.job_state import ago
+        from conductor.redis_contract import keys as K
+        if c.r.zscore(K.JOBS_KEY, job) is None:
+            raise ConductorError(f"--deadline: {args.deadline} is {ago(late_s)} in the past, so job {job} would be "
+                                 "late before it starts; give when it is due (1h, 2d, or a future ISO 8601 time)")
+    return cls
 
 
 @contextmanager
@@ -63,7 +78,7 @@ def rejects_output(path: str | None) -> Iterator[Output | None]:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     from conductor.cli.progress import ProgressLine
-    from conductor.intake.file_intake import LARGE_SUBMIT, check_file, prepare_job
+    from conductor.intake.file_intake import LARGE_SUBMIT, KnownModels, check_file, prepare_job
     from conductor.intake.intake_run import Defaults, run
     from conductor.intake.intake_task import Task, cli_owner, create, file_identity
     conductors: list[Any] = []  # connected only when a line needs a model's default (or to submit)
@@ -72,14 +87,22 @@ def cmd_submit(args: argparse.Namespace) -> int:
         if not conductors:
             conductors.append(conductor_from(args))
         return conductors[0].r
+    def known_models() -> list[str]:
+        redis_client()
+        models: list[str] = conductors[0].models()
+        return models
     refuse_overwrite([args.file], {"--rejects": args.rejects})
     defaults = Defaults(redis_client, None)  # recorded with the task: a resumed intake builds the same items
+    # a model Redis does not know is a typo unless --create says it is new (a fleet not started yet)
+    known = None if args.create else KnownModels(known_models)
     with rejects_output(args.rejects) as rej:
-        found = check_file(args.file, skip_invalid=args.skip_invalid, rejects=rej, default_max_tokens=defaults)
+        found = check_file(args.file, skip_invalid=args.skip_invalid, rejects=rej, default_max_tokens=defaults,
+                           check=known)
     redis_client()
     c = conductors[0]
     job = args.job or default_job(args.file)
-    cls = job_class(args)
+    refuse_existing(c, job, args.resume)
+    cls = job_class(args, c, job)
     prepare_job(c, found, job, cls)  # nothing is written when any part of the file would be refused
     # From here the intake is a task in Redis (conductor/intake/intake_task.py): killed, this command's
     # intake is resumed from its cursor by conductor serve or a worker's maintenance (README).
@@ -106,11 +129,22 @@ def cmd_submit(args: argparse.Namespace) -> int:
         pass
     elif sent.accepted == 0:
         print(f"submitted 0 items ({sent.duplicates} already there) to job {job}: nothing new, every item of "
-              f"{args.file} was already in it (a submit into a job resumes it; --job NAME starts a fresh one)",
-              file=sys.stderr)
+              f"{args.file} was already in it", file=sys.stderr)
     else:
         print(f"submitted {sent.accepted} items ({sent.duplicates} already there) to job {job}", file=sys.stderr)
     return 0
+
+
+def refuse_existing(c: Any, job: str, resume: bool) -> None:
+    """A job name this Redis knows is added to only when asked (``--resume``), as ``run`` does: a name
+    reused by accident (the default, a file's stem) would otherwise merge two inputs into one job."""
+    from conductor.redis_contract import keys as K
+    if resume or c.r.zscore(K.JOBS_KEY, job) is None:
+        return
+    st = c.status(job)
+    raise ConductorError(f"job {job} exists in this Redis ({st['submitted']} items, {st['completed'] + st['failed']} "
+                         "answered): --resume adds what it lacks (ids it has are skipped), --job NEW starts a fresh "
+                         "one; nothing submitted")
 
 
 def record_input(c: Any, job: str, path: str) -> None:

@@ -73,6 +73,15 @@ def consumer_flags(p: argparse.ArgumentParser, whose: str) -> None:
                         "submit); without it an unknown model (a typo) is refused")
 
 
+def contract_value(args: argparse.Namespace, name: str) -> Any:
+    """A flag's value as the engine gets it: a contract flag left out is its default for the engines
+    with one (sim, torch, trtllm), None for those that take it from themselves (vllm, openai)."""
+    v = getattr(args, name)
+    if v is None and name in CONTRACT_DEFAULTS and args.engine not in ("vllm", "openai"):
+        return CONTRACT_DEFAULTS[name]
+    return v
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """make_engine's keyword arguments from the engine flags (plain data: the agent sends them on)."""
     kw: dict[str, Any] = {"model": args.model}
@@ -89,7 +98,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kw.update(given, endpoint=args.endpoint, api_key=args.engine_api_key or os.environ.get("OPENAI_API_KEY"),
                   served_model=args.served_model, max_in_flight=args.max_in_flight)
         return kw
-    kw.update({k: CONTRACT_DEFAULTS[k] if v is None else v for k, v in given.items()})
+    kw.update({k: contract_value(args, k) for k in CONTRACT_DEFAULTS})
     if args.engine == "sim":
         kw.update(time_scale=args.sim_time_scale)
     else:

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 from conductor.client import Conductor
 from conductor.client.submit_stream import SubmitReport
-from conductor.errors import ConductorError, DuplicateId
-from conductor.intake.formats import MaxTokensDefault
-from conductor.intake.input_files import FileScan, Writer, scan
+from conductor.errors import ConductorError, DuplicateId, NoSuchModel, did_you_mean
+from conductor.intake.formats import Facts, MaxTokensDefault
+from conductor.intake.input_files import FileScan, LineCheck, Writer, scan
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.records import JobClass, PreparedItem
 
@@ -57,16 +57,50 @@ class FileSubmit:
 scan_to_send = functools.partial(scan, keep_items=FIRST_CHUNK, keep_bytes=2 * SEND_CHUNK_BYTES)
 
 
+class KnownModels:
+    """A line check (input_files.LineCheck): a line naming a model Redis does not know is refused, with
+    a did-you-mean, so a typo never waits forever for a worker nor becomes a known model (issue 37).
+    ``models()`` is asked once, at the first line (a submit connects only once a line needs it);
+    ``field`` names the line's model field in the refusal, ``advice`` says how to make one."""
+
+    def __init__(self, models: Callable[[], list[str]], field: str = "model",
+                 advice: str = "--create makes it", unknown: str = "is unknown to this Redis",
+                 listed: str = "known") -> None:
+        self._models, self.field, self.advice = models, field, advice
+        self._is_unknown, self._listed = unknown, listed
+        self._known: set[str] | None = None
+        self._said: dict[str, str] = {}
+
+    def unknown(self, model: str) -> str:
+        """'' for a known model, else why it is refused."""
+        if self._known is None:
+            self._known = set(self._models())
+        if model in self._known:
+            return ""
+        if model not in self._said:
+            known = sorted(self._known)
+            shown = f"{self._listed}: {', '.join(known[:10])}" if known else f"none {self._listed} yet"
+            self._said[model] = (f"{model!r} {self._is_unknown}{did_you_mean(model, known)} "
+                                 f"({shown}{'; ' + self.advice if self.advice else ''})")
+        return self._said[model]
+
+    def __call__(self, n: int, line: Facts) -> None:
+        why = self.unknown(line.model)
+        if why:
+            raise NoSuchModel(self.field, why, n)
+
+
 def check_file(path: str, *, skip_invalid: bool, rejects: str | Writer | None,
-               default_max_tokens: MaxTokensDefault | None = None) -> FileScan:
+               default_max_tokens: MaxTokensDefault | None = None, check: LineCheck | None = None) -> FileScan:
     """Step 1; prints the first refusals on stderr and raises unless ``skip_invalid``.
-    ``default_max_tokens(model)``: the output cap of an OpenAI line without one (each pass the same)."""
-    found = scan_to_send(path, rejects=rejects, default_max_tokens=default_max_tokens)
+    ``default_max_tokens(model)``: the output cap of an OpenAI line without one (each pass the same);
+    ``check``: a further check of each valid line (KnownModels)."""
+    found = scan_to_send(path, rejects=rejects, default_max_tokens=default_max_tokens, check=check)
     if found.refused:
         for e in found.errors:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"conductor: {e}", file=sys.stderr)
         if len(found.refused) > len(found.errors):
-            print(f"error: ... and {len(found.refused) - len(found.errors)} more", file=sys.stderr)
+            print(f"conductor: ... and {len(found.refused) - len(found.errors)} more", file=sys.stderr)
         if not skip_invalid:
             raise ConductorError(f"{len(found.refused)} invalid line(s) in {path}; nothing submitted "
                                  "(--skip-invalid submits the valid ones)")

@@ -24,11 +24,12 @@ import msgspec
 import redis
 
 from conductor.client import Conductor
-from conductor.errors import BadInput, ConductorError, QueueFull, RedisUnavailable
+from conductor.errors import BadInput, ConductorError, NoSuchModel, QueueFull, RedisUnavailable
 from conductor.intake import intake_task as T
 from conductor.intake.file_intake import (
     SEND_CHUNK,
     Ahead,
+    KnownModels,
     check_file,
     prepare_job,
     scan_to_send,
@@ -65,13 +66,19 @@ class Defaults:
         return self.seen[model]
 
 
-def openai_request(endpoint: str) -> LineCheck:
-    """The Batch API's check of a valid line: an OpenAI request for the batch's endpoint."""
+def openai_request(endpoint: str, models: Callable[[], list[str]] | None = None) -> LineCheck:
+    """The Batch API's check of a valid line: an OpenAI request for the batch's endpoint, for a model
+    this Redis knows (``models``; OpenAI's model_not_found: a typo would wait in_progress forever)."""
+    served = KnownModels(models, field="body.model", advice="", unknown="is not served here",
+                         listed="served") if models is not None else None
+
     def check(n: int, line: Facts) -> None:
         if line.url is None:  # a native line parses too; this API takes OpenAI's requests only
             raise BadInput("custom_id", "missing: each line is an OpenAI batch request", n)
         if line.url != endpoint:
             raise BadInput("url", f"{line.url} differs from the batch's endpoint {endpoint}", n)
+        if served is not None:
+            served(n, line)
     return check
 
 
@@ -79,7 +86,8 @@ def batch_errors(found: FileScan) -> list[dict[str, Any]]:
     """The refused lines in line order, as a batch's ``errors`` lists them."""
     if not found.counts and not found.refused:
         return [{"code": "empty_file", "message": "the input file holds no requests", "param": None, "line": None}]
-    return [{"code": "invalid_request", "message": str(e), "param": e.field, "line": e.line}
+    return [{"code": "model_not_found" if isinstance(e, NoSuchModel) else "invalid_request", "message": str(e),
+             "param": e.field, "line": e.line}
             for e in sorted(found.refusals, key=lambda e: e.line or 0)]
 
 
@@ -98,7 +106,8 @@ def ended_how(c: Conductor, job: str) -> str:
 
 def _scan(c: Conductor, task: T.Task, defaults: Defaults) -> FileScan:
     if task.source == "api":
-        return scan_to_send(task.path, default_max_tokens=defaults, check=openai_request(task.endpoint or CHAT_URL),
+        return scan_to_send(task.path, default_max_tokens=defaults,
+                            check=openai_request(task.endpoint or CHAT_URL, c.models),
                             id_field="custom_id", shown=MAX_ERRORS, parquet=False)
     return check_file(task.path, skip_invalid=task.skip_invalid, rejects=None, default_max_tokens=defaults)
 

@@ -15,7 +15,8 @@ keys.py; readable with ``redis-cli hgetall``) holding what a resumer needs to go
   (the file is being validated and declared), ``sending``, then ``done``, ``stopped`` (the job was
   cancelled or expired meanwhile: ``reason``, and ``line`` says where) or ``failed`` (``error``).
 
-The runner (conductor/intake/intake_run.py) holds the lease while it works: a ``Keeper`` thread
+The task is born leased to its creator (lua/intake_create.lua, one step). The runner
+(conductor/intake/intake_run.py) holds the lease while it works: a ``Keeper`` thread
 renews it, and each chunk's cursor write (lua/intake_cursor.lua, one call per chunk) renews it
 too. A resumer (conductor/intake/intake_resume.py) takes a task whose lease ran out
 (lua/intake_lease.lua) and runs it from its cursor. Re-sending the chunk that was in flight when
@@ -125,21 +126,17 @@ def server_ms(r: redis.Redis) -> int:
 
 
 def create(c: ScriptClient, task: Task, owner: str) -> None:
-    """Record a new intake task for ``task.job`` held by ``owner``. A job whose earlier intake ended
-    (a second ``conductor submit`` into it) gets a fresh task; one whose intake another live
-    process holds is refused."""
+    """Record a new intake task for ``task.job``, born leased to ``owner`` (one script: a resumer
+    never sees it open and unleased). A job whose earlier intake ended (a second ``conductor submit``
+    into it) gets a fresh task; one whose intake another live process holds is refused."""
     key = K.intake_task_key(task.job)
-    old = read(c.r, task.job)
-    if old is not None and old.state in OPEN and old.owner != owner and old.lease_ms > server_ms(c.r):
-        raise ConductorError(f"job {task.job!r} is being submitted by another process ({old.owner}); "
+    holder = calls.intake_create(key, owner, LEASE_MS, task.fields()).run(c.scripts)
+    if holder:
+        raise ConductorError(f"job {task.job!r} is being submitted by another process ({holder}); "
                              f"its intake resumes by itself if that process dies")
-    pipe = c.r.pipeline(transaction=False)  # a producer's ACL has no MULTI
-    pipe.delete(key)
-    pipe.hset(key, mapping=task.fields())  # type: ignore[arg-type]  # str keys: Mapping is invariant in its key
-    pipe.zadd(K.INTAKE_TASKS_KEY, {task.job: int(time.time() * 1000)})
-    pipe.execute()
-    if not calls.intake_lease(key, owner, LEASE_MS).run(c.scripts).held:
-        raise ConductorError(f"job {task.job!r}: its intake task was taken by another process")
+    # The index is another key (another cluster slot): a list of candidates written after the task,
+    # which its lease keeps from any resumer meanwhile.
+    c.r.zadd(K.INTAKE_TASKS_KEY, {task.job: int(time.time() * 1000)})
 
 
 def cli_owner() -> str:

@@ -110,6 +110,49 @@ def set_status(r: redis.Redis, job: str, status: str, **fields: Any) -> None:
     pipe.execute()
 
 
+def job_class_of(r: redis.Redis, job: str, models: list[str]) -> dict[str, Any]:
+    """The job's class as its first model holds it (lua/job_class.lua writes the same on each):
+    ``tenant`` (None: the job is its own tenant), ``priority``, ``deadline_ms`` (0: none)."""
+    if not models:
+        return {"tenant": None, "priority": "batch", "deadline_ms": 0}
+    tenant, prio, deadline = (as_str(v, absent="") for v in
+                              r.hmget(K.ModelKeys(models[0]).job_intake(job), "tenant", "prio", "deadline_ms"))
+    return class_fields(job, tenant, prio, deadline)
+
+
+def class_fields(job: str, tenant: str, prio: str, deadline: str) -> dict[str, Any]:
+    """The class as a reader shows it, from the stored fields (tenant '' or the job's name: its own)."""
+    return {"tenant": tenant if tenant and tenant != job else None, "priority": prio or "batch",
+            "deadline_ms": int(deadline or 0)}
+
+
+def past_deadline(deadline_ms: int, status: str, now: float | None = None) -> bool:
+    """A job not yet ended whose deadline has passed (``conductor jobs`` and ``status`` report it)."""
+    return bool(deadline_ms) and status not in TERMINAL and (time.time() if now is None else now) * 1000 > deadline_ms
+
+
+def ago(seconds: float) -> str:
+    """``3m``, ``2h``, ``4d``: a span as the class lines show it."""
+    s = abs(seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s / size:.0f}{unit}"
+    return f"{s:.0f}s"
+
+
+def class_text(cls: dict[str, Any], status: str, now: float | None = None) -> str:
+    """``tenant T, priority P, deadline 2026-12-03 09:00:00 (past it by 5m)``."""
+    now = time.time() if now is None else now
+    parts = [f"tenant {cls['tenant'] or '-'}", f"priority {cls['priority']}"]
+    if cls["deadline_ms"]:
+        due = cls["deadline_ms"] / 1000
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(due))
+        note = f" (past it by {ago(now - due)})" if past_deadline(cls["deadline_ms"], status, now) else \
+            (f" (in {ago(due - now)})" if due > now and status not in TERMINAL else "")
+        parts.append(f"deadline {when}{note}")
+    return ", ".join(parts)
+
+
 def status_of(meta_status: str | None, ending: str | None, submitted: int, pending: int, lost: int,
               ends: list[str], finalize: bool = False) -> str:
     """A job's one status: ``failed`` (its input was refused) as recorded; ended when every item has
@@ -181,6 +224,15 @@ def _ends(c: Conductor, job: str, models: list[str]) -> tuple[list[str], int | N
     return ends, max(times) if times else None
 
 
+def item_answers(st: dict[str, Any]) -> dict[str, int]:
+    """The job's items by how each was answered, in the words every reader uses (issue 37):
+    ``failed`` an error of the engine or the dead letter, never a cancel's or an expiry's answer,
+    which are ``cancelled`` and ``expired`` (``Conductor.status`` counts those among its ``failed``)."""
+    by_end = st.get("cancelled", 0) + st.get("expired", 0)
+    return {"submitted": st["submitted"], "completed": st["completed"], "failed": max(0, st["failed"] - by_end),
+            "cancelled": st.get("cancelled", 0), "expired": st.get("expired", 0), "pending": st["pending"]}
+
+
 def describe(c: Conductor, job: str, *, advance: bool = True, now: float | None = None) -> dict[str, Any]:
     """The job's lifecycle with its request counts; with ``advance`` an expired window is acted on
     (and a cancel's items put back meanwhile answered): the expiry owner's moves, never a state."""
@@ -213,6 +265,7 @@ def describe(c: Conductor, job: str, *, advance: bool = True, now: float | None 
         rc["failed"] = rc["total"] - rc["completed"] - lines["pending"]
     out: dict[str, Any] = {"job": job, "status": status, "request_counts": rc, "lines": lines,
                            "pending": st["pending"], "submitted": st["submitted"], "models": sorted(st["models"]),
+                           "items": item_answers(st), **job_class_of(c.r, job, models),
                            "completion_window": meta.get("completion_window"),
                            "metadata": msgspec.json.decode(meta["metadata"]) if meta.get("metadata") else None}
     for stamp in _STAMPS:
@@ -349,6 +402,7 @@ def withdraw(c: ScriptClient, model: str) -> int:
 
 
 LINE_KINDS = ("completed", "failed", "cancelled", "expired", "refused", "pending")
+ITEM_KINDS = ("completed", "failed", "cancelled", "expired", "pending")
 
 
 def render(d: dict[str, Any]) -> str:
@@ -361,7 +415,11 @@ def render(d: dict[str, Any]) -> str:
         parts.append(f"lines {ln['input']}: " + ", ".join(f"{ln[k]} {k}" for k in LINE_KINDS))
         parts.append(f"items submitted {d['submitted']}, pending {d['pending']}")
     else:
-        parts.append(f"total {rc['total']}, completed {rc['completed']}, failed {rc['failed']}, pending {d['pending']}")
+        it = d.get("items") or {"submitted": rc["total"], "completed": rc["completed"], "failed": rc["failed"],
+                                "cancelled": 0, "expired": 0, "pending": d["pending"]}
+        parts.append(f"items {it['submitted']}: " + ", ".join(f"{it[k]} {k}" for k in ITEM_KINDS))
+    if "priority" in d:
+        parts.append(class_text(d, d["status"]))
     stamps = [f"{s[:-3]} {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(d[s]))}" for s in _STAMPS
               if d.get(s)]
     if stamps:

@@ -29,6 +29,9 @@ TENANTS_KEY = K.TENANTS_KEY
 
 def set_weight(c: Conductor, tenant: str, weight: float) -> None:
     """The tenant's weight on every model (and in the registry, for models made later)."""
+    if not tenant:
+        # '' is each job's own tenant in a job's class: no one tenant to weigh
+        raise BadInput("tenant", "a name is needed (a job without --tenant is its own tenant, weight 1)")
     JobClass(tenant)  # the name is checked as a job class checks it
     if not (isinstance(weight, float | int) and math.isfinite(weight) and 0.001 <= weight <= 1e6):
         raise BadInput("weight", f"must be a number in 0.001..1000000, got {weight!r}")
@@ -51,9 +54,15 @@ class TenantRow:
     waiting_tokens: int = 0
     waiting_items: int = 0
     virtual: float = 0.0  # the scheduler's virtual token counter (lua/lib_fair.lua)
+    # the one row of the jobs without a tenant (each its own; in batch priority they share the
+    # signature's instances, so their waiting work is not told apart by job): tenant None in JSON
+    own: bool = False
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        row = asdict(self)
+        if self.own:
+            row["tenant"] = None
+        return row
 
 
 @dataclass
@@ -115,7 +124,32 @@ def tenant_rows(c: Conductor, model: str, now: float | None = None) -> list[Tena
             r = acc.row(as_str(tenant), model)
             r.waiting_tokens += int(tokens or 0)
             r.waiting_items += int(items or 0)
-    return sorted(acc.rows.values(), key=lambda r: r.tenant)
+    return sorted(_fold_own(c, acc.rows, model, got[1]), key=lambda r: (r.own, r.tenant))
+
+
+def _fold_own(c: Conductor, rows: dict[str, TenantRow], model: str, weights: dict[Any, Any]) -> list[TenantRow]:
+    """The jobs without a tenant (each its own: its name is its tenant, lua/job_class.lua) as one row,
+    not a row per job: a tenant whose name is a job's and that has no weight of its own."""
+    named = {as_str(t) for t in weights}
+    pipe = c.r.pipeline(transaction=False)
+    names = [t for t in rows if t not in named]
+    for t in names:
+        pipe.zscore(K.JOBS_KEY, t)
+    own = {t for t, score in zip(names, pipe.execute() if names else [], strict=True) if score is not None}
+    out = [r for t, r in rows.items() if t not in own]
+    if own:
+        folded = TenantRow("", model, own=True)
+        for t in own:
+            r = rows[t]
+            folded.served_in += r.served_in
+            folded.served_out += r.served_out
+            folded.service += r.service
+            folded.share_last_minute += r.share_last_minute
+            folded.waiting_tokens += r.waiting_tokens
+            folded.waiting_items += r.waiting_items
+            folded.virtual = max(folded.virtual, r.virtual)
+        out.append(folded)
+    return out
 
 
 def render(rows: list[TenantRow]) -> str:
@@ -124,6 +158,7 @@ def render(rows: list[TenantRow]) -> str:
     out = [f"{'tenant':<24} {'model':<16} {'weight':>6} {'served (in + w x out)':>22} {'last min':>8} "
            f"{'waiting tokens':>14} {'items':>8}"]
     for r in rows:
-        out.append(f"{r.tenant:<24} {r.model:<16} {r.weight:>6g} {r.service:>22,.0f} {r.share_last_minute:>8.1%} "
+        name = "- (no tenant)" if r.own else r.tenant
+        out.append(f"{name:<24} {r.model:<16} {r.weight:>6g} {r.service:>22,.0f} {r.share_last_minute:>8.1%} "
                    f"{r.waiting_tokens:>14,} {r.waiting_items:>8,}")
     return "\n".join(out)

@@ -69,16 +69,34 @@ def redact_url(url: str) -> str:
     return re.sub(r"(://[^:/@]*:)[^@/]*@", r"\1***@", url)
 
 
+# The first connection and its first reply: a Redis answers PING within milliseconds (a loading or
+# busy one with an error at once), so silence this long is a port that is not Redis (a TLS port
+# asked in plain text waits for a handshake that never comes), not a restart to ride out.
+FIRST_REPLY_S = 5.0
+
+
 def _refuse_bad_credentials_at_once(url: str, timeout: float) -> None:
     # redis-py's AuthenticationError is a ConnectionError, so the retrying client would spend
-    # its whole backoff (tens of seconds) on a wrong password: ask once, without retries.
-    probe = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
+    # its whole backoff (tens of seconds) on a wrong password: ask once, without retries. A
+    # timeout fails at once too: the retrying client would wait out every retry's timeout
+    # (minutes) on a port that accepts and never answers (issue 37).
+    first = min(timeout, FIRST_REPLY_S)
+    probe = redis.Redis.from_url(url, socket_timeout=first, socket_connect_timeout=first,
                                  retry=Retry(NoBackoff(), 0))
     try:
         probe.ping()
     except redis.AuthenticationError:
         raise
-    except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+    except redis.TimeoutError as e:
+        connecting = "connect" in str(e).lower()
+        raise RedisUnavailable(
+            f"Redis at {redact_url(url)} did not answer within {first:g} s: " +
+            ("no connection (a host that drops packets, or a wrong address?)" if connecting else
+             "it accepted the connection and sent nothing (not a Redis port? a TLS port needs rediss://)")) from None
+    except redis.exceptions.InvalidResponse as e:
+        raise RedisUnavailable(f"{redact_url(url)} answered, but not as Redis does ({e}): is it the Redis port?") \
+            from None
+    except (redis.ConnectionError, OSError) as e:
         if "CERTIFICATE_VERIFY_FAILED" in str(e) or "WRONG_VERSION_NUMBER" in str(e):
             raise RedisUnavailable(f"TLS with Redis at {redact_url(url)} failed (check ssl_ca_certs, and "
                                    f"rediss:// against a TLS port): {e}") from None

@@ -10,6 +10,8 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
 ``L`` = lane id, ``J`` = job name)::
 
     cdr:schema                      string   schema version of this Redis (migrations/)
+    cdr:schema:lock                 string   who runs the migrations now (TTL, renewed while they run;
+                                             conductor/redis_contract/schema.py): one runner, others wait
     cdr:models                      set      models that have ever received items
     cdr:jobs                        zset     job -> creation time (ms)
     cdr:job:J:models                set      models a job submitted to
@@ -162,6 +164,7 @@ import re
 
 PREFIX = "cdr"
 SCHEMA_KEY = f"{PREFIX}:schema"
+SCHEMA_LOCK_KEY = f"{PREFIX}:schema:lock"
 MODELS_KEY = f"{PREFIX}:models"
 JOBS_KEY = f"{PREFIX}:jobs"
 # Jobs whose names start with this are request jobs (conductor/client/request.py): complete.lua also

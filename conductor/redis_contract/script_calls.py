@@ -124,9 +124,16 @@ def heartbeat(mk: K.ModelKeys, worker: str, now_ms: int, ttl_ms: int, batch_ids:
                 _int)
 
 
+def schema_init(version: int) -> Call[int]:
+    """lua/schema_init.lua: ``version`` written on an empty Redis in one step; the version Redis holds
+    then (0: conductor registries without a version, nothing written)."""
+    return Call("schema_init", [K.SCHEMA_KEY, K.MODELS_KEY, K.JOBS_KEY], [version], _int)
+
+
 def lease(key: str, owner: str, ms: int) -> Call[bool]:
     """lua/lease.lua: whether ``owner`` holds the lease ``key`` now (a model's maintenance lease,
-    ``ModelKeys.maint_lease``, or the expiry lease, ``keys.EXPIRY_LEASE_KEY``)."""
+    ``ModelKeys.maint_lease``, the expiry lease, ``keys.EXPIRY_LEASE_KEY``, the schema's migration
+    lease); ``ms`` 0 hands the caller's lease back (False)."""
     return Call("lease", [key], [owner, ms], lambda raw: bool(int(raw)))
 
 
@@ -183,6 +190,13 @@ def _intake_lease(r: Any) -> IntakeLease:
     if int(r[0]) == 1:
         return IntakeLease(True, int(r[1]), int(r[2]), as_str(r[3]))
     return IntakeLease(False, 0, 0, as_str(r[1]))
+
+
+def intake_create(task_key: str, owner: str, ms: int, fields: dict[str, str]) -> Call[str]:
+    """lua/intake_create.lua: the task recorded with ``owner``'s lease in one step; '' when recorded,
+    else the owner whose live lease on the job's open task kept it (nothing written)."""
+    pairs = [x for kv in fields.items() for x in kv]
+    return Call("intake_create", [task_key], [owner, ms, *pairs], lambda r: "" if int(r[0]) == 1 else as_str(r[1]))
 
 
 def intake_lease(task_key: str, owner: str, ms: int) -> Call[IntakeLease]:

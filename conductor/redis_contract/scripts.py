@@ -27,7 +27,8 @@ GENERATED = "lib_generated.lua"
 NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex", "seal", "ensure_model", "register",
          "heartbeat", "declare", "dead_retry", "repair_items", "trim", "trim_results", "lease",
          "cancel", "register_segment", "fail_stored", "offload_results", "take_name", "job_class",
-         "intake_lease", "intake_cursor", "compact_ids", "batch_finalize")
+         "intake_create", "intake_lease", "intake_cursor", "compact_ids", "batch_finalize",
+         "schema_init")
 
 
 def _lua_value(v: object) -> str:
@@ -120,9 +121,11 @@ class Scripts:
     compact_ids: redis.commands.core.Script
     take_name: redis.commands.core.Script
     job_class: redis.commands.core.Script
+    intake_create: redis.commands.core.Script
     intake_lease: redis.commands.core.Script
     intake_cursor: redis.commands.core.Script
     batch_finalize: redis.commands.core.Script
+    schema_init: redis.commands.core.Script
 
 
 class ScriptClient(Protocol):

@@ -62,7 +62,11 @@ def joined_prompt(batch: Batch, item: BatchItem) -> str:
 
 
 def request_of(batch: Batch, item: BatchItem) -> EngineRequest:
+    """An OpenAI line's options as given (what it leaves out is the engine's default, as with a direct
+    request); a native line carries none and decodes greedily, as it does on the torch engine."""
     opts = {k: v for k, v in request_options(item.payload).items() if k in SAMPLING_OPTIONS}
+    if not (isinstance(item.payload, dict) and "custom_id" in item.payload):
+        opts = {"temperature": 0.0}
     if is_chat(item):
         msgs = [_message(c) for c in batch.prefix] + [{"role": "user", "content": item.prompt}]
         return EngineRequest(CHAT_URL, msgs, None, item.max_tokens, opts)
