@@ -21,7 +21,7 @@ VLLM_WARNINGS = [pytest.mark.filterwarnings("ignore::DeprecationWarning"),
                  pytest.mark.filterwarnings("ignore::UserWarning"),
                  pytest.mark.filterwarnings("ignore::ResourceWarning"),
                  pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
-SMALL = ModelSize(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, max_positions=1024)
+SMALL = ModelSize(layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, max_positions=2048)
 KV_BYTES = 32 << 20
 # Every vLLM these tests start: quiet, and not bound to one core (vLLM's automatic binding would put
 # each engine, and the test process that holds one, on the same core as every other).

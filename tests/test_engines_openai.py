@@ -119,7 +119,7 @@ def test_a_file_end_to_end_equals_what_the_sdk_gets(tmp_path: Path, server: Vllm
 
 
 def test_a_line_the_server_refuses_is_that_lines_error_only(tmp_path: Path, server: VllmServer):
-    # 3,000 characters estimate at 750 tokens, under the server's 1,024; its byte tokenizer counts 3,000
+    # 3,000 characters estimate at 750 tokens, under the server's 2,048; its byte tokenizer counts 3,000
     lines = shaped_lines(4, shapes=1, max_tokens=4) + [chat_line("big", None, "q" * 3000, 4, temperature=0)]
     _, by = run_file(tmp_path, server, lines)
     assert by["big"]["error"]["code"] == "input_too_long" and "HTTP 400" in by["big"]["error"]["message"]

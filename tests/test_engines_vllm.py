@@ -78,7 +78,7 @@ def test_the_contract_comes_from_vllms_configuration(eng):
     c = eng.contract
     assert c.model == eng.model == "tiny"
     assert c.max_batch_size == BATCH == eng.llm.vllm_config.scheduler_config.max_num_seqs
-    assert c.max_input_len == eng.max_model_len - 1 == 1023  # the model's max_position_embeddings
+    assert c.max_input_len == eng.max_model_len - 1 == 2047  # the model's max_position_embeddings
     cache = eng.llm.vllm_config.cache_config
     assert 0 < c.max_batch_tokens <= cache.num_gpu_blocks * cache.block_size
 
@@ -120,8 +120,8 @@ def test_a_too_long_item_is_answered_at_once_and_the_rest_run(eng):
     limit = eng.contract.max_input_len
     b = mk_batch("t-1", [chat_item("ok", "short", 4),
                          chat_item("est", "x", 4, input_tokens=limit + 1),  # the producer's count says so
-                         chat_item("real", "y" * 1500, 4, input_tokens=400),  # the model's tokenizer says so
-                         chat_item("room", "z" * 900, 120, input_tokens=300)])  # max_tokens does not fit beside it
+                         chat_item("real", "y" * 2500, 4, input_tokens=600),  # the model's tokenizer says so
+                         chat_item("room", "z" * 1900, 200, input_tokens=500)])  # max_tokens does not fit beside it
     fin = eng.admit(b, b.items)
     refused = {f.item.id: f for f in fin}
     assert set(refused) == {"est", "real", "room"}
