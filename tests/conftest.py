@@ -50,6 +50,15 @@ def cdr(redis_url: str) -> Conductor:
 
 
 @pytest.fixture()
+def redis_conductor(redis_url: str) -> Iterator[Conductor]:
+    """As ``cdr``, closed after the test: for a test whose client outlives threads or subprocesses it
+    started (a client left to the garbage collector warns in whichever later test collects it)."""
+    c = Conductor(connect(redis_url))
+    yield c
+    c.r.close()
+
+
+@pytest.fixture()
 def fresh_server(tmp_path: Path) -> Iterator[EmbeddedRedis]:
     """A private server a test may kill and restart (AOF with fsync always)."""
     (tmp_path / "redis").mkdir()  # redis-server refuses to start in a --dir that does not exist

@@ -22,7 +22,6 @@ import pytest
 
 from conductor.client import Conductor
 from conductor.embedded import free_port
-from conductor.redis_contract.connection import connect
 from conductor.redis_contract.records import Batch, BatchItem
 from tests.conftest import ROOT
 from tests.helpers import wait_for
@@ -133,9 +132,9 @@ def _worker(url: str, server: VllmServer, log: Path) -> subprocess.Popen:
         cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=log.open("wb"))
 
 
-def test_the_server_killed_mid_run_and_restarted_loses_and_fails_nothing(redis_url: str, server: VllmServer,
-                                                                          tmp_path: Path):
-    c = Conductor(connect(redis_url))
+def test_the_server_killed_mid_run_and_restarted_loses_and_fails_nothing(redis_url: str, redis_conductor: Conductor,
+                                                                          server: VllmServer, tmp_path: Path):
+    c = redis_conductor
     lines = shaped_lines(48, shapes=3, max_tokens=160)
     c.ensure_model("tiny")
     submit_lines(c, "sk", lines)

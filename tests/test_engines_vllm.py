@@ -19,7 +19,6 @@ import pytest
 
 from conductor.client import Conductor
 from conductor.redis_contract import keys as K
-from conductor.redis_contract.connection import connect
 from conductor.redis_contract.records import Batch, BatchItem
 from conductor.workers.engines.reaper import descendants
 from conductor.workers.worker import Worker, WorkerOptions
@@ -183,8 +182,9 @@ def _finish_with(c: Conductor, eng, job: str, dead: str) -> None:
     w.deregister()
 
 
-def test_a_sigkilled_worker_s_batch_is_answered_once_by_another(redis_url: str, model_dir: Path, eng, tmp_path: Path):
-    c = Conductor(connect(redis_url))
+def test_a_sigkilled_worker_s_batch_is_answered_once_by_another(redis_url: str, redis_conductor: Conductor,
+                                                                 model_dir: Path, eng, tmp_path: Path):
+    c = redis_conductor
     lines = shaped_lines(24, shapes=2, max_tokens=96)
     c.ensure_model("tiny")
     submit_lines(c, "kill", lines)
@@ -204,11 +204,11 @@ def test_a_sigkilled_worker_s_batch_is_answered_once_by_another(redis_url: str, 
     assert_each_once(c, "kill", [x["custom_id"] for x in lines])
 
 
-def test_a_dead_engine_core_s_batches_go_back_and_are_answered_once(redis_url: str, model_dir: Path, eng,
-                                                                    tmp_path: Path):
+def test_a_dead_engine_core_s_batches_go_back_and_are_answered_once(redis_url: str, redis_conductor: Conductor,
+                                                                    model_dir: Path, eng, tmp_path: Path):
     """vLLM's multiprocess mode (its engine core in a process of its own, the GPU default): the core is
     SIGKILLed mid-batch; the worker gives its batches back and exits 2, and nothing of it runs on."""
-    c = Conductor(connect(redis_url))
+    c = redis_conductor
     lines = shaped_lines(24, shapes=2, max_tokens=96)
     c.ensure_model("tiny")
     submit_lines(c, "core", lines)

@@ -110,6 +110,7 @@ class OpenAIEngine(ContractHolder):
         self._headers = headers
         self._done: queue.SimpleQueue[Finished | None] = queue.SimpleQueue()
         self._live = 0  # admitted and not yet collected by step (the worker's thread only)
+        self._last_batch = size  # items in the last batch admitted: pacing's unit
         self._lost = 0  # dropped by an outage, not yet reported (the loop's thread writes, under _mu)
         self._mu = threading.Lock()
         self.down = False
@@ -179,6 +180,7 @@ class OpenAIEngine(ContractHolder):
         if reqs:
             self._live += len(reqs)
             self._loop.call_soon_threadsafe(self._enqueue, reqs)
+        self._last_batch = max(1, len(items))
         return refused
 
     def step(self) -> list[Finished]:
@@ -212,13 +214,12 @@ class OpenAIEngine(ContractHolder):
         return self._live
 
     def room(self) -> int:
-        """Items to claim now: none while the server is away; else up to one batch beyond what the
-        server has in flight, claimed once at least half a batch is wanted."""
+        """Items to claim now: none while the server is away; a batch's worth once what is not yet sent
+        (beyond the window in flight) is under half the last batch this engine got, else none."""
         if self.down:
             return 0
-        size = self._contract.max_batch_size
-        want = int(self.counters.limit) + size - self._live
-        return want if want >= (size + 1) // 2 else 0
+        unsent = self._live - min(self._live, int(self.counters.limit))
+        return self._contract.max_batch_size if 2 * unsent < self._last_batch else 0
 
     def prewarm(self, shape: str, lanes: list[int], epoch: int) -> None:
         """The server prepares itself; nothing to send ahead."""

@@ -169,6 +169,7 @@ class VllmEngine(ContractHolder):
         self._defaults = cfg.model_config.get_diff_sampling_param()
         self._live: dict[str, tuple[Batch, BatchItem]] = {}
         self._seq = 0
+        self._last_batch = self._contract.max_batch_size  # items in the last batch admitted: pacing's unit
 
     def _watch_core(self) -> None:
         """Multiprocess mode: when vLLM finds its engine core dead it shuts its client down, and a step
@@ -225,6 +226,7 @@ class VllmEngine(ContractHolder):
                 refused.append(Finished(batch, it, "", 0, ResultError("bad_request", f"vllm: {e}"[:2000])))
                 continue
             self._live[rid] = (batch, it)
+        self._last_batch = max(1, len(items))
         return refused
 
     def step(self) -> list[Finished]:
@@ -260,12 +262,11 @@ class VllmEngine(ContractHolder):
         return len(self._live)
 
     def room(self) -> int:
-        """Items to claim now: a batch once the engine runs nearly everything it was given (those not
-        yet running are under half a batch), else none. The scheduler's running count comes with its
-        last step; requests added since count as not running."""
-        size = self._contract.max_batch_size
+        """Items to claim now: a batch's worth once the engine runs nearly everything it was given (what
+        it has not started is under half the last batch it got), else none. The scheduler's running count
+        comes with its last step; requests added since count as not started."""
         waiting = len(self._live) - min(self.counters.running, len(self._live))
-        return size - waiting if waiting < (size + 1) // 2 else 0
+        return self._contract.max_batch_size if 2 * waiting < self._last_batch else 0
 
     def prewarm(self, shape: str, lanes: list[int], epoch: int) -> None:
         """vLLM builds its graphs at load and caches prefixes as they run: nothing to do per shape."""
