@@ -22,7 +22,7 @@ from conductor.redis_contract import keys as K
 from conductor.redis_contract.records import Batch, BatchItem
 from conductor.workers.engines.reaper import descendants
 from conductor.workers.worker import Worker, WorkerOptions
-from tests.conftest import ROOT
+from tests.conftest import ROOT, cli
 from tests.helpers import wait_for
 from tests.real_engine_kit import (
     KV_BYTES,
@@ -250,3 +250,17 @@ def test_a_file_end_to_end_through_conductor_run_is_the_benchmarks_quick_form(tm
     assert case["name"] == "b" and case["answered"] == case["expected"] == 24 and case["errors"] == 0
     assert case["twice"] == 0 and case["output_tokens"] > 0
     assert case["hit_rate"] > 0.3, case  # 24 lines over 24 prompts of 500 to 1,500 tokens: most repeat one
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--engine", "vllm", "--model-path", "/no/such/model"], "--model-path: '/no/such/model' is not a folder"),
+    (["--engine", "vllm"], "--model-path: the vllm engine needs a local model folder"),
+    (["--engine", "openai"], "--endpoint: required with --engine openai"),
+    (["--engine", "openai", "--endpoint", "ftp://x"], "--endpoint: 'ftp://x' is not an http:// or https:// URL"),
+    (["--engine", "sim", "--engine-arg", "a=1"], "--engine-arg: only the vllm engine takes engine arguments"),
+    (["--engine", "vllm", "--engine-arg", "no-equals"], "is not KEY=VALUE"),
+])
+def test_a_bad_engine_flag_is_one_line_and_exit_2(redis_url: str, args: list[str], says: str):
+    p = cli("worker", "--model", "tiny", "--create", *args, url=redis_url, check=False, timeout=60)
+    err = p.stderr.decode()
+    assert p.returncode == 2 and says in err and len(err.strip().splitlines()) == 1, err

@@ -147,10 +147,10 @@ def worker_env(engine: str, i: int, n: int) -> dict[str, str] | None:
         return None
     env = dict(os.environ)
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # run prints its own progress; vLLM's INFO lines drown it
-    gpus = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
-    if n > 1 and gpus:
-        env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)]
-    elif n > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ and not _has_cuda():
+    gpus = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    if n > 1 and (gpus or _has_cuda()):  # as the host agent places its GPU processes
+        env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)] if gpus else str(i)
+    elif n > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
         cores = sorted(os.sched_getaffinity(0))
         share = cores[i * len(cores) // n:(i + 1) * len(cores) // n] or [cores[i % len(cores)]]
         env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, share))
