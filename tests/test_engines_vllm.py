@@ -20,12 +20,13 @@ import pytest
 from conductor.client import Conductor
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.records import Batch, BatchItem
-from conductor.workers.engines.reaper import descendants
+from conductor.workers.engines.reaper import alive, descendants
 from conductor.workers.worker import Worker, WorkerOptions
 from tests.conftest import ROOT, cli
 from tests.helpers import wait_for
 from tests.real_engine_kit import (
     KV_BYTES,
+    MULTIPROCESS,
     VLLM_ENV,
     VLLM_WARNINGS,
     assert_each_once,
@@ -189,17 +190,20 @@ def test_a_sigkilled_worker_s_batch_is_answered_once_by_another(redis_url: str, 
     c.ensure_model("tiny")
     submit_lines(c, "kill", lines)
     log = tmp_path / "victim.log"
-    p = _worker_proc(redis_url, model_dir, "victim", log)
+    p = _worker_proc(redis_url, model_dir, "victim", log, dict(vllm_env(), **MULTIPROCESS))
     try:
         wait_for(lambda: _pending(c, "victim") > 0 or p.poll() is not None, "the worker claims a batch", timeout=180)
         assert p.poll() is None, log.read_text()[-2000:]
         assert c.status("kill")["completed"] < len(lines)  # killed mid-batch, its work not all written
+        vllm_procs = descendants(p.pid)
+        assert any("VLLM" in Path(f"/proc/{d}/comm").read_text() for d in vllm_procs)
         p.send_signal(signal.SIGKILL)
         p.wait(timeout=30)
     finally:
         if p.poll() is None:
             p.kill()
-    assert not [d for d in descendants(p.pid)]  # nothing of the killed worker runs on
+    # nothing of the killed worker runs on: vLLM's engine core and model worker went with it (the reaper)
+    wait_for(lambda: not [d for d in vllm_procs if alive(d)], "vLLM's processes end with the worker", timeout=30)
     _finish_with(c, eng, "kill", "victim")
     assert_each_once(c, "kill", [x["custom_id"] for x in lines])
 
@@ -213,7 +217,7 @@ def test_a_dead_engine_core_s_batches_go_back_and_are_answered_once(redis_url: s
     c.ensure_model("tiny")
     submit_lines(c, "core", lines)
     log = tmp_path / "mp.log"
-    p = _worker_proc(redis_url, model_dir, "mp", log, dict(vllm_env(), VLLM_ENABLE_V1_MULTIPROCESSING="1"))
+    p = _worker_proc(redis_url, model_dir, "mp", log, dict(vllm_env(), **MULTIPROCESS))
     try:
         wait_for(lambda: _pending(c, "mp") > 0 or p.poll() is not None, "the worker claims a batch", timeout=240)
         assert p.poll() is None, log.read_text()[-2000:]

@@ -18,11 +18,12 @@ the rest of the backlog waits in Redis, where cancels, priorities and fair share
 * Other engine arguments pass through as given (``--engine-arg gpu_memory_utilization=0.85``). On a
   CPU host without ``VLLM_CPU_KVCACHE_SPACE`` or a KV size of its own, the KV cache is 1 GiB (vLLM's
   CPU default, 92 % of the node's memory, fails beside anything else) and graphs are not compiled.
-* Where it runs: on a CPU host the engine core runs in the worker's own process
-  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, one executor in process): measured here it starts in 11 s
-  against 25 s, and ran the prefix-heavy bench file in 34 s against 45 s, model load included. On a
-  GPU host vLLM's own default stays (its engine core in a process of its own, scheduling beside the
-  GPU's work); those processes end with the worker, SIGKILL included (workers/engines/reaper.py).
+* Where it runs: as vLLM's own runner and server run it (its engine core and model worker in processes
+  of their own, scheduling beside the model's work; on a CPU host vLLM binds the model's threads to
+  its share of the cores, ``VLLM_CPU_OMP_THREADS_BIND``). Those processes end with the worker, SIGKILL
+  included (workers/engines/reaper.py). ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` runs it all in the
+  worker's process instead (on this CPU it starts in 11 s against 25 s, what the tests use), but then
+  vLLM binds nothing: its threads take every core, so it is not what a benchmark should compare.
 * Counters: prefix hit tokens (vLLM's own ``num_cached_tokens`` per request, and its scheduler's
   prefix-cache queries and hits), running and waiting requests, KV-cache use.
 * A dead engine core raises ``EngineDead`` from ``step``: the worker gives its batches back and exits.
@@ -142,8 +143,6 @@ class VllmEngine(ContractHolder):
         from vllm.platforms import current_platform
         from vllm.v1.engine.llm_engine import LLMEngine
         on_cpu = current_platform.is_cpu()
-        if on_cpu:
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         self._SamplingParams = vllm.SamplingParams
         self.counters = VllmCounters()
         kw = engine_args_of(model, model_path, max_batch_size, dict(engine_args or {}), on_cpu)
