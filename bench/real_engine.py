@@ -289,7 +289,7 @@ def run_file(s: Setup, kind: str, lines: int, cases: list[str]) -> list[Case]:
 
 def ratios(cases: list[Case]) -> list[tuple[str, float, float | None]]:
     """(what, ratio of speeds, goal) for each comparison the cases allow."""
-    by = {(c.file, c.name): c.wall_s for c in cases}
+    by = {(c.file, c.name): c.wall_s for c in cases if c.clean}  # a case that lost or failed an id has no speed
     out = []
 
     def speedup(what: str, num: tuple[str, str], den: tuple[str, str], goal: float | None) -> None:

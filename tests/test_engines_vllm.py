@@ -30,6 +30,7 @@ from tests.real_engine_kit import (
     VLLM_ENV,
     VLLM_WARNINGS,
     assert_each_once,
+    chat_line,
     shaped_lines,
     submit_lines,
     vllm_env,
@@ -268,3 +269,24 @@ def test_a_bad_engine_flag_is_one_line_and_exit_2(redis_url: str, args: list[str
     p = cli("worker", "--model", "tiny", "--create", *args, url=redis_url, check=False, timeout=60)
     err = p.stderr.decode()
     assert p.returncode == 2 and says in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_each_result_is_written_as_its_item_finishes(redis_conductor: Conductor, eng):
+    """A short answer beside a long one in one batch: the short one is in Redis while the batch runs."""
+    c = redis_conductor
+    c.ensure_model("tiny")
+    submit_lines(c, "stream", [chat_line("short", "system: s", "q1", 2, temperature=0),
+                               chat_line("long", "system: s", "q2", 300, temperature=0)])
+    w = Worker(c, eng, WorkerOptions(name="w-stream", heartbeat_ttl_s=60))
+    w.register()
+    deadline = time.monotonic() + 120
+    while c.status("stream")["completed"] < 1:
+        assert time.monotonic() < deadline
+        w.turn()
+    assert _pending(c, "w-stream") == 1 and eng.active() == 1  # the batch still runs its long item
+    while not (c.status("stream")["done"] and not w.retry):
+        assert time.monotonic() < deadline
+        w.turn()
+    w.deregister()
+    assert_each_once(c, "stream", ["short", "long"])
+    assert _pending(c, "w-stream") == 0

@@ -78,6 +78,11 @@ class _InFlight:
     batch: Batch
     left: int
     results: list[Result] = field(default_factory=list)
+    sent: int = 0  # results already queued for writing (an engine that streams them, as they finish)
+
+    def unsent(self) -> list[Result]:
+        out, self.sent = self.results[self.sent:], len(self.results)
+        return out
 
 
 class Worker:
@@ -261,6 +266,7 @@ class Worker:
                       deliveries=it.deliveries, payload=it.payload)
 
     def _collect(self, finished: list[Finished]) -> None:
+        touched: dict[str, _InFlight] = {}
         for fin in finished:
             entry = self.inflight.get(fin.batch.batch_id)
             if entry is None:
@@ -269,10 +275,18 @@ class Worker:
             entry.left -= 1
             self.finished += 1
             self.output_tokens += fin.output_tokens
+            touched[fin.batch.batch_id] = entry
             if entry.left == 0:
                 with self._lock:
                     del self.inflight[fin.batch.batch_id]
-                    self.retry.append((entry.batch, entry.results, True))
+                    self.retry.append((entry.batch, entry.unsent(), True))
+        if getattr(self.engine, "streams_results", False):
+            # Items of one batch finish far apart on an engine that batches continuously (a long
+            # output beside short ones): each is written as it finishes, not when its batch ends.
+            with self._lock:
+                for entry in touched.values():
+                    if entry.left:
+                        self.retry.append((entry.batch, entry.unsent(), False))
 
     def _flush_writes(self) -> bool:
         """Write queued results, oldest first; False when Redis is away (kept for retry)."""
@@ -599,7 +613,8 @@ class Worker:
             left.update((b.batch_id, b) for b, _, _ in self.retry)
             ids = sorted(left)
             items = sum(len(b.items) for b in left.values())
-            unwritten = sum(len(r) for _, r, _ in self.retry) + sum(len(e.results) for e in self.inflight.values())
+            unwritten = (sum(len(r) for _, r, _ in self.retry)
+                         + sum(len(e.results) - e.sent for e in self.inflight.values()))
             self.inflight.clear()
             self.retry.clear()
         event("left_pending", worker=self.name, batches=len(ids), items=items, unwritten_results=unwritten,
@@ -615,8 +630,8 @@ class Worker:
     def _give_back_inflight(self) -> None:
         with self._lock:
             for entry in self.inflight.values():
-                if entry.results:
-                    self.retry.append((entry.batch, entry.results, False))
+                if entry.sent < len(entry.results):
+                    self.retry.append((entry.batch, entry.unsent(), False))
         ids = [e.batch.batch_id for e in self.inflight.values()]
         try:
             self._flush_writes()

