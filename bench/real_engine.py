@@ -68,6 +68,7 @@ class Case:
     hit_rate: float | None
     note: str = ""
     prompt_tokens: int = 0
+    load_s: float | None = None  # from the start until the engine took its first request
 
     @property
     def clean(self) -> bool:
@@ -77,7 +78,8 @@ class Case:
         hit = "?" if self.hit_rate is None else f"{self.hit_rate:.1%}"
         ok = "yes" if self.clean else (f"NO ({self.answered}/{self.expected}, {self.errors} errors, "
                                        f"{self.twice} twice)")
-        return [self.file, self.name, f"{self.wall_s:.1f}", f"{self.prompt_tokens / self.wall_s:,.0f}",
+        load = "?" if self.load_s is None else f"{self.load_s:.1f}"
+        return [self.file, self.name, f"{self.wall_s:.1f}", load, f"{self.prompt_tokens / self.wall_s:,.0f}",
                 f"{self.output_tokens / self.wall_s:,.0f}", hit, ok]
 
 
@@ -103,6 +105,7 @@ class Scraper:
 
     def __init__(self, port: int) -> None:
         self.port, self.queries, self.hits = port, 0.0, 0.0
+        self.ready_at: float | None = None  # when the engine's counters first showed: its load done
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._loop, daemon=True)
         self._t.start()
@@ -116,6 +119,8 @@ class Scraper:
         q, h = _sum(text, "vllm:prefix_cache_queries_total"), _sum(text, "vllm:prefix_cache_hits_total")
         if q is not None and h is not None and q >= self.queries:
             self.queries, self.hits = q, h
+            if self.ready_at is None:
+                self.ready_at = time.monotonic()
 
     def _loop(self) -> None:
         while not self._stop.wait(0.5):
@@ -177,20 +182,26 @@ def run_runners(s: Setup, name: str, kind: str, srcs: list[Path], expected: int,
     q = sum(sc.queries for sc in scrapers)
     hit = sum(sc.hits for sc in scrapers) / q if q else None
     rows = [r for out in outs if out.exists() for r in runner_rows(out)]
-    return _tally(name, kind, wall, rows, expected, hit,
+    case = _tally(name, kind, wall, rows, expected, hit,
                   "" if all(r is not None for r in rates) else "hits partly unread")
+    ready = [sc.ready_at for sc in scrapers if sc.ready_at is not None]
+    case.load_s = max(ready) - t0 if len(ready) == len(scrapers) else None
+    return case
 
 
 # ------------------------------------------------------------------ the conductor
 _ENGINE_HITS = re.compile(r"the engine's prefix cache ([\d.]+)% of")
 
 
-def conductor_rows(out: Path) -> list[tuple[str, bool, int]]:
-    rows = []
+def conductor_rows(out: Path) -> tuple[list[tuple[str, bool, int]], float | None]:
+    """(id, ok, output tokens) of each result, and the first claim's time (epoch seconds)."""
+    rows, first = [], None
     for ln in out.read_text().splitlines():
         r = json.loads(ln)
         rows.append((r["id"], r.get("error") is None, int(r.get("output_tokens") or 0)))
-    return rows
+        if r.get("claimed_at"):
+            first = min(first or r["claimed_at"], r["claimed_at"])
+    return rows, None if first is None else first / 1000
 
 
 def run_conductor(s: Setup, name: str, kind: str, src: Path, expected: int, extra: list[str], workers: int,
@@ -198,14 +209,16 @@ def run_conductor(s: Setup, name: str, kind: str, src: Path, expected: int, extr
     out = s.work / f"{name}-{kind}.out.jsonl"
     log = s.work / f"{name}-{kind}.log"
     start = time.monotonic() if t0 is None else t0
+    epoch0 = time.time() - (time.monotonic() - start)
     p = subprocess.run([sys.executable, "-m", "conductor", "run", str(src), "--workers", str(workers), "-o",
                         str(out), *extra], env=s.env, stdout=subprocess.DEVNULL, stderr=log.open("wb"), cwd=str(ROOT))
     wall = time.monotonic() - start
     err = log.read_text(errors="replace")
     m = _ENGINE_HITS.search(err)
-    rows = conductor_rows(out) if out.exists() else []
+    rows, first = conductor_rows(out) if out.exists() else ([], None)
     case = _tally(name, kind, wall, rows, expected, float(m.group(1)) / 100 if m else None,
                   "" if p.returncode == 0 else f"exit {p.returncode}")
+    case.load_s = None if first is None else first - epoch0  # the first claim comes once a worker is loaded
     return case, err
 
 
@@ -317,9 +330,11 @@ def report(cases: list[Case], args: argparse.Namespace, size: ModelSize, kv_byte
         + ("" if args.gpu else f", CPU, enforce_eager, KV cache {kv_bytes >> 20} MiB on every engine") + ".",
         f"Files: {args.lines} OpenAI chat lines each (bench/real_engine_files.py); every line greedy.",
         "Wall seconds from a command's start to its end, model load included on every side; tokens per second "
-        "over that wall time.",
+        "over that wall time. Load: from the start until the engine took its first request (a runner's or "
+        "server's vLLM counters first showing on its /metrics; the conductor's first claim, which a worker "
+        "makes once its engine is built; for two engines, the later).",
         "",
-        table(["file", "case", "wall s", "prompt tok/s", "output tok/s", "vLLM prefix-cache hits",
+        table(["file", "case", "wall s", "load s", "prompt tok/s", "output tok/s", "vLLM prefix-cache hits",
                "every id once, no error"], rows),
         "",
         table(["comparison", "speed ratio", "goal", ""], rat),
