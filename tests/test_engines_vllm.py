@@ -184,18 +184,25 @@ def _finish_with(c: Conductor, eng, job: str, dead: str) -> None:
     w.deregister()
 
 
+def _worker_mid_batch(c: Conductor, url: str, model_dir: Path, job: str, name: str,
+                      log: Path) -> tuple[subprocess.Popen, list[dict]]:
+    """A worker in vLLM's own process layout (the default) that has claimed a batch of ``job`` and not
+    finished the job; its process and the job's lines."""
+    lines = shaped_lines(24, shapes=2, max_tokens=96)
+    c.ensure_model("tiny")
+    submit_lines(c, job, lines)
+    p = _worker_proc(url, model_dir, name, log, dict(vllm_env(), **MULTIPROCESS))
+    wait_for(lambda: _pending(c, name) > 0 or p.poll() is not None, "the worker claims a batch", timeout=240)
+    assert p.poll() is None, log.read_text()[-2000:]
+    assert c.status(job)["completed"] < len(lines)  # mid-batch, its work not all written
+    return p, lines
+
+
 def test_a_sigkilled_worker_s_batch_is_answered_once_by_another(redis_url: str, redis_conductor: Conductor,
                                                                  model_dir: Path, eng, tmp_path: Path):
     c = redis_conductor
-    lines = shaped_lines(24, shapes=2, max_tokens=96)
-    c.ensure_model("tiny")
-    submit_lines(c, "kill", lines)
-    log = tmp_path / "victim.log"
-    p = _worker_proc(redis_url, model_dir, "victim", log, dict(vllm_env(), **MULTIPROCESS))
+    p, lines = _worker_mid_batch(c, redis_url, model_dir, "kill", "victim", tmp_path / "victim.log")
     try:
-        wait_for(lambda: _pending(c, "victim") > 0 or p.poll() is not None, "the worker claims a batch", timeout=180)
-        assert p.poll() is None, log.read_text()[-2000:]
-        assert c.status("kill")["completed"] < len(lines)  # killed mid-batch, its work not all written
         vllm_procs = descendants(p.pid)
         assert any("VLLM" in Path(f"/proc/{d}/comm").read_text() for d in vllm_procs)
         p.send_signal(signal.SIGKILL)
@@ -211,19 +218,15 @@ def test_a_sigkilled_worker_s_batch_is_answered_once_by_another(redis_url: str, 
 
 def test_a_dead_engine_core_s_batches_go_back_and_are_answered_once(redis_url: str, redis_conductor: Conductor,
                                                                     model_dir: Path, eng, tmp_path: Path):
-    """vLLM's multiprocess mode (its engine core in a process of its own, the GPU default): the core is
-    SIGKILLed mid-batch; the worker gives its batches back and exits 2, and nothing of it runs on."""
+    """The engine core (a process of vLLM's own) is SIGKILLed mid-batch: the worker gives its batches back
+    and exits 2, and nothing of it runs on."""
     c = redis_conductor
-    lines = shaped_lines(24, shapes=2, max_tokens=96)
-    c.ensure_model("tiny")
-    submit_lines(c, "core", lines)
     log = tmp_path / "mp.log"
-    p = _worker_proc(redis_url, model_dir, "mp", log, dict(vllm_env(), **MULTIPROCESS))
+    p, lines = _worker_mid_batch(c, redis_url, model_dir, "core", "mp", log)
     try:
-        wait_for(lambda: _pending(c, "mp") > 0 or p.poll() is not None, "the worker claims a batch", timeout=240)
-        assert p.poll() is None, log.read_text()[-2000:]
+        vllm_procs = descendants(p.pid)
         # VLLM::EngineCore, its name cut to 15 characters
-        cores = [d for d in descendants(p.pid) if "EngineCor" in Path(f"/proc/{d}/comm").read_text()]
+        cores = [d for d in vllm_procs if "EngineCor" in Path(f"/proc/{d}/comm").read_text()]
         assert cores, "vLLM's engine core runs in a process of its own"
         os.kill(cores[0], signal.SIGKILL)
         assert p.wait(timeout=120) == 2
@@ -232,7 +235,7 @@ def test_a_dead_engine_core_s_batches_go_back_and_are_answered_once(redis_url: s
         if p.poll() is None:
             p.kill()
     assert "engine core died" in err and "went back to the queue" in err, err[-2000:]
-    wait_for(lambda: not descendants(p.pid), "vLLM's processes end with the worker", timeout=30)
+    wait_for(lambda: not [d for d in vllm_procs if alive(d)], "vLLM's processes end with the worker", timeout=30)
     assert _pending(c, "mp") == 0  # given back, not left for a sweep
     _finish_with(c, eng, "core", "mp")
     assert_each_once(c, "core", [x["custom_id"] for x in lines])
