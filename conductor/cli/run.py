@@ -146,7 +146,11 @@ def worker_env(engine: str, i: int, n: int) -> dict[str, str] | None:
     if engine != "vllm":
         return None
     env = dict(os.environ)
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # run prints its own progress; vLLM's INFO lines drown it
+    # run prints its own progress and summary; vLLM's lines would drown them (its warnings at start,
+    # its monitor's "engine core exited unexpectedly" when run stops the worker's process group, the
+    # interpreter's shared-memory notice at exit): a user who wants them sets these variables
+    env.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    env.setdefault("PYTHONWARNINGS", "ignore")
     gpus = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
     if n > 1 and (gpus or _has_cuda()):  # as the host agent places its GPU processes
         env["CUDA_VISIBLE_DEVICES"] = gpus[i % len(gpus)] if gpus else str(i)

@@ -203,6 +203,11 @@ class VllmEngine(ContractHolder):
             ids = self.tokenizer.encode(req.prompt)
         return list(ids), req.options, req.max_tokens
 
+    def _prompt(self, ids: list[int]) -> Any:
+        """The engine's input for prompt tokens, rendered as vLLM asks (a raw prompt is deprecated in 0.32)."""
+        render = getattr(getattr(self.llm, "renderer", None), "render_cmpl", None)
+        return render([{"prompt_token_ids": ids}])[0] if render is not None else {"prompt_token_ids": ids}
+
     def _params(self, options: dict[str, Any], max_tokens: int) -> Any:
         return self._SamplingParams(**{**self._defaults, **options, "max_tokens": max_tokens})
 
@@ -222,7 +227,7 @@ class VllmEngine(ContractHolder):
             self._seq += 1
             rid = f"{self._seq}:{it.id}"  # unique even when a requeued item meets itself
             try:
-                self.llm.add_request(rid, {"prompt_token_ids": ids}, self._params(options, max_tokens))
+                self.llm.add_request(rid, self._prompt(ids), self._params(options, max_tokens))
             except ValueError as e:  # vLLM's own refusal of this request (a sampling value it rejects)
                 refused.append(Finished(batch, it, "", 0, ResultError("bad_request", f"vllm: {e}"[:2000])))
                 continue
