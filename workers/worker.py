@@ -348,6 +348,9 @@ class Worker:
             self._collect([Finished(batch, it, "", 0, ResultError("bad_record", it.unreadable)) for it in unreadable])
         try:
             refused = self.engine.admit(batch, items) if items else []
+        except EngineDead as e:  # not this batch's fault: it goes back with the rest as the worker stops
+            self._engine_died(e)
+            return True
         except Exception as e:  # noqa: BLE001 - any engine failure: the batch goes back, the worker lives
             self._give_back_failed(batch, e)
             return True
@@ -375,12 +378,16 @@ class Worker:
             self._engine_outage(e)
             return
         except EngineDead as e:
-            event("engine_dead", worker=self.name, error=str(e))
-            self.engine_dead = str(e)
-            self.stopping.set()
+            self._engine_died(e)
             return
         self.metrics.stepped(time.perf_counter() - t)
         self._collect(finished)
+
+    def _engine_died(self, err: EngineDead) -> None:
+        """The engine cannot go on: stop; the drain gives every batch held back (run() then raises)."""
+        event("engine_dead", worker=self.name, error=str(err))
+        self.engine_dead = str(err)
+        self.stopping.set()
 
     def _engine_outage(self, err: EngineOutage) -> None:
         """What serves the engine went away: its unfinished items go back to Redis (served first by

@@ -153,6 +153,9 @@ class VllmEngine(ContractHolder):
             raise EngineConfigError(f"--engine-arg: {e}") from None
         before = set(descendants())
         self.llm: Any = LLMEngine.from_engine_args(args, stat_loggers=[_stat_logger(self.counters)])
+        # add_request asks the engine core for its tasks on first use and waits for the answer without a
+        # bound: asked now, while the core runs, so no request can hang on a core that died
+        self.llm.get_supported_tasks()
         # vLLM's own processes (multiprocess mode) end with this one, SIGKILL included
         self._reaper = Reaper([p for p in descendants() if p not in before])
         self._closed = False
@@ -174,11 +177,13 @@ class VllmEngine(ContractHolder):
     def _watch_core(self) -> None:
         """Multiprocess mode: when vLLM finds its engine core dead it shuts its client down, and a step
         blocked waiting for the core's output waits forever (vLLM 0.32's output thread leaves without a
-        word). This wakes it with an error, which vLLM's step turns into EngineDeadError."""
+        word), as does a call to the core awaiting its answer. This wakes them with an error, which
+        vLLM's step turns into EngineDeadError."""
         core = getattr(self.llm, "engine_core", None)
         resources, outputs = getattr(core, "resources", None), getattr(core, "outputs_queue", None)
         if resources is None or outputs is None:
             return  # in process: a failure raises in the worker's own thread
+        waiting_calls = getattr(core, "utility_results", {})  # calls to the core awaiting its answer
 
         # vLLM's engine core processes (not every process it started: some helpers come and go)
         procs = list(getattr(getattr(resources, "engine_manager", None), "processes", None) or [])
@@ -189,6 +194,9 @@ class VllmEngine(ContractHolder):
                 if getattr(resources, "engine_dead", False) or not all(p.is_alive() for p in procs):
                     resources.engine_dead = True
                     outputs.put_nowait(RuntimeError("vllm engine core died"))
+                    for fut in list(waiting_calls.values()):
+                        if not fut.done():
+                            fut.set_exception(RuntimeError("vllm engine core died"))
                     return
                 time.sleep(0.2)
         threading.Thread(target=watch, name="vllm-core-watch", daemon=True).start()
@@ -231,6 +239,9 @@ class VllmEngine(ContractHolder):
             except ValueError as e:  # vLLM's own refusal of this request (a sampling value it rejects)
                 refused.append(Finished(batch, it, "", 0, ResultError("bad_request", f"vllm: {e}"[:2000])))
                 continue
+            except Exception as e:
+                self._raise_if_dead(e)
+                raise
             self._live[rid] = (batch, it)
         self._last_batch = max(1, len(items))
         return refused
@@ -241,9 +252,7 @@ class VllmEngine(ContractHolder):
         try:
             outs = self.llm.step()
         except Exception as e:
-            if type(e).__name__ == "EngineDeadError":
-                self._live.clear()
-                raise EngineDead(f"vllm: the engine core died ({e})") from None
+            self._raise_if_dead(e)
             raise
         done: list[Finished] = []
         for o in outs:
@@ -263,6 +272,13 @@ class VllmEngine(ContractHolder):
                 c.prefix_hit_tokens += min(it.input_tokens, it.input_tokens * cached // prompt)
             done.append(Finished(batch, it, out.text, n))
         return done
+
+    def _raise_if_dead(self, e: Exception) -> None:
+        """vLLM's EngineDeadError (or the watch's wake-up) as the protocol's EngineDead."""
+        core = getattr(self.llm, "engine_core", None)
+        if type(e).__name__ == "EngineDeadError" or getattr(getattr(core, "resources", None), "engine_dead", False):
+            self._live.clear()
+            raise EngineDead(f"vllm: the engine core died ({e})") from None
 
     def active(self) -> int:
         return len(self._live)
