@@ -45,14 +45,9 @@ def redis_url(redis_server: EmbeddedRedis) -> Iterator[str]:
 
 
 @pytest.fixture()
-def cdr(redis_url: str) -> Conductor:
-    return Conductor(connect(redis_url))
-
-
-@pytest.fixture()
-def redis_conductor(redis_url: str) -> Iterator[Conductor]:
-    """As ``cdr``, closed after the test: for a test whose client outlives threads or subprocesses it
-    started (a client left to the garbage collector warns in whichever later test collects it)."""
+def cdr(redis_url: str) -> Iterator[Conductor]:
+    """A Conductor on the test's Redis, closed after the test (a client left to the garbage collector
+    warns in whichever later test collects it, and warnings are errors)."""
     c = Conductor(connect(redis_url))
     yield c
     c.r.close()

@@ -107,13 +107,13 @@ def test_a_file_end_to_end_equals_what_the_sdk_gets(tmp_path: Path, server: Vllm
                   "body": {"model": "tiny", "prompt": "once upon", "max_tokens": 5, "temperature": 0}})
     _, by = run_file(tmp_path, server, lines)
     assert all(r["error"] is None and r["output_tokens"] > 0 for r in by.values())
-    sdk = openai.OpenAI(base_url=server.url, api_key="none")
-    for line in (lines[0], lines[7]):
-        body = line["body"]
-        got = sdk.chat.completions.create(model="tiny", messages=body["messages"], max_tokens=body["max_tokens"],
-                                          temperature=0)
-        assert by[line["custom_id"]]["output"] == got.choices[0].message.content
-    cmp = sdk.completions.create(model="tiny", prompt="once upon", max_tokens=5, temperature=0)
+    with openai.OpenAI(base_url=server.url, api_key="none") as sdk:
+        for line in (lines[0], lines[7]):
+            body = line["body"]
+            got = sdk.chat.completions.create(model="tiny", messages=body["messages"],
+                                              max_tokens=body["max_tokens"], temperature=0)
+            assert by[line["custom_id"]]["output"] == got.choices[0].message.content
+        cmp = sdk.completions.create(model="tiny", prompt="once upon", max_tokens=5, temperature=0)
     assert by["cmp"]["output"] == cmp.choices[0].text
 
 
@@ -132,9 +132,9 @@ def _worker(url: str, server: VllmServer, log: Path) -> subprocess.Popen:
         cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=log.open("wb"))
 
 
-def test_the_server_killed_mid_run_and_restarted_loses_and_fails_nothing(redis_url: str, redis_conductor: Conductor,
+def test_the_server_killed_mid_run_and_restarted_loses_and_fails_nothing(redis_url: str, cdr: Conductor,
                                                                           server: VllmServer, tmp_path: Path):
-    c = redis_conductor
+    c = cdr
     lines = shaped_lines(48, shapes=3, max_tokens=160)
     c.ensure_model("tiny")
     submit_lines(c, "sk", lines)

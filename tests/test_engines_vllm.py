@@ -198,9 +198,9 @@ def _worker_mid_batch(c: Conductor, url: str, model_dir: Path, job: str, name: s
     return p, lines
 
 
-def test_a_sigkilled_worker_s_batch_is_answered_once_by_another(redis_url: str, redis_conductor: Conductor,
+def test_a_sigkilled_worker_s_batch_is_answered_once_by_another(redis_url: str, cdr: Conductor,
                                                                  model_dir: Path, eng, tmp_path: Path):
-    c = redis_conductor
+    c = cdr
     p, lines = _worker_mid_batch(c, redis_url, model_dir, "kill", "victim", tmp_path / "victim.log")
     try:
         vllm_procs = descendants(p.pid)
@@ -216,11 +216,11 @@ def test_a_sigkilled_worker_s_batch_is_answered_once_by_another(redis_url: str, 
     assert_each_once(c, "kill", [x["custom_id"] for x in lines])
 
 
-def test_a_dead_engine_core_s_batches_go_back_and_are_answered_once(redis_url: str, redis_conductor: Conductor,
+def test_a_dead_engine_core_s_batches_go_back_and_are_answered_once(redis_url: str, cdr: Conductor,
                                                                     model_dir: Path, eng, tmp_path: Path):
     """The engine core (a process of vLLM's own) is SIGKILLed mid-batch: the worker gives its batches back
     and exits 2, and nothing of it runs on."""
-    c = redis_conductor
+    c = cdr
     log = tmp_path / "mp.log"
     p, lines = _worker_mid_batch(c, redis_url, model_dir, "core", "mp", log)
     try:
@@ -274,9 +274,9 @@ def test_a_bad_engine_flag_is_one_line_and_exit_2(redis_url: str, args: list[str
     assert p.returncode == 2 and says in err and len(err.strip().splitlines()) == 1, err
 
 
-def test_each_result_is_written_as_its_item_finishes(redis_conductor: Conductor, eng):
+def test_each_result_is_written_as_its_item_finishes(cdr: Conductor, eng):
     """A short answer beside a long one in one batch: the short one is in Redis while the batch runs."""
-    c = redis_conductor
+    c = cdr
     c.ensure_model("tiny")
     submit_lines(c, "stream", [chat_line("short", "system: s", "q1", 2, temperature=0),
                                chat_line("long", "system: s", "q2", 300, temperature=0)])
