@@ -14,7 +14,7 @@
 -- KEYS[6] state   cdr:{model}:state        (read only: paused)
 -- KEYS[7] stored  cdr:{model}:in:J:stored  (the job's store-waiting ids, packed: lib_packed.lua)
 -- KEYS[8] ids     cdr:{model}:seg:<name>:ids (the segment's ids, a list)
--- ARGV[1] name    32 hex digits (conductor/segments.py: derived from the content)
+-- ARGV[1] name    32 hex digits (conductor/redis_contract/segment_record.py: derived from the content)
 -- ARGV[2] job     the job every item belongs to (the records name it)
 -- ARGV[3] sig     16 hex digits: the shape signature of every item
 -- ARGV[4] path    the file's name in the store

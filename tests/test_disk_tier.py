@@ -16,7 +16,7 @@ from conductor.redis_contract import keys as K
 from conductor.redis_contract.item_record import content_sum, record_head
 from conductor.redis_contract.packed_ids import stored_count, stored_sums
 from conductor.redis_contract.script_calls import submit_args as _submit_args
-from conductor.tier import segments as S
+from conductor.redis_contract.segment_record import file_name
 from conductor.tier.feeder import Feeder
 from conductor.tier.object_store import Store
 from conductor.tier.segments import read_segment
@@ -276,7 +276,7 @@ def test_a_worker_process_drains_a_backlog_ten_times_the_ceiling(redis_url, tmp_
 def test_keys_of_the_tier_are_in_the_models_slot():
     mk = K.ModelKeys("m")
     assert mk.segs.startswith(mk.base) and mk.seg("ab").startswith(mk.base + ":seg:")
-    assert S.file_name("abcdef") == "segments/ab/abcdef.parquet"
+    assert file_name("abcdef") == "segments/ab/abcdef.parquet"
 
 
 def _results(redis_url: str, job: str, store: str) -> list[dict]:

@@ -22,7 +22,7 @@ from conductor.redis_contract.connection import as_str
 from conductor.redis_contract.item_record import item_record, record_head, record_sum
 from conductor.redis_contract.records import Contract, PreparedItem, Result, json_encoder
 from conductor.redis_contract.scripts import Scripts
-from conductor.tier.segments import Segment
+from conductor.redis_contract.segment_record import Segment
 
 R = TypeVar("R")
 

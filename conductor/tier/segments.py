@@ -7,8 +7,9 @@ input_tokens, max_tokens, prompt, payload]), and ``tok``, its input tokens; the 
 key ``conductor`` holds JSON {"v", "model", "job", "sig", "prefix"}. Loading a segment sends its
 records through submit.lua unchanged, so workers cannot tell a fed item from a submitted one.
 
-Its name is derived from its content (SHA-1 of model, job, signature and records): writing the
-same items again writes the same file, and register_segment.lua refuses a name it has.
+Its name is derived from its content (SHA-1 of model, job, signature and records;
+conductor/redis_contract/segment_record.py, the record the scripts take): writing the same items
+again writes the same file, and register_segment.lua refuses a name it has.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 from conductor.errors import ConductorError
 from conductor.redis_contract.item_record import item_record, record_head
 from conductor.redis_contract.records import PreparedItem
+from conductor.redis_contract.segment_record import Segment
 from conductor.tier.object_store import Store
 from conductor.tier.parquet_bytes import read_bytes, table_bytes
 
@@ -30,33 +31,6 @@ META_KEY = b"conductor"
 
 class BadSegment(ConductorError):
     """A segment file that does not decode, or whose content is not what its index record says."""
-
-
-@dataclass(frozen=True)
-class Segment:
-    model: str
-    job: str
-    sig: str
-    prefix: tuple[str, ...]
-    records: tuple[bytes, ...]
-    tokens: tuple[int, ...]
-
-    @property
-    def name(self) -> str:
-        h = hashlib.sha1(b"cdr-segment-1\0")
-        for part in (self.model, self.job, self.sig):
-            h.update(part.encode() + b"\0")
-        for rec in self.records:
-            h.update(len(rec).to_bytes(8, "little") + rec)
-        return h.hexdigest()[:32]
-
-    @property
-    def file_name(self) -> str:
-        return file_name(self.name)
-
-
-def file_name(name: str) -> str:
-    return f"segments/{name[:2]}/{name}.parquet"
 
 
 def build(model: str, job: str, items: Sequence[PreparedItem]) -> Segment:
