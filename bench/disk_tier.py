@@ -36,7 +36,7 @@ from bench.submit_claim import run_xadd
 from bench.workload import make_items
 from conductor.client import Conductor
 from conductor.embedded import EmbeddedRedis
-from conductor.intake.formats import parse_line
+from conductor.formats.lines import parse_line
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.records import Contract, PreparedItem, Result
 from conductor.tier.feeder import Feeder

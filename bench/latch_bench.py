@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import command_line, git_rev, machine, now_utc, table, write_section  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
-from conductor.intake.formats import parse_line  # noqa: E402
+from conductor.formats.lines import parse_line  # noqa: E402
 from conductor.redis_contract.records import Batch, BatchItem  # noqa: E402
 from conductor.workers.engines.sim import SimEngine, SimParams  # noqa: E402
 from conductor.workers.worker import Worker, WorkerOptions  # noqa: E402

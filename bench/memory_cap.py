@@ -36,7 +36,7 @@ from typing import Any
 from bench.common import command_line, git_rev, machine, now_utc, table, write_section
 from conductor.client import Conductor
 from conductor.embedded import EmbeddedRedis
-from conductor.intake.formats import parse_line
+from conductor.formats.lines import parse_line
 from conductor.tier.object_store import Store
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -138,7 +138,7 @@ class Plan:
 def plan(items: Sequence[Any], prefixes: dict[str, int], n_workers: int, size: int, budget: int,
          work: Work, arrival: Sequence[float] | None = None, windows: int = 1) -> Plan:
     """The oracle's plan (rules 1-4). ``items``: objects with id, sig, input_tokens, max_tokens
-    (``conductor.intake.formats.PreparedItem``), in arrival order; ``arrival``: each item's arrival time
+    (``conductor.formats.lines.PreparedItem``), in arrival order; ``arrival``: each item's arrival time
     (None: all at 0)."""
     n = len(items)
     windows = max(1, min(windows, n))

@@ -2,7 +2,7 @@
 
 * Shapes: ``shapes`` cacheable prefixes (a system prompt plus a few-shot block) of 200 to
   3,000 tokens each (uniform), with Zipf popularity (weight of the shape of rank r is r^-s).
-  Prefix text is 4 bytes per token, so ``conductor.intake.formats.estimate_tokens`` (what the sim
+  Prefix text is 4 bytes per token, so ``conductor.formats.lines.estimate_tokens`` (what the sim
   engine uses to price a prefix) gives back the intended count.
 * Input length of an item: its shape's prefix tokens plus a lognormal suffix (``suffix_mu``,
   ``suffix_sigma``, in log tokens), capped at ``max_suffix``.
@@ -22,8 +22,8 @@ import random
 import sys
 from dataclasses import dataclass, field
 
-from conductor.intake.formats import parse_line
-from conductor.intake.signature import shape_signature
+from conductor.formats.lines import parse_line
+from conductor.formats.signature import shape_signature
 from conductor.redis_contract.records import PreparedItem, json_encoder
 
 _WORDS = ("the model reads each record and answers in the house style with a short label and a reason "

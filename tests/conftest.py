@@ -13,7 +13,7 @@ import pytest
 
 from conductor.client import Conductor, connect
 from conductor.embedded import EmbeddedRedis
-from conductor.intake.formats import parse_line
+from conductor.formats.lines import parse_line
 from conductor.redis_contract.records import PreparedItem
 
 ROOT = Path(__file__).resolve().parent.parent

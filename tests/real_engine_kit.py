@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from conductor.client import Conductor
-from conductor.intake.formats import parse_line
+from conductor.formats.lines import parse_line
 from conductor.workers.engines.random_model import ModelSize, write_random_llama
 
 # vLLM, torch and transformers warn at import and start about things this suite does not control

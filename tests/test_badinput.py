@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conductor.errors import BadInput
-from conductor.intake.formats import parse_line
+from conductor.formats.lines import parse_line
 from conductor.redis_contract.records import Contract, PreparedItem
 from tests.conftest import item
 from tests.helpers import MK, quick, submit_argv

@@ -131,7 +131,7 @@ def test_draining_instance_takes_no_new_items(cdr):
     b2, _ = cdr.claim(contract(size=4, tokens=400), "w")  # then the instance drains
     assert b1.epoch == 1 and b2.epoch == 1 and (len(b1.items), len(b2.items)) == (4, 2)
     cdr.submit([item("late", 100)], "j")
-    from conductor.intake.signature import shape_signature
+    from conductor.formats.signature import shape_signature
     sig = shape_signature(["sys"])
     mk = K.ModelKeys("m")
     assert int(cdr.r.hget(mk.shape(sig), "epoch")) == 2  # the late arrival went to a new staged epoch
@@ -231,7 +231,7 @@ def _lane_heads(c, inst):
 
 
 def test_neighbour_fill_takes_the_shortest_lanes_first_and_leaves_the_rest_in_order(cdr):
-    from conductor.intake.signature import shape_signature
+    from conductor.formats.signature import shape_signature
     # Three lanes of 3 items (reps 96, 200, 400): none holds a batch of 8 alone; a claim fills one
     # from the shortest lanes up, padded to the longest lane it took from.
     quick(cdr, budget_tokens=100_000, budget_items=8, lane_depth=0, lane_floor=32)
@@ -249,7 +249,7 @@ def test_neighbour_fill_takes_the_shortest_lanes_first_and_leaves_the_rest_in_or
 
 
 def test_neighbour_fill_stops_at_the_token_budget_padded_to_the_longest_lane(cdr):
-    from conductor.intake.signature import shape_signature
+    from conductor.formats.signature import shape_signature
     quick(cdr, budget_tokens=100_000, budget_items=64, lane_depth=0, lane_thr_min=0.01, lane_thr_max=0.01)
     cdr.submit([item(f"a{n}", 100) for n in range(3)] + [item(f"b{n}", 300) for n in range(3)], "j")
     b, _ = cdr.claim(contract(size=64, tokens=1000), "w")
@@ -263,7 +263,7 @@ def test_neighbour_fill_stops_at_the_token_budget_padded_to_the_longest_lane(cdr
 
 
 def test_workers_take_shapes_of_their_own_and_share_a_deep_one(cdr):
-    from conductor.intake.signature import shape_signature
+    from conductor.formats.signature import shape_signature
     quick(cdr, budget_tokens=1000, budget_items=8, activate_batches=2)
     for w in ("w1", "w2", "w3"):  # three live workers: the fleet a fair share is counted over
         cdr.r.set(K.ModelKeys("m").heartbeat(w), 1)

@@ -10,7 +10,7 @@ import pytest
 
 from conductor.cli.progress import Rate
 from conductor.errors import BadInput
-from conductor.intake.formats import parse_line, request_options
+from conductor.formats.lines import parse_line, request_options
 from conductor.redis_contract.records import Batch, BatchItem
 from conductor.workers.engines.sim import SimEngine
 

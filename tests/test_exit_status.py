@@ -87,7 +87,7 @@ def test_store_and_parquet_commands_exit_0_every_time_beside_a_load(redis_url, t
 def test_reading_and_writing_parquet_bytes_starts_no_thread():
     """The mechanism itself, deterministic: a segment and a results segment are encoded and
     decoded on the calling thread, so nothing of pyarrow's is left running at exit."""
-    from conductor.intake.formats import parse_line
+    from conductor.formats.lines import parse_line
     from conductor.tier import result_segments as results_store
     from conductor.tier import segments
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from conductor.intake.signature import shape_signature
+from conductor.formats.signature import shape_signature
 from tests.conftest import item
 from tests.helpers import MK, contract, quick
 

@@ -3,7 +3,7 @@
 import threading
 import time
 
-from conductor.intake.signature import shape_signature
+from conductor.formats.signature import shape_signature
 from tests.conftest import item
 from tests.helpers import MK, contract, drain, results_for
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from conductor.errors import BadInput
-from conductor.intake import formats as F
+from conductor.formats import lines as F
 
 CHAT = "/v1/chat/completions"
 

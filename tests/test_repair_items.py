@@ -4,7 +4,7 @@ reclaimed list (or are cleared when they have a result); items with a result lea
 
 from __future__ import annotations
 
-from conductor.intake.signature import shape_signature
+from conductor.formats.signature import shape_signature
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.records import Contract, Result, json_encoder
 from conductor.verify import repair, verify

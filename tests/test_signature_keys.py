@@ -2,7 +2,7 @@ import re
 
 import xxhash
 
-from conductor.intake.signature import shape_signature
+from conductor.formats.signature import shape_signature
 from conductor.redis_contract.keys import ModelKeys
 
 

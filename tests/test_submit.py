@@ -14,7 +14,7 @@ def lanes(c, inst):
 
 
 def inst_of(c, prefix=("sys",)):
-    from conductor.intake.signature import shape_signature
+    from conductor.formats.signature import shape_signature
     sig = shape_signature(list(prefix))
     ep = int(c.r.hget(K.ModelKeys("m").shape(sig), "epoch"))
     return f"{sig}:{ep}"
@@ -151,7 +151,7 @@ def test_script_errors_name_the_field(cdr):
 
 def test_prefix_is_stored_once_per_shape(cdr):
     cdr.submit([item(i, 40, prefix=("big system prompt", "shots")) for i in range(50)], "j")
-    from conductor.intake.signature import shape_signature
+    from conductor.formats.signature import shape_signature
     sig = shape_signature(["big system prompt", "shots"])
     assert cdr.prefix("m", sig) == ["big system prompt", "shots"]
     # item records carry only the prompt and payload, the prefix lives once in the shape record
@@ -224,7 +224,7 @@ def test_a_producer_following_the_readme_protocol_with_raw_commands(cdr):
     import hashlib
     import time
 
-    from conductor.intake.signature import shape_signature
+    from conductor.formats.signature import shape_signature
     from conductor.redis_contract.scripts import source
     from tests.helpers import drain
     r = cdr.r

@@ -26,12 +26,12 @@ from conductor.api.errors import ApiError, page
 from conductor.api.upload_store import ERROR_PREFIX, OUTPUT_PREFIX, FileStore
 from conductor.client import Conductor
 from conductor.errors import BadInput
-from conductor.intake.formats import CHAT_URL, ENDPOINTS
+from conductor.formats.lines import CHAT_URL, ENDPOINTS
+from conductor.formats.openai_output import converted
 from conductor.intake.intake_run import run as run_task
 from conductor.intake.intake_task import Task
 from conductor.intake.intake_task import create as create_task
 from conductor.jobs import job_state
-from conductor.jobs.openai_output import converted
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.connection import as_str
 from conductor.redis_contract.records import JobClass

@@ -81,7 +81,7 @@ def cmd_results(args: argparse.Namespace) -> int:
 def _write(records: Iterator[bytes], args: argparse.Namespace, out: Output, errors: Output | None,
            c: Conductor | None = None) -> None:
     if args.format == "openai":
-        from conductor.jobs.openai_output import write_openai
+        from conductor.formats.openai_output import write_openai
         answered: set[str] = set()
         write_openai(_noting(records, answered), out, errors)
         if c is not None:  # lines no result holds: refused at validation, never submitted (conductor verify-job)

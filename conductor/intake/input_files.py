@@ -25,7 +25,7 @@ import msgspec
 import xxhash
 
 from conductor.errors import BadInput, ConductorError
-from conductor.intake.formats import (
+from conductor.formats.lines import (
     _NATIVE_FIELDS,
     Facts,
     MaxTokensDefault,

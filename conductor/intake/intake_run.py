@@ -25,6 +25,7 @@ import redis
 
 from conductor.client import Conductor
 from conductor.errors import BadInput, ConductorError, NoSuchModel, QueueFull, RedisUnavailable
+from conductor.formats.lines import CHAT_URL, Facts
 from conductor.intake import intake_task as T
 from conductor.intake.file_intake import (
     SEND_CHUNK,
@@ -36,7 +37,6 @@ from conductor.intake.file_intake import (
     send_chunk,
     shifted,
 )
-from conductor.intake.formats import CHAT_URL, Facts
 from conductor.intake.input_files import FileScan, LineCheck
 from conductor.jobs import job_state
 from conductor.redis_contract import keys as K

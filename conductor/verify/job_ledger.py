@@ -26,9 +26,9 @@ from typing import Any
 import msgspec
 
 from conductor.client import Conductor
+from conductor.formats.openai_output import output_line
 from conductor.intake.input_files import is_parquet, iter_lines
 from conductor.jobs import job_state
-from conductor.jobs.openai_output import output_line
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.connection import as_str
 from conductor.redis_contract.packed_ids import job_segments, stored_sums

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from conductor.intake.formats import estimate_tokens, request_options
+from conductor.formats.lines import estimate_tokens, request_options
 from conductor.redis_contract.records import Batch, BatchItem, Contract
 
 from .base import ContractHolder, Finished, too_long

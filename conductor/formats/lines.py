@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import msgspec
 
 from conductor.errors import BadInput
-from conductor.intake.signature import shape_signature
+from conductor.formats.signature import shape_signature
 from conductor.redis_contract.keys import check_name
 from conductor.redis_contract.records import PreparedItem
 

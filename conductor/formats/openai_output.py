@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from conductor.intake.formats import COMPLETIONS_URL
+from conductor.formats.lines import COMPLETIONS_URL
 
 _dec = msgspec.json.Decoder()
 _enc = msgspec.json.Encoder()
