@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import command_line, machine, median, now_utc, pct, table, write_section  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
-from conductor.formats.lines import from_native  # noqa: E402
+from conductor.formats.native import from_native  # noqa: E402
 from conductor.redis_contract.records import Contract  # noqa: E402
 from tests.helpers import results_for  # noqa: E402
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import command_line, machine, now_utc, table, write_section  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
-from conductor.formats.lines import from_native  # noqa: E402
+from conductor.formats.native import from_native  # noqa: E402
 
 QUICK = {"quiet_ms": 50, "release_batches": 0, "activate_batches": 0}
 MODEL = "m"

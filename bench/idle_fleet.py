@@ -26,7 +26,7 @@ from bench.common import command_line, machine, median, now_utc, pct, table, wri
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.client.request import RequestClient  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
-from conductor.formats.lines import from_native  # noqa: E402
+from conductor.formats.native import from_native  # noqa: E402
 from conductor.workers.engines.sim import SimEngine  # noqa: E402
 from conductor.workers.worker import Worker, WorkerOptions  # noqa: E402
 

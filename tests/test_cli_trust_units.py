@@ -10,7 +10,8 @@ import pytest
 
 from conductor.cli.progress import Rate
 from conductor.errors import BadInput
-from conductor.formats.lines import parse_line, request_options
+from conductor.formats.lines import parse_line
+from conductor.formats.openai_options import request_options
 from conductor.redis_contract.records import Batch, BatchItem
 from conductor.workers.engines.sim import SimEngine
 

@@ -7,7 +7,8 @@ import pytest
 
 from conductor.client import connect
 from conductor.errors import BadInput
-from conductor.formats.lines import DEFAULT_MAX_TOKENS, parse_line
+from conductor.formats.lines import parse_line
+from conductor.formats.openai_input import DEFAULT_MAX_TOKENS
 from conductor.redis_contract.keys import ModelKeys
 from tests.conftest import cli
 

@@ -9,7 +9,11 @@ import json
 import pytest
 
 from conductor.errors import BadInput
-from conductor.formats import lines as F
+from conductor.formats.checks import MAX_PAYLOAD_BYTES
+from conductor.formats.lines import facts_of, line_facts, parse_line
+from conductor.formats.native import from_native, native_facts, native_fast
+from conductor.formats.openai_input import MaxTokensDefault, chat_facts, from_openai, openai_fast
+from conductor.redis_contract.records import PreparedItem
 
 CHAT = "/v1/chat/completions"
 
@@ -47,15 +51,15 @@ REFUSED = [
 ]
 
 
-def slow(obj: dict, default: F.MaxTokensDefault | None) -> F.PreparedItem:
-    return F.from_openai(obj, None, default) if "custom_id" in obj else F.from_native(obj, None)
+def slow(obj: dict, default: MaxTokensDefault | None) -> PreparedItem:
+    return from_openai(obj, None, default) if "custom_id" in obj else from_native(obj, None)
 
 
 @pytest.mark.parametrize("obj", LINES)
 def test_a_fast_item_is_the_slow_one(obj):
     def default(model: str) -> int:
         return 77
-    assert F.parse_line(json.dumps(obj), 1, default) == slow(obj, default)
+    assert parse_line(json.dumps(obj), 1, default) == slow(obj, default)
 
 
 @pytest.mark.parametrize("obj", REFUSED)
@@ -63,14 +67,14 @@ def test_a_line_the_slow_way_refuses_is_refused(obj):
     with pytest.raises(BadInput) as slow_error:
         slow(obj, None)
     with pytest.raises(BadInput) as fast_error:
-        F.parse_line(json.dumps(obj), 3)
+        parse_line(json.dumps(obj), 3)
     assert (fast_error.value.field, fast_error.value.line) == (slow_error.value.field, 3)
 
 
 def test_the_fast_paths_take_the_common_forms():
-    assert F._native_fast(json.dumps(NATIVE).encode()) is not None
-    assert F._openai_fast(json.dumps(chat()).encode(), None) is not None
-    assert F._openai_fast(json.dumps(chat(temperature=0.5)).encode(), None) is None
+    assert native_fast(json.dumps(NATIVE).encode()) is not None
+    assert openai_fast(json.dumps(chat()).encode(), None) is not None
+    assert openai_fast(json.dumps(chat(temperature=0.5)).encode(), None) is None
 
 
 def test_line_facts_are_the_built_items_facts():
@@ -82,26 +86,26 @@ def test_line_facts_are_the_built_items_facts():
         asked.append(model)
         return 77
     lines = [*LINES, {**NATIVE, "payload": {"custom_id": "a", "url": "/v1/completions"}},
-             {**NATIVE, "payload": {"custom_id": "other"}}, {**NATIVE, "payload": "x" * (F.MAX_PAYLOAD_BYTES + 2)},
+             {**NATIVE, "payload": {"custom_id": "other"}}, {**NATIVE, "payload": "x" * (MAX_PAYLOAD_BYTES + 2)},
              {**NATIVE, "prompt": "é" * 9, "input_tokens": None}, chat(messages=[{"role": "user", "content": "ü" * 7}])]
     for obj in lines:
         raw = json.dumps(obj, ensure_ascii=False).encode()
         asked.clear()
-        facts = F.line_facts(raw, 1, default)
+        facts = line_facts(raw, 1, default)
         light_asked = list(asked)
         asked.clear()
-        it = F.parse_line(raw, 1, default)
-        assert facts == F.facts_of(it), obj
+        it = parse_line(raw, 1, default)
+        assert facts == facts_of(it), obj
         assert light_asked == asked, obj  # the model defaults asked the same (a task records them)
-    for obj in [*REFUSED, {**NATIVE, "payload": "x" * (F.MAX_PAYLOAD_BYTES + 3)}]:
+    for obj in [*REFUSED, {**NATIVE, "payload": "x" * (MAX_PAYLOAD_BYTES + 3)}]:
         with pytest.raises(BadInput) as light_error:
-            F.line_facts(json.dumps(obj).encode(), 3)
+            line_facts(json.dumps(obj).encode(), 3)
         with pytest.raises(BadInput) as full_error:
-            F.parse_line(json.dumps(obj).encode(), 3)
+            parse_line(json.dumps(obj).encode(), 3)
         assert (light_error.value.field, str(light_error.value)) == (full_error.value.field, str(full_error.value))
 
 
 def test_the_light_paths_take_the_common_forms():
-    assert F._native_facts(json.dumps(NATIVE).encode()) is not None
-    assert F._chat_facts(json.dumps(chat()).encode(), None) is not None
-    assert F._chat_facts(json.dumps(chat(temperature=0.5)).encode(), None) is None
+    assert native_facts(json.dumps(NATIVE).encode()) is not None
+    assert chat_facts(json.dumps(chat()).encode(), None) is not None
+    assert chat_facts(json.dumps(chat(temperature=0.5)).encode(), None) is None

@@ -26,7 +26,7 @@ from conductor.api.errors import ApiError, page
 from conductor.api.upload_store import ERROR_PREFIX, OUTPUT_PREFIX, FileStore
 from conductor.client import Conductor
 from conductor.errors import BadInput
-from conductor.formats.lines import CHAT_URL, ENDPOINTS
+from conductor.formats.openai_input import CHAT_URL, ENDPOINTS
 from conductor.formats.openai_output import converted
 from conductor.intake.intake_run import run as run_task
 from conductor.intake.intake_task import Task

@@ -33,7 +33,7 @@ import redis.asyncio as aioredis
 from conductor.client import Conductor
 from conductor.client.permits import Permits
 from conductor.errors import BadInput, ClientClosed, QueueFull, RequestTimeout, UnknownModel
-from conductor.formats.lines import from_native
+from conductor.formats.native import from_native
 from conductor.observability.fleet import live_workers
 from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls

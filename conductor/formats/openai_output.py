@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from conductor.formats.lines import COMPLETIONS_URL
+from conductor.formats.openai_input import COMPLETIONS_URL
 
 _dec = msgspec.json.Decoder()
 _enc = msgspec.json.Encoder()

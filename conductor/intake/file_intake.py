@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from conductor.client import Conductor
 from conductor.client.submit_stream import SubmitReport
 from conductor.errors import ConductorError, DuplicateId, NoSuchModel, did_you_mean
-from conductor.formats.lines import Facts, MaxTokensDefault
+from conductor.formats.items import Facts
+from conductor.formats.openai_input import MaxTokensDefault
 from conductor.intake.input_files import FileScan, LineCheck, Writer, scan
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.records import JobClass, PreparedItem

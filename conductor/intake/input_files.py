@@ -25,16 +25,10 @@ import msgspec
 import xxhash
 
 from conductor.errors import BadInput, ConductorError
-from conductor.formats.lines import (
-    _NATIVE_FIELDS,
-    Facts,
-    MaxTokensDefault,
-    facts_of,
-    from_native,
-    from_openai,
-    line_facts,
-    parse_line,
-)
+from conductor.formats.items import Facts
+from conductor.formats.lines import facts_of, line_facts, parse_line
+from conductor.formats.native import NATIVE_FIELDS, from_native
+from conductor.formats.openai_input import MaxTokensDefault, from_openai
 from conductor.redis_contract.records import PreparedItem
 
 PARQUET_MAGIC = b"PAR1"
@@ -131,7 +125,7 @@ def _iter_parquet(path: str, default_max_tokens: MaxTokensDefault | None,
         raise BadInput("file", f"not a readable Parquet file ({e})") from None
     cols = set(pf.schema_arrow.names)
     openai = "custom_id" in cols
-    allowed = _OPENAI_COLUMNS if openai else _NATIVE_FIELDS
+    allowed = _OPENAI_COLUMNS if openai else NATIVE_FIELDS
     unknown = sorted(cols - allowed)
     if unknown:
         raise BadInput(unknown[0], "unknown column (Parquet columns: " + ", ".join(sorted(allowed)) + ")")

@@ -25,7 +25,8 @@ import redis
 
 from conductor.client import Conductor
 from conductor.errors import BadInput, ConductorError, NoSuchModel, QueueFull, RedisUnavailable
-from conductor.formats.lines import CHAT_URL, Facts
+from conductor.formats.items import Facts
+from conductor.formats.openai_input import CHAT_URL
 from conductor.intake import intake_task as T
 from conductor.intake.file_intake import (
     SEND_CHUNK,

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from conductor.formats.lines import CHAT_URL, COMPLETIONS_URL, request_options
+from conductor.formats.openai_input import CHAT_URL, COMPLETIONS_URL
+from conductor.formats.openai_options import request_options
 from conductor.redis_contract.records import Batch, BatchItem
 
 # The request options an engine passes on as sampling parameters (response_format of type text asks

@@ -40,7 +40,8 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from conductor.formats.lines import estimate_tokens, request_options
+from conductor.formats.items import estimate_tokens
+from conductor.formats.openai_options import request_options
 from conductor.redis_contract.records import Batch, BatchItem, Contract
 
 from .base import ContractHolder, Finished, too_long

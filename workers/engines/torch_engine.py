@@ -41,7 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from conductor.formats.lines import request_options
+from conductor.formats.openai_options import request_options
 from conductor.redis_contract.records import Batch, BatchItem, Contract, ResultError
 
 from .base import ContractHolder, EngineConfigError, EngineUnavailable, Finished, too_long

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from conductor.formats.lines import request_options
+from conductor.formats.openai_options import request_options
 from conductor.redis_contract.records import Batch, BatchItem, Contract, ResultError
 
 from .base import ContractHolder, EngineConfigError, EngineUnavailable, Finished, too_long
