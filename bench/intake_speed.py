@@ -53,8 +53,8 @@ from bench.submit_claim import run_xadd  # noqa: E402
 from bench.workload import make_items  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
+from conductor.formats.file_lines import iter_lines  # noqa: E402
 from conductor.formats.openai_input import CHAT_URL  # noqa: E402
-from conductor.intake.input_files import iter_lines  # noqa: E402
 from conductor.intake.intake_run import run as run_task  # noqa: E402
 from conductor.intake.intake_task import Task, create  # noqa: E402
 from conductor.jobs import job_state  # noqa: E402

@@ -25,7 +25,7 @@ import redis
 
 from conductor.client import Conductor
 from conductor.errors import BadInput, ConductorError
-from conductor.intake.input_files import is_parquet, iter_lines
+from conductor.formats.file_lines import is_parquet, iter_lines
 from conductor.jobs import job_state
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.connection import as_str

@@ -26,8 +26,8 @@ from typing import Any
 import msgspec
 
 from conductor.client import Conductor
+from conductor.formats.file_lines import is_parquet, iter_lines
 from conductor.formats.openai_output import output_line
-from conductor.intake.input_files import is_parquet, iter_lines
 from conductor.jobs import job_state
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.connection import as_str
