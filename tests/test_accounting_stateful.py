@@ -34,7 +34,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from conductor.client import Conductor, connect
 from conductor.errors import ConductorError
-from conductor.jobs import job_state, retry
+from conductor.intake import retry
+from conductor.jobs import job_state
 from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.records import Batch, Contract, PreparedItem

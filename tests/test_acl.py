@@ -336,7 +336,7 @@ def test_a_producer_retry_of_dead_lettered_lines_is_refused_before_anything_is_w
     answers them twice): a producer's user may not remove them, so its retry is refused, naming
     what to do, with no new job made."""
     from conductor.errors import ConductorError
-    from conductor.jobs import retry
+    from conductor.intake import retry
     admin = Conductor.from_url(urls["admin"])
     quick(admin, max_deliveries=1)
     prod = Conductor.from_url(urls["producer"])

@@ -17,7 +17,7 @@ from openai import OpenAI
 
 from conductor.client import Conductor, connect
 from conductor.embedded import EmbeddedRedis
-from conductor.verify import job_ledger
+from conductor.jobs import job_ledger
 from tests.conftest import ROOT
 from tests.helpers import wait_for
 from tests.test_answer_ledger import KEY, start_serve

@@ -25,10 +25,9 @@ from conductor.client import Conductor, connect
 from conductor.embedded import EmbeddedRedis, free_port
 from conductor.intake.file_intake import prepare_job
 from conductor.intake.input_files import scan
-from conductor.jobs import job_state
+from conductor.jobs import job_ledger, job_state
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.config import ModelDefaults
-from conductor.verify import job_ledger
 from tests.conftest import ROOT, cli
 from tests.helpers import contract, quick, results_for, wait_for
 from tests.test_serve import jsonl, request

@@ -98,7 +98,7 @@ def test_compact_ids_packs_only_answered_ids_with_a_plain_sum(cdr):
 def test_the_job_ledger_of_a_packed_job_names_every_answer_once(cdr):
     """conductor verify-job from the id registry (no kept input): ids packed out of it are still
     the job's lines, each answered once."""
-    from conductor.verify.job_ledger import build
+    from conductor.jobs.job_ledger import build
     quick(cdr)
     cdr.submit(_items(500), "j")
     drain(cdr, C)

@@ -168,7 +168,7 @@ def test_a_line_retried_into_a_new_job_leaves_the_old_jobs_dead_letter(cdr, tmp_
     """conductor retry takes a job's dead-lettered lines into a new job and their dead letters with
     them: a later dead-letter retry cannot answer them again in the old job (found by the stateful
     accounting test: retry, then dead-letter retry, gave a line an ok answer in both jobs)."""
-    from conductor.jobs import retry
+    from conductor.intake import retry
     quick(cdr, max_deliveries=1)
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"id": str(i), "model": "m", "prefix": ["sys"], "prompt": "p",

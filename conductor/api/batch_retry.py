@@ -20,7 +20,7 @@ from conductor.api.errors import ApiError
 from conductor.api.upload_store import FileStore
 from conductor.client import Conductor
 from conductor.errors import BadInput, ConductorError
-from conductor.jobs import retry
+from conductor.intake import retry
 from conductor.jobs.job_state import describe
 
 

@@ -31,11 +31,10 @@ from conductor.formats.openai_output import converted
 from conductor.intake.intake_run import run as run_task
 from conductor.intake.intake_task import Task
 from conductor.intake.intake_task import create as create_task
-from conductor.jobs import job_state
+from conductor.jobs import job_ledger, job_state
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.connection import as_str
 from conductor.redis_contract.records import JobClass
-from conductor.verify import job_ledger
 
 log = logging.getLogger(__name__)
 _enc = msgspec.json.Encoder()

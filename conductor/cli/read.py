@@ -85,7 +85,7 @@ def _write(records: Iterator[bytes], args: argparse.Namespace, out: Output, erro
         answered: set[str] = set()
         write_openai(_noting(records, answered), out, errors)
         if c is not None:  # lines no result holds: refused at validation, never submitted (conductor verify-job)
-            from conductor.verify.job_ledger import derived_lines, kept_input
+            from conductor.jobs.job_ledger import derived_lines, kept_input
             path = kept_input(c, args.job)
             for line in derived_lines(c, args.job, path, answered) if path else ():
                 (errors or out).write(json.dumps(line).encode() + b"\n")
@@ -98,7 +98,7 @@ def _write(records: Iterator[bytes], args: argparse.Namespace, out: Output, erro
 
 def _noting(records: Iterator[bytes], answered: set[str]) -> Iterator[bytes]:
     """The records as they come, each one's item id noted in ``answered``."""
-    from conductor.verify.job_ledger import answers
+    from conductor.jobs.job_ledger import answers
     for rec in records:
         answered.update(answers([rec]))
         yield rec

@@ -64,7 +64,7 @@ def kept_input(c: Conductor, job: str, args: argparse.Namespace) -> str | None:
         root = Path(args.data_dir) if args.data_dir else default_dir()
         path = FileStore(c.r, root).path(file_id) if root.is_dir() else None  # (a FileStore makes its root)
         return str(path) if path is not None and path.exists() else None
-    from conductor.verify.job_ledger import kept_input as recorded
+    from conductor.jobs.job_ledger import kept_input as recorded
     path_s = recorded(c, job)
     return path_s if path_s and os.path.isfile(path_s) else None
 
@@ -76,7 +76,7 @@ def _known(c: Conductor, job: str) -> None:
 
 def cmd_verify_job(args: argparse.Namespace) -> int:
     from conductor.cli.connect import conductor_from
-    from conductor.verify.job_ledger import build
+    from conductor.jobs.job_ledger import build
     c = conductor_from(args)
     _known(c, args.job)
     led = build(c, args.job, kept_input(c, args.job, args))
@@ -86,7 +86,7 @@ def cmd_verify_job(args: argparse.Namespace) -> int:
 
 def cmd_retry(args: argparse.Namespace) -> int:
     from conductor.cli.connect import conductor_from
-    from conductor.jobs import retry
+    from conductor.intake import retry
     try:
         only = retry.parse_only(args.only)
     except BadInput as e:
@@ -123,9 +123,9 @@ def verify_jobs_in_flight(c: Conductor, models: list[str]) -> int:
     """``inspect --verify``: the ledger of each job in flight on ``models`` (the newest
     INSPECT_JOBS jobs), one paragraph each; 1 when one has a line answered twice or an answer to no
     input line (a line with no answer yet is pending, not a finding, while the job runs)."""
+    from conductor.jobs.job_ledger import build
     from conductor.jobs.job_list import list_jobs
     from conductor.jobs.job_state import TERMINAL
-    from conductor.verify.job_ledger import build
     status = 0
     no_input = argparse.Namespace(input=None, data_dir=None)
     for row in list_jobs(c, INSPECT_JOBS):

@@ -26,11 +26,10 @@ import redis
 from conductor.client import Conductor
 from conductor.errors import BadInput, ConductorError
 from conductor.formats.file_lines import is_parquet, iter_lines
-from conductor.jobs import job_state
+from conductor.jobs import job_ledger, job_state
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.connection import as_str
 from conductor.redis_contract.records import JobClass
-from conductor.verify import job_ledger
 
 KINDS = ("cancelled", "expired", "failed")
 # Error codes of lines that would fail the same way again: the engines' input_too_long
