@@ -5,7 +5,7 @@
 --   <field>: ... at item <i>' reply and nothing is written.
 --@include lib.lua
 
--- Mirrors conductor/formats.py: the edge refuses first; the script refuses what other clients send.
+-- Mirrors conductor/formats/checks.py: the edge refuses first; the script refuses what other clients send.
 local MAX_TOKENS = 16777216
 local MAX_OUTPUT = 1048576
 local MAX_RECORD = 8388608 + 8192  -- a body of 8 MiB, and an id and job escaped at worst
@@ -62,7 +62,7 @@ local function check_items(argv, n, job)
       return nil, redis.error_reply('ERR_ARG prompt: must be a string at item ' .. i)
     end
     if prefix ~= '' then
-      -- As conductor/formats.py: a list of at most 256 strings (workers pass it to the engine as is).
+      -- As conductor/formats/native.py: a list of at most 256 strings (workers pass it to the engine as is).
       ok, d = pcall(cjson_decode, prefix)
       local good = ok and type(d) == 'table' and string.find(prefix, '^%s*%[') ~= nil
       if good then

@@ -5,7 +5,7 @@ The machine drives submit (several shapes, lengths and jobs, resubmitted ids), a
 intake killed after a few chunks and resumed by another process (issue 25), claim (several
 contracts and consumers), complete (partial, final, twice, and late after a reclaim), fail,
 worker death (heartbeat gone, then reclaim), lease loss (an idle sweep of live consumers), a
-dead-letter retry, cancel, a retry of a cancelled job from its kept input (conductor/jobs/retry.py),
+dead-letter retry, cancel, a retry of a cancelled job from its kept input (conductor/intake/retry.py),
 and time passing (small quiet/lane/hygiene/aging thresholds, so the lifecycle moves: cleanup,
 draining, finishing, lane retirement, pre-warm, aging preemption). After each step:
 

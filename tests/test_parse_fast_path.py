@@ -78,7 +78,7 @@ def test_the_fast_paths_take_the_common_forms():
 
 
 def test_line_facts_are_the_built_items_facts():
-    """The check pass's light path (formats.line_facts) accepts a line exactly when parse_line does,
+    """The check pass's light path (conductor.formats.lines.line_facts) accepts a line exactly when parse_line does,
     with the id, model, input tokens and endpoint of the item parse_line builds."""
     asked: list[str] = []
 

@@ -265,7 +265,7 @@ def _everything(r) -> dict:
                                     b'{}', b'[', b'[true]', b""])
 def test_submit_refuses_a_prefix_the_edge_refuses(cdr, prefix):
     """Issue 13: a prefix that is no list of at most 256 strings (or none, for a new signature)
-    broke every worker's admit with AttributeError; submit.lua refuses it as formats.py does."""
+    broke every worker's admit with AttributeError; submit.lua refuses it as conductor/formats/native.py does."""
     mk = K.ModelKeys("m")
     cdr.ensure_model("m")
     before = _everything(cdr.r)

@@ -1,5 +1,5 @@
 """``POST /v1/batches/{id}/retry`` (an extension of OpenAI's Batch API): a batch's cancelled,
-expired and failed lines as a new batch, taken from its uploaded input file (conductor/jobs/retry.py
+expired and failed lines as a new batch, taken from its uploaded input file (conductor/intake/retry.py
 chooses them against its answers). The lines go into a new uploaded file (its own ``input_file_id``,
 so the new batch has a ledger of its own) and the batch is created as any other
 (conductor/api/batches.py), with the old batch's completion window and metadata, and

@@ -109,7 +109,7 @@ def cancel(c: Conductor, batch_id: str, store: FileStore | None = None) -> dict[
     if status in job_state.TERMINAL and status != "cancelled":
         raise ApiError(409, f"Cannot cancel a batch with status {status}.", "batch_id")
     # validating too: what was sent is answered now, the submitting thread (if any) sees the end and
-    # stops, and the lines never sent are answered by the end (conductor/verify/job_ledger.py)
+    # stops, and the lines never sent are answered by the end (conductor/jobs/job_ledger.py)
     job_state.cancel(c, batch_id)
     return batch_object(c, batch_id, store)
 

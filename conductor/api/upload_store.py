@@ -6,7 +6,7 @@ the queue's ``maxmemory`` refusals would then refuse uploads too. The directory 
 every replica of ``serve`` behind one load balancer (a network file system, a shared volume):
 the replicas keep nothing of their own, the file objects live in Redis (``cdr:file:F``,
 ``cdr:files``). Output and error files are not stored at all: they are the job's results in
-OpenAI's format (conductor/jobs/openai_output.py), written out while they are downloaded.
+OpenAI's format (conductor/formats/openai_output.py), written out while they are downloaded.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""``conductor verify-job`` (the job ledger, conductor/verify/job_ledger.py) and ``conductor retry``
-(conductor/jobs/retry.py): every input line of a job against its answers, and the lines that want
+"""``conductor verify-job`` (the job ledger, conductor/jobs/job_ledger.py) and ``conductor retry``
+(conductor/intake/retry.py): every input line of a job against its answers, and the lines that want
 another run as a new job. Kept apart from cli/main.py, which only calls in."""
 
 from __future__ import annotations

@@ -65,7 +65,7 @@ def iter_lines(path: str, default_max_tokens: MaxTokensDefault | None = None, *,
                after: int = 0) -> Iterator[tuple[int, PreparedItem | BadInput, bytes]]:
     """Every non-blank line (or row) of the file: its number, its item or why it is refused, and
     its raw text (for --rejects). ``default_max_tokens(model)``: the output cap of an OpenAI line
-    without one (formats.parse_line). ``parquet`` False reads a file as JSON lines whatever its
+    without one (lines.parse_line). ``parquet`` False reads a file as JSON lines whatever its
     first bytes (the Batch API takes JSONL, as OpenAI's does). ``after``: lines up to that number
     are skipped unread (JSONL; a Parquet file's rows are read and dropped)."""
     if parquet and is_parquet(path):

@@ -3,7 +3,7 @@ output and error files of ``conductor serve``).
 
 One line per result: ``{"id", "custom_id", "response": {"status_code", "request_id", "body"},
 "error"}``. A result without an error has status 200 and a ``chat.completion`` body (a
-``text_completion`` one for a ``/v1/completions`` line, whose payload says so: formats.py) with
+``text_completion`` one for a ``/v1/completions`` line, whose payload says so: openai_input.py) with
 ``usage``; a failed one has ``response: null`` and ``error: {"code", "message"}``, and goes to the
 error file, as OpenAI splits them. Ids are derived from the job and item, so reading a job's
 results twice writes the same bytes.

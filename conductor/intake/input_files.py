@@ -53,7 +53,7 @@ class FileScan:
     tokens: int = 0
     refused: set[int] = field(default_factory=set)
     refusals: list[BadInput] = field(default_factory=list)  # the first few, to show (each names line and field)
-    # the output cap of an OpenAI line without one, the same in every pass (formats.parse_line)
+    # the output cap of an OpenAI line without one, the same in every pass (conductor.formats.lines.parse_line)
     default_max_tokens: MaxTokensDefault | None = None
     parquet: bool = True  # read the same way in every pass (iter_lines)
     # The first valid items as the check built them (scan's keep_items, keep_bytes of their lines):

@@ -3,7 +3,7 @@
 
 The lines are taken from the input the job was made from (a batch's uploaded file, the file a CLI
 submit recorded, or one named with ``--input``), chosen against the job's answers by the job ledger
-(conductor/verify/job_ledger.py): nothing is rebuilt by hand, and a line is retried as it was written.
+(conductor/jobs/job_ledger.py): nothing is rebuilt by hand, and a line is retried as it was written.
 Only a job that has ended is retried (a line still pending might yet be answered: it would then be
 answered twice over the two jobs). A line failed for a permanent reason (its input is too long for
 the model, the intake refused it) would fail again: it is reported and left out unless asked for.

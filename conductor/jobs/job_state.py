@@ -18,7 +18,7 @@ batches finish and keep their results, then the answered items leave the lanes (
 'done' per lane, lua/repair.lua per shape instance). The job ends ``cancelled`` (``expired``) once
 nothing is pending, with completed + failed = total. Cancel and expiry act on a job in any state
 that has not ended, ``validating`` included (a batch whose intake died): lines its intake never
-submitted are answered by the end itself, derived from the kept input (conductor/verify/job_ledger.py).
+submitted are answered by the end itself, derived from the kept input (conductor/jobs/job_ledger.py).
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def status_of(meta_status: str | None, ending: str | None, submitted: int, pendi
     if ending in ("cancelled", "expired") and pending <= 0:
         # Ended early with nothing left in Redis: lines never submitted (an intake stopped by the
         # end, or a serve that died while validating: ``lost``, or nothing sent at all) are answered
-        # by the end itself, derived from the input (conductor/verify/job_ledger.py).
+        # by the end itself, derived from the input (conductor/jobs/job_ledger.py).
         return "cancelled" if "cancelled" in ends or ending == "cancelled" else ending
     if submitted > 0 and pending <= 0 and lost <= 0:
         for how in ("cancelled", "expired"):
@@ -181,7 +181,7 @@ def line_counts(meta: dict[str, str], status: str, st: dict[str, Any]) -> dict[s
     """How the job's input lines were answered, where its input is known (a CLI submit's or a batch's
     file: the intake recorded ``input_lines`` and ``refused_lines``); None otherwise (a library
     submit, a job made from several files: its counts are items). The same figures as the job's
-    ledger (conductor/verify/job_ledger.py) from counters alone: ``input`` lines; ``completed``,
+    ledger (conductor/jobs/job_ledger.py) from counters alone: ``input`` lines; ``completed``,
     ``failed`` (an error of the engine or the dead letter), ``cancelled``, ``expired`` (by the end,
     lines never submitted included), ``refused`` (at validation) the lines the intake refused, and
     ``pending``, lines with no answer yet (not yet submitted ones included). ``st``: the job's counters

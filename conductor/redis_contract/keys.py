@@ -21,7 +21,7 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
                                              input_path (the file a CLI submit read) and input_lines
                                              (its line count: the intake records it with refused_lines,
                                              the lines it refused) for the job ledger
-                                             (conductor/verify/job_ledger.py) and conductor status
+                                             (conductor/jobs/job_ledger.py) and conductor status
     cdr:jobs:deadlines              zset     job -> expires_at (s), jobs with a completion window
     cdr:tenants                     hash     tenant -> weight (`conductor tenant`), copied to each model's M:tenants
     cdr:lease:expiry                string   who ends the jobs past their window now (TTL): a maintenance

@@ -13,7 +13,7 @@ from conductor.redis_contract.keys import check_name
 
 
 class PreparedItem(msgspec.Struct, frozen=True):
-    """A validated item, ready for submit.lua (conductor/intake/formats.py makes them from input lines;
+    """A validated item, ready for submit.lua (conductor/formats/lines.py makes them from input lines;
     conductor/redis_contract/item_record.py builds its record)."""
 
     id: str

@@ -1,6 +1,6 @@
 """What a real engine is asked for one item: a chat or a completion, and its sampling options.
 
-The item carries its prompt split for the broker (conductor/intake/formats.py): an OpenAI chat line
+The item carries its prompt split for the broker (conductor/formats/openai_input.py): an OpenAI chat line
 keeps every message but the last as a prefix component ``"role: content"`` and the last message's
 content as the prompt; a completion line (payload ``url`` /v1/completions) and a native line keep
 plain text. Engines that speak OpenAI's request shape (vLLM in process, any OpenAI-compatible
@@ -19,7 +19,7 @@ from conductor.formats.openai_options import request_options
 from conductor.redis_contract.records import Batch, BatchItem
 
 # The request options an engine passes on as sampling parameters (response_format of type text asks
-# for nothing: formats.py refuses every other kind).
+# for nothing: conductor/formats/openai_options.py refuses every other kind).
 SAMPLING_OPTIONS = ("temperature", "top_p", "seed", "stop")
 
 

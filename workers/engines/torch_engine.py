@@ -22,7 +22,7 @@ How a batch runs:
   more are cut off the front. Caches whose layers are not plain key/value tensors (sliding
   windows, hybrid models) are not merged: such batches decode as separate cohorts.
 * Greedy decoding: the same prompt gives the same output, in any batch. A request's options
-  (conductor/intake/formats.py ``request_options``) are honoured per row: ``temperature`` above 0
+  (conductor/formats/openai_options.py ``request_options``) are honoured per row: ``temperature`` above 0
   samples (with ``top_p``, nucleus sampling; ``top_p`` alone samples at temperature 1), from a
   generator of the row's own seeded with ``seed`` (or with the item id), so a row samples the same
   tokens in any batch; ``stop`` ends the row before the first stop string its text contains;

@@ -8,7 +8,7 @@ requests that finished, waiting a few milliseconds when none has.
 
 * ``SamplingParams(max_tokens=...)`` is always set from the item: its default is 32 tokens,
   which would silently cut every longer answer. A request's options (``temperature``, ``top_p``,
-  ``seed``, ``stop``: conductor/intake/formats.py ``request_options``) go into it as given.
+  ``seed``, ``stop``: conductor/formats/openai_options.py ``request_options``) go into it as given.
 * ``KvCacheConfig(enable_block_reuse=True)``: KV blocks of a prompt prefix already seen are
   reused, which is where a batch of one shape saves its shared prefix.
 * The prompt is built as in the torch engine: ``"\\n".join(prefix) + "\\n" + prompt``.
