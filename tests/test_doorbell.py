@@ -10,7 +10,7 @@ import time
 import pytest
 
 from conductor.client import Conductor, connect
-from conductor.observability.fleet import live_workers
+from conductor.client.fleet import live_workers
 from tests.conftest import ROOT, item
 from tests.helpers import MK, quick
 

@@ -33,8 +33,8 @@ def known_job(c: Conductor, job: str) -> list[str]:
 
 
 def cmd_results(args: argparse.Namespace) -> int:
+    from conductor.cli.no_worker_hint import NoWorkerHint
     from conductor.client.rewind import REWIND_WINDOW, Rewind
-    from conductor.observability.fleet import NoWorkerHint
     c = conductor_from(args)
     models = known_job(c, args.job)
     hint = NoWorkerHint(c.r, models) if args.follow else None
@@ -136,8 +136,8 @@ def _with_lines(c: Conductor, job: str, st: dict[str, Any]) -> dict[str, Any]:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    from conductor.cli.no_worker_hint import NoWorkerHint
     from conductor.cli.progress import ProgressLine, Rate, fmt_eta
-    from conductor.observability.fleet import NoWorkerHint
     c = conductor_from(args)
     models = known_job(c, args.job)
     st = c.status(args.job, models)

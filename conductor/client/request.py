@@ -31,10 +31,10 @@ import redis
 import redis.asyncio as aioredis
 
 from conductor.client import Conductor
+from conductor.client.fleet import live_workers
 from conductor.client.permits import Permits
 from conductor.errors import BadInput, ClientClosed, QueueFull, RequestTimeout, UnknownModel
 from conductor.formats.native import from_native
-from conductor.observability.fleet import live_workers
 from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.connection import connect

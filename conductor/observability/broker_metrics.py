@@ -78,8 +78,8 @@ class ModelStateCollector(Collector):
         yield from families
 
     def _families(self, c: Conductor) -> list[Metric]:
+        from conductor.client.fleet import live_workers
         from conductor.jobs.job_list import list_jobs
-        from conductor.observability.fleet import live_workers
         from conductor.observability.model_view import model_overview
 
         def gauge(name: str, doc: str, labels: list[str] = M) -> GaugeMetricFamily:

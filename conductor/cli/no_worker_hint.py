@@ -1,5 +1,5 @@
-"""Which workers are alive, per model: registered in ``M:workers`` with a heartbeat key that has
-not expired. Read by the follow/watch hint and the exporter's workers-alive gauge."""
+"""The hint a follow or a watch gives when nothing serves one of a job's models (``conductor
+results --follow``, ``conductor status --watch``): it would otherwise wait in silence."""
 
 from __future__ import annotations
 
@@ -10,18 +10,7 @@ from typing import IO
 
 import redis
 
-from conductor.redis_contract import keys as K
-
-
-def live_workers(r: redis.Redis, model: str) -> list[str]:
-    mk = K.ModelKeys(model)
-    names = sorted(n.decode() if isinstance(n, bytes) else n for n in r.hkeys(mk.workers))
-    if not names:
-        return []
-    pipe = r.pipeline(transaction=False)
-    for n in names:
-        pipe.exists(mk.heartbeat(n))
-    return [n for n, alive in zip(names, pipe.execute(), strict=True) if alive]
+from conductor.client.fleet import live_workers
 
 
 class NoWorkerHint:
