@@ -30,10 +30,12 @@ from conductor.cli.args import (
     positive_float,
     positive_int,
 )
+from conductor.cli.cancel import add_commands as add_cancel_commands
 from conductor.cli.connect import DEFAULT_URL
 from conductor.cli.read import cmd_exporter, cmd_inspect, cmd_jobs, cmd_results, cmd_status
 from conductor.cli.run import Interrupted, cmd_run
-from conductor.cli.submit import add_class_flags, cmd_submit
+from conductor.cli.serve import add_commands as add_serve_commands
+from conductor.cli.submit import add_class_flags, add_submit_flags, cmd_submit
 from conductor.cli.workers import cmd_agent, cmd_worker, consumer_flags, engine_flags
 from conductor.errors import ConductorError
 
@@ -87,7 +89,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--create", action="store_true",
                    help="submit to models Redis does not know yet (workers not started yet); without it a line "
                         "naming an unknown model (a typo) is refused, with a did-you-mean")
-    from conductor.cli.batch_api import add_commands, add_submit_flags
     add_submit_flags(s)
     add_class_flags(s)
 
@@ -119,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="on SIGTERM: seconds for the GPU processes to finish before their batches are handed back")
     consumer_flags(ag, "this agent's")
 
-    add_commands(command)
+    add_cancel_commands(command)
+    add_serve_commands(command)
     from conductor.cli.retry import add_commands as add_ledger_commands
     add_ledger_commands(command)
 

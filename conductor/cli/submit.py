@@ -15,7 +15,8 @@ from typing import Any
 
 from conductor.cli.connect import conductor_from
 from conductor.cli.output import Output, refuse_overwrite
-from conductor.errors import ConductorError
+from conductor.client import Conductor
+from conductor.errors import BadInput, ConductorError
 from conductor.redis_contract.records import JobClass
 
 
@@ -33,6 +34,27 @@ def add_class_flags(p: argparse.ArgumentParser) -> None:
                                                       "time; a past one is refused): within a tenant the job due "
                                                       "first goes first, and conductor jobs and status report one "
                                                       "past it")
+
+
+def add_submit_flags(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--completion-window", metavar="WINDOW",
+                   help="end the job as expired when it is not done this long after submit (24h, 90m, 7d; "
+                        "default: never). Expiry is acted on by conductor serve or the next conductor cancel/expire")
+    s.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE",
+                   help="a metadata pair kept with the job (conductor status shows it); repeatable, at most 16")
+
+
+def start_job(c: Conductor, job: str, args: argparse.Namespace) -> None:
+    from conductor.jobs.job_state import check_metadata, parse_window, start
+    try:
+        window_s = parse_window(args.completion_window, "--completion-window") if args.completion_window else None
+        pairs = [m.split("=", 1) for m in args.metadata]
+        if any(len(p) != 2 for p in pairs):
+            raise BadInput("--metadata", "must be KEY=VALUE")
+        meta = check_metadata(dict(pairs), "--metadata")
+    except BadInput as e:
+        raise ConductorError(str(e)) from None
+    start(c.r, job, window_s=window_s, window=args.completion_window, metadata=meta)
 
 
 def job_class(args: argparse.Namespace, c: Any = None, job: str = "") -> JobClass:
@@ -111,7 +133,6 @@ def cmd_submit(args: argparse.Namespace) -> int:
     create(c, Task(job=job, source="cli", path=str(Path(args.file).resolve()), state="sending",
                    skip_invalid=args.skip_invalid, job_class=cls, defaults=dict(defaults.seen), size=size,
                    mtime_ns=mtime_ns), owner)
-    from conductor.cli.batch_api import start_job
     start_job(c, job, args)
     record_input(c, job, args.file)
     live = sys.stderr.isatty() and found.items >= LARGE_SUBMIT and not args.quiet
