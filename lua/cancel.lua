@@ -1,7 +1,7 @@
 #!lua flags=allow-oom
 -- allow-oom: cancelling frees work and must run on a full Redis, which drains.
 -- cancel.lua: one bounded step of cancelling (or expiring) a job on one model (conductor cancel;
--- conductor/lifecycle.py). Each call walks at most about `count` entries of the job's id registry
+-- conductor/jobs/job_state.py). Each call walks at most about `count` entries of the job's id registry
 -- from `cursor` (HSCAN) and gives every waiting item of them an error result; the caller loops until
 -- the cursor comes back '0'. Items in flight (in a pending batch's items list) are left alone: their
 -- batch finishes and its results are kept (complete.lua). The items stay in their lanes, answered;

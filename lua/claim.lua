@@ -16,7 +16,7 @@
 --                    cdr:{model}:bat:<token>, which the caller reads in the same pipeline
 -- Returns: {1, batch_id, sig, epoch, lane, padded_len, claimed_at_ms, flags, deliveries, n,
 --   warming}; flags: 1 cleanup, 2 reclaimed, 4 force-drained lane; n items are in the token's
---   list, in lane order, as item records (conductor/keys.py); warming is the shape instance
+--   list, in lane order, as item records (conductor/redis_contract/keys.py); warming is the shape instance
 --   "sig:epoch" being pre-warmed ('' if none): the pre-warm signal. Or {0, reason} when nothing
 --   is dispatched (reason: gate, wait, idle, paused). Errors, with nothing written: 'ERR_ARG
 --   <field>: ...'; 'NOPERM ...' when the caller's ACL refuses a command it may call (checked
@@ -77,7 +77,7 @@ local c = {base = base, state_key = state_key, batches_key = batches_key, reclai
   max_tokens = max_tokens, cfg = cfg, now = now, disk = cfg.mode == 'disk', st = st, intake_key = intake_key,
   intake = intake, active_key = base .. ':active', affinity_key = base .. ':affinity',
   warming_key = base .. ':warming', sealed = num(intake.sealed_ms), sweep = now >= num(st.sweep_ms),
-  -- the disk tier's store segments (conductor/tier.py) wait too: the gate counts them, and a
+  -- the disk tier's store segments (conductor/tier/segments.py) wait too: the gate counts them, and a
   -- model whose lanes are empty while they wait is not idle (the feeder is loading them)
   stored = num(intake.stored_tokens)}
 c.warming_now = redis.call('HGET', c.warming_key, consumer) or ''

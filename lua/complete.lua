@@ -25,7 +25,7 @@
 --   duplicates a result and never marks done an item that waits elsewhere; counters move with the
 --   writes. Every argument is checked, and the batch and its items are read, before the first write.
 -- While the model is paused (conductor pause) it refuses with 'PAUSED ...', nothing written.
--- Request jobs (a name starting 'rq.', conductor/request.py): each newly written result is also
+-- Request jobs (a name starting 'rq.', conductor/client/request.py): each newly written result is also
 --   pushed to cdr:{model}:reply:<job>:<id> (a list, expiring after 60 s) for the caller blocked on
 --   it; written once with the result, so a re-delivered item answers its caller once. The call that
 --   writes a job's last result stamps its end (lib_job_end.lua); a request job's never ends.
@@ -63,8 +63,8 @@ for i = 0, n - 1 do
   end
 end
 
--- A request job (conductor/keys.py REQUEST_JOB_PREFIX, conductor/request.py): its caller waits on a
--- reply list of each item's own.
+-- A request job (conductor/redis_contract/keys.py REQUEST_JOB_PREFIX, conductor/client/request.py): its caller
+-- waits on a reply list of each item's own.
 local function is_request(job) return string.sub(job, 1, 3) == 'rq.' end
 local REPLY_TTL_MS = 60000
 

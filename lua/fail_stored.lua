@@ -2,7 +2,7 @@
 -- allow-oom: a repair must work on a full Redis. The shebang also makes a cluster node refuse any
 -- key outside the slot of the model's hash tag.
 -- fail_stored.lua: the items of a store segment that is missing or damaged (conductor inspect
--- --verify --repair; conductor/verify/store.py) are answered with an error result each, so that
+-- --verify --repair; conductor/verify/tier_truth.py) are answered with an error result each, so that
 -- they are failed, not silently dropped, and the segment's index record goes.
 --
 -- KEYS[1] intake   cdr:{model}:intake            (stored_tokens, stored_items)

@@ -3,7 +3,7 @@
 -- workers drain it): a refused heartbeat would let its batches be reclaimed and run twice. The
 -- shebang also makes a cluster node refuse any key outside the slot of the model's hash tag.
 -- heartbeat.lua: renew a worker's heartbeat, extend the lease on its in-flight batches and publish
--- its busy time (read by the exporter's fleet balance gauge, conductor/broker_metrics.py).
+-- its busy time (read by the exporter's fleet balance gauge, conductor/observability/broker_metrics.py).
 --
 -- KEYS[1] heartbeat  cdr:{model}:hb:<worker>
 -- KEYS[2] batches    cdr:{model}:batches   (group "workers")

@@ -1,7 +1,7 @@
 -- lib.lua: helpers shared by the conductor's scripts, inlined where a script says
--- "--@include lib.lua" (conductor/scripts.py). CFG_NAMES, CFG_DEFAULTS and GROUP come from
--- lib_generated.lua, which conductor/scripts.py writes from conductor/config.py and
--- conductor/keys.py; key suffixes follow conductor/keys.py (tests/test_keys.py checks).
+-- "--@include lib.lua" (conductor/redis_contract/scripts.py). CFG_NAMES, CFG_DEFAULTS and GROUP come from
+-- lib_generated.lua, which conductor/redis_contract/scripts.py writes from conductor/redis_contract/config.py and
+-- conductor/redis_contract/keys.py; key suffixes follow conductor/redis_contract/keys.py (tests/test_keys.py checks).
 
 --@include lib_generated.lua
 
@@ -95,7 +95,7 @@ local function json_str(v)
   return cjson.encode(v)
 end
 
--- The item record (conductor/keys.py): JSON [id, job, input_tokens, max_tokens, prompt, payload].
+-- The item record (conductor/redis_contract/keys.py): JSON [id, job, input_tokens, max_tokens, prompt, payload].
 -- body must be a JSON array [prompt] or [prompt, payload] starting at its first byte (submit.lua
 -- checks it): it supplies the record's tail as it is, so the payload keeps its bytes.
 local function item_record(id, job, tok, mt, body)

@@ -2,7 +2,7 @@
 -- every result it is given belongs to the batch.
 -- Keys: M:bat:<token> (LRANGE), read only.
 -- Invariant: an item record is read from its head when it is plain compact JSON (what
---   conductor/client.py writes), decoded otherwise; a record that is neither adds nothing, so a
+--   conductor/redis_contract/item_record.py builds), decoded otherwise; a record that is neither adds nothing, so a
 --   result for it is refused rather than taken.
 
 -- items_key: the batch's items list (M:bat:<token>). Returns members[job][id] = true.

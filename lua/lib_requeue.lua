@@ -3,7 +3,7 @@
 -- lib_requeue_prologue.lua builds: base, state_key, batches_key, reclaimed_key, cfg, now.
 -- Keys: M:batches (XRANGE, XACK, XDEL), M:bat:<token>, M:job:J:items/results and M:job:J,
 --   M:dead, M:reclaimed, M:state counters; M:in:J (HMGET) for the end stamp.
--- A pending batch is its batches-stream entry (fields in conductor/keys.py) plus the list of its
+-- A pending batch is its batches-stream entry (fields in conductor/redis_contract/keys.py) plus the list of its
 -- item records named by the entry's token; a requeued batch becomes one reclaimed entry, msgpack
 -- [sig, epoch, lane, deliveries, tokens, records]. Item records travel as they are (their bytes
 -- are never rebuilt), and all items of a batch share one delivery count.

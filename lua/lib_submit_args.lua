@@ -1,5 +1,5 @@
 -- lib_submit_args.lua: submit.lua's checks of its items (seed 002's intake edge), before anything is
--- written: each record decodes as the item record workers read (conductor/keys.py), each id,
+-- written: each record decodes as the item record workers read (conductor/redis_contract/keys.py), each id,
 -- job, token count and prefix is well formed, and a new signature brings its prefix.
 -- Keys: M:shape:S (HEXISTS prefix) only. Invariant: reads only; every refusal is an 'ERR_ARG
 --   <field>: ... at item <i>' reply and nothing is written.

@@ -2,7 +2,7 @@
 -- allow-oom: moving results out is how a full Redis gets memory back. The shebang also makes a
 -- cluster node refuse any key outside the slot of the model's hash tag.
 -- offload_results.lua: the oldest results of a job, written to a store segment by the lease
--- holder (conductor/results_store.py), leave the job's results stream in the same step as the
+-- holder (conductor/tier/result_segments.py), leave the job's results stream in the same step as the
 -- segment is registered, so a reader finds each result in exactly one of the two.
 --
 -- KEYS[1] results  cdr:{model}:job:J:results

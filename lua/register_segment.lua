@@ -1,7 +1,7 @@
 #!lua
 -- The shebang (no flags) makes Redis 7 refuse this script at maxmemory before it runs (as
 -- submit.lua is) and, on a cluster node, refuse any key outside the slot of the model's hash tag.
--- register_segment.lua: the disk tier (conductor/tier.py) registers a store segment the producer
+-- register_segment.lua: the disk tier (conductor/tier/spill.py) registers a store segment the producer
 -- has written: its index record, its items' ids, and the counts, in one step. A segment written
 -- and not registered (the producer died between the two) holds nothing anyone counts: the same
 -- items sent again make the same file (its name is derived from its content) and register then.

@@ -2,7 +2,7 @@
 -- allow-oom: repairing counters must work on a full Redis, which drains. The shebang also makes a cluster node
 -- refuse any key outside the slot of the model's hash tag.
 -- repair.lua: rewrite one shape instance's counters from its lanes' token lists (conductor
--- inspect --verify --repair; conductor/verify.py). An operator's tool, not a hot path: it reads
+-- inspect --verify --repair; conductor/verify/repair.py). An operator's tool, not a hot path: it reads
 -- every token of the instance's lanes inside one call (never the item records: the token list
 -- M:lanetok:S:E:L is what claim.lua packs from; verify.py checks it against the records).
 --

@@ -2,7 +2,7 @@
 -- allow-oom: repairing must work on a full Redis, which drains. The shebang also makes a cluster
 -- node refuse any key outside the slot of the model's hash tag.
 -- repair_items.lua: put items back where they belong (conductor inspect --verify --repair;
--- conductor/verify.py repair_items). An operator's tool, not a hot path: one orphaned place per
+-- conductor/verify/repair.py repair_items). An operator's tool, not a hot path: one orphaned place per
 -- call, every item of it read and decoded inside the call.
 --
 -- KEYS[1] base       cdr:{model}

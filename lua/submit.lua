@@ -15,7 +15,7 @@
 -- ARGV[3..]       3 fields per item: sig (16 hex), record, prefix (JSON list of at most 256
 --                 strings, or '' when another item of this call carries it or the signature's
 --                 prefix is stored already; a new signature's must come in the call). The record is the item
---                 as workers read it (conductor/keys.py): the JSON array
+--                 as workers read it (conductor/redis_contract/keys.py): the JSON array
 --                 [id, job, input_tokens, max_tokens, prompt, payload], first byte '[', in
 --                 standard JSON: a form only cjson takes (NaN, hex, leading zeros) passes this
 --                 check, and the worker answers that item with a bad_record error.

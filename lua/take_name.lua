@@ -6,7 +6,7 @@
 -- takes the first free name of stem, stem-2, stem-3, ... so that any number of them run on one host.
 --
 -- KEYS[1] base   cdr:{model} (a name's heartbeat key is cdr:{model}:hb:<name>)
--- ARGV[1] stem   the host name, 1..120 bytes of A-Z a-z 0-9 . _ / @ + = - (conductor/keys.py names)
+-- ARGV[1] stem   the host name, 1..120 bytes of A-Z a-z 0-9 . _ / @ + = - (conductor/redis_contract/keys.py names)
 -- ARGV[2] heartbeat value (ms since the epoch), ARGV[3] heartbeat TTL in ms (1..86400000)
 -- ARGV[4] tries  how many names to try, 1..10000 (stem-10000 still fits a 128-byte name)
 -- Returns: the name taken; nil when every name tried has a live heartbeat (nothing written).

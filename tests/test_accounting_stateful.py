@@ -1,5 +1,5 @@
 """Hypothesis stateful test: random interleavings of every state change against a real Redis,
-with every counter checked against the truth after every step (conductor/verify.py).
+with every counter checked against the truth after every step (conductor/verify/).
 
 The machine drives submit (several shapes, lengths and jobs, resubmitted ids), a file's durable
 intake killed after a few chunks and resumed by another process (issue 25), claim (several

@@ -1,4 +1,4 @@
-"""conductor/verify.py: every counter against the data it counts, on a real redis-server."""
+"""conductor/verify/: every counter against the data it counts, on a real redis-server."""
 
 from __future__ import annotations
 

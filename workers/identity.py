@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 _UNIT = re.compile(r"/([^/@]+)@([^/]+)\.service$")
-# key names and hash tags take only these characters (conductor/keys.py)
+# key names and hash tags take only these characters (conductor/redis_contract/keys.py)
 _BAD = re.compile(r"[^A-Za-z0-9._/@+=-]")
 STEM_MAX = 120  # room for "-10000" within keys.py's 128 characters
 

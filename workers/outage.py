@@ -1,7 +1,7 @@
 """A worker's link to Redis through an outage: one log line when Redis goes away and one when it is
 back, bounded probes with backoff in between, and redis-py's own retries cut short meanwhile.
 
-The client (conductor/connection.py) retries a failed command 8 times with backoff, about 9 s
+The client (conductor/redis_contract/connection.py) retries a failed command 8 times with backoff, about 9 s
 against a server that refuses connections. That rides out a blip, but a worker that sent every
 call through it while Redis is down would log a line per call, stall its engine between calls,
 and on SIGTERM wait for the server instead of stopping within its drain time. So once a call
