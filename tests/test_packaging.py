@@ -65,8 +65,8 @@ def test_the_package_is_split_by_concern():
     top = sorted(p.name for p in (ROOT / "conductor").glob("*.py"))
     assert top == ["__init__.py", "__main__.py", "embedded.py", "errors.py"], top
     subpackages = sorted(p.parent.name for p in (ROOT / "conductor").glob("*/__init__.py"))
-    assert subpackages == ["api", "cli", "client", "intake", "jobs", "observability", "redis_contract", "tier",
-                           "verify"], subpackages
+    assert subpackages == ["api", "cli", "client", "formats", "intake", "jobs", "observability", "redis_contract",
+                           "tier", "verify"], subpackages
 
 
 def test_the_console_script_and_python_m_reach_the_cli():
