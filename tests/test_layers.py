@@ -40,8 +40,9 @@ def lint_imports() -> subprocess.CompletedProcess[str]:
     with tempfile.TemporaryDirectory(prefix="cdr-layers-") as tmp:
         tree = installed_tree(Path(tmp))
         env = {**os.environ, "PYTHONPATH": str(tree)}
-        exe = Path(sys.executable).parent / "lint-imports"
-        return subprocess.run([str(exe), str(ROOT / "pyproject.toml"), "--no-cache"],
+        # lint-imports as its console script runs it, with this interpreter (whatever holds the scripts)
+        cli = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
+        return subprocess.run([sys.executable, "-c", cli, str(ROOT / "pyproject.toml"), "--no-cache"],
                               cwd=tree, env=env, capture_output=True, text=True, timeout=300)
 
 
