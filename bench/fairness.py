@@ -369,6 +369,7 @@ def report(res: dict[str, dict[str, Any]], quick: bool, mach: str, wall: float) 
 
 
 def main(argv: list[str] | None = None) -> int:
+    global ENGINE_SEQS
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small forms (seconds)")
     p.add_argument("--scenarios", default="", help="comma-separated subset of " + ", ".join(SCENARIOS))
@@ -376,7 +377,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-seqs", type=int, default=ENGINE_SEQS,
                    help="sequences each sim engine runs at once (its max_num_seqs; 64 is one batch)")
     args = p.parse_args(argv)
-    global ENGINE_SEQS
     ENGINE_SEQS = args.engine_seqs
     names = [n for n in args.scenarios.split(",") if n] or list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
