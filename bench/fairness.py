@@ -51,6 +51,10 @@ from conductor.workers.worker import Worker, WorkerOptions  # noqa: E402
 MODEL = "bench-sim"
 DECODE_WEIGHT = 64
 EPOCH_MS = 1_800_000_000_000  # deadlines are compared, never waited for: any fixed origin does
+# Sequences each sim engine runs at once (its max_num_seqs; --engine-seqs). 1024: the engine of the
+# earlier runs (its latch's high water); 64, its batch: a real engine's shape (vLLM's batch is its
+# max_num_seqs), where the worker holds about one batch beyond what runs.
+ENGINE_SEQS = 1024
 
 
 @dataclass
@@ -169,8 +173,8 @@ def run(r: Any, url: str, jobs: list[JobSpec], workers: int, weights: dict[str, 
     for t, w in (weights or {}).items():
         set_weight(c, t, w)
     items = {j.job: generate(j.spec).items for j in jobs}
-    engines = [Recorder(MODEL, max_batch_size=64, max_batch_tokens=65_536, max_input_len=8192, time_scale=0.0)
-               for _ in range(workers)]
+    engines = [Recorder(MODEL, max_batch_size=64, max_batch_tokens=65_536, max_input_len=8192, time_scale=0.0,
+                        max_num_seqs=ENGINE_SEQS) for _ in range(workers)]
     ws = []
     for i, eng in enumerate(engines):
         w = Worker(Conductor(connect(url)), eng, WorkerOptions(name=f"fair-w{i}", high_water=1024, low_water=768,
@@ -353,7 +357,8 @@ def report(res: dict[str, dict[str, Any]], quick: bool, mach: str, wall: float) 
         f"Machine: {mach}  ",
         f"Date: {now_utc()}, commit {git_rev()}; {wall:,.0f} s wall.  ",
         "Each scenario: the real Worker loop on the real Lua scripts, sim engines in simulated time "
-        "(bench/fairness.py's docstring says what each does; 2 workers but deadlines, on 1). Service = padded "
+        f"(bench/fairness.py's docstring says what each does; 2 workers but deadlines, on 1; each engine runs "
+        f"{ENGINE_SEQS} sequences at once, batches of 64). Service = padded "
         f"input tokens + {DECODE_WEIGHT} x output tokens. Goals (issue 26): shares within 5 points of the "
         "weights over windows of 10 batches and a service gap of at most 2 batches; a late tenant served within "
         "1 batch time; interactive p99 at most 2 batch times; the job due first meets its deadline; fairness "
@@ -364,11 +369,15 @@ def report(res: dict[str, dict[str, Any]], quick: bool, mach: str, wall: float) 
 
 
 def main(argv: list[str] | None = None) -> int:
+    global ENGINE_SEQS
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="small forms (seconds)")
     p.add_argument("--scenarios", default="", help="comma-separated subset of " + ", ".join(SCENARIOS))
     p.add_argument("--no-write", action="store_true", help="print only; RESULTS.md untouched")
+    p.add_argument("--engine-seqs", type=int, default=ENGINE_SEQS,
+                   help="sequences each sim engine runs at once (its max_num_seqs; 64 is one batch)")
     args = p.parse_args(argv)
+    ENGINE_SEQS = args.engine_seqs
     names = [n for n in args.scenarios.split(",") if n] or list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
@@ -385,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(text)
     if not args.no_write:
-        write_section("fairness_quick" if args.quick else "fairness", text)
+        suffix = "" if ENGINE_SEQS == 1024 else f"_seqs{ENGINE_SEQS}"
+        write_section(("fairness_quick" if args.quick else "fairness") + suffix, text)
     return 0
 
 

@@ -41,7 +41,8 @@ MAX_TOKENS = 256
 
 
 def engine(args: argparse.Namespace) -> SimEngine:
-    return SimEngine(MODEL, max_batch_size=args.batch, max_batch_tokens=8192, max_input_len=4096,
+    # max_num_seqs 0: an engine that runs whatever it is given (seed 000's), the latch alone bounds it
+    return SimEngine(MODEL, max_batch_size=args.batch, max_batch_tokens=8192, max_input_len=4096, max_num_seqs=0,
                      params=SimParams(kv_capacity_tokens=args.kv_capacity, preempt=args.preempt))
 
 

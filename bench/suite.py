@@ -182,8 +182,8 @@ class PeerWorker:
             self.finished += len(self.engine.step())
             busy = True
         if self.latch.admits(self.engine.active()):
-            room = self.latch.room(self.engine.active())
-            size = self.cfg.max_batch_size if room is None else min(self.cfg.max_batch_size, room)
+            rooms = [x for x in (self.latch.room(self.engine.active()), self.engine.room()) if x is not None]
+            size = min([self.cfg.max_batch_size, *rooms])
             if size > 0:
                 t = time.perf_counter_ns()
                 items = self.source.next_batch(size)
@@ -257,8 +257,11 @@ def _redis_cpu(r: redis.Redis) -> float:
 
 
 def _engines(cfg: SuiteConfig, model: str) -> list[RecordingSim]:
+    # The engine these benchmarks model runs about high_water sequences at once (the oracle's sim cost
+    # model assumes as many decode together), claimed in batches of max_batch_size: its max_num_seqs.
     return [RecordingSim(model, max_batch_size=cfg.max_batch_size, max_batch_tokens=cfg.max_batch_tokens,
-                         max_input_len=cfg.max_input_len, time_scale=0.0) for _ in range(cfg.workers)]
+                         max_input_len=cfg.max_input_len, time_scale=0.0, max_num_seqs=cfg.high_water)
+            for _ in range(cfg.workers)]
 
 
 class Releaser:

@@ -125,3 +125,27 @@ def test_staggered_batches_of_different_shapes_decode_exactly_in_one_cohort(eng)
     assert len(fin) == 7
     for f in fin:
         assert (f.output, f.output_tokens) == reference(eng, prefixes[f.batch.shape], f.item.prompt, f.item.max_tokens)
+
+
+def test_rows_beyond_max_num_seqs_wait_their_turn_and_room_paces_the_claims(eng):
+    """A real engine runs max_num_seqs rows at once (issue 37): the rest wait in the engine, first in
+    first out, and room asks for another batch only while under half the last batch waits."""
+    eng.close()
+    eng.max_num_seqs = 3
+    try:
+        a = batch("H", ["p"], ["one", "two", "three", "four", "five"], 6, "10-0")
+        fin = eng.admit(a, a.items)
+        assert eng.active() + len(fin) == 5 and sum(len(c.items) for c in eng.cohorts) <= 3
+        assert eng.room() == 8  # 2 waiting, under half of 5
+        b = batch("H", ["p"], ["six", "seven", "eight", "nine"], 4, "11-0")
+        fin += eng.admit(b, b.items)
+        assert eng.room() == 0  # 6 waiting: enough beyond what runs
+        while eng.active():
+            fin += eng.step()
+            assert sum(len(c.items) for c in eng.cohorts) <= 3
+        assert sorted(f.item.id for f in fin) == sorted(it.id for it in a.items + b.items)
+        for f in fin:
+            assert (f.output, f.output_tokens) == reference(eng, ["p"], f.item.prompt, f.item.max_tokens)
+        assert eng.room() == 8
+    finally:
+        eng.max_num_seqs = 8

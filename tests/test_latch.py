@@ -13,6 +13,13 @@ from tests.conftest import cli
 from tests.worker_kit import run_until_done, sim, submit, worker
 
 
+def unbounded():
+    """A sim engine that runs whatever it is given at once (max_num_seqs 0, seed 000's engine): the
+    latch alone bounds what the worker pulls. The default sim runs its batch and asks for about one
+    batch beyond (test_a_sim_engine_paces_the_worker_without_a_latch)."""
+    return sim(max_num_seqs=0)
+
+
 @pytest.mark.parametrize("high,low", [(8, None), (None, 2)])
 def test_one_threshold_alone_is_refused(high, low):
     with pytest.raises(LatchConfigError, match="--high-water and --low-water go together"):
@@ -41,7 +48,7 @@ def test_cli_refuses_half_a_policy_with_a_clear_error(redis_url):
 
 def test_gates_at_high_water_runs_only_decodes_and_resumes_at_low_water(cdr):
     submit(cdr, 80, tokens=10, max_tokens=24)
-    w = worker(cdr, high_water=8, low_water=2)
+    w = worker(cdr, unbounded(), high_water=8, low_water=2)
     eng = w.engine
     trace = []  # (active after the turn, gated, batches claimed, prefill tokens so far)
     for _ in range(400):
@@ -72,7 +79,7 @@ def test_gates_at_high_water_runs_only_decodes_and_resumes_at_low_water(cdr):
 
 def test_gated_worker_claims_nothing_even_with_work_waiting(cdr):
     submit(cdr, 40, tokens=10, max_tokens=64)
-    w = worker(cdr, high_water=4, low_water=1)
+    w = worker(cdr, unbounded(), high_water=4, low_water=1)
     while not w.latch.gated:
         w.turn()
     claimed = w.batches_claimed
@@ -87,10 +94,27 @@ def test_gated_worker_claims_nothing_even_with_work_waiting(cdr):
 
 def test_without_a_latch_every_slot_is_filled(cdr):
     submit(cdr, 40, tokens=10, max_tokens=64)
-    w = worker(cdr)
+    w = worker(cdr, unbounded())
     for _ in range(10):
         w.turn()
     assert w.engine.active() == 40  # ten pulls of four, nothing finished yet (outputs >= 16 tokens)
+    run_until_done(w)
+    rows = [json.loads(r) for r in cdr.results("j")]
+    assert len(rows) == 40 and {r["id"] for r in rows} == {f"i{k:04d}" for k in range(40)}
+
+
+def test_a_sim_engine_paces_the_worker_without_a_latch(cdr):
+    """The default sim runs its batch (4) at once and asks for another only while fewer than half a
+    batch wait to start: the worker holds about one batch beyond what runs, the rest waits in Redis."""
+    submit(cdr, 40, tokens=10, max_tokens=64)
+    w = worker(cdr)
+    most = 0
+    for _ in range(200):
+        w.turn()
+        most = max(most, w.engine.active())
+        assert len(w.inflight) <= 3
+    # running 4, fewer than 2 waiting when it asked, and the batch it got: at most 9 held
+    assert 4 < most <= 9 and w.batches_claimed < 10
     run_until_done(w)
     rows = [json.loads(r) for r in cdr.results("j")]
     assert len(rows) == 40 and {r["id"] for r in rows} == {f"i{k:04d}" for k in range(40)}

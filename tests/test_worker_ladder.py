@@ -149,7 +149,8 @@ def test_continuing_decodes_are_outside_the_token_budget(cdr):
     the next pull nor get squeezed out by it."""
     quick(cdr, budget_tokens=1024, budget_items=8)
     cdr.submit([item(f"i{k:03d}", 200, max_tokens=64) for k in range(40)], "j")
-    w = worker(cdr, sim(max_batch_size=8, max_batch_tokens=1024))
+    # an engine that runs more than a batch at once (max_num_seqs 64), so four pulls all run
+    w = worker(cdr, sim(max_batch_size=8, max_batch_tokens=1024, max_num_seqs=64))
     sizes = []
     for _ in range(4):
         before = set(w.inflight)

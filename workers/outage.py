@@ -8,8 +8,9 @@ and on SIGTERM wait for the server instead of stopping within its drain time. So
 fails for want of Redis (``Link.lost``), the worker stops calling it: its engine goes on, results
 wait in the retry buffer, and ``Link.probe`` pings on a fresh connection of its own (no retries,
 a short timeout) at intervals growing from 0.1 s to ``PROBE_CAP_S`` (0.5 s) until Redis answers; the
-worker then joins it again (workers/worker.py ``_rejoin``: the server may have come back empty) and
-calls ``Link.up``.
+worker then joins it again (``OutageHandling._rejoin`` below: the server may have come back empty) and
+calls ``Link.up``. ``OutageHandling`` is the worker's side of it: the steps it takes while Redis is away,
+its rejoining, and what it leaves pending when it stops meanwhile.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import json
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -26,8 +28,15 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from conductor.client import Conductor
 from conductor.errors import RedisUnavailable
-from conductor.redis_contract.connection import pool_for
+from conductor.redis_contract import keys as K
+from conductor.redis_contract.connection import as_str, pool_for
+from conductor.redis_contract.records import Batch, Contract, Result
+
+from .engines.base import Engine
+from .held import InFlight, event
+from .transient import RIDE_OUT, is_transient
 
 log = logging.getLogger("conductor.worker")
 
@@ -156,3 +165,116 @@ class Link:
 
     def _say(self, name: str, **fields: object) -> None:
         log.info(json.dumps({"event": name, "worker": self.worker, "model": self.model, **fields}, default=str))
+
+
+class OutageHandling:
+    """The worker's side of an outage (workers/worker.py's ``Worker`` mixes this in): while Redis is away
+    its engine goes on and results wait; once a probe answers, it joins Redis again; stopping with
+    Redis away leaves its batches pending under its name, said in one line."""
+
+    # the worker's state (workers/worker_start.py WorkerStart)
+    c: Conductor
+    engine: Engine
+    name: str
+    contract: Contract
+    keys: K.ModelKeys
+    link: Link
+    inflight: dict[str, InFlight]
+    retry: deque[tuple[Batch, list[Result], bool]]
+    stopping: threading.Event
+    _rejoin_needed: threading.Event
+    _lock: threading.Lock
+
+    def _step(self) -> None:  # workers/worker.py
+        raise NotImplementedError
+
+    def _account(self) -> None:  # workers/worker.py
+        raise NotImplementedError
+
+    def register(self, say: bool = True) -> None:  # workers/worker_start.py
+        raise NotImplementedError
+
+    def _beat(self) -> None:  # workers/worker_start.py
+        raise NotImplementedError
+
+    def _ride_out(self, limit_s: float | None = None) -> bool:
+        """One step while Redis is away: running sequences go on (their results wait in the retry
+        buffer), a probe goes out when due, and once Redis answers the worker joins it again.
+        True when it is back. Sleeps until the next probe when the engine has nothing to run."""
+        if self.engine.active():
+            self._step()
+        if self._reconnect(limit_s):
+            return True
+        if not self.engine.active():
+            wait = max(0.005, self.link.due_in() if limit_s is None else min(self.link.due_in(), limit_s))
+            if self.stopping.is_set():
+                time.sleep(wait)  # draining: the drain's deadline bounds it
+            else:
+                self.stopping.wait(wait)  # a SIGTERM ends the wait
+        self._account()
+        return False
+
+    def _reconnect(self, limit_s: float | None = None) -> bool:
+        if self.link.down and not self.link.probe(limit_s):
+            return False
+        try:
+            dropped = self._rejoin()
+        except RIDE_OUT as e:
+            if not is_transient(e):
+                raise
+            self.link.lost(e)
+            event("rejoin_failed", worker=self.name, error=str(e))
+            return False
+        self._rejoin_needed.clear()
+        self.link.up(**dropped)
+        return True
+
+    def _rejoin(self) -> dict[str, int]:
+        """Join Redis again after an outage or a NOGROUP. It may have come back without this
+        worker's keys (a new server on the same address, or a FLUSHALL): the group and the
+        registration are made again. A batch of this worker's that is no longer pending under its
+        name was lost with the data, or reclaimed while the heartbeat lapsed: its results could not
+        be taken (complete.lua refuses them), so it is dropped here instead of failing every write."""
+        pipe = self.c.r.pipeline(transaction=False)
+        pipe.hexists(self.keys.workers, self.name)
+        pipe.xpending_range(self.keys.batches, K.GROUP, "-", "+", 10_000, consumername=self.name)
+        registered, pending = pipe.execute(raise_on_error=False)
+        if isinstance(registered, Exception):
+            raise registered
+        lost_group = isinstance(pending, redis.ResponseError) and "NOGROUP" in str(pending)
+        if isinstance(pending, Exception) and not lost_group:
+            raise pending
+        mine = set() if lost_group else {as_str(p["message_id"]) for p in pending}
+        with self._lock:
+            gone = {e.batch.batch_id: e.batch for e in self.inflight.values() if e.batch.batch_id not in mine}
+            gone.update((b.batch_id, b) for b, _, _ in self.retry if b.batch_id not in mine)
+            for bid in gone:
+                self.inflight.pop(bid, None)
+            self.retry = deque(r for r in self.retry if r[0].batch_id not in gone)
+        if lost_group or not registered:
+            self.c.ensure_model(self.contract.model, force=True)
+            self.register(say=False)
+        else:
+            self._beat()  # the lease of what is still pending, renewed before it lapses
+        out = {"rejoined": int(lost_group or not registered)}
+        if gone:
+            out.update(dropped_batches=len(gone), dropped_items=sum(len(b.items) for b in gone.values()))
+        return out
+
+    def _leave_pending(self) -> None:
+        """Stopping with Redis away: nothing more can be written. The batches stay pending under
+        this name: once its heartbeat lapses a live worker's sweep reclaims them, or a restart
+        under this name takes them back at once (take_name)."""
+        with self._lock:
+            left = {e.batch.batch_id: e.batch for e in self.inflight.values()}
+            left.update((b.batch_id, b) for b, _, _ in self.retry)
+            ids = sorted(left)
+            items = sum(len(b.items) for b in left.values())
+            unwritten = (sum(len(r) for _, r, _ in self.retry)
+                         + sum(len(e.results) - e.sent for e in self.inflight.values()))
+            self.inflight.clear()
+            self.retry.clear()
+        event("left_pending", worker=self.name, batches=len(ids), items=items, unwritten_results=unwritten,
+              redis_down_s=round(time.monotonic() - (self.link.down_since or time.monotonic()), 3),
+              batch_ids=ids[:20])
+        self.engine.close()

@@ -13,249 +13,33 @@ The loop, once per turn:
    seal.lua) until new work or its next timed duty (maintenance, quiet intake), instead of
    polling claim.lua (``wake="poll"``: the old back-off up to ``poll_max_s``).
 
-A heartbeat thread renews the worker's heartbeat key and extends the lease on its in-flight
-batches (XCLAIM to itself with JUSTID resets idle time without counting a delivery), so a
-slow but live worker is never robbed by a reclaim.
+How much a pull asks for is workers/pacing.py's (claims follow the engine); the worker's start,
+name, registration and heartbeat are workers/worker_start.py's; riding out a Redis outage is
+workers/outage.py's.
 """
 
 from __future__ import annotations
 
-import json
-import logging
-import signal
-import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
 
-import redis
+from conductor.redis_contract.records import Batch, Result, ResultError
 
-from conductor.client import Conductor
-from conductor.errors import ConductorError, Paused
-from conductor.redis_contract import keys as K
-from conductor.redis_contract import script_calls as calls
-from conductor.redis_contract.connection import as_str
-from conductor.redis_contract.records import Batch, Contract, Result, ResultError
-
+from . import pacing
 from .doorbell import Doorbell, poll_sleep
-from .engines.base import Engine, EngineDead, EngineOutage, Finished
-from .identity import host_name, owner, owner_gone, stable_worker_name
-from .latch import AdmissionLatch
-from .outage import Link, cut_retries
-from .prewarm import Prewarm
-from .sdnotify import Notifier
+from .engines.base import EngineDead, EngineOutage, Finished
+from .held import InFlight, event
+from .outage import OutageHandling, cut_retries
 from .transient import RIDE_OUT, is_transient
-from .worker_metrics import WorkerMetrics
+from .worker_start import WorkerOptions, WorkerStart
+
+__all__ = ["WORK_WAITS", "Worker", "WorkerOptions", "event"]
 
 # Claim answers that mean work waits but is held back (quiet intake, a batch not yet full, the
 # release gate), as opposed to 'idle': nothing to do. Time idle after one counts as idle with work.
 WORK_WAITS = ("wait", "gate")
 
-log = logging.getLogger("conductor.worker")
 
-
-def event(name: str, **fields: object) -> None:
-    """One structured log line per event."""
-    log.info(json.dumps({"event": name, **fields}, default=str))
-
-
-@dataclass
-class WorkerOptions:
-    name: str = ""
-    high_water: int | None = None
-    low_water: int | None = None
-    pending_ceiling: int | None = None
-    heartbeat_ttl_s: float = 10.0
-    poll_max_s: float = 0.05
-    wake: str = "bell"  # "bell": block on the model's doorbell when idle; "poll": back off up to poll_max_s
-    drain_s: float = 30.0
-    max_batches: int | None = None  # stop after this many claimed batches (tests, benchmarks)
-    idle_exit_s: float | None = None  # exit after this long with nothing to do
-
-
-@dataclass
-class _InFlight:
-    batch: Batch
-    left: int
-    results: list[Result] = field(default_factory=list)
-    sent: int = 0  # results already queued for writing (an engine that streams them, as they finish)
-
-    def unsent(self) -> list[Result]:
-        out, self.sent = self.results[self.sent:], len(self.results)
-        return out
-
-
-class Worker:
-    def __init__(self, conductor: Conductor, engine: Engine, opts: WorkerOptions | None = None) -> None:
-        self.c = conductor
-        self.engine = engine
-        self.opts = opts or WorkerOptions()
-        self.latch = AdmissionLatch(self.opts.high_water, self.opts.low_water)
-        stable = self.opts.name or stable_worker_name()
-        self.name = stable or host_name()
-        # Without a stable name the worker takes a free one of its host's at start (take_name).
-        self._stem = "" if stable else self.name
-        self.contract: Contract = engine.contract
-        self.keys = K.ModelKeys(self.contract.model)
-        self.inflight: dict[str, _InFlight] = {}
-        self.retry: deque[tuple[Batch, list[Result], bool]] = deque()
-        self.stopping = threading.Event()
-        # Separate from ``stopping``: leases must keep being extended while the worker drains.
-        self._hb_stop = threading.Event()
-        self.batches_claimed = 0
-        self.last_claim = ""  # the reason the last claim gave (batch, wait, idle, paused, ...)
-        self.finished = 0
-        self.output_tokens = 0
-        self._lock = threading.Lock()
-        self._hb_thread: threading.Thread | None = None
-        self._wd_thread: threading.Thread | None = None
-        self.notifier = Notifier()
-        self.metrics = WorkerMetrics(self.contract.model, self.name, self.contract.max_batch_tokens)
-        self.prewarm = Prewarm(conductor, engine, self.contract.model, self.name)
-        self.link = Link(conductor.r, self.keys.batches, self.name, self.contract.model)
-        # Set when a heartbeat meets NOGROUP: Redis lost the model's keys without a dropped connection.
-        self._rejoin_needed = threading.Event()
-        # Only run()'s loop probes and joins Redis again after an outage; a subclass with a loop of its
-        # own (the host agent) keeps reporting each failure as before.
-        self._rides_out = False
-        self.engine_dead = ""  # why the engine died, when it did: run() gives its batches back and raises
-
-    # ------------------------------------------------------------------ lifecycle
-    def register(self, say: bool = True) -> None:
-        c = self.contract
-        self.c.ensure_model(c.model)
-        # One allow-oom script (lua/register.lua): it works on a Redis over maxmemory, which a fresh
-        # worker may be started to drain. The first consumer's contract becomes the model's
-        # reference for "a full batch".
-        shown = json.dumps({"max_batch_size": c.max_batch_size, "max_batch_tokens": c.max_batch_tokens,
-                            "max_input_len": c.max_input_len, "engine": self.engine.kind, **owner()})
-        set_tokens, set_items = calls.register(self.keys, self.name, shown, c, int(time.time() * 1000),
-                                               max(1, int(self.opts.heartbeat_ttl_s * 1000))).run(self.c.scripts)
-        if set_tokens or set_items:
-            # Lanes that waited for this first worker were judged under the default budget.
-            try:
-                self.c.reindex(c.model)
-            except Paused:
-                event("reindex_deferred", worker=self.name, model=c.model)  # claim.lua re-derives lazily
-        if not say:
-            return
-        event("registered", worker=self.name, model=c.model, engine=self.engine.kind,
-              max_batch_size=c.max_batch_size, max_batch_tokens=c.max_batch_tokens,
-              max_input_len=c.max_input_len, high_water=self.latch.high, low_water=self.latch.low)
-
-    def take_name(self) -> None:
-        """Before a process starts working under its name. Without a stable name: the first free one
-        of host, host-2, ... (lua/take_name.lua, atomic across workers starting at once). With one:
-        refuse it while a live worker uses it (two processes sharing one consumer would reclaim each
-        other's batches). Either way, hand back at once what an earlier run under the name left
-        pending (it died: its batches would otherwise wait for the stale sweep, minutes, since this
-        run's heartbeat keeps the name alive)."""
-        if self._stem:
-            name = calls.take_name(self.keys, self._stem, int(time.time() * 1000),
-                                   max(1, int(self.opts.heartbeat_ttl_s * 1000))).run(self.c.scripts)
-            if name is None:
-                raise ConductorError(f"no free worker name for {self.contract.model}: {self._stem} and its "
-                                     f"numbered names are all in use; give this worker its own --name")
-            self._rename(name)
-        else:
-            self._wait_out_live_owner()
-        if self.c.r.xpending_range(self.keys.batches, K.GROUP, "-", "+", 1, consumername=self.name):
-            res = self.c.reclaim_consumer(self.contract.model, self.name, force=True)
-            event("took_back", worker=self.name, batches=res["batches"], items=res["items"])
-
-    def _wait_out_live_owner(self) -> None:
-        hb = self.keys.heartbeat(self.name)
-        seen, ttl_ms = self.c.r.get(hb), self.c.r.pttl(hb)
-        if seen is None:
-            return
-        shown = self.c.r.hget(self.keys.workers, self.name)
-        try:
-            reg = json.loads(shown) if shown is not None else None
-        except ValueError:
-            reg = None
-        if isinstance(reg, dict) and owner_gone(reg):
-            return  # its process ended on this host (a restart under systemd): no need to wait out its TTL
-        # a live owner renews its heartbeat (a new value) before the key expires; a dead one does not
-        deadline = time.monotonic() + max(0, ttl_ms) / 1000 + 0.1
-        while time.monotonic() < deadline:
-            time.sleep(0.1)
-            now = self.c.r.get(hb)
-            if now is None:
-                break
-            if now != seen:
-                raise ConductorError(f"worker name {self.name!r} is in use by a live worker of "
-                                     f"{self.contract.model}; give each worker its own --name")
-
-    def _rename(self, name: str) -> None:
-        """The series and log lines made under the stem before the name was known go under the name."""
-        if name == self.name:
-            return
-        self.metrics.forget()
-        self.name = name
-        self.metrics = WorkerMetrics(self.contract.model, name, self.contract.max_batch_tokens)
-        self.prewarm.worker = self.link.worker = name
-
-    def deregister(self) -> None:
-        try:
-            pipe = self.c.r.pipeline(transaction=False)
-            pipe.hdel(self.keys.workers, self.name)
-            pipe.hdel(self.keys.affinity, self.name)  # its instance is free for others to take whole
-            pipe.hdel(self.keys.warming, self.name)
-            pipe.hdel(self.keys.busy, self.name)
-            pipe.delete(self.keys.heartbeat(self.name))
-            pipe.execute()
-            pending = self.c.r.xpending_range(self.keys.batches, K.GROUP, "-", "+", 1, consumername=self.name)
-            if not pending:
-                # DELCONSUMER discards pending entries: only once the list is empty.
-                self.c.r.xgroup_delconsumer(self.keys.batches, K.GROUP, self.name)
-        except (redis.RedisError, OSError) as e:
-            event("deregister_failed", worker=self.name, error=str(e))
-        event("deregistered", worker=self.name)
-
-    def _heartbeat_loop(self) -> None:
-        period = self.opts.heartbeat_ttl_s / 3
-        while not self._hb_stop.wait(period):
-            if self._rides_out and (self.link.down or self._rejoin_needed.is_set()):
-                continue  # the main loop probes, and joins Redis again before heartbeats resume
-            try:
-                self._beat()
-            except (redis.RedisError, OSError, ConductorError) as e:
-                if self._outage(e):
-                    continue
-                if self._rides_out and "NOGROUP" in str(e):
-                    self._rejoin_needed.set()
-                event("heartbeat_failed", worker=self.name, error=str(e))
-
-    def _outage(self, e: BaseException) -> bool:
-        """True when ``e`` is Redis going away and the link says so (once per outage)."""
-        return self._rides_out and self.link.lost(e)
-
-    def _beat(self) -> None:
-        # lua/heartbeat.lua, allow-oom: a heartbeat refused over maxmemory would let a live
-        # worker's batches be reclaimed and run twice.
-        calls.heartbeat(self.keys, self.name, int(time.time() * 1000), max(1, int(self.opts.heartbeat_ttl_s * 1000)),
-                        self.leased_ids(), int(self.metrics.busy_s * 1000)).run(self.c.scripts)
-
-    def _watchdog_loop(self, every: float) -> None:
-        # Its own thread, not the heartbeat's: that one can sit for many seconds in Redis
-        # reconnects, and systemd must not kill a worker that is riding out an outage.
-        while not self._hb_stop.wait(every):
-            self.notifier.watchdog()
-
-    def leased_ids(self) -> list[str]:
-        """Batches this worker still owes results for: running ones and those waiting to be written."""
-        with self._lock:
-            ids = [b.batch.batch_id for b in self.inflight.values()]
-            ids += [batch.batch_id for batch, _, _ in self.retry if batch.batch_id not in ids]
-        return ids
-
-    def request_stop(self, *_: object) -> None:
-        self.stopping.set()
-
-    def install_signals(self) -> None:
-        signal.signal(signal.SIGTERM, self.request_stop)
-        signal.signal(signal.SIGINT, self.request_stop)
-
+class Worker(WorkerStart, OutageHandling):
     # ------------------------------------------------------------------ results
     def _result(self, fin: Finished) -> Result:
         b, it = fin.batch, fin.item
@@ -266,7 +50,7 @@ class Worker:
                       deliveries=it.deliveries, payload=it.payload)
 
     def _collect(self, finished: list[Finished]) -> None:
-        touched: dict[str, _InFlight] = {}
+        touched: dict[str, InFlight] = {}
         for fin in finished:
             entry = self.inflight.get(fin.batch.batch_id)
             if entry is None:
@@ -315,22 +99,13 @@ class Worker:
 
     def free_slots(self) -> int | None:
         """How many items one pull may ask for (None: only the engine's contract limits it): the latch,
-        the pending ceiling, and the engine's own room (an engine that queues says how much more it
-        wants, so the worker holds about one batch beyond what runs)."""
-        limits = [x for x in (self.latch.room(self.engine.active()),
-                              None if self.opts.pending_ceiling is None
-                              else self.opts.pending_ceiling - self.pending(),
-                              self.engine.room()) if x is not None]
-        return min(limits) if limits else None
+        the pending ceiling, and the engine's own room (workers/pacing.py)."""
+        return pacing.free_slots(self.latch, self.engine, self.opts.pending_ceiling, self.pending)
 
     def _pull(self) -> bool:
-        free = self.free_slots()
-        if free is not None and free <= 0:
+        contract = pacing.claim_contract(self.contract, self.free_slots())
+        if contract is None:
             return False
-        size = self.contract.max_batch_size if free is None else min(self.contract.max_batch_size, free)
-        contract = Contract(model=self.contract.model, max_batch_size=size,
-                            max_batch_tokens=self.contract.max_batch_tokens,
-                            max_input_len=self.contract.max_input_len)
         t = time.perf_counter()
         batch, self.last_claim = self.c.claim(contract, self.name)
         self.metrics.claim_took(time.perf_counter() - t)
@@ -341,7 +116,7 @@ class Worker:
         self.batches_claimed += 1
         self.metrics.claimed(batch)
         with self._lock:
-            self.inflight[batch.batch_id] = _InFlight(batch, len(batch.items))
+            self.inflight[batch.batch_id] = InFlight(batch, len(batch.items))
         items, unreadable = batch.items, [it for it in batch.items if it.unreadable]
         if unreadable:
             items = [it for it in batch.items if not it.unreadable]
@@ -431,19 +206,6 @@ class Worker:
                     event("claim_failed", worker=self.name, error=str(e))
         return busy
 
-    def _start(self) -> None:
-        self.c.ensure_model(self.contract.model)
-        self.take_name()
-        self.register()
-        self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
-        self._hb_thread.start()
-        if self.notifier.enabled and self.notifier.watchdog_s:
-            self.notifier.watchdog()
-            self._wd_thread = threading.Thread(target=self._watchdog_loop, args=(self.notifier.watchdog_s,),
-                                               name="watchdog", daemon=True)
-            self._wd_thread.start()
-        self.notifier.ready(f"pulling for {self.contract.model} ({self.engine.kind}) as {self.name}")
-
     def run(self) -> None:
         """Serve until stopped (or idle, or done with --max-batches); an engine that died ends it with
         EngineDead once its batches went back."""
@@ -514,79 +276,6 @@ class Worker:
             if not self._outage(e):
                 event("bell_failed", worker=self.name, error=str(e))
 
-    def _stop_heartbeat(self, timeout: float = 5.0) -> None:
-        """Before deregistering, so the thread cannot write the heartbeat key back after it is deleted.
-        Both threads are daemons: one still inside a Redis call does not hold the process."""
-        self._hb_stop.set()
-        for t in (self._hb_thread, self._wd_thread):
-            if t is not None:
-                t.join(timeout=timeout)
-
-    # ------------------------------------------------------------------ outages
-    def _ride_out(self, limit_s: float | None = None) -> bool:
-        """One step while Redis is away: running sequences go on (their results wait in the retry
-        buffer), a probe goes out when due, and once Redis answers the worker joins it again.
-        True when it is back. Sleeps until the next probe when the engine has nothing to run."""
-        if self.engine.active():
-            self._step()
-        if self._reconnect(limit_s):
-            return True
-        if not self.engine.active():
-            wait = max(0.005, self.link.due_in() if limit_s is None else min(self.link.due_in(), limit_s))
-            if self.stopping.is_set():
-                time.sleep(wait)  # draining: the drain's deadline bounds it
-            else:
-                self.stopping.wait(wait)  # a SIGTERM ends the wait
-        self._account()
-        return False
-
-    def _reconnect(self, limit_s: float | None = None) -> bool:
-        if self.link.down and not self.link.probe(limit_s):
-            return False
-        try:
-            dropped = self._rejoin()
-        except RIDE_OUT as e:
-            if not is_transient(e):
-                raise
-            self.link.lost(e)
-            event("rejoin_failed", worker=self.name, error=str(e))
-            return False
-        self._rejoin_needed.clear()
-        self.link.up(**dropped)
-        return True
-
-    def _rejoin(self) -> dict[str, int]:
-        """Join Redis again after an outage or a NOGROUP. It may have come back without this
-        worker's keys (a new server on the same address, or a FLUSHALL): the group and the
-        registration are made again. A batch of this worker's that is no longer pending under its
-        name was lost with the data, or reclaimed while the heartbeat lapsed: its results could not
-        be taken (complete.lua refuses them), so it is dropped here instead of failing every write."""
-        pipe = self.c.r.pipeline(transaction=False)
-        pipe.hexists(self.keys.workers, self.name)
-        pipe.xpending_range(self.keys.batches, K.GROUP, "-", "+", 10_000, consumername=self.name)
-        registered, pending = pipe.execute(raise_on_error=False)
-        if isinstance(registered, Exception):
-            raise registered
-        lost_group = isinstance(pending, redis.ResponseError) and "NOGROUP" in str(pending)
-        if isinstance(pending, Exception) and not lost_group:
-            raise pending
-        mine = set() if lost_group else {as_str(p["message_id"]) for p in pending}
-        with self._lock:
-            gone = {e.batch.batch_id: e.batch for e in self.inflight.values() if e.batch.batch_id not in mine}
-            gone.update((b.batch_id, b) for b, _, _ in self.retry if b.batch_id not in mine)
-            for bid in gone:
-                self.inflight.pop(bid, None)
-            self.retry = deque(r for r in self.retry if r[0].batch_id not in gone)
-        if lost_group or not registered:
-            self.c.ensure_model(self.contract.model, force=True)
-            self.register(say=False)
-        else:
-            self._beat()  # the lease of what is still pending, renewed before it lapses
-        out = {"rejoined": int(lost_group or not registered)}
-        if gone:
-            out.update(dropped_batches=len(gone), dropped_items=sum(len(b.items) for b in gone.values()))
-        return out
-
     def drain(self) -> None:
         """Stop pulling, finish in-flight work within ``drain_s``; what is left is handed back. With
         Redis away, within ``drain_s`` too: what cannot be written or handed back is left pending
@@ -611,24 +300,6 @@ class Worker:
         self._account()
         event("drained", worker=self.name, finished=self.finished)
 
-    def _leave_pending(self) -> None:
-        """Stopping with Redis away: nothing more can be written. The batches stay pending under
-        this name: once its heartbeat lapses a live worker's sweep reclaims them, or a restart
-        under this name takes them back at once (take_name)."""
-        with self._lock:
-            left = {e.batch.batch_id: e.batch for e in self.inflight.values()}
-            left.update((b.batch_id, b) for b, _, _ in self.retry)
-            ids = sorted(left)
-            items = sum(len(b.items) for b in left.values())
-            unwritten = (sum(len(r) for _, r, _ in self.retry)
-                         + sum(len(e.results) - e.sent for e in self.inflight.values()))
-            self.inflight.clear()
-            self.retry.clear()
-        event("left_pending", worker=self.name, batches=len(ids), items=items, unwritten_results=unwritten,
-              redis_down_s=round(time.monotonic() - (self.link.down_since or time.monotonic()), 3),
-              batch_ids=ids[:20])
-        self.engine.close()
-
     def hand_back(self) -> None:
         """Write what finished, and give unfinished batches to the reclaimed queue at once."""
         self._give_back_inflight()
@@ -651,4 +322,3 @@ class Worker:
         event("handed_back", worker=self.name, batches=len(ids), requeued=res.get("items", 0))
         with self._lock:
             self.inflight.clear()
-

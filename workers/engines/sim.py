@@ -27,6 +27,14 @@ would on a GPU. Parameters (``SimParams``), all in simulated seconds:
   engine admitted into without limit keeps prefilling and decoding, so tokens/s stays high,
   for sequences that lose their work.
 
+* ``max_num_seqs`` (default: the batch size, as vLLM's batch is its ``max_num_seqs``; 0: no limit):
+  sequences it runs at once. What it is given beyond them waits in the engine, first in first out,
+  and starts (paying its prefill then) as running ones finish. ``room`` is a real engine's: a batch's
+  worth once what has not started is under half the last batch it got, else none, so the worker
+  holds about one batch beyond what runs and the backlog stays in Redis, where cancels, priorities
+  and fair share still act on it. With 0 it runs whatever it is given at once and asks for no room
+  of its own (seed 000's engine admitted into without limit: bench/latch_bench.py).
+
 ``time_scale`` multiplies the sleeps (0: never sleep, only count). Counters: simulated time,
 prefix hit and miss tokens, padding tokens, graph rebuilds, shape switches, steps.
 """
@@ -113,12 +121,17 @@ class SimEngine(ContractHolder):
 
     def __init__(self, model: str, *, max_batch_size: int = 64, max_batch_tokens: int = 8192,
                  max_input_len: int = 4096, time_scale: float = 0.0, params: SimParams | None = None,
-                 max_slots: int = 4096) -> None:
+                 max_num_seqs: int | None = None) -> None:
         self._contract = Contract(model=model, max_batch_size=max_batch_size,
                                   max_batch_tokens=max_batch_tokens, max_input_len=max_input_len)
         self.time_scale = time_scale
         self.p = params or SimParams()
-        self.max_slots = max_slots
+        self.max_num_seqs = max_batch_size if max_num_seqs is None else max_num_seqs
+        # Given and not started yet (beyond max_num_seqs), in order; and the size of the last batch
+        # given, pacing's unit (room).
+        self._queued: deque[tuple[Batch, list[BatchItem]]] = deque()
+        self._queued_n = 0
+        self._last_batch = max_batch_size
         self.counters = SimCounters()
         self._prefix_lru: list[str] = []
         self._graphs: set[tuple[int, str, int]] = set()
@@ -147,12 +160,36 @@ class SimEngine(ContractHolder):
         return False
 
     def admit(self, batch: Batch, items: list[BatchItem]) -> list[Finished]:
-        c = self.counters
         refused = [too_long(batch, it, self._contract.max_input_len)
                    for it in items if it.input_tokens > self._contract.max_input_len]
         items = [it for it in items if it.input_tokens <= self._contract.max_input_len]
         if not items:
             return refused
+        self._last_batch = len(items)
+        self._queued.append((batch, items))
+        self._queued_n += len(items)
+        self._start()
+        return refused
+
+    def _running(self) -> int:
+        return len(self._heap) + len(self._resident) + len(self._evicted)
+
+    def _start(self) -> None:
+        """Start what waits, oldest first, while fewer than max_num_seqs run (a batch may start in parts)."""
+        cap = self.max_num_seqs
+        while self._queued and (cap <= 0 or self._running() < cap):
+            batch, items = self._queued[0]
+            n = len(items) if cap <= 0 else min(len(items), cap - self._running())
+            if n < len(items):
+                self._queued[0] = (batch, items[n:])
+            else:
+                self._queued.popleft()
+            self._queued_n -= n
+            self._prefill(batch, items[:n])
+
+    def _prefill(self, batch: Batch, items: list[BatchItem]) -> None:
+        """Items of one batch starting together: their prefill (prefix cache, padding, graph) is paid now."""
+        c = self.counters
         plen = batch.padded_len
         prefix_tokens = min(estimate_tokens(batch.prefix, "") if batch.prefix else 0,
                             min(it.input_tokens for it in items))
@@ -187,7 +224,6 @@ class SimEngine(ContractHolder):
                 self._resident.append(_Seq(self._seq, fin, plen, n))
             else:
                 heapq.heappush(self._heap, (self._step_no + n, self._seq, fin))
-        return refused
 
     def _kv(self) -> int:
         return sum(q.prompt + q.done for q in self._resident)
@@ -232,6 +268,12 @@ class SimEngine(ContractHolder):
         return [q.fin for q in done]
 
     def step(self) -> list[Finished]:
+        self._start()
+        done = self._decode()
+        self._start()  # into the seats the finished ones left, so room() says what waits
+        return done
+
+    def _decode(self) -> list[Finished]:
         if self.p.kv_capacity_tokens:
             if not (self._resident or self._evicted):
                 return []
@@ -252,7 +294,14 @@ class SimEngine(ContractHolder):
         return done
 
     def active(self) -> int:
-        return len(self._heap) + len(self._resident) + len(self._evicted)
+        return self._running() + self._queued_n
+
+    def room(self) -> int | None:
+        """A batch's worth once what has not started is under half the last batch given, else none
+        (vLLM's rule, workers/engines/vllm_engine.py); None (no limit of its own) with max_num_seqs 0."""
+        if self.max_num_seqs <= 0:
+            return None
+        return self._contract.max_batch_size if 2 * self._queued_n < self._last_batch else 0
 
     def prewarm(self, shape: str, lanes: list[int], epoch: int) -> None:
         for plen in lanes:
@@ -261,6 +310,8 @@ class SimEngine(ContractHolder):
                 self.counters.graphs_prewarmed += 1
 
     def close(self) -> None:
+        self._queued.clear()
+        self._queued_n = 0
         self._heap.clear()
         self._resident.clear()
         self._evicted.clear()

@@ -27,6 +27,10 @@ How a batch runs:
   generator of the row's own seeded with ``seed`` (or with the item id), so a row samples the same
   tokens in any batch; ``stop`` ends the row before the first stop string its text contains;
   ``max_tokens`` (``max_completion_tokens``) caps its length.
+* It runs at most ``max_num_seqs`` rows at once (default: the batch size, as vLLM's batch is its
+  ``max_num_seqs``; 0: no limit). Rows given beyond them wait in the engine, first in first out, and are
+  prefilled as running rows finish; ``room`` is vLLM's (a batch's worth once what has not started is
+  under half the last batch given, else none), so the worker holds about one batch beyond what runs.
 * Prefix hits are counted in the item's own ``input_tokens`` (its share of the prompt the cached
   prefix covers): the tokenizer's count of a prompt differs from the producer's, and the hit
   ratio ``conductor run`` reports is against ``input_tokens``.
@@ -36,7 +40,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -127,7 +131,7 @@ class TorchEngine(ContractHolder):
 
     def __init__(self, model: str, *, model_path: str | None = None, max_batch_size: int = 16,
                  max_batch_tokens: int = 8192, max_input_len: int = 1024, device: str | None = None,
-                 prefix_cache_shapes: int = 4, seed: int = 0) -> None:
+                 prefix_cache_shapes: int = 4, seed: int = 0, max_num_seqs: int | None = None) -> None:
         if not model_path:
             raise EngineConfigError("--model-path: the torch engine needs a local model folder, or 'tiny'")
         torch = _torch()
@@ -164,6 +168,10 @@ class TorchEngine(ContractHolder):
         self.prefix_cache_shapes = prefix_cache_shapes
         self.cohorts: list[_Cohort] = []
         self.counters = TorchCounters()
+        self.max_num_seqs = max_batch_size if max_num_seqs is None else max_num_seqs
+        self._queued: deque[tuple[Batch, list[BatchItem]]] = deque()  # given, not started (beyond max_num_seqs)
+        self._queued_n = 0
+        self._last_batch = max_batch_size  # items in the last batch given: pacing's unit (room)
 
     def _load(self, path: str) -> tuple[Any, Any, int]:
         from pathlib import Path
@@ -206,6 +214,33 @@ class TorchEngine(ContractHolder):
 
     # ------------------------------------------------------------------ protocol
     def admit(self, batch: Batch, items: list[BatchItem]) -> list[Finished]:
+        if not items:
+            return []
+        self._last_batch = len(items)
+        self._queued.append((batch, items))
+        self._queued_n += len(items)
+        return self._start()
+
+    def _running(self) -> int:
+        return sum(len(c.items) for c in self.cohorts)
+
+    def _start(self) -> list[Finished]:
+        """Prefill what waits, oldest first, while fewer than max_num_seqs rows run (a batch may start in
+        parts); returns the rows refused or finished at once."""
+        out: list[Finished] = []
+        cap = self.max_num_seqs
+        while self._queued and (cap <= 0 or self._running() < cap):
+            batch, items = self._queued[0]
+            n = len(items) if cap <= 0 else min(len(items), cap - self._running())
+            if n < len(items):
+                self._queued[0] = (batch, items[n:])
+            else:
+                self._queued.popleft()
+            self._queued_n -= n
+            out += self._prefill(batch, items[:n])
+        return out
+
+    def _prefill(self, batch: Batch, items: list[BatchItem]) -> list[Finished]:
         torch = self.torch
         limit = self._contract.max_input_len
         pre_ids, pre_cache = self._prefix(batch.shape, batch.prefix)
@@ -346,14 +381,23 @@ class TorchEngine(ContractHolder):
             done += self._harvest(c)
         if self.cohorts or done:
             self.counters.decode_steps += 1
-        return done
+        return done + self._start()  # into the rows the finished ones left
 
     def active(self) -> int:
-        return sum(len(c.items) for c in self.cohorts)
+        return self._running() + self._queued_n
+
+    def room(self) -> int | None:
+        """A batch's worth once what has not started is under half the last batch given, else none
+        (vLLM's rule, workers/engines/vllm_engine.py); None (no limit of its own) with max_num_seqs 0."""
+        if self.max_num_seqs <= 0:
+            return None
+        return self._contract.max_batch_size if 2 * self._queued_n < self._last_batch else 0
 
     def prewarm(self, shape: str, lanes: list[int], epoch: int) -> None:
         """Nothing to build ahead for eager PyTorch; the prefix KV is computed with the first batch."""
 
     def close(self) -> None:
+        self._queued.clear()
+        self._queued_n = 0
         self.cohorts.clear()
         self._prefixes.clear()

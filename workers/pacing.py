@@ -1,0 +1,40 @@
+"""How much a worker claims: claims follow the engine (issue 37).
+
+A worker asks for at most what its engine wants now, so the backlog waits in Redis, where a cancel,
+a priority or a tenant's fair share still acts on it. Three limits, the smallest wins:
+
+* the admission latch's room under its high-water mark (workers/latch.py), when one is set;
+* the pending ceiling (``--pending-ceiling``): items pulled and not yet written back;
+* the engine's own ``room`` (workers/engines/base.py): an engine that runs a bounded set at once (vLLM's
+  ``max_num_seqs``; the sim and torch engines the same way, their batch by default) says it wants a
+  batch's worth only once what it has not started is under half the last batch it got, so the worker
+  holds about one batch beyond what the engine runs; ``openai`` counts what it has not sent. An engine
+  with no limit of its own (None) leaves it to the other two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from conductor.redis_contract.records import Contract
+
+from .engines.base import Engine
+from .latch import AdmissionLatch
+
+
+def free_slots(latch: AdmissionLatch, engine: Engine, pending_ceiling: int | None,
+               pending: Callable[[], int]) -> int | None:
+    """How many items one pull may ask for (None: only the engine's contract limits it)."""
+    limits = [x for x in (latch.room(engine.active()),
+                          None if pending_ceiling is None else pending_ceiling - pending(),
+                          engine.room()) if x is not None]
+    return min(limits) if limits else None
+
+
+def claim_contract(contract: Contract, free: int | None) -> Contract | None:
+    """The contract one claim asks under: the engine's, its batch cut to ``free``; None: no room now."""
+    if free is not None and free <= 0:
+        return None
+    size = contract.max_batch_size if free is None else min(contract.max_batch_size, free)
+    return Contract(model=contract.model, max_batch_size=size, max_batch_tokens=contract.max_batch_tokens,
+                    max_input_len=contract.max_input_len)
