@@ -45,10 +45,10 @@ local base, state_key, batches_key, job_key, items_key, results_key, registry_ke
   KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local job, model, cursor, count, code, message = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5], ARGV[6]
 if #ARGV ~= 6 then return redis.error_reply('ERR_ARG argv: expected 6 arguments, got ' .. #ARGV) end
-if not job or #job < 1 or #job > 128 or not string.match(job, '^[%w%._/@+=-]+$') then
+if not name_ok(job) then
   return redis.error_reply('ERR_ARG job: invalid job name')
 end
-if not model or #model < 1 or #model > 128 or not string.match(model, '^[%w%._/@+=-]+$') then
+if not name_ok(model) then
   return redis.error_reply('ERR_ARG model: invalid model name')
 end
 local lane_key, seg_key = nil, nil
@@ -175,14 +175,12 @@ local ends = job_end_read(base, job)
 -- The writes: one result, one done mark and one failed count per item, as complete.lua writes them
 -- (kept in this one block so that a move of the worker-owned keys re-points it in one place).
 local now = now_ms()
-local head = ',"model":' .. json_str(model) .. ',"job":' .. json_str(job) ..
-  ',"output":"","output_tokens":0,"error":{"code":' .. json_str(code) .. ',"message":' .. json_str(message) ..
-  '},"shape":"","epoch":0,"lane":0,"batch":"","batch_size":0,"batch_padded_len":0,"input_tokens":'
-local tail = ',"worker":"","claimed_at":0,"finished_at":' .. now .. ',"deliveries":0,"payload":'
+local res = {model = model, job = job, error = {code = code, message = message}, finished_at = now, deliveries = 0}
 local marks = {}
 for _, id in ipairs(ids) do
   local rec = recs[id] or {0, 'null'}
-  redis.call('XADD', results_key, '*', 'id', id, 'r', '{"id":' .. json_str(id) .. head .. rec[1] .. tail .. rec[2] .. '}')
+  res.id, res.input_tokens, res.payload = id, rec[1], rec[2]
+  redis.call('XADD', results_key, '*', 'id', id, 'r', result_record(res))
   marks[#marks + 1] = id
   marks[#marks + 1] = 'd'
 end

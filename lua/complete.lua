@@ -41,18 +41,20 @@ if not stream_id_ok(bid) then
   return redis.error_reply('ERR_ARG batch_id: must be a stream id like 1700000000000-0 (two whole numbers below 2^64)')
 end
 if final ~= '0' and final ~= '1' then return redis.error_reply('ERR_ARG final: must be 0 or 1') end
-if not int_in(n, 0, 65536) then return redis.error_reply('ERR_ARG n: result count must be an integer in 0..65536') end
+if not int_in(n, 0, RULES.MAX_BATCH_ITEMS) then
+  return redis.error_reply('ERR_ARG n: result count must be an integer in 0..' .. RULES.MAX_BATCH_ITEMS)
+end
 if #ARGV ~= 3 + 4 * n then
   return redis.error_reply('ERR_ARG argv: expected ' .. (3 + 4 * n) .. ' arguments, got ' .. #ARGV)
 end
 for i = 0, n - 1 do
   local o = 4 + 4 * i
   local job = ARGV[o]
-  if #job < 1 or #job > 128 or not string.match(job, '^[%w%._/@+=-]+$') then
+  if not name_ok(job) then
     return redis.error_reply('ERR_ARG job: invalid job name at result ' .. i)
   end
-  if #ARGV[o + 1] < 1 or #ARGV[o + 1] > 512 then
-    return redis.error_reply('ERR_ARG id: must be 1..512 bytes at result ' .. i)
+  if #ARGV[o + 1] < 1 or #ARGV[o + 1] > RULES.MAX_ID_BYTES then
+    return redis.error_reply('ERR_ARG id: must be 1..' .. RULES.MAX_ID_BYTES .. ' bytes at result ' .. i)
   end
   if ARGV[o + 2] ~= 'ok' and ARGV[o + 2] ~= 'err' then
     return redis.error_reply('ERR_ARG status: must be ok or err at result ' .. i)
@@ -62,11 +64,6 @@ for i = 0, n - 1 do
     return redis.error_reply('ERR_ARG result: larger than 33554432 bytes at result ' .. i)
   end
 end
-
--- A request job (conductor/keys.py REQUEST_JOB_PREFIX, conductor/request.py): its caller waits on a
--- reply list of each item's own.
-local function is_request(job) return string.sub(job, 1, 3) == 'rq.' end
-local REPLY_TTL_MS = 60000
 
 -- Every command this call may run, on the keys it may run it on, before the first write.
 local refused = acl_refused(function(ok)
@@ -167,7 +164,7 @@ for _, job in ipairs(order) do
       if is_request(job) then
         local rk = base .. ':reply:' .. job .. ':' .. id
         redis.call('LPUSH', rk, ARGV[o + 3])
-        redis.call('PEXPIRE', rk, REPLY_TTL_MS)
+        redis.call('PEXPIRE', rk, RULES.REPLY_TTL_MS)
       end
       if ARGV[o + 2] == 'ok' then ok_n = ok_n + 1 else err_n = err_n + 1 end
       add_tokens(g, ARGV[o + 3])

@@ -64,8 +64,8 @@
 local base, cfg_key, state_key = KEYS[1], KEYS[2], KEYS[3]
 local intake_key = base .. ':intake'
 local n = tonumber(ARGV[1])
-if not int_in(n, 1, 5000) then
-  return redis.error_reply('ERR_ARG n: item count must be an integer in 1..5000')
+if not int_in(n, 1, RULES.MAX_CALL_ITEMS) then
+  return redis.error_reply('ERR_ARG n: item count must be an integer in 1..' .. RULES.MAX_CALL_ITEMS)
 end
 if #ARGV ~= 2 + 3 * n and #ARGV ~= 3 + 3 * n then
   return redis.error_reply('ERR_ARG argv: expected ' .. (2 + 3 * n) .. ' arguments (or one more: the sums), got ' .. #ARGV)
@@ -75,7 +75,7 @@ if sums and (#sums ~= 16 * n or not string.match(sums, '^[0-9a-f]*$')) then
   return redis.error_reply('ERR_ARG sums: must be 16 lowercase hex digits per item, ' .. 16 * n .. ' in all')
 end
 local job = ARGV[2]
-if #job < 1 or #job > 128 or not string.match(job, '^[%w%._/@+=-]+$') then
+if not name_ok(job) then
   return redis.error_reply('ERR_ARG job: invalid job name')
 end
 local call, err = check_items(ARGV, n, job)

@@ -37,13 +37,16 @@ from conductor.errors import BadInput
 from conductor.intake.signature import shape_signature
 from conductor.redis_contract.keys import check_name
 from conductor.redis_contract.records import PreparedItem
+from conductor.redis_contract.rules import (
+    DEFAULT_MAX_TOKENS,
+    MAX_ID_BYTES,
+    MAX_INPUT_TOKENS,
+    MAX_OUTPUT_TOKENS,
+    MAX_PREFIX_PARTS,
+)
 
 MAX_LINE_BYTES = 4 * 1024 * 1024
 MAX_PAYLOAD_BYTES = 1024 * 1024
-MAX_ID_BYTES = 512
-MAX_PREFIX_PARTS = 256
-MAX_INPUT_TOKENS = 16_777_216
-MAX_OUTPUT_TOKENS = 1_048_576
 
 _NATIVE_FIELDS = {"id", "model", "prefix", "prompt", "input_tokens", "max_tokens", "payload"}
 
@@ -224,7 +227,6 @@ CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
 _OPENAI_FIELDS = {"custom_id", "method", "url", "body"}
-DEFAULT_MAX_TOKENS = 1024  # config.py's default_max_tokens, for a parse without a Redis to ask
 
 MaxTokensDefault = Callable[[str], int]
 

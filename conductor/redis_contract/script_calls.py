@@ -18,6 +18,7 @@ import redis
 
 from conductor.errors import BadInput, Conflict, Paused, QueueFull
 from conductor.redis_contract import keys as K
+from conductor.redis_contract import rules
 from conductor.redis_contract.connection import as_str
 from conductor.redis_contract.item_record import item_record, record_head, record_sum
 from conductor.redis_contract.records import Contract, PreparedItem, Result, json_encoder
@@ -283,7 +284,8 @@ class FailReply(NamedTuple):
 
 def fail(mk: K.ModelKeys, batch_id: str, consumer: str, reason: str) -> Call[FailReply]:
     """lua/fail.lua: a batch the engine could not run, given back (or dead-lettered)."""
-    return Call("fail", [mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed], [batch_id, consumer, reason[:4096]],
+    return Call("fail", [mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed],
+                [batch_id, consumer, reason[:rules.MAX_REASON_BYTES]],
                 lambda raw: FailReply(int(raw[0]), int(raw[1])))
 
 
