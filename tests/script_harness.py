@@ -39,7 +39,7 @@ class Call:
 
 
 def claim_call(consumer: str = "w", size: int = 64, tokens: int = 8192, token: str = "t0k3n") -> Call:
-    return Call("claim", [MK.base, MK.cfg, MK.state, MK.batches, MK.reclaimed], [consumer, size, tokens, 4096, token])
+    return Call("claim", [MK.base, MK.cfg, MK.state, MK.batches, MK.reclaimed], [consumer, size, tokens, token])
 
 
 def complete_call(batch: Any, results: list, final: int = 1) -> Call:

@@ -196,8 +196,10 @@ STATE_FIELDS: dict[str, str] = {
     "dead_retried": "dead-lettered items sent back by dead_retry.lua",
     "activations": "shape instances activated",
     "preemptions": "active instances stepped back to staged by aging",
-    "fair_switches": "workers that left their shape for a tenant short of its share (lua/lib_serve.lua rebalance)",
-    "fair_loans": "batches a worker took, keeping its shape, for a tenant behind in service (lua/lib_serve.lua lend)",
+    "fair_switches": "workers that left their shape for a tenant short of its share "
+                     "(lua/lib_rebalance.lua rebalance)",
+    "fair_loans": "batches a worker took, keeping its shape, for a tenant behind in service (lua/lib_rebalance.lua "
+                  "lend)",
     "shapes_finished": "shape instances emptied and finished",
     "warming": "the shape instance last marked warming (for inspect)",
     "warmings": "instances marked warming (pre-warm signals)",

@@ -257,7 +257,7 @@ def claim_reply(raw: Any) -> Claimed | NoBatch:
 def claim(mk: K.ModelKeys, contract: Contract, consumer: str, token: str) -> Call[Claimed | NoBatch]:
     """lua/claim.lua: one batch under ``contract`` moved to the list ``mk.batch_items(token)``."""
     return Call("claim", [mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed],
-                [consumer, contract.max_batch_size, contract.max_batch_tokens, contract.max_input_len, token],
+                [consumer, contract.max_batch_size, contract.max_batch_tokens, token],
                 claim_reply)
 
 
