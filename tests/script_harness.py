@@ -527,48 +527,63 @@ def cancel_waiting(c: Conductor) -> Call:
     return call
 
 
-def _items_call(*args: Any) -> Call:
-    return Call("repair_items", [MK.base, MK.state, MK.batches, MK.reclaimed], list(args))
+def _pack(c: Conductor, iid: str) -> None:
+    """Item ``iid`` of job j, answered, packed (lua/compact_ids.lua): done as much as a done mark."""
+    c.r.hset(MK.job_items("j"), iid, "d")
+    c.scripts.compact_ids(keys=[MK.job_items("j"), MK.job_sums("j"), MK.job_packed("j"), MK.state], args=[1, 1, iid])
 
 
-def repair_items_leaked_batch(c: Conductor) -> Call:
+def repair_items_leaked_batch(c: Conductor, packed: bool = False) -> Call:
     """A batch acked but never deleted (leaked), one of its items done; another batch pending."""
     quick(c)
     c.submit([item(i, 10) for i in range(8)], "j")
     b, _ = c.claim(contract(4, max_input_len=4096), "w")
     c.claim(contract(4, max_input_len=4096), "w2")
     c.complete(b, results_for(b)[:1], final=False)
+    if packed:
+        _pack(c, b.items[0].id)
     c.r.xack(MK.batches, K.GROUP, b.batch_id)
     token = c.r.xrange(MK.batches, b.batch_id, b.batch_id)[0][1][b"k"].decode()
-    return _items_call("batch", token, b.shape, b.epoch, b.lane, 2, b.batch_id)
+    return Call("repair_items_batch", [MK.base, MK.state, MK.batches, MK.reclaimed],
+                [token, b.shape, b.epoch, b.lane, 2, b.batch_id])
 
 
-def repair_items_gone_lane(c: Conductor) -> Call:
+def repair_items_packed_in_batch(c: Conductor) -> Call:
+    return repair_items_leaked_batch(c, packed=True)
+
+
+def repair_items_gone_lane(c: Conductor, packed: bool = False) -> Call:
     """A lane of a gone instance, with an item done and a record no job knows."""
     quick(c)
     c.submit([item(i, 10) for i in range(4)], "j")
     inst = inst_of(c)
     c.r.delete(MK.inst(inst))
-    c.r.hset(MK.job_items("j"), "0", "d")
+    if packed:
+        _pack(c, "0")
+    else:
+        c.r.hset(MK.job_items("j"), "0", "d")
     c.r.rpush(MK.lane(inst, 0), b'["ghost","nojob",10,5,"p",null]')
     c.r.rpush(MK.lane_tok(inst, 0), 10)
-    return _items_call("lane", f"{inst}:0")
+    return Call("repair_items_lane", [MK.base, MK.state, MK.reclaimed], [f"{inst}:0"])
+
+
+def repair_items_packed_in_gone_lane(c: Conductor) -> Call:
+    return repair_items_gone_lane(c, packed=True)
 
 
 def repair_items_done_in_lane(c: Conductor) -> Call:
     quick(c)
     c.submit([item(i, 10) for i in range(4)], "j")
     c.r.hset(MK.job_items("j"), "1", "d")
-    return _items_call("done", f"{inst_of(c)}:0")
+    return Call("repair_items_done", [MK.base, MK.state], [f"{inst_of(c)}:0"])
 
 
 def repair_items_packed_in_lane(c: Conductor) -> Call:
     """An item answered and packed (lua/compact_ids.lua) that still waits in a lane is done too."""
     quick(c)
     c.submit([item(i, 10) for i in range(4)], "j")
-    c.r.hset(MK.job_items("j"), "1", "d")
-    c.scripts.compact_ids(keys=[MK.job_items("j"), MK.job_sums("j"), MK.job_packed("j"), MK.state], args=[1, 1, "1"])
-    return _items_call("done", f"{inst_of(c)}:0")
+    _pack(c, "1")
+    return Call("repair_items_done", [MK.base, MK.state], [f"{inst_of(c)}:0"])
 
 
 def ensure_model_new(c: Conductor) -> Call:
@@ -730,8 +745,9 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "dead_retry": [dead_retry, dead_retry_packed],
     "reindex": [reindex],
     "repair": [repair, repair_unstaged, repair_gone_instance],
-    "repair_items": [repair_items_leaked_batch, repair_items_gone_lane, repair_items_done_in_lane,
-                     repair_items_packed_in_lane],
+    "repair_items_batch": [repair_items_leaked_batch, repair_items_packed_in_batch],
+    "repair_items_lane": [repair_items_gone_lane, repair_items_packed_in_gone_lane],
+    "repair_items_done": [repair_items_done_in_lane, repair_items_packed_in_lane],
     "trim": [trim_pending, trim_idle],
     "trim_results": [trim_results],
     "ensure_model": [ensure_model_new, ensure_model_known],

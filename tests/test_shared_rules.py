@@ -27,7 +27,7 @@ SAME_VALUE_OTHER_RULE = {
     ("register.lua", 4096): "a worker's contract JSON, not a failure reason",
     ("intake_create.lua", 4096): "an intake task's text field, not a failure reason",
     ("ensure_model.lua", 128): "config arguments (names and values), not a name's length",
-    ("repair_items.lua", 256): "items per reclaimed entry, not prefix strings",
+    ("lib_repair_items.lua", 256): "items per reclaimed entry, not prefix strings",
 }
 
 

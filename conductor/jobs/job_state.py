@@ -14,8 +14,8 @@ status from the same fields, the moment the last result is written.
 Cancel (and expiry, the same with the code ``expired``): the job's waiting items get an error
 result in bounded steps (lua/cancel.lua: one lane per call, so that the answer keeps the item's
 payload and input tokens from its record; then one HSCAN page of the job's items per call), in-flight
-batches finish and keep their results, then the answered items leave the lanes (lua/repair_items.lua
-'done' per lane, lua/repair.lua per shape instance). The job ends ``cancelled`` (``expired``) once
+batches finish and keep their results, then the answered items leave the lanes
+(lua/repair_items_done.lua per lane, lua/repair.lua per shape instance). The job ends ``cancelled`` (``expired``) once
 nothing is pending, with completed + failed = total. Cancel and expiry act on a job in any state
 that has not ended, ``validating`` included (a batch whose intake died): lines its intake never
 submitted are answered by the end itself, derived from the kept input (conductor/verify/job_ledger.py).
@@ -377,7 +377,7 @@ def _sweep(c: Conductor, job: str, how: str) -> int:
 
 def withdraw(c: ScriptClient, model: str) -> int:
     """Answered items out of the lanes of ``model``'s live shape instances (one lane per
-    repair_items.lua call, then one repair.lua call per instance that changed): items nothing
+    repair_items_done.lua call, then one repair.lua call per instance that changed): items nothing
     will run no longer hold a worker or count as waiting."""
     r = c.r
     mk = K.ModelKeys(model)
@@ -387,7 +387,7 @@ def withdraw(c: ScriptClient, model: str) -> int:
         changed = False
         for lane in r.zrange(mk.inst_lanes(inst), 0, -1):
             try:
-                n = calls.repair_items(mk, "done", f"{inst}:{as_str(lane)}").run(c.scripts).cleared
+                n = calls.repair_items_done(mk, f"{inst}:{as_str(lane)}").run(c.scripts).cleared
             except (redis.ResponseError, ConductorError) as e:  # a lane claimed away meanwhile, a finished instance
                 log.debug("withdraw %s %s:%s: %s", model, inst, as_str(lane), e)
                 continue

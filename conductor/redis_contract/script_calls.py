@@ -354,10 +354,27 @@ class RepairItemsReply(NamedTuple):
     left: int  # no job of the model knows them
 
 
-def repair_items(mk: K.ModelKeys, kind: str, *place: Any) -> Call[RepairItemsReply]:
-    """lua/repair_items.lua: the items of one orphaned place put back (``kind``: batch, lane, done)."""
-    return Call("repair_items", [mk.base, mk.state, mk.batches, mk.reclaimed], [kind, *place],
-                lambda raw: RepairItemsReply(*(int(x) for x in raw)))
+def _repair_items(raw: Any) -> RepairItemsReply:
+    return RepairItemsReply(*(int(x) for x in raw))
+
+
+def repair_items_batch(mk: K.ModelKeys, token: str, sig: str, epoch: int, lane: int, deliveries: int,
+                       entry_id: str) -> Call[RepairItemsReply]:
+    """lua/repair_items_batch.lua: the items of a batch list no pending batch names put back (as a
+    batch of lane ``lane`` of instance ``sig``:``epoch``), and its leaked batches entry ``entry_id``
+    ('' : none) deleted."""
+    return Call("repair_items_batch", [mk.base, mk.state, mk.batches, mk.reclaimed],
+                [token, sig, epoch, lane, deliveries, entry_id], _repair_items)
+
+
+def repair_items_lane(mk: K.ModelKeys, lane: str) -> Call[RepairItemsReply]:
+    """lua/repair_items_lane.lua: the items of a lane ("S:E:L") of a gone instance put back."""
+    return Call("repair_items_lane", [mk.base, mk.state, mk.reclaimed], [lane], _repair_items)
+
+
+def repair_items_done(mk: K.ModelKeys, lane: str) -> Call[RepairItemsReply]:
+    """lua/repair_items_done.lua: the items with a result taken out of a lane ("S:E:L") of a live instance."""
+    return Call("repair_items_done", [mk.base, mk.state], [lane], _repair_items)
 
 
 class CancelReply(NamedTuple):

@@ -25,9 +25,9 @@ _INCLUDE = re.compile(r"^--@include\s+(\S+)\s*$", re.M)
 GENERATED = "lib_generated.lua"
 # Every script of lua/ that is run (lib*.lua are includes); tests/test_scripts.py holds the two to each other.
 NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex", "seal", "ensure_model", "register",
-         "heartbeat", "declare", "dead_retry", "repair_items", "trim", "trim_results", "lease",
-         "cancel", "register_segment", "fail_stored", "offload_results", "take_name", "job_class",
-         "intake_create", "intake_lease", "intake_cursor", "compact_ids", "batch_finalize",
+         "heartbeat", "declare", "dead_retry", "repair_items_batch", "repair_items_lane", "repair_items_done",
+         "trim", "trim_results", "lease", "cancel", "register_segment", "fail_stored", "offload_results",
+         "take_name", "job_class", "intake_create", "intake_lease", "intake_cursor", "compact_ids", "batch_finalize",
          "schema_init")
 
 
@@ -87,7 +87,9 @@ class Scripts:
     heartbeat: redis.commands.core.Script
     declare: redis.commands.core.Script
     dead_retry: redis.commands.core.Script
-    repair_items: redis.commands.core.Script
+    repair_items_batch: redis.commands.core.Script
+    repair_items_lane: redis.commands.core.Script
+    repair_items_done: redis.commands.core.Script
     trim: redis.commands.core.Script
     trim_results: redis.commands.core.Script
     lease: redis.commands.core.Script
