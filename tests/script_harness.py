@@ -516,15 +516,38 @@ def trim_results(c: Conductor) -> Call:
                 [int(time.time() * 1000) + 1000])
 
 
+_CANCEL_KEYS = [MK.base, MK.state, MK.batches, MK.job("j"), MK.job_items("j"), MK.job_results("j")]
+_CANCEL_ARGS = ["j", "m", "cancelled", "the batch was cancelled"]
+
+
+def _answered(n: int) -> Callable[[redis.Redis], bool]:
+    return lambda r: r.hget(MK.job("j"), "failed") == str(n).encode() and r.xlen(MK.job_results("j")) == n
+
+
 def cancel_waiting(c: Conductor) -> Call:
     """Waiting items of job j answered 'cancelled', the in-flight batch's items left alone."""
     quick(c)
     c.submit([item(i, 10) for i in range(12)], "j")
     assert len(c.claim(contract(4, max_input_len=4096), "w")[0].items) == 4
-    keys = [MK.base, MK.state, MK.batches, MK.job("j"), MK.job_items("j"), MK.job_results("j"), MK.job_sums("j")]
-    call = Call("cancel", keys, ["j", "m", "0", 1000, "cancelled", "the batch was cancelled"])
-    call.check = lambda r: r.hget(MK.job("j"), "failed") == b"8" and r.xlen(MK.job_results("j")) == 8
-    return call
+    return Call("cancel_registry", [*_CANCEL_KEYS, MK.job_sums("j")], [*_CANCEL_ARGS, "0", 1000], check=_answered(8))
+
+
+def cancel_lane_waiting(c: Conductor) -> Call:
+    """Job j's waiting items of a lane answered with their records' tokens, the in-flight ones left alone."""
+    quick(c)
+    c.submit([item(i, 10) for i in range(12)], "j")
+    assert len(c.claim(contract(4, max_input_len=4096), "w")[0].items) == 4
+    return Call("cancel_lane", _CANCEL_KEYS, [*_CANCEL_ARGS, f"{inst_of(c)}:0"], check=_answered(8))
+
+
+def cancel_segment_waiting(c: Conductor) -> Call:
+    """Job j's ids waiting in a store segment answered; an in-flight batch read and left alone."""
+    quick(c)
+    c.submit([item(i, 10) for i in range(4)], "j")
+    c.claim(contract(4, max_input_len=4096), "w")
+    seg, reg = _stored(c, 3)
+    reg.run(c.scripts)
+    return Call("cancel_segment", _CANCEL_KEYS, [*_CANCEL_ARGS, seg.name], check=_answered(3))
 
 
 def _pack(c: Conductor, iid: str) -> None:
@@ -757,7 +780,9 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "declare": [declare],
     "lease": [lease_free, lease_mine, lease_taken, lease_handed_back],
     "take_name": [take_name_free, take_name_next, take_name_none_free],
-    "cancel": [cancel_waiting],
+    "cancel_registry": [cancel_waiting],
+    "cancel_lane": [cancel_lane_waiting],
+    "cancel_segment": [cancel_segment_waiting],
     "batch_finalize": [batch_finalize_start, batch_finalize_done],
 }
 

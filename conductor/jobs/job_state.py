@@ -359,14 +359,14 @@ def _sweep(c: Conductor, job: str, how: str) -> int:
         insts = {as_str(i) for i in c.r.zrange(mk.active, 0, -1)} | {as_str(i) for i in c.r.zrange(mk.staged, 0, -1)}
         for inst in sorted(insts):
             for lane in c.r.zrange(mk.inst_lanes(inst), 0, -1):
-                total += calls.cancel(mk, job, model, f"lane:{inst}:{as_str(lane)}", STEP, how, message).run(
+                total += calls.cancel_lane(mk, job, model, f"{inst}:{as_str(lane)}", how, message).run(
                     c.scripts).answered
         # store segments of the job: their ids wait in no lane and no registry entry (schema 6)
         for name in job_segments(c.r, mk, job):
-            total += calls.cancel(mk, job, model, f"seg:{name}", STEP, how, message).run(c.scripts).answered
+            total += calls.cancel_segment(mk, job, model, name, how, message).run(c.scripts).answered
         cursor = "0"
         while True:
-            step = calls.cancel(mk, job, model, cursor, STEP, how, message).run(c.scripts)
+            step = calls.cancel_registry(mk, job, model, cursor, STEP, how, message).run(c.scripts)
             cursor = step.cursor
             total += step.answered
             if cursor == "0":

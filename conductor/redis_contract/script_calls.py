@@ -383,12 +383,32 @@ class CancelReply(NamedTuple):
     in_flight: int  # items skipped because a pending batch holds them
 
 
-def cancel(mk: K.ModelKeys, job: str, model: str, cursor: str, count: int, code: str,
-           message: str) -> Call[CancelReply]:
-    """lua/cancel.lua: one bounded step of cancelling (``code`` cancelled) or expiring a job on one model."""
-    return Call("cancel", [mk.base, mk.state, mk.batches, mk.job(job), mk.job_items(job), mk.job_results(job),
-                           mk.job_sums(job)], [job, model, cursor, count, code, message],
-                lambda raw: CancelReply(as_str(raw[0]), int(raw[1]), int(raw[2])))
+def _cancel_reply(raw: Any) -> CancelReply:
+    return CancelReply(as_str(raw[0]), int(raw[1]), int(raw[2]))
+
+
+def _cancel_keys(mk: K.ModelKeys, job: str) -> list[str]:
+    return [mk.base, mk.state, mk.batches, mk.job(job), mk.job_items(job), mk.job_results(job)]
+
+
+def cancel_registry(mk: K.ModelKeys, job: str, model: str, cursor: str, count: int, code: str,
+                    message: str) -> Call[CancelReply]:
+    """lua/cancel_registry.lua: one bounded step of cancelling (``code`` cancelled) or expiring a job on
+    one model, over about ``count`` ids of its id registry from ``cursor``."""
+    return Call("cancel_registry", [*_cancel_keys(mk, job), mk.job_sums(job)],
+                [job, model, code, message, cursor, count], _cancel_reply)
+
+
+def cancel_lane(mk: K.ModelKeys, job: str, model: str, lane: str, code: str, message: str) -> Call[CancelReply]:
+    """lua/cancel_lane.lua: the job's waiting items of one lane ("S:E:L") answered, with their input
+    tokens and payloads (the cursor comes back '0')."""
+    return Call("cancel_lane", _cancel_keys(mk, job), [job, model, code, message, lane], _cancel_reply)
+
+
+def cancel_segment(mk: K.ModelKeys, job: str, model: str, name: str, code: str, message: str) -> Call[CancelReply]:
+    """lua/cancel_segment.lua: the job's ids waiting in store segment ``name`` answered (the cursor
+    comes back '0')."""
+    return Call("cancel_segment", _cancel_keys(mk, job), [job, model, code, message, name], _cancel_reply)
 
 
 # ---------------------------------------------------------------------------- the disk tier (conductor/tier/spill.py)

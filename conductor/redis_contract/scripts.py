@@ -26,7 +26,8 @@ GENERATED = "lib_generated.lua"
 # Every script of lua/ that is run (lib*.lua are includes); tests/test_scripts.py holds the two to each other.
 NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex", "seal", "ensure_model", "register",
          "heartbeat", "declare", "dead_retry", "repair_items_batch", "repair_items_lane", "repair_items_done",
-         "trim", "trim_results", "lease", "cancel", "register_segment", "fail_stored", "offload_results",
+         "trim", "trim_results", "lease", "cancel_registry", "cancel_lane", "cancel_segment",
+         "register_segment", "fail_stored", "offload_results",
          "take_name", "job_class", "intake_create", "intake_lease", "intake_cursor", "compact_ids", "batch_finalize",
          "schema_init")
 
@@ -93,7 +94,9 @@ class Scripts:
     trim: redis.commands.core.Script
     trim_results: redis.commands.core.Script
     lease: redis.commands.core.Script
-    cancel: redis.commands.core.Script
+    cancel_registry: redis.commands.core.Script
+    cancel_lane: redis.commands.core.Script
+    cancel_segment: redis.commands.core.Script
     register_segment: redis.commands.core.Script
     fail_stored: redis.commands.core.Script
     offload_results: redis.commands.core.Script
