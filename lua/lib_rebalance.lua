@@ -94,7 +94,8 @@ local function rebalance(c, inst, info)
       -- service, not workers, is what is shared: a tenant whose counter leads one no better staffed
       -- (for its weight) by two batches' worth lends it this worker, whatever the staffing says
       local behind = def[key] >= dmine - 1e-9 and lead > gap
-      if (short or behind) and (not best or def[key] > best or (def[key] == best and vtc[x.name] < vtc[ten[to].name])) then
+      local better = not best or def[key] > best or (def[key] == best and vtc[x.name] < vtc[ten[to].name])
+      if (short or behind) and better then
         to, best, moved = key, def[key], short
       end
     end

@@ -9,8 +9,8 @@
 -- too: the edge refuses first; the script refuses what other clients send.
 
 -- argv: submit.lua's ARGV (3 fields per item from argv[3]), n items, job the call's job.
--- Returns call = {tokens (input tokens of the call), ids, toks and mts (per item: input tokens, output limit), sigs (set of the
--- call's signatures), prefixes (per signature, the first prefix the call carries), depth (per
+-- Returns call = {tokens (input tokens of the call), ids, toks and mts (per item: input tokens, output
+-- limit), sigs (set of the call's signatures), prefixes (per signature, the first prefix the call carries), depth (per
 -- signature, {tokens, items} the call brings)}, or nil and the error reply to return.
 local function check_items(argv, n, job)
   local call_tokens = 0
@@ -89,7 +89,8 @@ local function check_items(argv, n, job)
     d.tokens = d.tokens + tok
     d.items = d.items + 1
   end
-  return {tokens = call_tokens, ids = ids, toks = toks, mts = mts, sigs = sigs_ok, prefixes = prefixes, depth = call_depth}
+  return {tokens = call_tokens, ids = ids, toks = toks, mts = mts, sigs = sigs_ok, prefixes = prefixes,
+    depth = call_depth}
 end
 
 -- A signature without a stored prefix (a new one) needs the call to carry it: workers read the

@@ -68,7 +68,8 @@ if not int_in(n, 1, RULES.MAX_CALL_ITEMS) then
   return redis.error_reply('ERR_ARG n: item count must be an integer in 1..' .. RULES.MAX_CALL_ITEMS)
 end
 if #ARGV ~= 2 + 3 * n and #ARGV ~= 3 + 3 * n then
-  return redis.error_reply('ERR_ARG argv: expected ' .. (2 + 3 * n) .. ' arguments (or one more: the sums), got ' .. #ARGV)
+  return redis.error_reply('ERR_ARG argv: expected ' .. (2 + 3 * n) .. ' arguments (or one more: the sums), got ' ..
+    #ARGV)
 end
 local sums = ARGV[3 + 3 * n]
 if sums and (#sums ~= 16 * n or not string.match(sums, '^[0-9a-f]*$')) then
