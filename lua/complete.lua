@@ -23,7 +23,8 @@
 --   moves q -> d exactly once; an answered id compacted to M:job:J:packed counts as d), only while
 --   the item is in this pending batch's items list, so a batch completed twice, or completed by a
 --   slow worker after a reclaim handed it on, never duplicates a result and never marks done an
---   item that waits elsewhere; counters move with the writes. Every argument is checked, and the batch and its items are read, before the first write.
+--   item that waits elsewhere; counters move with the writes. Every argument is checked, and the
+--   batch and its items are read, before the first write.
 -- While the model is paused (conductor pause) it refuses with 'PAUSED ...', nothing written.
 -- Request jobs (a name starting with rules.py REQUEST_JOB_PREFIX, conductor/client/request.py): each newly
 --   written result is also pushed to cdr:{model}:reply:<job>:<id> (a list, expiring after rules.py
