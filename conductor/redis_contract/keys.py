@@ -126,7 +126,7 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
                                              feed) and fail_stored.lua take out; the segment of an id is
                                              the one whose M:seg:N:ids names it
     M:job:J                         hash     the fleet's job counters for this model: completed, failed
-                                             (cancelled and expired: how many of failed lua/cancel.lua answered)
+                                             (cancelled and expired: how many of failed lua/lib_cancel.lua answered)
     M:job:J:items                   hash     item id -> d: the item has its result (effectively-once)
     M:job:J:packed                  hash     answered ids moved out of M:in:J:sums and M:job:J:items by the
                                              lease holder (lua/compact_ids.lua; issue 25): k (bucket digits),
