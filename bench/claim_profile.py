@@ -120,7 +120,7 @@ def profile(r: redis.Redis, n: int, claims: int, log=print) -> dict[str, object]
     copy_sha, as_is_sha = r.script_load(body), r.script_load(src)
     mk = K.ModelKeys(MODEL)
     keys = [mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed]
-    args = ["p", 64, 64 * 512, 100_000]
+    args = ["p", 64, 64 * 512]
     old = r.config_get("slowlog-*")
     cap = 60 * claims + 100
     r.config_set("slowlog-log-slower-than", 0)

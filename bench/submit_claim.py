@@ -137,7 +137,7 @@ def bench_claim(r: redis.Redis, backlog: int, claims: int, batch: int) -> dict[s
     contract = Contract(model=MODEL, max_batch_size=batch, max_batch_tokens=budget, max_input_len=100_000)
     mk = K.ModelKeys(MODEL)
     keys = [mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed]
-    args = ["raw", batch, budget, 100_000]
+    args = ["raw", batch, budget]
 
     # Each call returns what it read, so freeing it (the caller's business, after its work)
     # falls outside the timed span; the int is the batch size where there is one.

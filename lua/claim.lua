@@ -10,9 +10,9 @@
 -- KEYS[3] state      cdr:{model}:state     (and cdr:{model}:intake, the producer's counters)
 -- KEYS[4] batches    cdr:{model}:batches   (group "workers")
 -- KEYS[5] reclaimed  cdr:{model}:reclaimed
--- ARGV[1] consumer, ARGV[2] max_batch_size, ARGV[3] max_batch_tokens, ARGV[4] max_input_len
---   (recorded only: input-length limits are the runtime's job, the broker never strands an item)
--- ARGV[5] token      1..64 of [A-Za-z0-9._-], fresh per call: the batch's items go to the list
+-- ARGV[1] consumer, ARGV[2] max_batch_size, ARGV[3] max_batch_tokens (a worker's input-length
+--   limit is its runtime's business: the broker never strands an item over it)
+-- ARGV[4] token      1..64 of [A-Za-z0-9._-], fresh per call: the batch's items go to the list
 --                    cdr:{model}:bat:<token>, which the caller reads in the same pipeline
 -- Returns: {1, batch_id, sig, epoch, lane, padded_len, claimed_at_ms, flags, deliveries, n,
 --   warming}; flags: 1 cleanup, 2 reclaimed, 4 force-drained lane; n items are in the token's
@@ -30,31 +30,36 @@
 --   fit stays at the head of its lane, in order; assembly order is reclaimed work, then lanes;
 --   dispatch stays on the active instance until it is empty (or an aged shape preempts it:
 --   aging and lane hygiene are swept at most every 250 ms, see lib_serve.lua swept(); a fair loan
---   takes one batch of another tenant's active shape without leaving it, lib_serve.lua lend); each
+--   takes one batch of another tenant's active shape without leaving it, lib_rebalance.lua lend); each
 --   worker warms at most one instance, its next; the work done grows with the batch (a bounded
 --   number of lanes and at most SHAPE_VISITS instances are looked at), never with the queue.
 -- This file is the dispatch order; each step lives in an include: lib_claim_guard.lua (refusals
 --   before the first write), lib_deliver.lua (reclaimed work, moving and delivering a batch),
---   lib_gate.lua (the release gate, quiet intake), lib_lifecycle.lua (picking the next instance,
---   activating, warming, preempting, finishing), lib_cleanup.lua (entering and leaving cleanup
---   mode), lib_serve.lua (aging, lane hygiene, ready lanes, neighbour fill, draining),
---   lib_lanes.lua (planning a batch from lanes).
+--   lib_gate.lua (the release gate, quiet intake), lib_workers.lua (who serves what),
+--   lib_lifecycle.lua (activating, preempting, finishing), lib_survey.lua (what waits),
+--   lib_pick.lua (the next instance to serve and to warm), lib_cleanup.lua (entering and leaving
+--   cleanup mode), lib_serve.lua (aging, lane hygiene, interactive work, ready lanes, neighbour fill,
+--   draining), lib_rebalance.lua (fair loans and switches), lib_lanes.lua (planning a batch from lanes).
 --@include lib.lua
 --@include lib_claim_guard.lua
 --@include lib_gate.lua
 --@include lib_serve.lua
+--@include lib_rebalance.lua
 
 local base, cfg_key, state_key, batches_key, reclaimed_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
 local consumer = ARGV[1]
 local max_items, max_tokens = tonumber(ARGV[2]), tonumber(ARGV[3])
-local token = ARGV[5]
+local token = ARGV[4]
 local refused = claim_bad_args(base, consumer, max_items, max_tokens, token)
 if refused then return refused end
+-- A caller that still sends the input-length limit ARGV[4] once held would name its batch list wrongly.
+if #ARGV ~= 4 then return redis.error_reply('ERR_ARG argv: expected 4 arguments, got ' .. #ARGV) end
 local batch_items_key = base .. ':bat:' .. token
 
 -- Every cfg field this script (and the includes it calls) reads; tests/test_keys.py checks.
-local CLAIM_CFG = {'mode', 'budget_tokens', 'budget_items', 'activate_batches', 'aging_ms', 'decode_weight', 'drain_batches',
-  'hygiene_idle_ms', 'hygiene_items', 'lane_quiet_ms', 'prewarm_batches', 'quiet_ms', 'release_batches'}
+local CLAIM_CFG = {'mode', 'budget_tokens', 'budget_items', 'activate_batches', 'aging_ms', 'decode_weight',
+  'drain_batches', 'hygiene_idle_ms', 'hygiene_items', 'lane_quiet_ms', 'prewarm_batches', 'quiet_ms',
+  'release_batches'}
 local cfg = load_cfg(cfg_key, CLAIM_CFG)
 refused = claim_refused(base, state_key, batches_key, reclaimed_key, batch_items_key)
 if refused then return refused end
@@ -107,7 +112,7 @@ local quiet = quiet_since(c, num(intake.last_intake_ms))
 c.quiet = quiet
 local shut = gate_shut(c, waiting, quiet)
 if shut then return shut end
--- 3. The worker's instance (M:affinity), else the next one (lib_lifecycle.lua pick_next),
+-- 3. The worker's instance (M:affinity), else the next one (lib_pick.lua pick_next),
 --    entering cleanup when nothing normal is ready and intake went quiet.
 -- A pass that does not return a batch or a reason has emptied its instance and finished it;
 -- SHAPE_VISITS bounds the instances one claim finishes and looks at, so a claim's work stays

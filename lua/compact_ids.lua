@@ -30,7 +30,9 @@ end
 local ids = {}
 for i = 1, n do
   local id = ARGV[i + 2]
-  if #id < 1 or #id > 512 then return redis.error_reply('ERR_ARG id: must be 1..512 bytes at ' .. (i - 1)) end
+  if #id < 1 or #id > RULES.MAX_ID_BYTES then
+    return redis.error_reply('ERR_ARG id: must be 1..' .. RULES.MAX_ID_BYTES .. ' bytes at ' .. (i - 1))
+  end
   ids[i] = id
 end
 local refused = acl_refused(function(ok)

@@ -30,7 +30,7 @@ end
 if (not consumer) or #consumer < 1 or #consumer > 200 then
   return redis.error_reply('ERR_ARG consumer: must be 1..200 bytes')
 end
-if #reason > 4096 then reason = string.sub(reason, 1, 4096) end
+if #reason > RULES.MAX_REASON_BYTES then reason = string.sub(reason, 1, RULES.MAX_REASON_BYTES) end
 local rq, refused = requeue_prologue(KEYS)
 if not rq then return refused end
 local p = redis.call('XPENDING', batches_key, GROUP, bid, bid, 1, consumer)

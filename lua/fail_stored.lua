@@ -38,11 +38,15 @@ if #name ~= 32 or not string.match(name, '^[0-9a-f]+$') then
   return redis.error_reply('ERR_ARG name: must be 32 lowercase hex digits')
 end
 local n = (#ARGV - 1) / 2
-if not int_in(n, 0, 5000) then return redis.error_reply('ERR_ARG argv: 0..5000 (id, result) pairs expected') end
+if not int_in(n, 0, RULES.MAX_CALL_ITEMS) then
+  return redis.error_reply('ERR_ARG argv: 0..' .. RULES.MAX_CALL_ITEMS .. ' (id, result) pairs expected')
+end
 local ids = {}
 for i = 1, n do
   local id, rec = ARGV[2 * i], ARGV[2 * i + 1]
-  if #id < 1 or #id > 512 then return redis.error_reply('ERR_ARG id: must be 1..512 bytes at item ' .. (i - 1)) end
+  if #id < 1 or #id > RULES.MAX_ID_BYTES then
+    return redis.error_reply('ERR_ARG id: must be 1..' .. RULES.MAX_ID_BYTES .. ' bytes at item ' .. (i - 1))
+  end
   if string.byte(rec, 1) ~= 123 then
     return redis.error_reply('ERR_ARG result: must be a JSON object at item ' .. (i - 1))
   end

@@ -24,8 +24,8 @@ local job_key, state_key = KEYS[1], KEYS[2]
 local tenant, prio, deadline = ARGV[1], ARGV[2], tonumber(ARGV[3])
 local job = string.match(job_key, ':in:(.+)$')
 if tenant == '' then tenant = job end
-if not tenant or #tenant > 128 or not string.match(tenant, '^[%w%._/@+=-]+$') then
-  return redis.error_reply('ERR_ARG tenant: 1-128 characters from A-Z a-z 0-9 . _ / @ + = -')
+if not name_ok(tenant) then
+  return redis.error_reply('ERR_ARG tenant: 1-' .. RULES.NAME_MAX .. ' characters from A-Z a-z 0-9 . _ / @ + = -')
 end
 if prio ~= 'interactive' and prio ~= 'batch' and prio ~= 'background' then
   return redis.error_reply('ERR_ARG priority: must be interactive, batch or background')

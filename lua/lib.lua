@@ -1,8 +1,17 @@
 -- lib.lua: helpers shared by the conductor's scripts, inlined where a script says
--- "--@include lib.lua" (conductor/redis_contract/scripts.py). CFG_NAMES, CFG_DEFAULTS and GROUP come from
--- lib_generated.lua, which conductor/redis_contract/scripts.py writes from conductor/redis_contract/config.py and
--- conductor/redis_contract/keys.py; key suffixes follow conductor/redis_contract/keys.py (tests/test_keys.py checks).
+-- "--@include lib.lua" (conductor/redis_contract/scripts.py). CFG_NAMES, CFG_DEFAULTS, GROUP, RULES,
+-- name_ok, is_request, result_record and RESULT_INT come from lib_generated.lua, which
+-- conductor/redis_contract/lua_generated.py writes from the Python homes of those rules; key
+-- suffixes follow conductor/redis_contract/keys.py (tests/test_keys.py checks).
 
+-- A JSON string literal, as cjson.encode writes it; plain names (the usual ids and jobs) skip
+-- the encoder, whose call costs about a microsecond per item.
+local function json_str(v)
+  if not string.find(v, '[%c"\\/\128-\255]') then return '"' .. v .. '"' end
+  return cjson.encode(v)
+end
+
+-- After json_str: the generated result builder calls it.
 --@include lib_generated.lua
 
 -- names: the fields a script uses (every field when nil); each field read costs, and claim.lua
@@ -88,14 +97,7 @@ local function reindex(base, state_key, cfg, inst)
   redis.call('HINCRBY', state_key, 'reindexes', 1)
 end
 
--- A JSON string literal, as cjson.encode writes it; plain names (the usual ids and jobs) skip
--- the encoder, whose call costs about a microsecond per item.
-local function json_str(v)
-  if not string.find(v, '[%c"\\/\128-\255]') then return '"' .. v .. '"' end
-  return cjson.encode(v)
-end
-
--- The item record (conductor/redis_contract/keys.py): JSON [id, job, input_tokens, max_tokens, prompt, payload].
+-- The item record (conductor/redis_contract/records.py): JSON [id, job, input_tokens, max_tokens, prompt, payload].
 -- body must be a JSON array [prompt] or [prompt, payload] starting at its first byte (submit.lua
 -- checks it): it supplies the record's tail as it is, so the payload keeps its bytes.
 local function item_record(id, job, tok, mt, body)

@@ -14,11 +14,11 @@ local function claim_bad_args(base, consumer, max_items, max_tokens, token)
   if (not consumer) or #consumer < 1 or #consumer > 200 then
     return redis.error_reply('ERR_ARG consumer: must be 1..200 bytes')
   end
-  if not int_in(max_items, 1, 65536) then
-    return redis.error_reply('ERR_ARG max_batch_size: must be an integer in 1..65536')
+  if not int_in(max_items, 1, RULES.MAX_BATCH_ITEMS) then
+    return redis.error_reply('ERR_ARG max_batch_size: must be an integer in 1..' .. RULES.MAX_BATCH_ITEMS)
   end
-  if not int_in(max_tokens, 1, 1073741824) then
-    return redis.error_reply('ERR_ARG max_batch_tokens: must be an integer in 1..1073741824')
+  if not int_in(max_tokens, 1, RULES.MAX_BATCH_TOKENS) then
+    return redis.error_reply('ERR_ARG max_batch_tokens: must be an integer in 1..' .. RULES.MAX_BATCH_TOKENS)
   end
   if (not token) or #token < 1 or #token > 64 or not string.match(token, '^[%w%._-]+$') then
     return redis.error_reply('ERR_ARG token: must be 1..64 characters from A-Z a-z 0-9 . _ -')

@@ -10,7 +10,7 @@
 --   lane list and its token list lose the same items; the model's counters are written once per
 --   batch from the values claim.lua read (scripts are atomic: nothing else moves them meanwhile).
 --@include lib.lua
---@include lib_lifecycle.lua
+--@include lib_pick.lua
 --@include lib_fair.lua
 --@include lib_lanes.lua
 

@@ -40,7 +40,7 @@ local function counters(c, tenants)
   return out
 end
 
--- The lift, at each fair check (lib_serve.lua rebalance): a tenant whose work waits now and did
+-- The lift, at each fair check (lib_rebalance.lua rebalance): a tenant whose work waits now and did
 -- not at the previous check comes back: its counter rises to the smallest counter of the tenants
 -- that were waiting already. M:vtc_seen holds, per tenant, the number of the last check that saw
 -- its work waiting (field '#': the checks so far). vtc: counters(); waiting: tenant names.

@@ -151,7 +151,7 @@ local function grow_lanes(s, ctx)
     redis.call('HINCRBY', ik, 'items', ctx.items)
     -- Every item placed and the sum of their output limits, never decremented: their ratio, the
     -- instance's mean output limit, prices its waiting items for the fleet's choice of work
-    -- (lib_lifecycle.lua inst_work) without a per-item read at claim time.
+    -- (lib_survey.lua inst_work) without a per-item read at claim time.
     redis.call('HINCRBY', ik, 'in_items', ctx.items)
     redis.call('HINCRBY', ik, 'in_out', ctx.out)
     redis.call('HSET', ik, 'last_intake_ms', now)

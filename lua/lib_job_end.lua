@@ -22,7 +22,7 @@ local function job_end_read(base, job)
 end
 
 -- e: job_end_read's table; added: results the caller wrote since; at_ms: the last one's time;
--- how: the end when the caller knows it (cancel.lua), else the job's ending or 'completed'.
+-- how: the end when the caller knows it (lib_cancel.lua), else the job's ending or 'completed'.
 local function job_end_stamp(base, job, e, added, at_ms, how)
   if added > 0 and e.submitted > 0 and e.submitted >= e.declared and e.answered + added >= e.submitted then
     redis.call('HSET', base .. ':job:' .. job, 'ended_ms', at_ms, 'end', how or e.ending or 'completed')

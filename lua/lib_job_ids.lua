@@ -40,7 +40,8 @@ local function id_conflicts(job_sums, done_key, stored_key, argv, ids, n, sums)
   local conflicts = 0
   for i = 1, n do
     local o = 3 * i
-    local sum = sums and string.sub(sums, 16 * i - 15, 16 * i) or string.sub(redis.sha1hex(argv[o] .. argv[o + 1]), 1, 16)
+    local sum = sums and string.sub(sums, 16 * i - 15, 16 * i)
+      or string.sub(redis.sha1hex(argv[o] .. argv[o + 1]), 1, 16)
     local id = ids[i]
     local had = stored.sums[i]
     if had then

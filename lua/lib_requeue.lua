@@ -59,12 +59,12 @@ local function requeue_plan(rq, bid, reason, blamed)
     local jk = base .. ':job:' .. it[2]
     if not item_done(jk, it[1]) then  -- a done mark, or packed (lib_packed.lua)
       if dv >= limit then
-        -- The failed result and the dead-letter entry, built here (cjson.encode can refuse).
-        local res = cjson.encode({id = it[1], model = model, job = it[2], output = '', output_tokens = 0,
+        -- The failed result (lib_generated.lua result_record) and the dead-letter entry.
+        local res = result_record({id = it[1], model = model, job = it[2],
           error = {code = 'dead_letter', message = 'delivered ' .. dv .. ' times; last: ' .. reason},
           shape = e.sig, epoch = tonumber(e.ep), lane = tonumber(e.lane), batch = bid,
           batch_size = tonumber(e.n), batch_padded_len = tonumber(e.plen), input_tokens = it[3],
-          worker = e.w or '', claimed_at = tonumber(e.ts), finished_at = now, deliveries = dv})
+          worker = e.w, claimed_at = tonumber(e.ts), finished_at = now, deliveries = dv})
         if not plan.ends[it[2]] then plan.ends[it[2]] = job_end_read(base, it[2]) end
         plan.dead[#plan.dead + 1] = {jk = jk, job = it[2], id = it[1], res = res,
           fields = {'id', it[1], 'job', it[2], 'deliveries', dv, 'error', reason, 'sig', e.sig or '',

@@ -5,14 +5,12 @@
 --   <field>: ... at item <i>' reply and nothing is written.
 --@include lib.lua
 
--- Mirrors conductor/formats/checks.py: the edge refuses first; the script refuses what other clients send.
-local MAX_TOKENS = 16777216
-local MAX_OUTPUT = 1048576
-local MAX_RECORD = 8388608 + 8192  -- a body of 8 MiB, and an id and job escaped at worst
+-- The limits are rules.py's (RULES, lib_generated.lua), which conductor/formats/checks.py applies
+-- too: the edge refuses first; the script refuses what other clients send.
 
 -- argv: submit.lua's ARGV (3 fields per item from argv[3]), n items, job the call's job.
--- Returns call = {tokens (input tokens of the call), ids, toks and mts (per item: input tokens, output limit), sigs (set of the
--- call's signatures), prefixes (per signature, the first prefix the call carries), depth (per
+-- Returns call = {tokens (input tokens of the call), ids, toks and mts (per item: input tokens, output
+-- limit), sigs (set of the call's signatures), prefixes (per signature, the first prefix the call carries), depth (per
 -- signature, {tokens, items} the call brings)}, or nil and the error reply to return.
 local function check_items(argv, n, job)
   local call_tokens = 0
@@ -26,6 +24,8 @@ local function check_items(argv, n, job)
   -- so a backlog sent in a few calls gets the lanes its whole depth deserves.
   local call_depth = {}
   local cjson_decode, byte = cjson.decode, string.byte
+  local max_rec, max_id, max_tok, max_out = RULES.MAX_RECORD_BYTES, RULES.MAX_ID_BYTES, RULES.MAX_INPUT_TOKENS,
+    RULES.MAX_OUTPUT_TOKENS
   for i = 0, n - 1 do
     local o = 3 + 3 * i
     local sig, rec, prefix = argv[o], argv[o + 1], argv[o + 2]
@@ -35,8 +35,8 @@ local function check_items(argv, n, job)
       end
       sigs_ok[sig] = true
     end
-    if #rec > MAX_RECORD or #prefix > MAX_RECORD then
-      return nil, redis.error_reply('ERR_ARG record: larger than ' .. MAX_RECORD .. ' bytes at item ' .. i)
+    if #rec > max_rec or #prefix > max_rec then
+      return nil, redis.error_reply('ERR_ARG record: larger than ' .. max_rec .. ' bytes at item ' .. i)
     end
     -- Workers decode the record as it is stored: a malformed one would fail every delivery until
     -- dead-lettered.
@@ -46,23 +46,23 @@ local function check_items(argv, n, job)
         'max_tokens, prompt, payload] at item ' .. i)
     end
     local id, tok, mt = d[1], d[3], d[4]
-    if type(id) ~= 'string' or #id < 1 or #id > 512 then
-      return nil, redis.error_reply('ERR_ARG id: must be a string of 1..512 bytes at item ' .. i)
+    if type(id) ~= 'string' or #id < 1 or #id > max_id then
+      return nil, redis.error_reply('ERR_ARG id: must be a string of 1..' .. max_id .. ' bytes at item ' .. i)
     end
     if d[2] ~= job then
       return nil, redis.error_reply('ERR_ARG job: the record names another job than the call at item ' .. i)
     end
-    if type(tok) ~= 'number' or not int_in(tok, 1, MAX_TOKENS) then
-      return nil, redis.error_reply('ERR_ARG input_tokens: must be an integer in 1..' .. MAX_TOKENS .. ' at item ' .. i)
+    if type(tok) ~= 'number' or not int_in(tok, 1, max_tok) then
+      return nil, redis.error_reply('ERR_ARG input_tokens: must be an integer in 1..' .. max_tok .. ' at item ' .. i)
     end
-    if type(mt) ~= 'number' or not int_in(mt, 1, MAX_OUTPUT) then
-      return nil, redis.error_reply('ERR_ARG max_tokens: must be an integer in 1..' .. MAX_OUTPUT .. ' at item ' .. i)
+    if type(mt) ~= 'number' or not int_in(mt, 1, max_out) then
+      return nil, redis.error_reply('ERR_ARG max_tokens: must be an integer in 1..' .. max_out .. ' at item ' .. i)
     end
     if type(d[5]) ~= 'string' then
       return nil, redis.error_reply('ERR_ARG prompt: must be a string at item ' .. i)
     end
     if prefix ~= '' then
-      -- As conductor/formats/native.py: a list of at most 256 strings (workers pass it to the engine as is).
+      -- As conductor/formats/native.py: a JSON list of strings (workers pass it to the engine as is).
       ok, d = pcall(cjson_decode, prefix)
       local good = ok and type(d) == 'table' and string.find(prefix, '^%s*%[') ~= nil
       if good then
@@ -71,10 +71,11 @@ local function check_items(argv, n, job)
           k = k + 1
           if type(v) ~= 'string' then good = false break end
         end
-        good = good and k == #d and k <= 256
+        good = good and k == #d and k <= RULES.MAX_PREFIX_PARTS
       end
       if not good then
-        return nil, redis.error_reply('ERR_ARG prefix: must be a JSON list of at most 256 strings at item ' .. i)
+        return nil, redis.error_reply('ERR_ARG prefix: must be a JSON list of at most ' .. RULES.MAX_PREFIX_PARTS ..
+          ' strings at item ' .. i)
       end
       if not prefixes[sig] then prefixes[sig] = prefix end
     end
@@ -88,7 +89,8 @@ local function check_items(argv, n, job)
     d.tokens = d.tokens + tok
     d.items = d.items + 1
   end
-  return {tokens = call_tokens, ids = ids, toks = toks, mts = mts, sigs = sigs_ok, prefixes = prefixes, depth = call_depth}
+  return {tokens = call_tokens, ids = ids, toks = toks, mts = mts, sigs = sigs_ok, prefixes = prefixes,
+    depth = call_depth}
 end
 
 -- A signature without a stored prefix (a new one) needs the call to carry it: workers read the

@@ -11,8 +11,9 @@ local function submit_refused(base, state_key, intake_key, job)
   local I, L, ji = base .. ':inst:0000000000000000:0', ':0000000000000000:0:0', base .. ':in:' .. job
   local sh, it = base .. ':shape:0000000000000000', intake_key
   local refused = acl_refused(function(ok)
-    return ok('HGET', state_key) and ok('HGET', it) and ok('HINCRBY', it) and ok('HSET', it) and ok('HMGET', ji .. ':sums')
-      and ok('HSET', ji .. ':sums') and ok('HINCRBY', ji) and ok('HGET', sh) and ok('HSET', sh) and ok('HSETNX', sh)
+    return ok('HGET', state_key) and ok('HGET', it) and ok('HINCRBY', it) and ok('HSET', it)
+      and ok('HMGET', ji .. ':sums') and ok('HSET', ji .. ':sums') and ok('HINCRBY', ji) and ok('HGET', sh)
+      and ok('HSET', sh) and ok('HSETNX', sh)
       and ok('HGET', I) and ok('HMGET', I) and ok('HSET', I) and ok('HINCRBY', I) and ok('ZADD', base .. ':staged_age')
       and ok('ZADD', base .. ':staged') and ok('ZRANGE', I .. ':lanes') and ok('ZADD', I .. ':lanes')
       and ok('SPOP', I .. ':free') and ok('ZADD', I .. ':touch') and ok('ZADD', I .. ':fill')

@@ -24,7 +24,9 @@ local n = #ARGV - 1
 if string.byte(record, 1) ~= 123 or #record > 4096 then
   return redis.error_reply('ERR_ARG record: must be a JSON object of at most 4096 bytes')
 end
-if not int_in(n, 1, 5000) then return redis.error_reply('ERR_ARG argv: 1..5000 stream ids expected') end
+if not int_in(n, 1, RULES.MAX_CALL_ITEMS) then
+  return redis.error_reply('ERR_ARG argv: 1..' .. RULES.MAX_CALL_ITEMS .. ' stream ids expected')
+end
 for i = 2, #ARGV do
   if not stream_id_ok(ARGV[i]) then return redis.error_reply('ERR_ARG id: not a stream id at ' .. (i - 2)) end
 end

@@ -26,8 +26,9 @@ end
 if not contract or #contract > 4096 or string.byte(contract, 1) ~= 123 then
   return redis.error_reply('ERR_ARG contract: must be a JSON object of at most 4096 bytes')
 end
-if not int_in(tokens, 1, 1073741824) or not int_in(items, 1, 65536) then
-  return redis.error_reply('ERR_ARG budget: tokens in 1..1073741824 and items in 1..65536')
+if not int_in(tokens, 1, RULES.MAX_BATCH_TOKENS) or not int_in(items, 1, RULES.MAX_BATCH_ITEMS) then
+  return redis.error_reply('ERR_ARG budget: tokens in 1..' .. RULES.MAX_BATCH_TOKENS .. ' and items in 1..' ..
+    RULES.MAX_BATCH_ITEMS)
 end
 if not int_in(value, 0, 1e15) or not int_in(ttl, 1, 86400000) then
   return redis.error_reply('ERR_ARG heartbeat: a time in ms and a TTL in 1..86400000 ms')

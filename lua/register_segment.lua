@@ -44,7 +44,7 @@ local n = (#ARGV - 8) / 2
 if #name ~= 32 or not string.match(name, '^[0-9a-f]+$') then
   return redis.error_reply('ERR_ARG name: must be 32 lowercase hex digits')
 end
-if #job < 1 or #job > 128 or not string.match(job, '^[%w%._/@+=-]+$') then
+if not name_ok(job) then
   return redis.error_reply('ERR_ARG job: invalid job name')
 end
 if #sig ~= 16 or not string.match(sig, '^[0-9a-f]+$') then
@@ -54,17 +54,20 @@ if #path < 1 or #path > 1024 then return redis.error_reply('ERR_ARG path: must b
 if #fsum ~= 40 or not string.match(fsum, '^[0-9a-f]+$') then
   return redis.error_reply('ERR_ARG sum: must be 40 lowercase hex digits')
 end
-if not int_in(n, 1, 5000) then
-  return redis.error_reply('ERR_ARG argv: 8 arguments and 1..5000 (id, sum) pairs expected')
+if not int_in(n, 1, RULES.MAX_CALL_ITEMS) then
+  return redis.error_reply('ERR_ARG argv: 8 arguments and 1..' .. RULES.MAX_CALL_ITEMS .. ' (id, sum) pairs expected')
 end
-if not int_in(tokens, n, n * 16777216) or not int_in(lmin, 1, 16777216) or not int_in(lmax, lmin, 16777216) then
+local max_tok = RULES.MAX_INPUT_TOKENS
+if not int_in(tokens, n, n * max_tok) or not int_in(lmin, 1, max_tok) or not int_in(lmax, lmin, max_tok) then
   return redis.error_reply('ERR_ARG tokens: tokens, lmin and lmax must be whole numbers, lmin <= lmax')
 end
 local packed_key = string.sub(sums_key, 1, -#job - 10) .. ':job:' .. job .. ':packed'  -- M:in:J:sums -> M:job:J:packed
 local ids, sums = {}, {}
 for i = 1, n do
   local id, sum = ARGV[7 + 2 * i], ARGV[8 + 2 * i]
-  if #id < 1 or #id > 512 then return redis.error_reply('ERR_ARG id: must be 1..512 bytes at item ' .. (i - 1)) end
+  if #id < 1 or #id > RULES.MAX_ID_BYTES then
+    return redis.error_reply('ERR_ARG id: must be 1..' .. RULES.MAX_ID_BYTES .. ' bytes at item ' .. (i - 1))
+  end
   if #sum ~= 16 or not string.match(sum, '^[0-9a-f]+$') then
     return redis.error_reply('ERR_ARG sum: must be 16 lowercase hex digits at item ' .. (i - 1))
   end

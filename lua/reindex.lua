@@ -1,6 +1,6 @@
 #!lua flags=allow-oom
--- allow-oom: re-deriving indices moves no item and must work on a full Redis, which drains. The shebang also makes a cluster node
--- refuse any key outside the slot of the model's hash tag.
+-- allow-oom: re-deriving indices moves no item and must work on a full Redis, which drains. The
+-- shebang also makes a cluster node refuse any key outside the slot of the model's hash tag.
 -- reindex.lua: re-derive a shape instance's lane indices after the reference contract or mode
 -- changed (the first worker registered after items waited, or `conductor config`).
 --

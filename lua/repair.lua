@@ -29,6 +29,7 @@
 -- While the model is paused (conductor pause) it refuses with 'PAUSED ...', nothing written.
 --@include lib.lua
 --@include lib_lane_truth.lua
+--@include lib_repair.lua
 
 local base, cfg_key = KEYS[1], KEYS[2]
 local inst = ARGV[1]
@@ -46,21 +47,14 @@ local refused = acl_refused(function(ok)
   end
   local mk = base .. ':lanemeta' .. lp
   return ok('HGET', KEYS[3]) and ok('HMGET', cfg_key) and ok('EXISTS', ik) and ok('HGET', ik) and ok('HSET', ik)
-    and ok('HMGET', ik) and ok('SREM', ik .. ':free') and ok('SADD', ik .. ':free') and ok('LLEN', base .. ':lane' .. lp)
-    and ok('LRANGE', base .. ':lanetok' .. lp) and ok('HMGET', mk) and ok('HSET', mk) and ok('HSETNX', mk) and ok('TIME')
+    and ok('HMGET', ik) and ok('SREM', ik .. ':free') and ok('SADD', ik .. ':free')
+    and ok('LLEN', base .. ':lane' .. lp) and ok('LRANGE', base .. ':lanetok' .. lp) and ok('HMGET', mk)
+    and ok('HSET', mk) and ok('HSETNX', mk) and ok('TIME')
 end)
 if refused then return refused end
 refused = paused(KEYS[3])
 if refused then return refused end
-local cfg = load_cfg(cfg_key)
-local now = now_ms()
-local out = {}
-local function changed(key, field, old, new)
-  out[#out + 1] = key
-  out[#out + 1] = field
-  out[#out + 1] = old and tostring(old) or ''
-  out[#out + 1] = new and tostring(new) or ''
-end
+local rp = {base = base, ik = ik, inst = inst, cfg = load_cfg(cfg_key), now = now_ms(), out = {}}
 
 local lanes, seen = {}, {}
 local function add(lane)
@@ -83,105 +77,7 @@ if not exists and total_items > 0 then
     ' items (' .. total_tok .. ' tokens)')
 end
 
-for _, lane in ipairs(lanes) do
-  local t = truth[lane]
-  local mk = base .. ':lanemeta:' .. inst .. ':' .. lane
-  local meta = redis.call('HMGET', mk, 'items', 'tokens', 'rep')
-  local has_meta = meta[1] or meta[2] or meta[3]
-  local rep = num(meta[3])
-  if t.n > 0 or has_meta then
-    if num(meta[1]) ~= t.n then
-      redis.call('HSET', mk, 'items', t.n)
-      changed(mk, 'items', meta[1], t.n)
-    end
-    if num(meta[2]) ~= t.tok then
-      redis.call('HSET', mk, 'tokens', t.tok)
-      changed(mk, 'tokens', meta[2], t.tok)
-    end
-    if rep < t.mx or not meta[3] then
-      local new = math.max(rep, t.mx)
-      redis.call('HSET', mk, 'rep', new)
-      changed(mk, 'rep', meta[3], new)
-      rep = new
-    end
-    if t.n > 0 then
-      redis.call('HSETNX', mk, 'last_ms', now)
-      redis.call('HSETNX', mk, 'since_ms', now)
-    end
-    local score = redis.call('ZSCORE', ik .. ':lanes', lane)
-    if tonumber(score) ~= rep then
-      redis.call('ZADD', ik .. ':lanes', rep, lane)
-      changed(ik .. ':lanes', 'lane ' .. lane .. ' rep', score, rep)
-    end
-    if redis.call('SREM', ik .. ':free', lane) == 1 then changed(ik .. ':free', 'lane ' .. lane, 1, 0) end
-  else
-    -- Listed but without meta or items: a lane that was never retired; retire it.
-    local score = redis.call('ZSCORE', ik .. ':lanes', lane)
-    if score then
-      redis.call('ZREM', ik .. ':lanes', lane)
-      changed(ik .. ':lanes', 'lane ' .. lane .. ' rep', score, nil)
-      if exists then redis.call('SADD', ik .. ':free', lane) end
-    end
-  end
-  local fs = redis.call('ZSCORE', ik .. ':fill', lane)
-  local in_ready = redis.call('ZSCORE', ik .. ':ready', lane)
-  if t.n > 0 then
-    local w = rep
-    if tonumber(fs) ~= w then
-      redis.call('ZADD', ik .. ':fill', w, lane)
-      changed(ik .. ':fill', 'lane ' .. lane, fs, w)
-    end
-    local should = lane_is_ready(cfg, t.n, t.tok, rep)
-    if should and not in_ready then
-      redis.call('ZADD', ik .. ':ready', lane, lane)
-      changed(ik .. ':ready', 'lane ' .. lane, 0, 1)
-    elseif in_ready and not should then
-      redis.call('ZREM', ik .. ':ready', lane)
-      changed(ik .. ':ready', 'lane ' .. lane, 1, 0)
-    end
-  else
-    if fs then
-      redis.call('ZREM', ik .. ':fill', lane)
-      changed(ik .. ':fill', 'lane ' .. lane, fs, nil)
-    end
-    if in_ready then
-      redis.call('ZREM', ik .. ':ready', lane)
-      changed(ik .. ':ready', 'lane ' .. lane, 1, 0)
-    end
-  end
-end
-
-if exists then
-  -- fill and ready now follow the current config (claim.lua would re-derive them otherwise).
-  local idx = redis.call('HGET', ik, 'idx')
-  if idx ~= index_version(cfg) then
-    redis.call('HSET', ik, 'idx', index_version(cfg))
-    changed(ik, 'idx', idx, index_version(cfg))
-  end
-  local cur = redis.call('HMGET', ik, 'tokens', 'items', 'state')
-  if num(cur[1]) ~= total_tok then
-    redis.call('HSET', ik, 'tokens', total_tok)
-    changed(ik, 'tokens', cur[1], total_tok)
-  end
-  if num(cur[2]) ~= total_items then
-    redis.call('HSET', ik, 'items', total_items)
-    changed(ik, 'items', cur[2], total_items)
-  end
-  local sc = redis.call('ZSCORE', base .. ':staged', inst)
-  if cur[3] == 'staged' or cur[3] == 'warming' then
-    if tonumber(sc) ~= total_tok then
-      redis.call('ZADD', base .. ':staged', total_tok, inst)
-      changed(base .. ':staged', inst, sc, total_tok)
-    end
-  elseif sc then
-    redis.call('ZREM', base .. ':staged', inst)
-    changed(base .. ':staged', inst, sc, nil)
-  end
-else
-  local sc = redis.call('ZSCORE', base .. ':staged', inst)
-  if sc then
-    redis.call('ZREM', base .. ':staged', inst)
-    changed(base .. ':staged', inst, sc, nil)
-  end
-end
-return out
+rp.exists = exists
+for _, lane in ipairs(lanes) do repair_lane(rp, lane, truth[lane]) end
+repair_inst(rp, total_tok, total_items)
+return rp.out

@@ -60,27 +60,29 @@
 --@include lib_packed.lua
 --@include lib_job_ids.lua
 --@include lib_intake.lua
+--@include lib_place.lua
 
 local base, cfg_key, state_key = KEYS[1], KEYS[2], KEYS[3]
 local intake_key = base .. ':intake'
 local n = tonumber(ARGV[1])
-if not int_in(n, 1, 5000) then
-  return redis.error_reply('ERR_ARG n: item count must be an integer in 1..5000')
+if not int_in(n, 1, RULES.MAX_CALL_ITEMS) then
+  return redis.error_reply('ERR_ARG n: item count must be an integer in 1..' .. RULES.MAX_CALL_ITEMS)
 end
 if #ARGV ~= 2 + 3 * n and #ARGV ~= 3 + 3 * n then
-  return redis.error_reply('ERR_ARG argv: expected ' .. (2 + 3 * n) .. ' arguments (or one more: the sums), got ' .. #ARGV)
+  return redis.error_reply('ERR_ARG argv: expected ' .. (2 + 3 * n) .. ' arguments (or one more: the sums), got ' ..
+    #ARGV)
 end
 local sums = ARGV[3 + 3 * n]
 if sums and (#sums ~= 16 * n or not string.match(sums, '^[0-9a-f]*$')) then
   return redis.error_reply('ERR_ARG sums: must be 16 lowercase hex digits per item, ' .. 16 * n .. ' in all')
 end
 local job = ARGV[2]
-if #job < 1 or #job > 128 or not string.match(job, '^[%w%._/@+=-]+$') then
+if not name_ok(job) then
   return redis.error_reply('ERR_ARG job: invalid job name')
 end
 local call, err = check_items(ARGV, n, job)
 if not call then return err end
-local ids, toks, mts, prefixes = call.ids, call.toks, call.mts, call.prefixes
+local ids = call.ids
 err = prefixes_missing(base, call)
 if err then return err end
 
@@ -109,85 +111,12 @@ if conflicts > 0 then
   return redis.error_reply('CONFLICT ' .. conflicts .. ' ids of this call are ids job ' .. job ..
     ' already has with other content')
 end
-local out, seen = {}, {}
-local new_items, new_tokens = 0, 0
-local fed_items, fed_tokens = 0, 0  -- ids placed from a store segment (lib_job_ids.lua from_store)
-local gone_items, gone_tokens = 0, 0  -- ids fed from the store that have their result already
-for i = 0, n - 1 do
-  local o = 3 + 3 * i
-  local id, tok = ids[i + 1], toks[i + 1]
-  if known[i + 1] or seen[id] then
-    out[#out + 1] = -1
-  elseif answered[i + 1] then
-    -- fed from the store but answered meanwhile (cancel, expiry): nothing left to run
-    seen[id] = true
-    out[#out + 1] = -1
-    gone_items, gone_tokens = gone_items + 1, gone_tokens + tok
-  else
-    seen[id] = true
-    local sig = ARGV[o]
-    local qsig = qualified(class, sig)
-    local ctx = shape_ctx(intake, qsig, sig)
-    if prefixes[sig] ~= false then
-      -- the signature's prefix, stored once under the signature (what a producer's next call may
-      -- leave out) and under a qualified signature's key, which workers read it from
-      local prefix = prefixes[sig]
-      if prefix then redis.call('HSETNX', base .. ':shape:' .. sig, 'prefix', prefix) end
-      if qsig ~= sig then
-        prefix = prefix or redis.call('HGET', base .. ':shape:' .. sig, 'prefix')
-        redis.call('HSETNX', base .. ':shape:' .. qsig, 'prefix', prefix)
-      end
-      prefixes[sig] = false
-    end
-    local lane, rep = choose_lane(cfg, ctx, tok)
-    local t = ctx.touched[lane]
-    if not t then
-      t = {items = 0, tokens = 0, recs = {}, toks = {}}
-      ctx.touched[lane] = t
-      ctx.order[#ctx.order + 1] = lane
-    end
-    t.recs[#t.recs + 1] = ARGV[o + 1]
-    t.toks[#t.toks + 1] = tok
-    t.items = t.items + 1
-    t.tokens = t.tokens + tok
-    t.rep = rep
-    ctx.tokens = ctx.tokens + tok
-    ctx.items = ctx.items + 1
-    ctx.out = ctx.out + mts[i + 1]
-    if from_store[i + 1] then
-      fed_items, fed_tokens = fed_items + 1, fed_tokens + tok
-    else
-      new_items, new_tokens = new_items + 1, new_tokens + tok
-    end
-    out[#out + 1] = tonumber(lane)
-  end
-end
+local out, k = place_items(intake, ARGV, n, call, known, answered, from_store)
 -- unpack() stops near 8,000 values: the new ids go in slices. Ids fed from the store leave the
 -- stored ids (lib_packed.lua) for the registry, placed or answered meanwhile.
 hset_pairs(job_sums, fresh_sums)
 packed_drop(stored, take)
 -- Lanes grow and counters move once per call and lane, not once per item.
 for _, ctx in pairs(intake.ctxs) do grow_lanes(intake, ctx) end
--- The job's and the model's counters, in the order they were always written (a hash keeps its
--- fields in insertion order; migrations/0003's round trip compares them byte for byte). Items fed
--- from the store were submitted when registered: they move from stored to waiting.
-if new_items > 0 then
-  redis.call('HINCRBY', base .. ':in:' .. job, 'submitted', new_items)
-  redis.call('HINCRBY', base .. ':in:' .. job, 'submitted_tokens', new_tokens)
-end
-local placed_items, placed_tokens = new_items + fed_items, new_tokens + fed_tokens
-if placed_items > 0 then
-  redis.call('HINCRBY', intake_key, 'tokens', placed_tokens)
-  redis.call('HINCRBY', intake_key, 'items', placed_items)
-end
-if new_items > 0 then redis.call('HINCRBY', intake_key, 'submitted', new_items) end
-if fed_items + gone_items > 0 then
-  redis.call('HINCRBY', intake_key, 'stored_tokens', -(fed_tokens + gone_tokens))
-  redis.call('HINCRBY', intake_key, 'stored_items', -(fed_items + gone_items))
-end
-if placed_items > 0 then
-  -- claim.lua ends cleanup mode when it sees intake newer than the cleanup's start.
-  redis.call('HSET', intake_key, 'last_intake_ms', now)
-  ring_doorbell(base, cfg, placed_tokens, placed_items)
-end
+count_placed(intake, job, intake_key, k)
 return out

@@ -39,7 +39,7 @@ class Call:
 
 
 def claim_call(consumer: str = "w", size: int = 64, tokens: int = 8192, token: str = "t0k3n") -> Call:
-    return Call("claim", [MK.base, MK.cfg, MK.state, MK.batches, MK.reclaimed], [consumer, size, tokens, 4096, token])
+    return Call("claim", [MK.base, MK.cfg, MK.state, MK.batches, MK.reclaimed], [consumer, size, tokens, token])
 
 
 def complete_call(batch: Any, results: list, final: int = 1) -> Call:
@@ -516,59 +516,97 @@ def trim_results(c: Conductor) -> Call:
                 [int(time.time() * 1000) + 1000])
 
 
+_CANCEL_KEYS = [MK.base, MK.state, MK.batches, MK.job("j"), MK.job_items("j"), MK.job_results("j")]
+_CANCEL_ARGS = ["j", "m", "cancelled", "the batch was cancelled"]
+
+
+def _answered(n: int) -> Callable[[redis.Redis], bool]:
+    return lambda r: r.hget(MK.job("j"), "failed") == str(n).encode() and r.xlen(MK.job_results("j")) == n
+
+
 def cancel_waiting(c: Conductor) -> Call:
     """Waiting items of job j answered 'cancelled', the in-flight batch's items left alone."""
     quick(c)
     c.submit([item(i, 10) for i in range(12)], "j")
     assert len(c.claim(contract(4, max_input_len=4096), "w")[0].items) == 4
-    keys = [MK.base, MK.state, MK.batches, MK.job("j"), MK.job_items("j"), MK.job_results("j"), MK.job_sums("j")]
-    call = Call("cancel", keys, ["j", "m", "0", 1000, "cancelled", "the batch was cancelled"])
-    call.check = lambda r: r.hget(MK.job("j"), "failed") == b"8" and r.xlen(MK.job_results("j")) == 8
-    return call
+    return Call("cancel_registry", [*_CANCEL_KEYS, MK.job_sums("j")], [*_CANCEL_ARGS, "0", 1000], check=_answered(8))
 
 
-def _items_call(*args: Any) -> Call:
-    return Call("repair_items", [MK.base, MK.state, MK.batches, MK.reclaimed], list(args))
+def cancel_lane_waiting(c: Conductor) -> Call:
+    """Job j's waiting items of a lane answered with their records' tokens, the in-flight ones left alone."""
+    quick(c)
+    c.submit([item(i, 10) for i in range(12)], "j")
+    assert len(c.claim(contract(4, max_input_len=4096), "w")[0].items) == 4
+    return Call("cancel_lane", _CANCEL_KEYS, [*_CANCEL_ARGS, f"{inst_of(c)}:0"], check=_answered(8))
 
 
-def repair_items_leaked_batch(c: Conductor) -> Call:
+def cancel_segment_waiting(c: Conductor) -> Call:
+    """Job j's ids waiting in a store segment answered; an in-flight batch read and left alone."""
+    quick(c)
+    c.submit([item(i, 10) for i in range(4)], "j")
+    c.claim(contract(4, max_input_len=4096), "w")
+    seg, reg = _stored(c, 3)
+    reg.run(c.scripts)
+    return Call("cancel_segment", _CANCEL_KEYS, [*_CANCEL_ARGS, seg.name], check=_answered(3))
+
+
+def _pack(c: Conductor, iid: str) -> None:
+    """Item ``iid`` of job j, answered, packed (lua/compact_ids.lua): done as much as a done mark."""
+    c.r.hset(MK.job_items("j"), iid, "d")
+    c.scripts.compact_ids(keys=[MK.job_items("j"), MK.job_sums("j"), MK.job_packed("j"), MK.state], args=[1, 1, iid])
+
+
+def repair_items_leaked_batch(c: Conductor, packed: bool = False) -> Call:
     """A batch acked but never deleted (leaked), one of its items done; another batch pending."""
     quick(c)
     c.submit([item(i, 10) for i in range(8)], "j")
     b, _ = c.claim(contract(4, max_input_len=4096), "w")
     c.claim(contract(4, max_input_len=4096), "w2")
     c.complete(b, results_for(b)[:1], final=False)
+    if packed:
+        _pack(c, b.items[0].id)
     c.r.xack(MK.batches, K.GROUP, b.batch_id)
     token = c.r.xrange(MK.batches, b.batch_id, b.batch_id)[0][1][b"k"].decode()
-    return _items_call("batch", token, b.shape, b.epoch, b.lane, 2, b.batch_id)
+    return Call("repair_items_batch", [MK.base, MK.state, MK.batches, MK.reclaimed],
+                [token, b.shape, b.epoch, b.lane, 2, b.batch_id])
 
 
-def repair_items_gone_lane(c: Conductor) -> Call:
+def repair_items_packed_in_batch(c: Conductor) -> Call:
+    return repair_items_leaked_batch(c, packed=True)
+
+
+def repair_items_gone_lane(c: Conductor, packed: bool = False) -> Call:
     """A lane of a gone instance, with an item done and a record no job knows."""
     quick(c)
     c.submit([item(i, 10) for i in range(4)], "j")
     inst = inst_of(c)
     c.r.delete(MK.inst(inst))
-    c.r.hset(MK.job_items("j"), "0", "d")
+    if packed:
+        _pack(c, "0")
+    else:
+        c.r.hset(MK.job_items("j"), "0", "d")
     c.r.rpush(MK.lane(inst, 0), b'["ghost","nojob",10,5,"p",null]')
     c.r.rpush(MK.lane_tok(inst, 0), 10)
-    return _items_call("lane", f"{inst}:0")
+    return Call("repair_items_lane", [MK.base, MK.state, MK.reclaimed], [f"{inst}:0"])
+
+
+def repair_items_packed_in_gone_lane(c: Conductor) -> Call:
+    return repair_items_gone_lane(c, packed=True)
 
 
 def repair_items_done_in_lane(c: Conductor) -> Call:
     quick(c)
     c.submit([item(i, 10) for i in range(4)], "j")
     c.r.hset(MK.job_items("j"), "1", "d")
-    return _items_call("done", f"{inst_of(c)}:0")
+    return Call("repair_items_done", [MK.base, MK.state], [f"{inst_of(c)}:0"])
 
 
 def repair_items_packed_in_lane(c: Conductor) -> Call:
     """An item answered and packed (lua/compact_ids.lua) that still waits in a lane is done too."""
     quick(c)
     c.submit([item(i, 10) for i in range(4)], "j")
-    c.r.hset(MK.job_items("j"), "1", "d")
-    c.scripts.compact_ids(keys=[MK.job_items("j"), MK.job_sums("j"), MK.job_packed("j"), MK.state], args=[1, 1, "1"])
-    return _items_call("done", f"{inst_of(c)}:0")
+    _pack(c, "1")
+    return Call("repair_items_done", [MK.base, MK.state], [f"{inst_of(c)}:0"])
 
 
 def ensure_model_new(c: Conductor) -> Call:
@@ -730,8 +768,9 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "dead_retry": [dead_retry, dead_retry_packed],
     "reindex": [reindex],
     "repair": [repair, repair_unstaged, repair_gone_instance],
-    "repair_items": [repair_items_leaked_batch, repair_items_gone_lane, repair_items_done_in_lane,
-                     repair_items_packed_in_lane],
+    "repair_items_batch": [repair_items_leaked_batch, repair_items_packed_in_batch],
+    "repair_items_lane": [repair_items_gone_lane, repair_items_packed_in_gone_lane],
+    "repair_items_done": [repair_items_done_in_lane, repair_items_packed_in_lane],
     "trim": [trim_pending, trim_idle],
     "trim_results": [trim_results],
     "ensure_model": [ensure_model_new, ensure_model_known],
@@ -741,7 +780,9 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "declare": [declare],
     "lease": [lease_free, lease_mine, lease_taken, lease_handed_back],
     "take_name": [take_name_free, take_name_next, take_name_none_free],
-    "cancel": [cancel_waiting],
+    "cancel_registry": [cancel_waiting],
+    "cancel_lane": [cancel_lane_waiting],
+    "cancel_segment": [cancel_segment_waiting],
     "batch_finalize": [batch_finalize_start, batch_finalize_done],
 }
 

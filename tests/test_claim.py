@@ -149,7 +149,7 @@ def test_claim_arguments_are_checked(cdr):
     # the token names the list the batch's items go to: present, short, no key-breaking characters
     for bad in ([], [""], ["a b"], ["x" * 65], ["{m}"], ["a:b"]):
         with pytest.raises(Exception, match="ERR_ARG token"):
-            cdr.scripts.claim(keys=keys, args=["w", 10, 100, 10, *bad])
+            cdr.scripts.claim(keys=keys, args=["w", 10, 100, *bad])
     # and never the token of a batch still pending: its items would be overwritten
     quick(cdr)
     cdr.submit([item(i, 10) for i in range(8)], "j")
@@ -157,7 +157,7 @@ def test_claim_arguments_are_checked(cdr):
     token = cdr.r.xrange(mk.batches, b.batch_id, b.batch_id)[0][1][b"k"].decode()
     before = (cdr.r.lrange(mk.batch_items(token), 0, -1), cdr.r.hgetall(mk.state), cdr.r.xlen(mk.batches))
     with pytest.raises(Exception, match="ERR_ARG token: .* in use"):
-        cdr.scripts.claim(keys=keys, args=["w", 4, 800, 10, token])
+        cdr.scripts.claim(keys=keys, args=["w", 4, 800, token])
     assert (cdr.r.lrange(mk.batch_items(token), 0, -1), cdr.r.hgetall(mk.state), cdr.r.xlen(mk.batches)) == before
 
 

@@ -102,3 +102,21 @@ def test_the_acl_harness_sees_the_commands_of_nested_includes():
     assert {"time", "hmget", "xack", "rpush"} <= script_commands("fail")  # lib_requeue_prologue -> lib_requeue
     assert {"lpush", "ltrim", "spop"} <= script_commands("submit")  # lib_intake
     assert "xclaim" not in script_commands("submit")
+
+
+def _code_lines(text: str) -> int:
+    return sum(1 for line in text.splitlines() if line.strip() and not line.lstrip().startswith("--"))
+
+
+def test_no_line_of_lua_is_over_120_characters():
+    long = [f"{p.name}:{i}" for p in sorted((ROOT / "lua").glob("*.lua"))
+            for i, line in enumerate(p.read_text().splitlines(), 1) if len(line) > 120]
+    assert not long, long
+
+
+def test_each_library_fits_in_200_lines_and_each_script_in_about_100_lines_of_code():
+    # issue 34: one concern a library, one state change a script; comments do not count for a script
+    libs = {p.name: n for p in (ROOT / "lua").glob("lib*.lua") if (n := len(p.read_text().splitlines())) > 200}
+    assert not libs, libs
+    scripts_ = {name: n for name in NAMES if (n := _code_lines((ROOT / "lua" / f"{name}.lua").read_text())) > 100}
+    assert not scripts_, scripts_

@@ -15,9 +15,11 @@ import socket
 from collections.abc import Mapping
 from typing import Any
 
+from conductor.redis_contract.rules import NAME_CHARS
+
 _UNIT = re.compile(r"/([^/@]+)@([^/]+)\.service$")
-# key names and hash tags take only these characters (conductor/redis_contract/keys.py)
-_BAD = re.compile(r"[^A-Za-z0-9._/@+=-]")
+# key names and hash tags take only these characters (conductor/redis_contract/rules.py)
+_BAD = re.compile(f"[^{NAME_CHARS}]")
 STEM_MAX = 120  # room for "-10000" within keys.py's 128 characters
 
 

@@ -30,7 +30,7 @@ class JobReads(ConductorCore):
         got = pipe.execute() if models else []
         for i, model in enumerate(models):
             (sub, dec), (comp, fail, canc, exp) = got[2 * i], got[2 * i + 1]
-            # cancelled, expired: of the failed items, those a cancel or an expiry answered (lua/cancel.lua)
+            # cancelled, expired: of the failed items, those a cancel or an expiry answered (lua/lib_cancel.lua)
             row = {"submitted": int(sub or 0), "completed": int(comp or 0), "failed": int(fail or 0),
                    "declared": int(dec or 0), "cancelled": int(canc or 0), "expired": int(exp or 0)}
             row["pending"] = row["submitted"] - row["completed"] - row["failed"]

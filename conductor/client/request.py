@@ -39,6 +39,7 @@ from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.connection import connect
 from conductor.redis_contract.records import JobClass, PreparedItem, Result, result_decoder
+from conductor.redis_contract.rules import REPLY_TTL_MS
 from conductor.redis_contract.script_calls import raise_script_error
 
 MAX_TIMEOUT_S = 3600.0
@@ -227,7 +228,7 @@ class RequestClient(_PermitCounts):
             pipe = core.c.r.pipeline(transaction=False)
             for k in keys:
                 pipe.lpush(k, _CLOSED)
-                pipe.pexpire(k, 60_000)
+                pipe.pexpire(k, REPLY_TTL_MS)
             pipe.execute()
 
     def __enter__(self) -> RequestClient:
@@ -333,7 +334,7 @@ class AsyncRequestClient(_PermitCounts):
             async with self._r.pipeline(transaction=False) as pipe:
                 for k in keys:
                     pipe.lpush(k, _CLOSED)
-                    pipe.pexpire(k, 60_000)
+                    pipe.pexpire(k, REPLY_TTL_MS)
                 await pipe.execute()
         for fut in self._waiters:
             if not fut.done():

@@ -8,13 +8,13 @@ from typing import Any
 
 from conductor.errors import BadInput
 from conductor.redis_contract.keys import check_name
+from conductor.redis_contract.rules import MAX_ID_BYTES as MAX_ID_BYTES  # the edge's limits are rules.py's
+from conductor.redis_contract.rules import MAX_INPUT_TOKENS as MAX_INPUT_TOKENS
+from conductor.redis_contract.rules import MAX_OUTPUT_TOKENS as MAX_OUTPUT_TOKENS
+from conductor.redis_contract.rules import MAX_PREFIX_PARTS as MAX_PREFIX_PARTS
 
 MAX_LINE_BYTES = 4 * 1024 * 1024
 MAX_PAYLOAD_BYTES = 1024 * 1024
-MAX_ID_BYTES = 512
-MAX_PREFIX_PARTS = 256
-MAX_INPUT_TOKENS = 16_777_216
-MAX_OUTPUT_TOKENS = 1_048_576
 _JSON_KINDS = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "a list",
                dict: "an object", type(None): "null"}
 

@@ -33,13 +33,13 @@ from conductor.formats.checks import (
 from conductor.formats.items import Facts, prepare, tokens_of_bytes
 from conductor.formats.openai_options import request_options_of
 from conductor.redis_contract.records import PreparedItem
+from conductor.redis_contract.rules import DEFAULT_MAX_TOKENS  # for a parse without a Redis to ask
 
 # The endpoints served: a line naming another is refused (an embeddings line is not a completion).
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
 _OPENAI_FIELDS = {"custom_id", "method", "url", "body"}
-DEFAULT_MAX_TOKENS = 1024  # config.py's default_max_tokens, for a parse without a Redis to ask
 MaxTokensDefault = Callable[[str], int]
 
 

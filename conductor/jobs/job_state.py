@@ -5,20 +5,22 @@ models; the request counts are the job's counters over its models (``Conductor.s
 copy. Statuses are OpenAI's: ``validating`` (a serve batch whose file is being read), ``in_progress``,
 ``finalizing``, ``completed``, ``failed`` (the input was refused), ``expired``, ``cancelling``,
 ``cancelled``. One truth about a job's end: whoever gives the last item of a job's part on a model
-its result (complete.lua in a worker, cancel.lua in a canceller) stamps that part's end time and
+its result (complete.lua in a worker, a cancel_lane.lua, cancel_segment.lua or
+cancel_registry.lua step in a canceller) stamps that part's end time and
 how it ended (``ended_ms``, ``end`` in the model's job counters ``cdr:{M}:job:J``); a job has ended
 when every part has (``status_of``: completed, cancelled or expired). No reader writes a state:
 ``conductor jobs``, ``conductor status``, the Batch API and the status page all derive the same
 status from the same fields, the moment the last result is written.
 
 Cancel (and expiry, the same with the code ``expired``): the job's waiting items get an error
-result in bounded steps (lua/cancel.lua: one lane per call, so that the answer keeps the item's
-payload and input tokens from its record; then one HSCAN page of the job's items per call), in-flight
-batches finish and keep their results, then the answered items leave the lanes (lua/repair_items.lua
-'done' per lane, lua/repair.lua per shape instance). The job ends ``cancelled`` (``expired``) once
-nothing is pending, with completed + failed = total. Cancel and expiry act on a job in any state
-that has not ended, ``validating`` included (a batch whose intake died): lines its intake never
-submitted are answered by the end itself, derived from the kept input (conductor/jobs/job_ledger.py).
+result in bounded steps (lua/cancel_lane.lua: one lane per call, so that the answer keeps the item's
+payload and input tokens from its record; then lua/cancel_segment.lua, one store segment per call, and
+lua/cancel_registry.lua, one HSCAN page of the job's items per call), in-flight batches finish and keep
+their results, then the answered items leave the lanes (lua/repair_items_done.lua per lane,
+lua/repair.lua per shape instance). The job ends ``cancelled`` (``expired``) once nothing is pending,
+with completed + failed = total. Cancel and expiry act on a job in any state that has not ended,
+``validating`` included (a batch whose intake died): lines its intake never submitted are answered
+by the end itself, derived from the kept input (conductor/jobs/job_ledger.py).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "e
 TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 _STAMPS = ("created_at", "in_progress_at", "finalizing_at", "completed_at", "failed_at", "expired_at",
            "cancelling_at", "cancelled_at", "expires_at")
-STEP = 1000  # items hash entries per cancel.lua call
+STEP = 1000  # registry entries per cancel_registry.lua call
 RESWEEP_S = 5.0  # a cancelling job with items pending (failed batches put back) is swept again this often
 LINGER_S = 600.0  # an expired job whose intake had not sent every line is looked at this long after its last sweep
 MAX_METADATA = 16  # OpenAI's limits: 16 pairs, keys of 64 and values of 512 characters
@@ -203,7 +205,7 @@ def line_counts(meta: dict[str, str], status: str, st: dict[str, Any]) -> dict[s
 
 
 def _ends(c: Conductor, job: str, models: list[str]) -> tuple[list[str], int | None]:
-    """Each part's end stamp (complete.lua, cancel.lua) and the job's end time in ms: the latest
+    """Each part's end stamp (complete.lua, lib_cancel.lua) and the job's end time in ms: the latest
     stamp, or, for a part that ended without one (its last item dead-lettered), the time of its
     last result (its stream id); None while a part is running."""
     pipe = c.r.pipeline(transaction=False)
@@ -347,7 +349,7 @@ def expire_due_leased(c: Conductor, owner: str, lease_ms: int = EXPIRY_LEASE_MS)
 
 def _sweep(c: Conductor, job: str, how: str) -> int:
     """Every waiting item of the job answered (bounded steps), then withdrawn from the lanes. The
-    lanes first, one per cancel.lua call: an answer made there keeps the item's input tokens and
+    lanes first, one per cancel_lane.lua call: an answer made there keeps the item's input tokens and
     payload (its record is in the lane); then the job's store segments (their id lists), then the
     id registry, for items waiting anywhere else."""
     message = "the batch was cancelled before this request ran" if how == "cancelled" else \
@@ -359,14 +361,14 @@ def _sweep(c: Conductor, job: str, how: str) -> int:
         insts = {as_str(i) for i in c.r.zrange(mk.active, 0, -1)} | {as_str(i) for i in c.r.zrange(mk.staged, 0, -1)}
         for inst in sorted(insts):
             for lane in c.r.zrange(mk.inst_lanes(inst), 0, -1):
-                total += calls.cancel(mk, job, model, f"lane:{inst}:{as_str(lane)}", STEP, how, message).run(
+                total += calls.cancel_lane(mk, job, model, f"{inst}:{as_str(lane)}", how, message).run(
                     c.scripts).answered
         # store segments of the job: their ids wait in no lane and no registry entry (schema 6)
         for name in job_segments(c.r, mk, job):
-            total += calls.cancel(mk, job, model, f"seg:{name}", STEP, how, message).run(c.scripts).answered
+            total += calls.cancel_segment(mk, job, model, name, how, message).run(c.scripts).answered
         cursor = "0"
         while True:
-            step = calls.cancel(mk, job, model, cursor, STEP, how, message).run(c.scripts)
+            step = calls.cancel_registry(mk, job, model, cursor, STEP, how, message).run(c.scripts)
             cursor = step.cursor
             total += step.answered
             if cursor == "0":
@@ -377,7 +379,7 @@ def _sweep(c: Conductor, job: str, how: str) -> int:
 
 def withdraw(c: ScriptClient, model: str) -> int:
     """Answered items out of the lanes of ``model``'s live shape instances (one lane per
-    repair_items.lua call, then one repair.lua call per instance that changed): items nothing
+    repair_items_done.lua call, then one repair.lua call per instance that changed): items nothing
     will run no longer hold a worker or count as waiting."""
     r = c.r
     mk = K.ModelKeys(model)
@@ -387,7 +389,7 @@ def withdraw(c: ScriptClient, model: str) -> int:
         changed = False
         for lane in r.zrange(mk.inst_lanes(inst), 0, -1):
             try:
-                n = calls.repair_items(mk, "done", f"{inst}:{as_str(lane)}").run(c.scripts).cleared
+                n = calls.repair_items_done(mk, f"{inst}:{as_str(lane)}").run(c.scripts).cleared
             except (redis.ResponseError, ConductorError) as e:  # a lane claimed away meanwhile, a finished instance
                 log.debug("withdraw %s %s:%s: %s", model, inst, as_str(lane), e)
                 continue

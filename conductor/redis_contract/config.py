@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from conductor.redis_contract import rules
+
 # name -> (default, description); the Lua scripts get them as lib_generated.lua, written from here
 # when conductor/redis_contract/scripts.py loads a script (no copy to keep in sync).
 FIELDS: dict[str, tuple[Any, str]] = {
@@ -39,8 +41,9 @@ FIELDS: dict[str, tuple[Any, str]] = {
     "prewarm_batches": (2, "below this many budgets pending on the active shape, the next shape starts warming"),
     "hygiene_items": (4, "a lane with fewer items than this and no assignment for hygiene_idle_ms is force-drained"),
     "hygiene_idle_ms": (5000, "see hygiene_items"),
-    "default_max_tokens": (1024, "output cap of an OpenAI batch line that gives neither max_tokens nor "
-                                 "max_completion_tokens (read at the edge: conductor submit, conductor serve)"),
+    "default_max_tokens": (rules.DEFAULT_MAX_TOKENS, "output cap of an OpenAI batch line that gives neither "
+                                                     "max_tokens nor max_completion_tokens (read at the edge: "
+                                                     "conductor submit, conductor serve)"),
     "resident_tokens": (0, "disk tier (with a store: --store, CONDUCTOR_STORE): input tokens that wait in Redis at "
                            "most; beyond them submit writes items to store segments, which workers feed back as "
                            "lanes drain. 0: no ceiling, every item waits in Redis"),

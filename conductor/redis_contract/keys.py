@@ -126,7 +126,7 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
                                              feed) and fail_stored.lua take out; the segment of an id is
                                              the one whose M:seg:N:ids names it
     M:job:J                         hash     the fleet's job counters for this model: completed, failed
-                                             (cancelled and expired: how many of failed lua/cancel.lua answered)
+                                             (cancelled and expired: how many of failed lua/lib_cancel.lua answered)
     M:job:J:items                   hash     item id -> d: the item has its result (effectively-once)
     M:job:J:packed                  hash     answered ids moved out of M:in:J:sums and M:job:J:items by the
                                              lease holder (lua/compact_ids.lua; issue 25): k (bucket digits),
@@ -136,7 +136,7 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     M:bell                          list     doorbell: submit.lua and seal.lua push a few entries (capped)
                                              when work may have become claimable; idle workers BLPOP it
     M:reply:J:I                     list     the result record of request item I of job J (a request job,
-                                             name starting "rq."), pushed by complete.lua with a short TTL;
+                                             name starting rq.), pushed by complete.lua with a short TTL;
                                              the waiting RequestClient BLPOPs it (conductor/client/request.py)
     M:job:J:rsegs                   list     result segments in the store (disk tier,
                                              conductor/tier/result_segments.py), in stream order: JSON
@@ -160,7 +160,7 @@ and M:seg:N:ids.
 
 from __future__ import annotations
 
-import re
+from conductor.redis_contract import rules
 
 PREFIX = "cdr"
 SCHEMA_KEY = f"{PREFIX}:schema"
@@ -168,8 +168,8 @@ SCHEMA_LOCK_KEY = f"{PREFIX}:schema:lock"
 MODELS_KEY = f"{PREFIX}:models"
 JOBS_KEY = f"{PREFIX}:jobs"
 # Jobs whose names start with this are request jobs (conductor/client/request.py): complete.lua also
-# hands each new result to the waiting caller on M:reply:J:I.
-REQUEST_JOB_PREFIX = "rq."
+# hands each new result to the waiting caller on M:reply:J:I (rules.py holds it, with the list's life).
+REQUEST_JOB_PREFIX = rules.REQUEST_JOB_PREFIX
 GROUP = "workers"
 
 # Every field of M:state, with what it holds; tests/test_keys.py checks that every field a script
@@ -196,8 +196,10 @@ STATE_FIELDS: dict[str, str] = {
     "dead_retried": "dead-lettered items sent back by dead_retry.lua",
     "activations": "shape instances activated",
     "preemptions": "active instances stepped back to staged by aging",
-    "fair_switches": "workers that left their shape for a tenant short of its share (lua/lib_serve.lua rebalance)",
-    "fair_loans": "batches a worker took, keeping its shape, for a tenant behind in service (lua/lib_serve.lua lend)",
+    "fair_switches": "workers that left their shape for a tenant short of its share "
+                     "(lua/lib_rebalance.lua rebalance)",
+    "fair_loans": "batches a worker took, keeping its shape, for a tenant behind in service (lua/lib_rebalance.lua "
+                  "lend)",
     "shapes_finished": "shape instances emptied and finished",
     "warming": "the shape instance last marked warming (for inspect)",
     "warmings": "instances marked warming (pre-warm signals)",
@@ -209,15 +211,11 @@ STATE_FIELDS: dict[str, str] = {
     "paused": "1 while the model is paused (Conductor.pause): every writing script refuses",
 }
 
-# Names end up inside key names and hash tags: keep them printable and free of the
-# characters that would break the tag ({}) or the ':' separated layout.
-_NAME_RE = re.compile(r"^[A-Za-z0-9._/@+=-]{1,128}$")
-
-
 def check_name(kind: str, value: str) -> str:
-    if not isinstance(value, str) or not _NAME_RE.match(value):
+    """``value`` when it is a valid name (rules.py NAME_RE, which the scripts' name_ok applies too)."""
+    if not isinstance(value, str) or not rules.NAME_RE.match(value):
         raise ValueError(
-            f"{kind}: {value!r} is not a valid name (1-128 characters from A-Z a-z 0-9 . _ / @ + = -)"
+            f"{kind}: {value!r} is not a valid name (1-{rules.NAME_MAX} characters from A-Z a-z 0-9 . _ / @ + = -)"
         )
     return value
 
@@ -419,5 +417,6 @@ class ModelKeys:
 
     def reply(self, job: str, item_id: str) -> str:
         return f"{self.base}:reply:{job}:{item_id}"
+
     def job_rsegs(self, job: str) -> str:
         return f"{self.base}:job:{job}:rsegs"

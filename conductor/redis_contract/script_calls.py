@@ -18,6 +18,7 @@ import redis
 
 from conductor.errors import BadInput, Conflict, Paused, QueueFull
 from conductor.redis_contract import keys as K
+from conductor.redis_contract import rules
 from conductor.redis_contract.connection import as_str
 from conductor.redis_contract.item_record import item_record, record_head, record_sum
 from conductor.redis_contract.records import Contract, PreparedItem, Result, json_encoder
@@ -256,7 +257,7 @@ def claim_reply(raw: Any) -> Claimed | NoBatch:
 def claim(mk: K.ModelKeys, contract: Contract, consumer: str, token: str) -> Call[Claimed | NoBatch]:
     """lua/claim.lua: one batch under ``contract`` moved to the list ``mk.batch_items(token)``."""
     return Call("claim", [mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed],
-                [consumer, contract.max_batch_size, contract.max_batch_tokens, contract.max_input_len, token],
+                [consumer, contract.max_batch_size, contract.max_batch_tokens, token],
                 claim_reply)
 
 
@@ -283,7 +284,8 @@ class FailReply(NamedTuple):
 
 def fail(mk: K.ModelKeys, batch_id: str, consumer: str, reason: str) -> Call[FailReply]:
     """lua/fail.lua: a batch the engine could not run, given back (or dead-lettered)."""
-    return Call("fail", [mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed], [batch_id, consumer, reason[:4096]],
+    return Call("fail", [mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed],
+                [batch_id, consumer, reason[:rules.MAX_REASON_BYTES]],
                 lambda raw: FailReply(int(raw[0]), int(raw[1])))
 
 
@@ -352,10 +354,27 @@ class RepairItemsReply(NamedTuple):
     left: int  # no job of the model knows them
 
 
-def repair_items(mk: K.ModelKeys, kind: str, *place: Any) -> Call[RepairItemsReply]:
-    """lua/repair_items.lua: the items of one orphaned place put back (``kind``: batch, lane, done)."""
-    return Call("repair_items", [mk.base, mk.state, mk.batches, mk.reclaimed], [kind, *place],
-                lambda raw: RepairItemsReply(*(int(x) for x in raw)))
+def _repair_items(raw: Any) -> RepairItemsReply:
+    return RepairItemsReply(*(int(x) for x in raw))
+
+
+def repair_items_batch(mk: K.ModelKeys, token: str, sig: str, epoch: int, lane: int, deliveries: int,
+                       entry_id: str) -> Call[RepairItemsReply]:
+    """lua/repair_items_batch.lua: the items of a batch list no pending batch names put back (as a
+    batch of lane ``lane`` of instance ``sig``:``epoch``), and its leaked batches entry ``entry_id``
+    ('' : none) deleted."""
+    return Call("repair_items_batch", [mk.base, mk.state, mk.batches, mk.reclaimed],
+                [token, sig, epoch, lane, deliveries, entry_id], _repair_items)
+
+
+def repair_items_lane(mk: K.ModelKeys, lane: str) -> Call[RepairItemsReply]:
+    """lua/repair_items_lane.lua: the items of a lane ("S:E:L") of a gone instance put back."""
+    return Call("repair_items_lane", [mk.base, mk.state, mk.reclaimed], [lane], _repair_items)
+
+
+def repair_items_done(mk: K.ModelKeys, lane: str) -> Call[RepairItemsReply]:
+    """lua/repair_items_done.lua: the items with a result taken out of a lane ("S:E:L") of a live instance."""
+    return Call("repair_items_done", [mk.base, mk.state], [lane], _repair_items)
 
 
 class CancelReply(NamedTuple):
@@ -364,12 +383,32 @@ class CancelReply(NamedTuple):
     in_flight: int  # items skipped because a pending batch holds them
 
 
-def cancel(mk: K.ModelKeys, job: str, model: str, cursor: str, count: int, code: str,
-           message: str) -> Call[CancelReply]:
-    """lua/cancel.lua: one bounded step of cancelling (``code`` cancelled) or expiring a job on one model."""
-    return Call("cancel", [mk.base, mk.state, mk.batches, mk.job(job), mk.job_items(job), mk.job_results(job),
-                           mk.job_sums(job)], [job, model, cursor, count, code, message],
-                lambda raw: CancelReply(as_str(raw[0]), int(raw[1]), int(raw[2])))
+def _cancel_reply(raw: Any) -> CancelReply:
+    return CancelReply(as_str(raw[0]), int(raw[1]), int(raw[2]))
+
+
+def _cancel_keys(mk: K.ModelKeys, job: str) -> list[str]:
+    return [mk.base, mk.state, mk.batches, mk.job(job), mk.job_items(job), mk.job_results(job)]
+
+
+def cancel_registry(mk: K.ModelKeys, job: str, model: str, cursor: str, count: int, code: str,
+                    message: str) -> Call[CancelReply]:
+    """lua/cancel_registry.lua: one bounded step of cancelling (``code`` cancelled) or expiring a job on
+    one model, over about ``count`` ids of its id registry from ``cursor``."""
+    return Call("cancel_registry", [*_cancel_keys(mk, job), mk.job_sums(job)],
+                [job, model, code, message, cursor, count], _cancel_reply)
+
+
+def cancel_lane(mk: K.ModelKeys, job: str, model: str, lane: str, code: str, message: str) -> Call[CancelReply]:
+    """lua/cancel_lane.lua: the job's waiting items of one lane ("S:E:L") answered, with their input
+    tokens and payloads (the cursor comes back '0')."""
+    return Call("cancel_lane", _cancel_keys(mk, job), [job, model, code, message, lane], _cancel_reply)
+
+
+def cancel_segment(mk: K.ModelKeys, job: str, model: str, name: str, code: str, message: str) -> Call[CancelReply]:
+    """lua/cancel_segment.lua: the job's ids waiting in store segment ``name`` answered (the cursor
+    comes back '0')."""
+    return Call("cancel_segment", _cancel_keys(mk, job), [job, model, code, message, name], _cancel_reply)
 
 
 # ---------------------------------------------------------------------------- the disk tier (conductor/tier/spill.py)

@@ -2,8 +2,8 @@
 
 An include may include others (``lib_lanes.lua`` includes ``lib.lua``): each file is inlined
 once per script, where it is first named, and a cycle is an error. ``lib_generated.lua`` is not
-a file: it is written here from conductor/redis_contract/config.py (the per-model config names and defaults)
-and conductor/redis_contract/keys.py (the consumer group's name), so the Lua copies of those rules cannot drift.
+a file: conductor/redis_contract/lua_generated.py writes it from the Python homes of the rules the
+scripts share (config.py, keys.py, rules.py, records.Result), so the Lua copies of those rules cannot drift.
 
 redis-py's Script runs EVALSHA and reloads the script on NOSCRIPT (a restart or SCRIPT FLUSH
 empties the cache), also inside pipelines.
@@ -19,39 +19,17 @@ from typing import Protocol
 
 import redis
 
-from conductor.redis_contract import config, keys
+from conductor.redis_contract.lua_generated import generated
 
 _INCLUDE = re.compile(r"^--@include\s+(\S+)\s*$", re.M)
 GENERATED = "lib_generated.lua"
 # Every script of lua/ that is run (lib*.lua are includes); tests/test_scripts.py holds the two to each other.
 NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex", "seal", "ensure_model", "register",
-         "heartbeat", "declare", "dead_retry", "repair_items", "trim", "trim_results", "lease",
-         "cancel", "register_segment", "fail_stored", "offload_results", "take_name", "job_class",
-         "intake_create", "intake_lease", "intake_cursor", "compact_ids", "batch_finalize",
+         "heartbeat", "declare", "dead_retry", "repair_items_batch", "repair_items_lane", "repair_items_done",
+         "trim", "trim_results", "lease", "cancel_registry", "cancel_lane", "cancel_segment",
+         "register_segment", "fail_stored", "offload_results",
+         "take_name", "job_class", "intake_create", "intake_lease", "intake_cursor", "compact_ids", "batch_finalize",
          "schema_init")
-
-
-def _lua_value(v: object) -> str:
-    if isinstance(v, bool) or not isinstance(v, (int, float, str)):
-        raise TypeError(f"config default {v!r}: only numbers and strings have a Lua form here")
-    if isinstance(v, str):
-        return "'" + v.replace("\\", "\\\\").replace("'", "\\'") + "'"
-    return repr(v)
-
-
-def generated() -> str:
-    """The text of lib_generated.lua, from the Python homes of the rules it carries."""
-    names = ", ".join(_lua_value(n) for n in config.FIELDS)
-    defaults = ", ".join(f"{n} = {_lua_value(v)}" for n, v in config.DEFAULTS.items())
-    return (
-        "-- lib_generated.lua: written by conductor/redis_contract/scripts.py when a script is loaded, never\n"
-        "-- edited: CFG_NAMES and CFG_DEFAULTS from conductor/redis_contract/config.py FIELDS, GROUP from\n"
-        "-- conductor/redis_contract/keys.py.\n"
-        f"local CFG_NAMES = {{{names}}}\n"
-        f"local CFG_DEFAULTS = {{{defaults}}}\n"
-        "-- The batches stream's consumer group, which holds the in-flight batches.\n"
-        f"local GROUP = {_lua_value(keys.GROUP)}\n"
-    )
 
 
 def expand(name: str, read: Callable[[str], str]) -> str:
@@ -110,11 +88,15 @@ class Scripts:
     heartbeat: redis.commands.core.Script
     declare: redis.commands.core.Script
     dead_retry: redis.commands.core.Script
-    repair_items: redis.commands.core.Script
+    repair_items_batch: redis.commands.core.Script
+    repair_items_lane: redis.commands.core.Script
+    repair_items_done: redis.commands.core.Script
     trim: redis.commands.core.Script
     trim_results: redis.commands.core.Script
     lease: redis.commands.core.Script
-    cancel: redis.commands.core.Script
+    cancel_registry: redis.commands.core.Script
+    cancel_lane: redis.commands.core.Script
+    cancel_segment: redis.commands.core.Script
     register_segment: redis.commands.core.Script
     fail_stored: redis.commands.core.Script
     offload_results: redis.commands.core.Script

@@ -54,9 +54,10 @@ transient rows seen on a live run: bench/RESULTS.md, "Figures moved from code co
 counters and staged score) in one Lua call (lua/repair.lua), then the model's counters (as the
 sum of the repaired instances and of the jobs) and the job counters in a WATCH/MULTI transaction
 that gives up when a script writes the model's state in between (retried a few times). Before
-the counters, ``repair_items`` puts items of orphaned places back (lua/repair_items.lua): a batch
-list no pending batch names, a lane of a gone instance (to the reclaimed list, or cleared when
-they have a result), and items with a result in a live lane. Items counted queued that are in no
+the counters, ``repair_items`` puts items of orphaned places back: a batch list no pending batch
+names (lua/repair_items_batch.lua), a lane of a gone instance (lua/repair_items_lane.lua: to the
+reclaimed list, or cleared when they have a result), and items with a result in a live lane
+(lua/repair_items_done.lua). Items counted queued that are in no
 place, duplicated items and items no job knows stay ledger findings, for a human.
 """
 

@@ -58,7 +58,7 @@ class Ledger:
         return out
 
     def done_lanes(self) -> set[str]:
-        """Lanes ("S:E:L") holding items that have a result (lua/repair_items.lua 'done' clears them)."""
+        """Lanes ("S:E:L") holding items that have a result (lua/repair_items_done.lua clears them)."""
         return {p.split(" ", 1)[1] for key, st in self.state.items() if st != "q"
                 for p in self.places.get(key, []) if p.startswith("lane ")}
 

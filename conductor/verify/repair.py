@@ -1,4 +1,4 @@
-"""Repair: orphaned items put back (lua/repair_items.lua), each shape instance rewritten from its
+"""Repair: orphaned items put back (lua/repair_items_*.lua), each shape instance rewritten from its
 lanes (lua/repair.lua), then the model's and jobs' counters from the truth in one WATCH/MULTI."""
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ def repair(r: redis.Redis, model: str, *, attempts: int = 5) -> tuple[list[Chang
 
 
 def repair_items(r: redis.Redis, model: str) -> tuple[list[Change], list[str]]:
-    """Items put back where they belong (lua/repair_items.lua, one orphaned place per call):
+    """Items put back where they belong (one orphaned place per call of lua/repair_items_batch.lua,
+    repair_items_lane.lua or repair_items_done.lua):
 
     - a batch list ``M:bat:<token>`` that no pending batch names: its items without a result go to
       the reclaimed list as one batch of their shape (the shape from a leaked batches entry that
@@ -74,9 +75,9 @@ def repair_items(r: redis.Redis, model: str) -> tuple[list[Change], list[str]]:
     changes: list[Change] = []
     failed: list[str] = []
 
-    def run(where: str, kind: str, *place: Any) -> None:
+    def run(where: str, call: calls.Call[calls.RepairItemsReply]) -> None:
         try:
-            moved, cleared, left = calls.repair_items(mk, kind, *place).run(scripts)
+            moved, cleared, left = call.run(scripts)
         except (redis.ResponseError, ConductorError) as e:
             failed.append(f"{where}: {e}")
             return
@@ -92,22 +93,22 @@ def repair_items(r: redis.Redis, model: str) -> tuple[list[Change], list[str]]:
             failed.append(f"{mk.batch_items(token)}: no batches entry names it and the model has "
                           f"{len(found.shapes)} shapes: which shape its items belong to is unknown")
             continue
-        run(mk.batch_items(token), "batch", *place)
+        run(mk.batch_items(token), calls.repair_items_batch(mk, *place))
     for where, place in _leaked_entries(r, mk, set(orphans)):
-        run(where, "batch", *place)
+        run(where, calls.repair_items_batch(mk, *place))
     for inst, lanes in sorted(found.lanes.items()):
         if not r.exists(mk.inst(inst)):
             for lane in sorted(lanes, key=int):
-                run(mk.lane(inst, lane), "lane", f"{inst}:{lane}")
+                run(mk.lane(inst, lane), calls.repair_items_lane(mk, f"{inst}:{lane}"))
     for where in sorted(verify(r, model, items=True).done_lanes):
         inst, lane = where.rsplit(":", 1)
         if r.exists(mk.inst(inst)):
-            run(mk.lane(inst, lane), "done", where)
+            run(mk.lane(inst, lane), calls.repair_items_done(mk, where))
     return changes, failed
 
 
 def _leaked_entries(r: redis.Redis, mk: K.ModelKeys, orphans: set[str]) -> list[tuple[str, list[Any]]]:
-    """Batches entries that are not pending and whose list is gone: repair_items.lua's 'batch' call
+    """Batches entries that are not pending and whose list is gone: repair_items_batch.lua
     deletes them (nothing to move)."""
     _b, _n, pending, _bad = read_pending(r, mk, None)
     out: list[tuple[str, list[Any]]] = []
@@ -121,7 +122,7 @@ def _leaked_entries(r: redis.Redis, mk: K.ModelKeys, orphans: set[str]) -> list[
 
 def _orphan_place(r: redis.Redis, mk: K.ModelKeys, found: FoundKeys, token: str,
                   named: tuple[str, dict[bytes, bytes]] | None) -> list[Any] | None:
-    """repair_items.lua's 'batch' arguments for an orphaned batch list: the shape instance and lane
+    """repair_items_batch.lua's arguments for an orphaned batch list: the shape instance and lane
     from the leaked batches entry that names it, else the model's only shape; None when unknown."""
     if named is not None:
         eid, f = named

@@ -1,0 +1,77 @@
+-- lib_writeback.lua: complete.lua's results written back, grouped by job: which are new (a done mark
+-- or a packed id says an item has its result), then per job its result records, done marks and
+-- counters, the service it received (lib_service.lua), a request job's reply lists and the job's end
+-- stamp (lib_job_end.lua).
+-- Keys: M:job:J:items (HMGET, HSET), M:job:J:packed (lib_packed.lua), M:job:J:results (XADD), M:job:J
+--   (HINCRBY), M:reply:J:I (LPUSH, PEXPIRE), M:state (HINCRBY completed, failed); through
+--   lib_service.lua and lib_job_end.lua what they touch.
+-- Invariants: results_by_job only reads and write_results only writes; a result is written at most
+--   once per item (an item already done, or named twice in one call, is skipped), and the counters
+--   move with the results written.
+--@include lib.lua
+--@include lib_job_end.lua
+--@include lib_service.lua
+--@include lib_packed.lua
+
+-- The n results of argv (4 fields each from argv[4]) by job, in the order jobs first appear: per job
+-- g.ids and g.at (each result's id and its position in argv), g.state (its done marks: one HMGET per
+-- job, in slices as unpack stops near 8,000 values) and g.ends (lib_job_end.lua; none for a request
+-- job, which never ends). Returns jobs, order.
+local function results_by_job(base, argv, n)
+  local jobs, order = {}, {}
+  for i = 0, n - 1 do
+    local o = 4 + 4 * i
+    local g = jobs[argv[o]]
+    if not g then
+      g = {ids = {}, at = {}, state = {}}
+      jobs[argv[o]] = g
+      order[#order + 1] = argv[o]
+    end
+    g.ids[#g.ids + 1] = argv[o + 1]
+    g.at[#g.at + 1] = o
+  end
+  for _, job in ipairs(order) do
+    local g = jobs[job]
+    g.state = done_marks(base .. ':job:' .. job, g.ids)  -- packed ids (lib_packed.lua) are done too
+    if not is_request(job) then g.ends = job_end_read(base, job) end
+  end
+  return jobs, order
+end
+
+-- The new results written: per job one HSET of done marks and one HINCRBY per status, not a command
+-- per result. Returns how many were written.
+local function write_results(base, state_key, jobs, order, argv)
+  local served = service_counter(base)  -- lib_service.lua
+  local written, done_ok, done_err = 0, 0, 0
+  for _, job in ipairs(order) do
+    local g, jk = jobs[job], base .. ':job:' .. job
+    local marks, seen, ok_n, err_n, last = {}, {}, 0, 0, nil
+    for j, id in ipairs(g.ids) do
+      if g.state[j] ~= 'd' and not seen[id] then
+        seen[id] = true
+        local o = g.at[j]
+        marks[#marks + 1] = id
+        marks[#marks + 1] = 'd'
+        last = redis.call('XADD', jk .. ':results', '*', 'id', id, 'r', argv[o + 3])
+        if is_request(job) then
+          local rk = base .. ':reply:' .. job .. ':' .. id
+          redis.call('LPUSH', rk, argv[o + 3])
+          redis.call('PEXPIRE', rk, RULES.REPLY_TTL_MS)
+        end
+        if argv[o + 2] == 'ok' then ok_n = ok_n + 1 else err_n = err_n + 1 end
+        add_tokens(g, argv[o + 3])
+      end
+    end
+    for s = 1, #marks, 2000 do
+      redis.call('HSET', jk .. ':items', unpack(marks, s, math.min(s + 1999, #marks)))
+    end
+    if ok_n > 0 then redis.call('HINCRBY', jk, 'completed', ok_n) end
+    if err_n > 0 then redis.call('HINCRBY', jk, 'failed', err_n) end
+    if ok_n + err_n > 0 then served(job, g.pin or 0, g.pout or 0) end
+    if last and g.ends then job_end_stamp(base, job, g.ends, ok_n + err_n, string.match(last, '^%d+')) end
+    written, done_ok, done_err = written + ok_n + err_n, done_ok + ok_n, done_err + err_n
+  end
+  if done_ok > 0 then redis.call('HINCRBY', state_key, 'completed', done_ok) end
+  if done_err > 0 then redis.call('HINCRBY', state_key, 'failed', done_err) end
+  return written
+end
