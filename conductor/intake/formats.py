@@ -14,7 +14,7 @@ Two formats are accepted, detected per line:
 
 Request options of an OpenAI line (``temperature``, ``top_p``, ``stop``, ``seed``,
 ``response_format`` of type text) travel with the item in its payload, under ``"options"``, to the
-engine, which honours what it can (``request_options``; README: "Request options"). An option no
+engine, which honours what it can (``request_options``; docs/formats.md, "Request options"). An option no
 engine here can honour (``n`` > 1, ``logprobs``, tools, a JSON ``response_format``, a penalty) is
 refused with its field named; a field this module does not know is refused too, so that nothing a
 caller asked for is silently dropped.
@@ -307,12 +307,12 @@ def request_options_of(body: dict[str, Any], line: int | None = None) -> dict[st
             # parallel_tool_calls means nothing without tools
             if name != "parallel_tool_calls" and not _same(v, _NEUTRAL[name]):
                 raise BadInput(field, _WHY_NOT.get(name, f"not served: no engine here honours {name} "
-                                                         "(README: Request options)"), line)
+                                                         "(docs/formats.md)"), line)
             continue
         check = _OPTION_CHECKS.get(name)
         if check is None:
             served = ", ".join(sorted(_BODY_ITEM | set(CARRIED_OPTIONS) | _NO_EFFECT))
-            raise BadInput(field, f"not served (body fields: {served}; README: Request options)", line)
+            raise BadInput(field, f"not served (body fields: {served}; docs/formats.md)", line)
         value = check(v, field, line)
         if value is not None:
             out[name] = value
