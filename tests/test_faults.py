@@ -109,7 +109,7 @@ def test_appendfsync_always_loses_no_acknowledged_submit(fresh_server):
 def test_appendfsync_everysec_survives_a_process_crash(tmp_path):
     """everysec write()s the AOF every event loop and fsyncs once a second: a process crash
     (SIGKILL, OOM kill) loses nothing, only a machine crash loses up to about a second
-    (README, "Durability"). This is the half of that we can show without pulling a plug."""
+    (docs/durability.md, "Durability"). This is the half of that we can show without pulling a plug."""
     (tmp_path / "r").mkdir()
     with EmbeddedRedis(appendonly=True, appendfsync="everysec", dir=str(tmp_path / "r")) as srv:
         acked, found = _hammer_and_kill(srv)

@@ -49,9 +49,9 @@ def test_ci_type_checks_the_package_with_mypy_strict():
     assert any(dep.startswith("mypy==") for dep in cfg["project"]["optional-dependencies"]["test"])
 
 
-def _block_after(heading: str) -> list[str]:
-    """The first indented code block after ``heading`` in README.md, one command per line."""
-    text = (ROOT / "README.md").read_text()
+def _block_after(heading: str, page: str = "README.md") -> list[str]:
+    """The first indented code block after ``heading`` in ``page``, one command per line."""
+    text = (ROOT / page).read_text()
     lines = text[text.index(heading):].splitlines()[1:]
     start = next(i for i, ln in enumerate(lines) if ln.startswith("    "))
     block = []
@@ -91,8 +91,8 @@ def test_using_it_runs_as_written_after_the_setup_line(redis_url, tmp_path):
     assert len((tmp_path / "labels-1.jsonl").read_text().splitlines()) == 1000
     assert "labels-1" in p.stdout.decode() and "completed" in p.stdout.decode()
     # the redis-cli recipes read keys that hold what their comments say, after that job
-    recipes = [ln.split("#")[0].split()[1:] for ln in _block_after("## Inspecting with redis-cli")
-               if ln.startswith("redis-cli HGETALL")]
+    layout = _block_after("## Inspecting with redis-cli", "docs/redis-layout.md")
+    recipes = [ln.split("#")[0].split()[1:] for ln in layout if ln.startswith("redis-cli HGETALL")]
     assert len(recipes) >= 4
     for cmd in recipes:
         got = subprocess.run(["redis-cli", "-u", redis_url, cmd[0], cmd[1].strip("'")], capture_output=True,

@@ -219,7 +219,7 @@ def test_a_record_whose_head_only_cjson_reads_is_handed_out_answerable(cdr):
 
 
 def test_a_producer_following_the_readme_protocol_with_raw_commands(cdr):
-    # README "Submitting from another language", step by step, with no conductor code on the
+    # docs/formats.md, "Submitting from another language", step by step, with no conductor code on the
     # producer side: the items are claimed, completed and counted like any others.
     import hashlib
     import time

@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default: env CONDUCTOR_REDIS_URL, else {DEFAULT_URL})")
     p.add_argument("--store", metavar="URL",
                    help="disk tier: a directory or fsspec URL (s3://bucket/prefix with s3fs) for store segments; "
-                        "used for models with a resident_tokens ceiling (env CONDUCTOR_STORE; README: Disk tier)")
+                        "used for models with a resident_tokens ceiling (env CONDUCTOR_STORE; docs/configuration.md)")
     p.add_argument("--wait-replicas", type=non_negative_int, default=None, metavar="N",
                    help="submit and complete wait until N replicas hold their writes "
                         "(default: env CONDUCTOR_WAIT_REPLICAS, else 0)")
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         return c
 
     s = command("submit", "validate and submit a JSONL or Parquet file, print the job id, exit", cmd_submit)
-    s.add_argument("file", help="JSON lines or Parquet: native or OpenAI batch format (README: Input lines)")
+    s.add_argument("file", help="JSON lines or Parquet: native or OpenAI batch format (docs/formats.md)")
     s.add_argument("--job", help="job id (default: the file's name without its extension); a job that exists is "
                                  "refused unless --resume, as run refuses it")
     s.add_argument("--resume", action="store_true",
@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--metrics-port", type=port, help="serve Prometheus metrics on this port (default: none)")
 
     ag = command("agent", "run a host agent: claim for N GPU processes of this host, hand batches over shared "
-                          "memory (README: Same-host handoff)", cmd_agent)
+                          "memory (docs/operations.md)", cmd_agent)
     engine_flags(ag)
     ag.add_argument("--gpus", type=positive_int, default=1, help="GPU processes to start (one engine each)")
     ag.add_argument("--depth", type=positive_int, default=2,
@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--follow", action="store_true", help="keep reading until every item has a result")
     r.add_argument("-o", "--output", metavar="FILE", help="write to FILE instead of stdout")
     r.add_argument("--format", choices=("native", "openai"), default="native",
-                   help="native result lines (README: Result lines) or OpenAI batch output lines")
+                   help="native result lines (docs/formats.md) or OpenAI batch output lines")
     r.add_argument("--errors", metavar="FILE", help="with --format openai: failed lines go to FILE (OpenAI's "
                                                     "error file) instead of the output")
 
@@ -221,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     dl.add_argument("--yes", action="store_true", help="purge without asking (a purge off a terminal needs it)")
 
     run = command("run", "the main job: submit FILE, run N workers per model, write results", cmd_run)
-    run.add_argument("file", help="JSON lines or Parquet: native or OpenAI batch format (README: Input lines)")
+    run.add_argument("file", help="JSON lines or Parquet: native or OpenAI batch format (docs/formats.md)")
     engine_flags(run, model_required=False)
     run.add_argument("--workers", type=positive_int, default=2, help="worker processes per model")
     run.add_argument("-o", "--output", required=True, metavar="FILE", help="where the results go (JSON lines)")

