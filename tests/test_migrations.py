@@ -69,7 +69,7 @@ def write_schema1(r: redis.Redis) -> None:
     r.sadd("cdr:models", MODEL)
     r.zadd("cdr:jobs", {JOB: now})
     r.sadd(f"cdr:job:{JOB}:models", MODEL)
-    # Thresholds that let a small queue dispatch at once (tests/helpers.quick).
+    # Thresholds that let a small queue dispatch at once (tests/helpers.py, quick).
     r.hset(f"{BASE}:cfg", mapping={"quiet_ms": 50, "release_batches": 0, "activate_batches": 0})
     r.hset(f"{BASE}:shape:{s}", mapping={"epoch": 1, "prefix": '["sys"]'})
     waiting_tokens = waiting_items = 0
