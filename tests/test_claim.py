@@ -218,6 +218,7 @@ def test_a_claim_whose_reply_was_lost_is_recovered_by_its_token(redis_server, re
         c._lost_claims[("m", "w")] = ["0" * 16]
         b, why = c.claim(contract, "w")
         assert why == "batch" and not c._lost_claims[("m", "w")]
+        c.r.close()
     finally:
         proxy.close()
 

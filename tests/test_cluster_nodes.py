@@ -31,6 +31,7 @@ def cluster():
 def test_the_models_live_on_three_nodes(cluster):
     rc = connect(cluster.url)
     nodes = {rc.get_node_from_key(f"cdr:{{{m}}}").name for m in MODELS}
+    rc.close()
     assert len(nodes) == 3  # else this module would not test what it says
 
 
@@ -58,6 +59,7 @@ def test_one_job_three_models_three_nodes_through_the_cli(cluster, tmp_path):
         assert rep.ok, rep.drift
         insp = json.loads(cli("inspect", m, "--json", url=url).stdout)[0]
         assert insp["consumers"] == [] and insp["state"]["inflight_items"] == "0"
+    c.r.close()
 
 
 def test_a_model_whose_slot_moves_to_another_node_mid_run_loses_and_doubles_nothing(cluster):

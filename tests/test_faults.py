@@ -48,6 +48,7 @@ def test_client_rides_out_a_redis_crash_and_restart(fresh_server):
     st = cdr.status("j")
     assert (st["completed"], st["pending"]) == (20, 0)
     assert sorted(int(r.id) for r in cdr.read_results("j")) == list(range(20))
+    cdr.r.close()
 
 
 def test_unreachable_redis_gives_up_after_bounded_backoff_with_one_clear_error():

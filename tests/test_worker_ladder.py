@@ -210,5 +210,6 @@ def test_a_worker_whose_claim_reply_is_lost_runs_that_batch_on_its_next_turn(red
         assert sorted(r["id"] for r in rows) == [f"i{k:04d}" for k in range(12)]
         assert orphan <= {r["batch"] for r in rows}
         assert c.r.xpending(mk.batches, "workers")["pending"] == 0
+        c.r.close()
     finally:
         proxy.close()
