@@ -11,18 +11,35 @@ import time
 import urllib.request
 from collections import Counter
 
+import pytest
+
 from conductor.embedded import free_port
 from conductor.redis_contract import keys as K
 from tests.conftest import ROOT, item
 from tests.helpers import MK, quick
 
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _no_worker_outlives_its_test():
+    """A test that fails while its worker runs would leave it serving the next test's Redis."""
+    yield
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
 
 def start_worker(url: str, name: str, log_path, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, CONDUCTOR_REDIS_URL=url)
     with open(log_path, "wb") as log:  # the child keeps its own descriptor
-        return subprocess.Popen([sys.executable, "-m", "conductor", "--log-level", "info", "worker", "--engine",
+        proc = subprocess.Popen([sys.executable, "-m", "conductor", "--log-level", "info", "worker", "--engine",
                                  "sim", "--model", "m", "--name", name, "--max-batch-size", "8", *extra],
                                 env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=log)
+    _STARTED.append(proc)
+    return proc
 
 
 def events(log_path) -> list[dict]:
