@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import subprocess
@@ -24,14 +23,6 @@ ROOT = Path(__file__).resolve().parent.parent
 # Redis refuses any command or script touching two slots (tests/test_cluster_slots.py runs a
 # part of it that way in every run).
 CLUSTER = os.environ.get("CONDUCTOR_TEST_CLUSTER") == "1"
-
-
-@pytest.fixture(autouse=True)
-def _collect_garbage_after_each_test() -> Iterator[None]:
-    """A client a test leaves open warns when the garbage collector closes it, in whichever later test
-    that happens (and warnings are errors): collected here, the warning names the test that leaked."""
-    yield
-    gc.collect()
 
 
 @pytest.fixture(scope="session")

@@ -45,7 +45,7 @@ class RunSummary:
         padded = sum(self._batches.values())
         return 1 - self.actual_tokens / padded if padded else 0.0
 
-    def scrape_workers(self, ports: list[int], timeout_s: float = 2.0) -> None:
+    def scrape_workers(self, ports: list[int], timeout_s: float = 5.0) -> None:
         """Sum conductor_prefix_hit_tokens and take each worker's conductor_worker_busy_seconds from the
         workers' endpoints; both left unknown if any is unreadable (a partial sum would understate the
         hits, a missing worker would hide the imbalance)."""
