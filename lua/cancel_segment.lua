@@ -27,7 +27,7 @@
 local cx, err = cancel_args(KEYS, ARGV, 5)
 if not cx then return err end
 local name = ARGV[5]
-if #name ~= 32 or not string.match(name, '^%x+$') then
+if not hex_ok(name, RULES.SEGMENT_NAME_HEX) then
   return redis.error_reply('ERR_ARG segment: must be 32 hex digits')
 end
 local seg_key = cx.base .. ':seg:' .. name

@@ -49,7 +49,7 @@ local k = tonumber(redis.call('HGET', packed_key, 'k')) or k_arg
 local take, seen, buckets, order = {}, {}, {}, {}
 for i = 1, n do
   local id, sum = ids[i], sums[i]
-  if marks[i] == 'd' and sum and #sum == 16 and string.match(sum, '^[0-9a-f]+$') and not seen[id] then
+  if marks[i] == 'd' and hex_ok(sum, RULES.SUM_HEX) and not seen[id] then
     seen[id] = true
     take[#take + 1] = id
     local field, fp = packed_place(id, k)

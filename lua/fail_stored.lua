@@ -34,7 +34,7 @@ local intake_key, state_key, segs_key, seg_key = KEYS[1], KEYS[2], KEYS[3], KEYS
 local sums_key, job_key, items_key, results_key = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
 local stored_key, ids_key = KEYS[9], KEYS[10]
 local name = ARGV[1]
-if #name ~= 32 or not string.match(name, '^[0-9a-f]+$') then
+if not hex_ok(name, RULES.SEGMENT_NAME_HEX) then
   return redis.error_reply('ERR_ARG name: must be 32 lowercase hex digits')
 end
 local n = (#ARGV - 1) / 2

@@ -24,7 +24,7 @@ local function cancel_args(keys, argv, n)
     results_key = keys[6], job = argv[1], model = argv[2], code = argv[3], message = argv[4]}
   if not name_ok(cx.job) then return nil, redis.error_reply('ERR_ARG job: invalid job name') end
   if not name_ok(cx.model) then return nil, redis.error_reply('ERR_ARG model: invalid model name') end
-  if cx.code ~= 'cancelled' and cx.code ~= 'expired' then
+  if not end_code_ok(cx.code) then
     return nil, redis.error_reply('ERR_ARG code: must be cancelled or expired')
   end
   if #cx.message > 1000 then return nil, redis.error_reply('ERR_ARG message: longer than 1000 bytes') end

@@ -30,7 +30,7 @@ local function check_items(argv, n, job)
     local o = 3 + 3 * i
     local sig, rec, prefix = argv[o], argv[o + 1], argv[o + 2]
     if not sigs_ok[sig] then
-      if #sig ~= 16 or not string.match(sig, '^[0-9a-f]+$') then
+      if not hex_ok(sig, RULES.SIG_HEX) then
         return nil, redis.error_reply('ERR_ARG sig: must be 16 lowercase hex digits at item ' .. i)
       end
       sigs_ok[sig] = true

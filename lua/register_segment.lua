@@ -41,17 +41,17 @@ local stored_key, ids_key = KEYS[7], KEYS[8]
 local name, job, sig, path, fsum = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local tokens, lmin, lmax = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local n = (#ARGV - 8) / 2
-if #name ~= 32 or not string.match(name, '^[0-9a-f]+$') then
+if not hex_ok(name, RULES.SEGMENT_NAME_HEX) then
   return redis.error_reply('ERR_ARG name: must be 32 lowercase hex digits')
 end
 if not name_ok(job) then
   return redis.error_reply('ERR_ARG job: invalid job name')
 end
-if #sig ~= 16 or not string.match(sig, '^[0-9a-f]+$') then
+if not hex_ok(sig, RULES.SIG_HEX) then
   return redis.error_reply('ERR_ARG sig: must be 16 lowercase hex digits')
 end
 if #path < 1 or #path > 1024 then return redis.error_reply('ERR_ARG path: must be 1..1024 bytes') end
-if #fsum ~= 40 or not string.match(fsum, '^[0-9a-f]+$') then
+if not hex_ok(fsum, RULES.FILE_SUM_HEX) then
   return redis.error_reply('ERR_ARG sum: must be 40 lowercase hex digits')
 end
 if not int_in(n, 1, RULES.MAX_CALL_ITEMS) then
@@ -68,7 +68,7 @@ for i = 1, n do
   if #id < 1 or #id > RULES.MAX_ID_BYTES then
     return redis.error_reply('ERR_ARG id: must be 1..' .. RULES.MAX_ID_BYTES .. ' bytes at item ' .. (i - 1))
   end
-  if #sum ~= 16 or not string.match(sum, '^[0-9a-f]+$') then
+  if not hex_ok(sum, RULES.SUM_HEX) then
     return redis.error_reply('ERR_ARG sum: must be 16 lowercase hex digits at item ' .. (i - 1))
   end
   ids[i], sums[i] = id, sum

@@ -34,7 +34,7 @@ local ep, lane, dv = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
 if #token < 1 or #token > 64 or not string.match(token, '^[%w%._-]+$') then
   return redis.error_reply('ERR_ARG token: must be 1..64 characters from A-Z a-z 0-9 . _ -')
 end
-if #sig ~= 16 or not string.match(sig, '^[0-9a-f]+$') then
+if not hex_ok(sig, RULES.SIG_HEX) then
   return redis.error_reply('ERR_ARG sig: must be 16 lowercase hex digits')
 end
 if not int_in(ep, 0, 1e15) or not int_in(lane, 0, 1e15) or not int_in(dv, 1, 1e9) then

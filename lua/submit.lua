@@ -73,7 +73,7 @@ if #ARGV ~= 2 + 3 * n and #ARGV ~= 3 + 3 * n then
     #ARGV)
 end
 local sums = ARGV[3 + 3 * n]
-if sums and (#sums ~= 16 * n or not string.match(sums, '^[0-9a-f]*$')) then
+if sums and (#sums ~= RULES.SUM_HEX * n or not string.match(sums, '^[0-9a-f]*$')) then
   return redis.error_reply('ERR_ARG sums: must be 16 lowercase hex digits per item, ' .. 16 * n .. ' in all')
 end
 local job = ARGV[2]

@@ -14,6 +14,7 @@ import redis
 from conductor.client.core import ConductorCore, check_name
 from conductor.errors import ConductorError, Conflict, DuplicateId, Paused, RedisUnavailable
 from conductor.redis_contract import keys as K
+from conductor.redis_contract import rules
 from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.connection import as_str
 from conductor.redis_contract.item_record import content_sum, record_head
@@ -179,8 +180,8 @@ class Submitting(ConductorCore):
         conflicts, example = 0, ""
         head = record_head(job)
         for model, its in by_model.items():
-            for start in range(0, len(its), 5000):
-                chunk = its[start:start + 5000]
+            for start in range(0, len(its), rules.MAX_CALL_ITEMS):
+                chunk = its[start:start + rules.MAX_CALL_ITEMS]
                 # the sum of each id the job has: its registry, its store-waiting ids, its answered
                 # packed ids (packed_ids.py)
                 known = known_sums(self.r, K.ModelKeys(model), job, [it.id for it in chunk])

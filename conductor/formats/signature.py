@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import xxhash
 
+from conductor.redis_contract.rules import SIG_HEX
+
 _PAIR = struct.Struct("<QQ")
 
 
@@ -28,4 +30,4 @@ def shape_signature(components: Sequence[str]) -> str:
     for component in components:
         h = xxhash.xxh64_intdigest(component.encode("utf-8"))
         acc = xxhash.xxh64_intdigest(_PAIR.pack(acc, h))
-    return f"{acc:016x}"
+    return f"{acc:0{SIG_HEX}x}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 
+from conductor.redis_contract import rules
 from conductor.redis_contract.records import PreparedItem, json_encoder
 
 
@@ -31,4 +32,4 @@ def content_sum(head: bytes, it: PreparedItem) -> str:
 
 def record_sum(sig: str, record: bytes) -> str:
     """``content_sum`` of a record already built (submit.lua's ARGV carries both)."""
-    return hashlib.sha1(sig.encode() + record).hexdigest()[:16]
+    return hashlib.sha1(sig.encode() + record).hexdigest()[:rules.SUM_HEX]

@@ -78,6 +78,7 @@ def generated() -> str:
     defaults = ", ".join(f"{n} = {lua_value(v)}" for n, v in config.DEFAULTS.items())
     shared = ",\n  ".join(f"{n} = {lua_value(v)}" for n, v in rules.LUA_RULES.items())
     name_pattern = lua_value(f"^[{rules.lua_class(rules.NAME_CHARS)}]+$")
+    end_codes = " or ".join(f"code == {lua_value(c)}" for c in rules.END_CODES)
     return (
         "-- lib_generated.lua: written by conductor/redis_contract/lua_generated.py when a script is\n"
         "-- loaded, never edited: CFG_NAMES and CFG_DEFAULTS from config.py FIELDS, GROUP from keys.py,\n"
@@ -93,6 +94,12 @@ def generated() -> str:
         "  return type(v) == 'string' and #v >= 1 and #v <= RULES.NAME_MAX\n"
         f"    and string.match(v, {name_pattern}) ~= nil\n"
         "end\n"
+        "-- A lowercase hex string of exactly n digits (RULES.SIG_HEX, SUM_HEX, SEGMENT_NAME_HEX, FILE_SUM_HEX).\n"
+        "local function hex_ok(v, n)\n"
+        "  return type(v) == 'string' and #v == n and string.match(v, '^[0-9a-f]+$') ~= nil\n"
+        "end\n"
+        "-- The code of an early end's answers (rules.py END_CODES).\n"
+        f"local function end_code_ok(code) return {end_codes} end\n"
         "-- A request job's name (conductor/client/request.py): its results also go to reply lists.\n"
         "local function is_request(job)\n"
         "  return string.sub(job, 1, #RULES.REQUEST_JOB_PREFIX) == RULES.REQUEST_JOB_PREFIX\n"

@@ -35,6 +35,18 @@ MAX_BATCH_TOKENS = 1 << 30
 # A failed batch's reason as stored with its dead letter (longer ones are cut).
 MAX_REASON_BYTES = 4096
 
+# Lowercase hex strings the scripts take and Python writes: a shape signature (XXH64,
+# conductor/formats/signature.py) and an item's content sum (conductor/redis_contract/item_record.py),
+# a store segment's name (its content's digest, conductor/redis_contract/segment_record.py and
+# conductor/tier/result_segments.py) and its file's SHA-1.
+SIG_HEX = 16
+SUM_HEX = 16
+SEGMENT_NAME_HEX = 32
+FILE_SUM_HEX = 40
+
+# The error codes of the answers a job's early end gives its waiting items (cancel, expiry).
+END_CODES = ("cancelled", "expired")
+
 # Request jobs (conductor/client/request.py): complete.lua pushes each new result of a job whose
 # name starts with this to the reply list M:reply:J:I, which lives this long for its caller.
 REQUEST_JOB_PREFIX = "rq."
@@ -58,6 +70,10 @@ LUA_RULES: dict[str, int | str] = {
     "MAX_REASON_BYTES": MAX_REASON_BYTES,
     "REQUEST_JOB_PREFIX": REQUEST_JOB_PREFIX,
     "REPLY_TTL_MS": REPLY_TTL_MS,
+    "SIG_HEX": SIG_HEX,
+    "SUM_HEX": SUM_HEX,
+    "SEGMENT_NAME_HEX": SEGMENT_NAME_HEX,
+    "FILE_SUM_HEX": FILE_SUM_HEX,
 }
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+from conductor.redis_contract import rules
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -25,7 +27,7 @@ class Segment:
             h.update(part.encode() + b"\0")
         for rec in self.records:
             h.update(len(rec).to_bytes(8, "little") + rec)
-        return h.hexdigest()[:32]
+        return h.hexdigest()[:rules.SEGMENT_NAME_HEX]
 
     @property
     def file_name(self) -> str:

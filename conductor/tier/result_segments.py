@@ -21,13 +21,14 @@ import redis
 
 from conductor.errors import ConductorError
 from conductor.redis_contract import keys as K
+from conductor.redis_contract import rules
 from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.connection import StreamEntry, as_str
 from conductor.redis_contract.scripts import ScriptClient
 from conductor.tier.object_store import Store
 from conductor.tier.parquet_bytes import read_bytes, table_bytes
 
-SEGMENT_RESULTS = 5000
+SEGMENT_RESULTS = rules.MAX_CALL_ITEMS
 
 
 def _id_key(eid: str) -> tuple[int, int]:
@@ -65,7 +66,7 @@ def offload_job(r: redis.Redis, scripts: Any, store: Store, model: str, job: str
         entries: list[StreamEntry] = r.xrange(stream, "-", "+", count=min(extra, SEGMENT_RESULTS))  # type: ignore[assignment]
         eids = [as_str(e) for e, _f in entries]
         data = encode(model, job, eids, [f.get(b"id", b"") for _e, f in entries], [f[b"r"] for _e, f in entries])
-        name = hashlib.sha1(data).hexdigest()[:32]
+        name = hashlib.sha1(data).hexdigest()[:rules.SEGMENT_NAME_HEX]
         path = f"results/{name[:2]}/{name}.parquet"
         store.put(path, data)
         record = json.dumps({"path": path, "first": eids[0], "last": eids[-1], "n": len(eids),

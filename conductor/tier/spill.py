@@ -29,6 +29,7 @@ import redis
 
 from conductor.errors import ConductorError
 from conductor.redis_contract import keys as K
+from conductor.redis_contract import rules
 from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.connection import as_str
 from conductor.redis_contract.item_record import content_sum, record_head
@@ -37,7 +38,7 @@ from conductor.redis_contract.records import PreparedItem
 from conductor.tier import segments as S
 from conductor.tier.object_store import Store
 
-SEGMENT_ITEMS = 5000  # one submit.lua call loads a whole segment
+SEGMENT_ITEMS = rules.MAX_CALL_ITEMS  # one submit.lua call loads a whole segment
 MIN_SEGMENT_TOKENS = 1
 
 # Registers a segment, confirmed on replicas when the client waits for them (the client's own

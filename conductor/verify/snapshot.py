@@ -12,6 +12,7 @@ from typing import Any
 import redis
 
 from conductor.redis_contract import keys as K
+from conductor.redis_contract import rules
 from conductor.redis_contract.config import DEFAULTS
 from conductor.redis_contract.connection import StreamEntry as Entry
 from conductor.redis_contract.connection import as_str
@@ -75,11 +76,12 @@ class FoundKeys:
 
 def classify(r: redis.Redis, mk: K.ModelKeys) -> FoundKeys:
     b = re.escape(mk.base)
-    inst_re = re.compile(rf"^{b}:inst:([0-9a-f]{{16}}:\d+)(?::[a-z_]+)?$")
-    lane_re = re.compile(rf"^{b}:lane(?:meta|tok)?:([0-9a-f]{{16}}:\d+):(\d+)$")
+    sig = f"[0-9a-f]{{{rules.SIG_HEX}}}"
+    inst_re = re.compile(rf"^{b}:inst:({sig}:\d+)(?::[a-z_]+)?$")
+    lane_re = re.compile(rf"^{b}:lane(?:meta|tok)?:({sig}:\d+):(\d+)$")
     job_re = re.compile(rf"^{b}:(?:job|in):([^:]+)(?::(?:items|results|sums))?$")
     bat_re = re.compile(rf"^{b}:bat:(.+)$")
-    shape_re = re.compile(rf"^{b}:shape:([0-9a-f]{{16}})$")
+    shape_re = re.compile(rf"^{b}:shape:({sig})$")
     out = FoundKeys()
     for raw in r.scan_iter(match=f"{mk.base}:*", count=PAGE):
         key = as_str(raw)
