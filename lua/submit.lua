@@ -39,7 +39,7 @@
 --   job's item under a reused job name, whose old results a reader would take for its own.
 -- Writes each record as sent to its lane list, and its input tokens to the lane's token list at
 --   the same position. The producer builds the record: building it here cost over a quarter
---   of the server time per item (bench/RESULTS.md, bench/submit_profile.py), and the decode
+--   of the server time per item (bench/RESULTS.md, bench/profiles/submit_profile.py), and the decode
 --   that checks it is needed anyway.
 -- The job's class (tenant, priority, deadline: job_class.lua, read from M:in:J) places its items:
 --   a job of its own tenant in batch priority uses the signature's instances (several such jobs

@@ -7,8 +7,8 @@ import subprocess
 import sys
 from collections import Counter
 
-from bench import suite
-from bench.workload import WorkloadSpec, generate
+from bench.common.workload import WorkloadSpec, generate
+from bench.packing import suite
 from tests.conftest import ROOT
 
 
@@ -47,7 +47,7 @@ def test_suite_trickle_arrival_completes():
 
 
 def test_submit_claim_quick_form_runs(tmp_path):
-    p = subprocess.run([sys.executable, "bench/submit_claim.py", "--quick", "--items", "600", "--claims", "10",
+    p = subprocess.run([sys.executable, "bench/broker/submit_claim.py", "--quick", "--items", "600", "--claims", "10",
                         "--backlog", "500"], cwd=str(ROOT), capture_output=True, timeout=120)
     assert p.returncode == 0, p.stderr.decode()[-2000:]
     out = p.stdout.decode()
@@ -58,8 +58,8 @@ def test_submit_claim_quick_form_runs(tmp_path):
 
 def test_suite_cli_quick_writes_json(tmp_path):
     out = tmp_path / "figs.json"
-    p = subprocess.run([sys.executable, "bench/suite.py", "--quick", "--no-write", "--items", "300", "--shapes", "3",
-                        "--json", str(out)], cwd=str(ROOT), capture_output=True, timeout=120)
+    p = subprocess.run([sys.executable, "bench/packing/suite.py", "--quick", "--no-write", "--items", "300",
+                        "--shapes", "3", "--json", str(out)], cwd=str(ROOT), capture_output=True, timeout=120)
     assert p.returncode == 0, p.stderr.decode()[-2000:]
     figs = json.loads(out.read_text())
     assert set(figs) == set(suite.SYSTEMS)
@@ -67,21 +67,21 @@ def test_suite_cli_quick_writes_json(tmp_path):
 
 
 def test_lifecycle_bench_quick_runs_and_loses_nothing():
-    from bench.lifecycle_bench import run
+    from bench.packing.lifecycle_bench import run
     text = run(quick=True)
     assert text.count("Conductor results: ok: every id exactly once.") == 2
     assert "| items left at the end (goal 0) | 0 | 0 |" in text
 
 
 def test_cluster_claim_bench_runs(capsys):
-    from bench import cluster_claim
+    from bench.broker import cluster_claim
     assert cluster_claim.main(["--claims", "5"]) == 0
     out = capsys.readouterr().out
     assert "| 3-node cluster |" in out and out.count("| single node") == 2
 
 
 def test_oracle_plan_covers_every_item_once_in_pure_batches_under_the_contract():
-    from bench import oracle
+    from bench.common import oracle
     wl = generate(WorkloadSpec(items=3000, shapes=6, seed=4))
     prefixes = suite.oracle_prefixes(wl)
     p = oracle.plan(wl.items, prefixes, 4, 64, 65536, oracle.sim_work())
@@ -101,7 +101,7 @@ def test_oracle_plan_covers_every_item_once_in_pure_batches_under_the_contract()
 
 
 def test_static_cost_model_prices_prefix_reuse_graphs_and_arrival():
-    from bench import static_cost as sc
+    from bench.common import static_cost as sc
 
     class It:
         def __init__(self, id_: str, tok: int) -> None:
@@ -122,7 +122,7 @@ def test_static_cost_model_prices_prefix_reuse_graphs_and_arrival():
 def test_sweep_quick_form_runs_every_point_and_the_oracle_beats_the_stream(tmp_path, capsys):
     import math
 
-    from bench import sweep
+    from bench.packing import sweep
     out = tmp_path / "sweep.json"
     assert sweep.main(["--quick", "--no-write", "--json", str(out)]) == 0
     text = capsys.readouterr().out
@@ -152,7 +152,7 @@ def _bench(*args: str, timeout: float = 120) -> str:
 def test_claim_profile_times_the_functions_of_claim_lua_as_loaded(redis_url):
     # The instrumented copy follows claim.lua and its includes (issue 28: the copy that cut the
     # script at text anchors had rotted); the script as is is timed beside it.
-    from bench import claim_profile
+    from bench.profiles import claim_profile
     from conductor.client import connect
     from conductor.redis_contract.scripts import source
     res = claim_profile.profile(connect(redis_url), 1500, 12, log=lambda _line: None)
@@ -166,7 +166,7 @@ def test_claim_profile_times_the_functions_of_claim_lua_as_loaded(redis_url):
 
 
 def test_submit_profile_makes_every_copy_it_names(redis_url):
-    from bench import submit_profile
+    from bench.profiles import submit_profile
     from conductor.client import connect
     res = submit_profile.profile(connect(redis_url), 1200, 1, 400, shapes=4, log=lambda _line: None)
     assert res["skipped"] == [], f"anchors gone from submit.lua: {res['skipped']}: update CUTS"
@@ -175,29 +175,29 @@ def test_submit_profile_makes_every_copy_it_names(redis_url):
 
 
 def test_claim_contention_quick_form_runs():
-    out = _bench("bench/claim_contention.py", "--workers", "1,2", "--items", "300")
+    out = _bench("bench/broker/claim_contention.py", "--workers", "1,2", "--items", "300")
     assert "| 2 |" in out and "server p99 vs 1" in out
 
 
 def test_disk_tier_quick_form_runs():
-    out = _bench("-m", "bench.disk_tier", "--quick", timeout=180)
+    out = _bench("-m", "bench.memory.disk_tier", "--quick", timeout=180)
     assert "store segments (tier)" in out
 
 
 def test_idle_fleet_quick_form_runs():
-    out = _bench("bench/idle_fleet.py", "--fleets", "2", "--seconds", "0.3", "--requests", "10", "--wakes", "2",
+    out = _bench("bench/broker/idle_fleet.py", "--fleets", "2", "--seconds", "0.3", "--requests", "10", "--wakes", "2",
                  "--settle-s", "0.5")
     assert "doorbell (BLPOP)" in out and "64 of 64 permits back after" in out
 
 
 def test_input_rss_quick_form_runs():
-    out = _bench("-m", "bench.input_rss", "--rows", "1500", "--no-write")
+    out = _bench("-m", "bench.intake.input_rss", "--rows", "1500", "--no-write")
     assert "| 1,500 | JSONL |" in out and "| 1,500 | Parquet |" in out
 
 
 def test_intake_speed_quick_form_runs_every_system():
     # each system's run asserts its own completeness (every item accepted, the API task done)
-    out = _bench("-m", "bench.intake_speed", "--quick", "--items", "600")
+    out = _bench("-m", "bench.intake.intake_speed", "--quick", "--items", "600")
     for label in ("| xadd |", "| library |", "| submit |", "| submit (process) |", "| xadd (OpenAI) |", "| api |"):
         assert label in out, label
 
@@ -206,21 +206,26 @@ def test_every_benchmark_has_a_quick_form_in_the_tests():
     # A benchmark nothing runs rots (issue 28): each bench/ module with a main is run by a test.
     text = "".join(p.read_text() for p in (ROOT / "tests").glob("test_*.py"))
     missing = []
-    for path in sorted((ROOT / "bench").glob("*.py")):
-        name = path.stem
+    for path in sorted((ROOT / "bench").glob("*/*.py")):
+        sub, name = path.parent.name, path.stem
         if "def main(" not in path.read_text():
             continue
-        if not any(ref in text for ref in (f"bench/{name}.py", f"bench.{name}", f"bench import {name}",
-                                           f"import {name}")):
-            missing.append(name)
+        if not any(ref in text for ref in (f"bench/{sub}/{name}.py", f"bench.{sub}.{name}",
+                                           f"bench.{sub} import {name}")):
+            missing.append(f"{sub}/{name}")
     assert not missing, missing
 
 
+def test_bench_holds_only_its_subpackages():
+    # bench/ is split by what each module measures (issue 34): no module at its top but the package's own
+    assert sorted(p.name for p in (ROOT / "bench").glob("*.py")) == ["__init__.py"]
+
+
 def test_fleet_quick_form_joins_drains_and_kills_workers_and_loses_nothing(tmp_path):
-    """bench/fleet.py's quick points: a worker joining mid-run, one drained and one killed (its
+    """bench/fleet/fleet.py's quick points: a worker joining mid-run, one drained and one killed (its
     batches reclaimed); every id exactly once (the run exits 1 otherwise)."""
     out = tmp_path / "fleet.json"
-    p = subprocess.run([sys.executable, "bench/fleet.py", "--quick", "--no-write", "--json", str(out)], cwd=ROOT,
+    p = subprocess.run([sys.executable, "bench/fleet/fleet.py", "--quick", "--no-write", "--json", str(out)], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     runs = json.loads(out.read_text())
@@ -232,7 +237,7 @@ def test_fleet_quick_form_joins_drains_and_kills_workers_and_loses_nothing(tmp_p
 
 
 def test_returns_counts_a_worker_coming_back_to_an_instance_it_left():
-    from bench.fleet import returns
+    from bench.fleet.fleet import returns
 
     class E:
         instances = ["a:1", "a:1", "b:1", "a:1", "c:1", "b:1", "b:1"]
@@ -240,15 +245,15 @@ def test_returns_counts_a_worker_coming_back_to_an_instance_it_left():
 
 
 def test_fairness_quick_form_runs_every_scenario():
-    """bench/fairness.py's small forms: tenants' shares, a late tenant, interactive requests, deadlines
+    """bench/fleet/fairness.py's small forms: tenants' shares, a late tenant, interactive requests, deadlines
     and the cost against first-come-first-served; the goals are reported, not asserted."""
-    out = _bench("bench/fairness.py", "--quick", "--no-write", timeout=300)
+    out = _bench("bench/fleet/fairness.py", "--quick", "--no-write", timeout=300)
     for name in ("shares-1:1", "shares-3:1", "late", "interactive", "deadlines", "cost"):
         assert f"| {name} |" in out, out[-2000:]
 
 
 def test_memory_cap_quick_form_drains_both_runs():
-    p = subprocess.run([sys.executable, "-m", "bench.memory_cap", "--quick"], cwd=str(ROOT), capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "bench.memory.memory_cap", "--quick"], cwd=str(ROOT), capture_output=True,
                        timeout=180)
     assert p.returncode == 0, (p.stdout.decode()[-2000:], p.stderr.decode()[-2000:])
     out = p.stdout.decode()

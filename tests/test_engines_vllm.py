@@ -242,13 +242,13 @@ def test_a_dead_engine_core_s_batches_go_back_and_are_answered_once(redis_url: s
 
 
 def test_a_file_end_to_end_through_conductor_run_is_the_benchmarks_quick_form(tmp_path: Path, model_dir: Path):
-    """bench/real_engine.py's case (b) on a short prefix-heavy file: ``conductor run --engine vllm`` answers
+    """bench/engines/real_engine.py's case (b) on a short prefix-heavy file: ``conductor run --engine vllm`` answers
     every line once without an error, and vLLM's own prefix cache served part of the prompts."""
     out = tmp_path / "bench.json"
     env = {k: v for k, v in VLLM_ENV.items() if k not in os.environ}
     os.environ.update(env)  # the bench's processes take this process's environment
     try:
-        from bench.real_engine import main
+        from bench.engines.real_engine import main
         assert main(["--files", "prefix", "--cases", "b", "--lines", "24", "--model-dir", str(model_dir),
                      "--no-write", "--json", str(out)]) == 0
     finally:

@@ -223,8 +223,8 @@ def test_agent_errors_are_one_line(redis_url):
 
 
 def test_handoff_bench_quick_form_runs():
-    p = subprocess.run([sys.executable, "bench/handoff_bench.py", "--gpus", "2", "--items", "128", "--batch", "8",
-                        "--time-scale", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = subprocess.run([sys.executable, "bench/broker/handoff_bench.py", "--gpus", "2", "--items", "128",
+                        "--batch", "8", "--time-scale", "0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     rows = [line for line in p.stdout.splitlines() if line.startswith(("| direct", "| agent"))]
     assert len(rows) == 3

@@ -1,4 +1,4 @@
-"""bench/latch_bench.py on a small workload: its figures are simulated seconds (deterministic,
+"""bench/engines/latch_bench.py on a small workload: its figures are simulated seconds (deterministic,
 not wall time), so the seed-000 contrast is a property that can be asserted: latched, the
 finished-sequence rate stays near the unloaded one; unlatched, a memory-thrashing engine
 decodes more tokens per second and finishes far fewer sequences."""
@@ -10,7 +10,7 @@ from tests.conftest import ROOT
 
 
 def test_latch_keeps_finished_sequences_near_the_unloaded_rate():
-    p = subprocess.run([sys.executable, "bench/latch_bench.py", "--items", "400"], cwd=str(ROOT),
+    p = subprocess.run([sys.executable, "bench/engines/latch_bench.py", "--items", "400"], cwd=str(ROOT),
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr  # exit 1 when the 90 % goal is missed
     rows = {}

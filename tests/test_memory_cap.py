@@ -1,7 +1,7 @@
 """Issue 25: a job larger than Redis memory drains through a Redis of fixed size.
 
 30,000 small items through a Redis capped at 16 MB (noeviction) with the disk tier on, two sim
-workers and a following reader (bench/memory_cap.py, real processes). Before the change the job's
+workers and a following reader (bench/memory/memory_cap.py, real processes). Before the change the job's
 results stream filled Redis, every feed of the waiting backlog was refused and the job stopped
 near 26,000 results with the worker logging ``feed_failed`` in a loop; now the lease holder moves
 results to the store as Redis nears its cap, and every id comes out once.
@@ -16,7 +16,7 @@ import time
 import pytest
 from prometheus_client import REGISTRY
 
-from bench.memory_cap import run
+from bench.memory.memory_cap import run
 from conductor.client import Conductor
 from conductor.embedded import EmbeddedRedis
 from conductor.errors import QueueFull

@@ -34,7 +34,7 @@ class Feeder:
         self.mk = K.ModelKeys(model)
         self.loaded_segments = 0
         self.loaded_items = 0
-        self.load_s = 0.0  # time spent in load(), for the feed rate (bench/disk_tier.py)
+        self.load_s = 0.0  # time spent in load(), for the feed rate (bench/memory/disk_tier.py)
         # whether segments may still wait after the last feed (the lease holder then wakes at the
         # feed interval instead of blocking on the doorbell until its next sweep: workers/maintenance.py)
         self.more = True

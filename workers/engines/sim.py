@@ -33,7 +33,7 @@ would on a GPU. Parameters (``SimParams``), all in simulated seconds:
   worth once what has not started is under half the last batch it got, else none, so the worker
   holds about one batch beyond what runs and the backlog stays in Redis, where cancels, priorities
   and fair share still act on it. With 0 it runs whatever it is given at once and asks for no room
-  of its own (seed 000's engine admitted into without limit: bench/latch_bench.py).
+  of its own (seed 000's engine admitted into without limit: bench/engines/latch_bench.py).
 
 ``time_scale`` multiplies the sleeps (0: never sleep, only count). Counters: simulated time,
 prefix hit and miss tokens, padding tokens, graph rebuilds, shape switches, steps.

@@ -2,7 +2,7 @@
 for themselves (`conductor worker`), or one `conductor agent --gpus N` that claims for them and hands
 batches over shared-memory rings.
 
-    .venv/bin/python bench/handoff_bench.py [--gpus 4] [--items 2000] [--write-results]
+    .venv/bin/python bench/broker/handoff_bench.py [--gpus 4] [--items 2000] [--write-results]
 
 Per run: Redis connections (the most seen by CLIENT LIST, sampled every 50 ms, the benchmark's own
 left out), Redis commands (INFO commandstats from start to the last process's exit, with the
@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import command_line, machine, now_utc, table, write_section  # noqa: E402
+from bench.common.report import command_line, machine, now_utc, table, write_section  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
 from conductor.formats.native import from_native  # noqa: E402

@@ -1,12 +1,12 @@
 """Issue 33: the conductor on a real engine against vLLM's own batch runner, on the same OpenAI batch files.
 
-    .venv/bin/python -m bench.real_engine                        # every file and case on this CPU; rewrites its section
-    .venv/bin/python -m bench.real_engine --files prefix --cases a,b --lines 96 --no-write   # a short look
-    .venv/bin/python -m bench.real_engine --gpu                  # on a GPU host: a larger random model
+    .venv/bin/python -m bench.engines.real_engine          # every file and case on this CPU; rewrites its section
+    .venv/bin/python -m bench.engines.real_engine --files prefix --cases a,b --lines 96 --no-write   # a short look
+    .venv/bin/python -m bench.engines.real_engine --gpu    # on a GPU host: a larger random model
 
 The bench writes a random-initialised Llama (workers/engines/random_model.py; on this CPU 6 layers,
 hidden 512, a byte-level tokenizer; with --gpu 16 layers, hidden 2048) and the files of
-bench/real_engine_files.py, then times each case from its command's start to its end, model load
+bench/engines/real_engine_files.py, then times each case from its command's start to its end, model load
 included on every side:
 
 * (a) ``python -m vllm.entrypoints.openai.run_batch`` on the file, one engine (vLLM's defaults: its
@@ -43,12 +43,15 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common import command_line, git_rev, machine, now_utc, publish, table
-from bench.real_engine_files import write as write_file
-from conductor.embedded import free_port
-from conductor.workers.engines.random_model import ModelSize, write_random_llama
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.common.report import command_line, git_rev, machine, now_utc, publish, table  # noqa: E402
+from bench.engines.real_engine_files import write as write_file  # noqa: E402
+from conductor.embedded import free_port  # noqa: E402
+from conductor.workers.engines.random_model import ModelSize, write_random_llama  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
 CPU_SIZE = ModelSize(layers=6, hidden=512, heads=8, kv_heads=2, intermediate=1536, max_positions=4096)
 GPU_SIZE = ModelSize(layers=16, hidden=2048, heads=16, kv_heads=8, intermediate=5632, max_positions=8192)
 MODEL = "tiny"
@@ -328,7 +331,7 @@ def report(cases: list[Case], args: argparse.Namespace, size: ModelSize, kv_byte
         f"Model: a random Llama written by the bench ({size.layers} layers, hidden {size.hidden}, {size.heads} "
         f"heads, {size.kv_heads} KV heads, byte-level tokenizer), vLLM {_vllm_version()}"
         + ("" if args.gpu else f", CPU, enforce_eager, KV cache {kv_bytes >> 20} MiB on every engine") + ".",
-        f"Files: {args.lines} OpenAI chat lines each (bench/real_engine_files.py); every line greedy.",
+        f"Files: {args.lines} OpenAI chat lines each (bench/engines/real_engine_files.py); every line greedy.",
         "Wall seconds from a command's start to its end, model load included on every side; tokens per second "
         "over that wall time. Load: from the start until the engine took its first request (a runner's or "
         "server's vLLM counters first showing on its /metrics; the conductor's first claim, which a worker "

@@ -1,7 +1,7 @@
 """Issue 18's figures: the disk tier (conductor/tier/spill.py).
 
-    .venv/bin/python -m bench.disk_tier                 # full run (1e9 tokens), rewrites its RESULTS.md section
-    .venv/bin/python -m bench.disk_tier --quick         # small sizes, prints only
+    .venv/bin/python -m bench.memory.disk_tier                 # full run (1e9 tokens), rewrites its RESULTS.md section
+    .venv/bin/python -m bench.memory.disk_tier --quick         # small sizes, prints only
 
 One process, private redis-servers started here, a local directory as the store:
 
@@ -9,7 +9,7 @@ One process, private redis-servers started here, a local directory as the store:
   Redis without the tier (all in lanes) and with it (a ceiling of 200,000 tokens: nearly all in
   segments); used_memory after minus before, per item.
 * submit rate: the same items into store segments (Conductor.submit with the tier), into Redis
-  lanes (without it) and as a plain pipelined XADD of the same bytes (bench/submit_claim.py's
+  lanes (without it) and as a plain pipelined XADD of the same bytes (bench/broker/submit_claim.py's
   limit), items/s.
 * the backlog: ``--tokens`` input tokens (items declare ``--item-tokens`` each, with short
   texts: the disk holds what the tier writes, not a billion tokens of text) through a Redis with
@@ -26,22 +26,26 @@ import argparse
 import json
 import random
 import shutil
+import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from bench.common import command_line, git_rev, machine, now_utc, table, write_section
-from bench.submit_claim import run_xadd
-from bench.workload import make_items
-from conductor.client import Conductor
-from conductor.embedded import EmbeddedRedis
-from conductor.formats.lines import parse_line
-from conductor.redis_contract import keys as K
-from conductor.redis_contract.records import Contract, PreparedItem, Result
-from conductor.tier.feeder import Feeder
-from conductor.tier.object_store import Store
-from conductor.tier.result_segments import offload_model
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.broker.submit_claim import run_xadd  # noqa: E402
+from bench.common.report import command_line, git_rev, machine, now_utc, table, write_section  # noqa: E402
+from bench.common.workload import make_items  # noqa: E402
+from conductor.client import Conductor  # noqa: E402
+from conductor.embedded import EmbeddedRedis  # noqa: E402
+from conductor.formats.lines import parse_line  # noqa: E402
+from conductor.redis_contract import keys as K  # noqa: E402
+from conductor.redis_contract.records import Contract, PreparedItem, Result  # noqa: E402
+from conductor.tier.feeder import Feeder  # noqa: E402
+from conductor.tier.object_store import Store  # noqa: E402
+from conductor.tier.result_segments import offload_model  # noqa: E402
 
 MODEL = "bench"
 # resident_tokens for the per-item figures: items of ~150 tokens, so segments (a quarter of the

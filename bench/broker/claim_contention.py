@@ -1,7 +1,7 @@
 """Claim latency with many busy workers against one (issue 16's figure: claim p99 with 16 busy
 workers at most 2x that with 1).
 
-    .venv/bin/python bench/claim_contention.py [--workers 1,16] [--items 20000] [--write-results]
+    .venv/bin/python bench/broker/claim_contention.py [--workers 1,16] [--items 20000] [--write-results]
 
 Each worker is a process of its own (one connection, claim then complete in a loop, no engine:
 what a fleet does to Redis when its GPUs are fast). Two figures per fleet size, from the same run:
@@ -19,10 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import command_line, machine, median, now_utc, pct, table, write_section  # noqa: E402
+from bench.common.report import command_line, machine, median, now_utc, pct, table, write_section  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
 from conductor.formats.native import from_native  # noqa: E402

@@ -1,11 +1,11 @@
 """Issue 26: one fleet, many jobs. Token-weighted fair share between tenants, interactive work
 first, earliest deadline first, and what fairness costs against first-come-first-served.
 
-    .venv/bin/python bench/fairness.py                       # every scenario; rewrites its RESULTS.md section
-    .venv/bin/python bench/fairness.py --quick --no-write    # small forms, seconds (the test suite runs it)
+    .venv/bin/python bench/fleet/fairness.py                       # every scenario; rewrites its RESULTS.md section
+    .venv/bin/python bench/fleet/fairness.py --quick --no-write    # small forms, seconds (the test suite runs it)
 
 Every scenario runs the real ``Worker`` loop on the real Lua scripts with sim engines in simulated
-time (bench/suite.py's drive; a submission due at a simulated time is made when the fleet's clock
+time (bench/packing/suite.py's drive; a submission due at a simulated time is made when the fleet's clock
 reaches it). Service is what bench/ and lua/complete.lua count alike: a batch's padded input tokens
 plus ``decode_weight`` (64) times its output tokens. A batch time is the median time a batch takes
 from its admission to its last item's result.
@@ -36,11 +36,12 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench import static_cost, suite, sweep  # noqa: E402
-from bench.common import command_line, git_rev, machine, now_utc, table, write_section  # noqa: E402
-from bench.workload import WorkloadSpec, generate  # noqa: E402
+from bench.common import static_cost  # noqa: E402
+from bench.common.report import command_line, git_rev, machine, now_utc, table, write_section  # noqa: E402
+from bench.common.workload import WorkloadSpec, generate  # noqa: E402
+from bench.packing import suite, sweep  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
 from conductor.jobs.tenants import set_weight  # noqa: E402
@@ -357,7 +358,7 @@ def report(res: dict[str, dict[str, Any]], quick: bool, mach: str, wall: float) 
         f"Machine: {mach}  ",
         f"Date: {now_utc()}, commit {git_rev()}; {wall:,.0f} s wall.  ",
         "Each scenario: the real Worker loop on the real Lua scripts, sim engines in simulated time "
-        f"(bench/fairness.py's docstring says what each does; 2 workers but deadlines, on 1; each engine runs "
+        f"(bench/fleet/fairness.py's docstring says what each does; 2 workers but deadlines, on 1; each engine runs "
         f"{ENGINE_SEQS} sequences at once, batches of 64). Service = padded "
         f"input tokens + {DECODE_WEIGHT} x output tokens. Goals (issue 26): shares within 5 points of the "
         "weights over windows of 10 batches and a service gap of at most 2 batches; a late tenant served within "

@@ -1,11 +1,11 @@
 """Issue 3's benchmark: the shape lifecycle against a FIFO stream, backlog and trickle, 2 workers.
 
-    .venv/bin/python bench/lifecycle_bench.py            # rewrites its RESULTS.md section
-    .venv/bin/python bench/lifecycle_bench.py --quick    # small sizes, prints only
+    .venv/bin/python bench/packing/lifecycle_bench.py            # rewrites its RESULTS.md section
+    .venv/bin/python bench/packing/lifecycle_bench.py --quick    # small sizes, prints only
 
 For each arrival mode it runs, on one private redis-server and the same seeded workload (50
-shapes, Zipf popularity, lognormal lengths: bench/workload.py), the conductor and the plain
-Redis stream with FIFO token-budget batching (bench/suite.py), each with 2 workers on the sim
+shapes, Zipf popularity, lognormal lengths: bench/common/workload.py), the conductor and the plain
+Redis stream with FIFO token-budget batching (bench/packing/suite.py), each with 2 workers on the sim
 engine, and prints: broker shape activations and engine shape switches per worker (goal: each
 shape activated once, no switch in steady state), the sim's prefix-cache hit rate in tokens
 (goal >= 99.9 %), batches per shape, items left at the end (goal 0), time in cleanup, and the
@@ -21,11 +21,11 @@ from collections import Counter
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.common import command_line, git_rev, machine, median, now_utc, table, write_section  # noqa: E402
-from bench.suite import Record, SuiteConfig, batch_fill, figures, run_conductor, run_peer  # noqa: E402
-from bench.workload import WorkloadSpec, generate  # noqa: E402
+from bench.common.report import command_line, git_rev, machine, median, now_utc, table, write_section  # noqa: E402
+from bench.common.workload import WorkloadSpec, generate  # noqa: E402
+from bench.packing.suite import Record, SuiteConfig, batch_fill, figures, run_conductor, run_peer  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
 from conductor.redis_contract import keys as K  # noqa: E402
 

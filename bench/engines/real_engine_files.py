@@ -1,4 +1,4 @@
-"""The OpenAI batch files of the real-engine benchmark (bench/real_engine.py), made from a seed.
+"""The OpenAI batch files of the real-engine benchmark (bench/engines/real_engine.py), made from a seed.
 
 * ``prefix``: chat lines over ``shapes`` system prompts of 500 to 1,500 tokens (the byte-level
   tokenizer of the random model: a character is a token), shuffled; outputs 8 to 32 tokens.

@@ -1,8 +1,8 @@
 """Issue 12: a seeded workload sweep, each point against the offline oracle under two cost models.
 
-    .venv/bin/python bench/sweep.py                       # the full sweep; rewrites its RESULTS.md section
-    .venv/bin/python bench/sweep.py --quick --no-write    # three points of <= 2,000 items, well under a minute
-    .venv/bin/python bench/sweep.py --points ref-2w,shapes-1000 --no-write --json figs.json
+    .venv/bin/python bench/packing/sweep.py                       # the full sweep; rewrites its RESULTS.md section
+    .venv/bin/python bench/packing/sweep.py --quick --no-write    # three points of <= 2,000 items, well under a minute
+    .venv/bin/python bench/packing/sweep.py --points ref-2w,shapes-1000 --no-write --json figs.json
 
 Points (``POINTS``): each varies one or two axes from a base of 12,000 items over 30 shapes (Zipf
 s=1.1), prefixes of 200..3,000 tokens, suffix lognormal(mu=ln 120, sigma=0.7), 2 workers, a backlog
@@ -14,18 +14,18 @@ it alone takes about 4.5 minutes wall and 1 GB of memory on a 2-core machine (th
 RESULTS.md); ``--quick`` runs only the three quick points.
 
 Systems per point, all on ``conductor.workers.engines.sim.SimEngine`` with the same contract and admission
-latch, scheduled in simulated time by ``bench.suite.drive``:
+latch, scheduled in simulated time by ``bench.packing.suite.drive``:
 
-* ``oracle``: ``bench/oracle.py`` (its docstring is the rule): length-sorted greedy full batches per
+* ``oracle``: ``bench/common/oracle.py`` (its docstring is the rule): length-sorted greedy full batches per
   shape, shapes balanced across workers by estimated work (a deep shape split into length ranges),
   each worker running its own list shape after shape. Planned once per cost model; on trickle points
   the best of several arrival windows per model.
-* ``stream``: a plain Redis stream, FIFO token-budget batching (``bench.suite.run_peer``).
+* ``stream``: a plain Redis stream, FIFO token-budget batching (``bench.packing.suite.run_peer``).
 * ``conductor``: the real ``conductor.workers.worker.Worker`` loop against the real Lua scripts
-  (``bench.suite.run_conductor``); every id must come back exactly once.
+  (``bench.packing.suite.run_conductor``); every id must come back exactly once.
 
 Cost models: (1) the sim (finished sequences per simulated second, the fleet's makespan); (2) the
-static-batch model of ``bench/static_cost.py``, replaying each worker's batches in the order its
+static-batch model of ``bench/common/static_cost.py``, replaying each worker's batches in the order its
 engine admitted them (the oracle's too: it runs the same worker loop, whose admission latch may
 split a planned batch, as it limits the other systems' claims). Ratios are finished sequences/s
 over the oracle's.
@@ -47,15 +47,13 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench import (
-    static_cost,  # noqa: E402
-    suite,  # noqa: E402
-)
-from bench.common import command_line, git_rev, machine, now_utc, publish, table  # noqa: E402
-from bench.oracle import OBatch, Plan, plan, sim_work  # noqa: E402
-from bench.workload import Workload, WorkloadSpec, generate  # noqa: E402
+from bench.common import static_cost  # noqa: E402
+from bench.common.oracle import OBatch, Plan, plan, sim_work  # noqa: E402
+from bench.common.report import command_line, git_rev, machine, now_utc, publish, table  # noqa: E402
+from bench.common.workload import Workload, WorkloadSpec, generate  # noqa: E402
+from bench.packing import suite  # noqa: E402
 from conductor.client import connect  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
 from conductor.workers.worker import WorkerOptions  # noqa: E402
@@ -303,8 +301,8 @@ def report(args: argparse.Namespace, mach: str, results: list[dict[str, Any]], p
         "Base point: 12,000 items, 30 shapes (Zipf s=1.1), prefixes 200..3,000 tokens, suffix lognormal(mu=ln "
         "120, sigma=0.7), output limits [16, 32, 64, 128] per shape, 2 workers, backlog, contract 64 items / "
         "65,536 tokens (memory mode), max input 8,192, latch 1024/768; each point varies what its row says "
-        "(bench/sweep.py `POINTS`, each with its own seed but the issue's reference points, seed 11).  ",
-        "Systems: `oracle` (bench/oracle.py: every item known in advance; each shape sorted by length and cut "
+        "(bench/packing/sweep.py `POINTS`, each with its own seed but the issue's reference points, seed 11).  ",
+        "Systems: `oracle` (bench/common/oracle.py: every item known in advance; each shape sorted by length and cut "
         "greedily into full batches; shapes balanced across workers longest-processing-time first by estimated "
         "work, a deep shape split into contiguous length ranges over several workers; each worker runs its own "
         "list shape after shape; planned per cost model; on trickle points the best of 1..128 arrival windows "
@@ -313,7 +311,7 @@ def report(args: argparse.Namespace, mach: str, results: list[dict[str, Any]], p
         "Cost models: **sim** = finished sequences per SIMULATED second of `SimEngine` (default SimParams: "
         "prefill 2 us/token, decode step 6 ms + 20 us/sequence, continuous batching under the latch, graph 50 "
         "ms per (padded length, shape, epoch), 1-shape prefix cache; the oracle prewarms its next batch's "
-        f"graph); **static** = bench/static_cost.py replaying each worker's batches in the order its engine "
+        f"graph); **static** = bench/common/static_cost.py replaying each worker's batches in the order its engine "
         f"admitted them (the oracle's too, latch splits included): {STATIC.describe()}; prefix cached for every "
         "item when the worker's previous batch had the shape, else for all but the first; a batch is ready at "
         "its last item's arrival. The two models differ about 15x in speed: under the static model the fast "
@@ -344,7 +342,7 @@ def report(args: argparse.Namespace, mach: str, results: list[dict[str, Any]], p
         + ("." if not missed else "; MISSED at " + ", ".join(r_["point"] for r_ in missed) + "."),
     ]
     if plot:
-        here = Path(__file__).resolve().parent
+        here = Path(__file__).resolve().parents[1]
         lines += ["", f"Plot: [{Path(plot).name}]({Path(plot).relative_to(here)})"]
     return "\n".join(lines)
 
@@ -409,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     total = time.monotonic() - t0
     section = args.section or ("sweep_quick" if args.quick else "sweep")
     plot = None if args.no_write else make_plot(
-        results, Path(__file__).resolve().parent / "plots" / section / "ratio_to_oracle.png")
+        results, Path(__file__).resolve().parents[1] / "plots" / section / "ratio_to_oracle.png")
     text = report(args, mach, results, plot, total)
     publish(text, section, write=not args.no_write, json_path=args.json, data=results)
     return 0 if all(r_["systems"]["conductor"]["complete"].startswith("ok") for r_ in results) else 1

@@ -1,7 +1,7 @@
 """Issue 2's benchmark: submit items/s against RQ and the plain-XADD limit; claim round trip.
 
-    .venv/bin/python bench/submit_claim.py            # full run, rewrites its RESULTS.md section
-    .venv/bin/python bench/submit_claim.py --quick    # small sizes, prints only
+    .venv/bin/python bench/broker/submit_claim.py            # full run, rewrites its RESULTS.md section
+    .venv/bin/python bench/broker/submit_claim.py --quick    # small sizes, prints only
 
 Everything runs in ONE process against a private redis-server started here (EmbeddedRedis),
 so the peers and the limit are measured on the same server in the same minute:
@@ -29,12 +29,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import redis  # noqa: E402
 
-from bench.common import command_line, git_rev, machine, median, now_utc, pct, publish, table  # noqa: E402
-from bench.workload import make_items  # noqa: E402
+from bench.common.report import command_line, git_rev, machine, median, now_utc, pct, publish, table  # noqa: E402
+from bench.common.workload import make_items  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
 from conductor.redis_contract import keys as K  # noqa: E402
@@ -264,7 +264,7 @@ def report(args: argparse.Namespace, mach: str, sub: dict, clm: dict, why: dict 
 
 
 def _why_lines(why: dict) -> list[str]:
-    from bench import claim_profile, submit_profile
+    from bench.profiles import claim_profile, submit_profile
     sp = why["submit"]
     return [
         "",
@@ -272,12 +272,12 @@ def _why_lines(why: dict) -> list[str]:
         "",
         f"submit.lua, {sp['chunk']:,} items per call, {sp['shapes']} shapes sent grouped by shape as "
         "Conductor.submit sends them, median of the repetitions "
-        "(`bench/submit_profile.py`):",
+        "(`bench/profiles/submit_profile.py`):",
         "",
         submit_profile.as_markdown(sp),
         "",
         "claim.lua, 64-item batches, phases of one claim from an instrumented copy called in turn with "
-        "the script as is on one backlog (`bench/claim_profile.py`):",
+        "the script as is on one backlog (`bench/profiles/claim_profile.py`):",
         "",
         claim_profile.as_markdown(why["claim"]),
     ]
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         clm = bench_claim(r, args.backlog, args.claims, args.batch)
         why = None
         if not (args.quick or args.no_why):
-            from bench import claim_profile, submit_profile
+            from bench.profiles import claim_profile, submit_profile
             from conductor.client.submit_stream import SUBMIT_CHUNK
             r.flushall()
             why = {"submit": submit_profile.profile(r, 20_000, 3, SUBMIT_CHUNK, shapes=args.shapes),

@@ -1,7 +1,7 @@
 """Idle fleet and request path (issue 16): what idle workers cost Redis, polling against the
 doorbell, how fast an idle worker wakes, and request latency through RequestClient.
 
-    .venv/bin/python bench/idle_fleet.py [--fleets 20,200] [--seconds 5] [--write-results]
+    .venv/bin/python bench/broker/idle_fleet.py [--fleets 20,200] [--seconds 5] [--write-results]
 
 Idle workers run as threads of this process (one Conductor and connection each, sim engine),
 so 200 of them fit on a small machine; Redis's side (INFO commandstats, used_cpu_sys+user) is
@@ -19,10 +19,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.common import command_line, machine, median, now_utc, pct, table, write_section  # noqa: E402
+from bench.common.report import command_line, machine, median, now_utc, pct, table, write_section  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.client.request import RequestClient  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402

@@ -1,6 +1,6 @@
 """Where claim.lua spends its server time: the functions of one claim.
 
-    .venv/bin/python bench/claim_profile.py [--backlog 30000] [--claims 400]
+    .venv/bin/python bench/profiles/claim_profile.py [--backlog 30000] [--claims 400]
 
 Runs an instrumented COPY of claim.lua as it is loaded (its includes inlined; the files are never
 changed) against a private redis-server: every function the includes define, but the small
@@ -25,12 +25,12 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import redis  # noqa: E402
 
-from bench.common import median  # noqa: E402
-from bench.workload import make_items  # noqa: E402
+from bench.common.report import median  # noqa: E402
+from bench.common.workload import make_items  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
 from conductor.redis_contract import keys as K  # noqa: E402
@@ -113,7 +113,7 @@ def profile(r: redis.Redis, n: int, claims: int, log=print) -> dict[str, object]
     """The instrumented copy and claim.lua as is claim from one backlog, call by call in turn;
     phases are medians of the marks, the script's own time is SLOWLOG's median."""
     src = source("claim")
-    body = instrumented(src, main_line((Path(__file__).resolve().parent.parent / "lua" / "claim.lua").read_text()))
+    body = instrumented(src, main_line((Path(__file__).resolve().parents[2] / "lua" / "claim.lua").read_text()))
     r.flushall()
     r.script_flush()
     backlog(r, max(n, 3 * (claims + 10) * 64))  # two claims per turn, and lanes left ready to the end

@@ -1,6 +1,6 @@
 """Claim round trip on a three-node Redis Cluster against a single node, same items, same run.
 
-    .venv/bin/python bench/cluster_claim.py [--claims 400]
+    .venv/bin/python bench/broker/cluster_claim.py [--claims 400]
 
 A check that the cluster path (a cluster client; the claim's own connection to the node owning
 the model's slot, found per call) costs nothing measurable: 64-item batches from a 40,000-item
@@ -15,10 +15,10 @@ import time
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.common import median  # noqa: E402
-from bench.workload import make_items  # noqa: E402
+from bench.common.report import median  # noqa: E402
+from bench.common.workload import make_items  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.embedded import EmbeddedCluster, EmbeddedRedis  # noqa: E402
 from conductor.redis_contract.records import (

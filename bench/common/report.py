@@ -15,7 +15,7 @@ from pathlib import Path
 
 import redis
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+RESULTS = Path(__file__).resolve().parents[1] / "RESULTS.md"
 HEADER = ("# Benchmark results\n\nEach section below is rewritten by the command it names; "
           "numbers come from one run on the machine it names.\n")
 

@@ -1,7 +1,7 @@
 """Issue 6: the conductor against its peers and the offline oracle, same workload, same engine.
 
-    .venv/bin/python bench/suite.py            # full mode (standard workload), rewrites RESULTS.md
-    .venv/bin/python bench/suite.py --quick    # under 2 minutes; CI smoke size
+    .venv/bin/python bench/packing/suite.py            # full mode (standard workload), rewrites RESULTS.md
+    .venv/bin/python bench/packing/suite.py --quick    # under 2 minutes; CI smoke size
 
 Systems, all with ``conductor.workers.engines.sim.SimEngine`` (a SIMULATED GPU: throughput figures are
 in simulated GPU seconds, ``SimEngine.counters.sim_seconds``, not wall time), the same
@@ -12,7 +12,7 @@ contract (batch size, batch tokens, input length) and the same admission latch:
   the token budget; what does not fit opens the worker's next batch.
 * ``stream``: one plain Redis stream with a consumer group, XREADGROUP in order, the same
   FIFO token-budget batching.
-* ``oracle``: every item known in advance (``bench/oracle.py``, which documents the rule): each
+* ``oracle``: every item known in advance (``bench/common/oracle.py``, which documents the rule): each
   shape sorted by length and cut greedily into full batches under the contract, shapes balanced
   across the workers by estimated work (longest first, a deep shape split into length ranges
   over several workers), each worker running its own list shape after shape; its next batch's
@@ -44,14 +44,14 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import redis  # noqa: E402
 
-from bench.common import command_line, git_rev, machine, median, now_utc, pct, publish, table  # noqa: E402
-from bench.oracle import Item, OracleClock, OracleSource, Plan, sim_work  # noqa: E402
-from bench.oracle import plan as oracle_plan  # noqa: E402
-from bench.workload import Workload, WorkloadSpec, generate  # noqa: E402
+from bench.common.oracle import Item, OracleClock, OracleSource, Plan, sim_work  # noqa: E402
+from bench.common.oracle import plan as oracle_plan  # noqa: E402
+from bench.common.report import command_line, git_rev, machine, median, now_utc, pct, publish, table  # noqa: E402
+from bench.common.workload import Workload, WorkloadSpec, generate  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
 from conductor.redis_contract.config import parse_value  # noqa: E402
@@ -87,7 +87,7 @@ class SuiteConfig:
     # Worker.run backs off up to WorkerOptions.poll_max_s; IDLE_QUANTUM: no backoff.
     idle_max_s: float = IDLE_QUANTUM
     conductor_cfg: dict[str, Any] = field(default_factory=dict)  # cfg fields set before submitting
-    # Fleet changes during a conductor run (bench/fleet.py): (fraction of items finished, worker index,
+    # Fleet changes during a conductor run (bench/fleet/fleet.py): (fraction of items finished, worker index,
     # 'join' | 'drain' | 'kill'); a worker with a 'join' event is not there before it. late_fleet: the
     # workers register after the backlog is submitted (backlog, then fleet).
     events: tuple[tuple[float, int, str], ...] = ()
@@ -96,13 +96,13 @@ class SuiteConfig:
 
 class RecordingSim(SimEngine):
     """The sim engine, plus a trace of (simulated time, sequences finished) and a log of what it
-    admitted, in order: (batch id, shape, padded length, item ids) (for bench/static_cost.py)."""
+    admitted, in order: (batch id, shape, padded length, item ids) (for bench/common/static_cost.py)."""
 
     def __init__(self, *a: Any, **kw: Any) -> None:
         super().__init__(*a, **kw)
         self.trace: list[tuple[float, int]] = []
         self.log: list[tuple[str, str, int, list[str]]] = []
-        self.instances: list[str] = []  # "shape:epoch" of each admission, beside log (bench/fleet.py)
+        self.instances: list[str] = []  # "shape:epoch" of each admission, beside log (bench/fleet/fleet.py)
 
     def admit(self, batch: Batch, items: list[BatchItem]) -> list:
         limit = self.contract.max_input_len
@@ -371,7 +371,7 @@ def oracle_prefixes(wl: Workload) -> dict[str, int]:
 
 
 def run_oracle(wl: Workload, cfg: SuiteConfig, plan: Plan | None = None, arrival: bool = False) -> Record:
-    """The offline oracle (bench/oracle.py) under the sim: each worker pulls from its own planned
+    """The offline oracle (bench/common/oracle.py) under the sim: each worker pulls from its own planned
     list. ``plan``: default, planned for the sim's cost; ``arrival``: a batch waits for its items
     to arrive (otherwise arrival is ignored)."""
     rec = Record("oracle", items=len(wl.items))
@@ -692,7 +692,7 @@ def report(args: argparse.Namespace, mach: str, spec: WorkloadSpec, cfg: SuiteCo
         *goals,
     ]
     if plots:
-        here = Path(__file__).resolve().parent
+        here = Path(__file__).resolve().parents[1]
         lines += ["", "Plots: " + ", ".join(f"[{Path(p).name}]({Path(p).relative_to(here)})" for p in plots)]
     return "\n".join(lines)
 
@@ -823,7 +823,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--systems: unknown {sorted(unknown)} (known: {', '.join(SYSTEMS)})")
     recs, figs, mach = run_suite(spec, cfg, systems)
     name = ("suite_quick" if args.quick else "suite") + ("" if spec.arrival == "backlog" else "_trickle")
-    plot_dir = Path(__file__).resolve().parent / ("plots" if name == "suite" else f"plots/{name}")
+    plot_dir = Path(__file__).resolve().parents[1] / ("plots" if name == "suite" else f"plots/{name}")
     plots = [] if args.no_write else make_plots(recs, figs, cfg, plot_dir)
     text = report(args, mach, spec, cfg, recs, figs, plots)
     publish(text, name, write=not args.no_write, json_path=args.json, data=figs)

@@ -1,7 +1,7 @@
 """Where submit.lua spends its server time: copies with one part taken out (the file is never
 changed), each submitting the same items to its own model on one server, call by call in turn.
 
-    .venv/bin/python bench/submit_profile.py [--items 30000] [--reps 3] [--chunk 1000]
+    .venv/bin/python bench/profiles/submit_profile.py [--items 30000] [--reps 3] [--chunk 1000]
 
 Copies: ``as is``; ``no lane counters`` (the per-lane hash, fill, ready and touch updates at
 the end of a call are skipped); ``no dedupe`` (the job's id hash is neither read nor written); ``no content sums`` (no
@@ -21,12 +21,12 @@ import sys
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import redis  # noqa: E402
 
-from bench.common import median  # noqa: E402
-from bench.workload import make_items  # noqa: E402
+from bench.common.report import median  # noqa: E402
+from bench.common.workload import make_items  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.client.submit_stream import grouped_by_shape  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402

@@ -1,10 +1,10 @@
 """Issue 24: a fleet that finishes together. Fleet points against the offline oracle under both cost models.
 
-    .venv/bin/python bench/fleet.py                      # every point; rewrites its RESULTS.md section
-    .venv/bin/python bench/fleet.py --quick --no-write   # two small points, seconds (the test suite runs it)
-    .venv/bin/python bench/fleet.py --points f8,join-8 --seeds 3 --no-write
+    .venv/bin/python bench/fleet/fleet.py                      # every point; rewrites its RESULTS.md section
+    .venv/bin/python bench/fleet/fleet.py --quick --no-write   # two small points, seconds (the test suite runs it)
+    .venv/bin/python bench/fleet/fleet.py --points f8,join-8 --seeds 3 --no-write
 
-Each point is run on the same machinery as bench/sweep.py (the real ``Worker`` loop on the real Lua
+Each point is run on the same machinery as bench/packing/sweep.py (the real ``Worker`` loop on the real Lua
 scripts, in simulated time; ``oracle`` and its two cost models from there), with a fleet of 4 to 32
 workers and what happens to a fleet: the fleet up first and the backlog after (``fleet-first``, as
 under systemd), the backlog first and the workers registering at their first turn
@@ -42,13 +42,14 @@ from pathlib import Path
 from typing import Any
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench import static_cost, suite, sweep  # noqa: E402
-from bench.common import command_line, git_rev, machine, now_utc, publish, table  # noqa: E402
-from bench.oracle import Item as OItem  # noqa: E402
-from bench.oracle import Plan, cut_shape  # noqa: E402
-from bench.workload import WorkloadSpec, generate  # noqa: E402
+from bench.common import static_cost  # noqa: E402
+from bench.common.oracle import Item as OItem  # noqa: E402
+from bench.common.oracle import Plan, cut_shape  # noqa: E402
+from bench.common.report import command_line, git_rev, machine, now_utc, publish, table  # noqa: E402
+from bench.common.workload import WorkloadSpec, generate  # noqa: E402
+from bench.packing import suite, sweep  # noqa: E402
 from conductor.client import connect  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
 
@@ -276,12 +277,13 @@ def main(argv: list[str] | None = None) -> int:
         f"Machine: {mach}  ",
         f"Date: {now_utc()}, commit {git_rev()}; {time.monotonic() - t0:,.0f} s wall.  ",
         "Each point: the real Worker loop on the real Lua scripts in simulated time against the oracle "
-        "(bench/sweep.py's two cost models and oracle; bench/fleet.py's docstring says what each point does); "
+        "(bench/packing/sweep.py's two cost models and oracle; bench/fleet/fleet.py's docstring says what each "
+        "point does); "
         "figures are medians over the runs (seeds), the worst ratio in brackets; the oracle's in brackets "
         "elsewhere. Busy = each worker's simulated engine seconds. Returns: batches a worker took of a shape "
         "instance it had left. Prefix tokens recomputed: the sim's prefix-cache misses."
         + (f" Redis CPU goal: at most 1.1x the 2-worker reference point's {cpu_2w:.1f} us/item in this run "
-           f"(bench/sweep.py ref-2w)." if cpu_2w is not None else ""),
+           f"(bench/packing/sweep.py ref-2w)." if cpu_2w is not None else ""),
         "",
         table(HEADER, rows(summaries, cpu_2w)),
         "",

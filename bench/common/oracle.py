@@ -10,8 +10,8 @@ The rule, in order:
    full but for the last of each shape, with the least padding a length-sorted cut allows.
 2. **Estimate.** Each batch's work is estimated with the cost model the plan is made for (the
    oracle knows every output length, ``conductor.workers.engines.sim.output_len``): ``sim_work`` for the
-   sim, ``bench.static_cost.estimate`` plus one graph build (every batch has a padded length of
-   its own) for the static model; the prefix is taken as cached. (bench/sweep.py makes one plan
+   sim, ``bench.common.static_cost.estimate`` plus one graph build (every batch has a padded length of
+   its own) for the static model; the prefix is taken as cached. (bench/packing/sweep.py makes one plan
    per model and, under the static model, keeps the better of the two plans' runs.)
 3. **Balance.** With total work T over N workers, a deep shape (work > T/N) is split into
    p = ceil(work / (T/N)) contiguous length ranges of about equal work; every other shape is one
@@ -28,7 +28,7 @@ window), the worker lists being the windows' lists one after another; the caller
 W and keeps the best per cost model (W = 1 is the pure rule; more windows trade padding and
 switches for earlier ready times). With a backlog only W = 1 is used.
 
-Under the sim (``OracleSource``, one per worker, pulled by ``bench.suite.PeerWorker``): the
+Under the sim (``OracleSource``, one per worker, pulled by ``bench.packing.suite.PeerWorker``): the
 admission latch may ask for fewer items than the head batch holds; the source then hands out
 that many of its longest items (the batch's padded length) and keeps the rest at the head, as
 its next batch. Since the sim charges nothing for a prewarm and the oracle knows its next batch,
@@ -180,7 +180,7 @@ def plan(items: Sequence[Any], prefixes: dict[str, int], n_workers: int, size: i
 class OracleClock:
     """Lets oracle sources see the simulated time of the worker about to take its turn.
 
-    Passed to ``bench.suite.drive`` as its ``release``: called with that worker's clock before
+    Passed to ``bench.packing.suite.drive`` as its ``release``: called with that worker's clock before
     each turn; ``pending`` is False, so the drive never paces the oracle to the wall clock."""
 
     pending = False

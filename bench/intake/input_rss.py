@@ -5,7 +5,7 @@ embedded redis-server with ``conductor submit`` as a child process of a small la
 reads its peak RSS from wait4(). ``--old-tree DIR`` also runs a source tree of an earlier commit (``git archive
 REV | tar -x -C DIR``) on the JSONL file, for the figure before streaming input.
 
-    .venv/bin/python -m bench.input_rss --rows 200000 --old-tree /tmp/cdr-old
+    .venv/bin/python -m bench.intake.input_rss --rows 200000 --old-tree /tmp/cdr-old
 """
 
 from __future__ import annotations
@@ -19,13 +19,16 @@ import tempfile
 import time
 from pathlib import Path
 
-import pyarrow as pa
-import pyarrow.parquet as pq
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.common import command_line, git_rev, machine, now_utc, table, write_section
-from conductor.embedded import EmbeddedRedis
+import pyarrow as pa  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.common.report import command_line, git_rev, machine, now_utc, table, write_section  # noqa: E402
+from conductor.embedded import EmbeddedRedis  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def rows(n: int, prompt_bytes: int, start: int = 0) -> list[dict]:

@@ -1,15 +1,15 @@
 """Intake speed (issue 25): ``conductor submit`` of a file and the Batch API's intake against the plain
 pipelined XADD of the same items, with the library path, side by side on one server.
 
-    .venv/bin/python -m bench.intake_speed                 # full run, rewrites its RESULTS.md section
-    .venv/bin/python -m bench.intake_speed --quick         # small sizes, prints only
+    .venv/bin/python -m bench.intake.intake_speed                 # full run, rewrites its RESULTS.md section
+    .venv/bin/python -m bench.intake.intake_speed --quick         # small sizes, prints only
 
-One private redis-server (EmbeddedRedis), one file of ``--items`` native lines (bench/workload.py
+One private redis-server (EmbeddedRedis), one file of ``--items`` native lines (bench/common/workload.py
 make_items: prompts of about 300 bytes, 20 shapes) and the same requests in OpenAI's batch format.
 Each repetition runs every system once, in a rotated order, on an emptied server:
 
 * ``xadd``: the native file's items (parsed before the clock starts) in redis-py pipelines of
-  1,000 XADDs carrying id, job, signature, token counts and body (bench/submit_claim.py's limit);
+  1,000 XADDs carrying id, job, signature, token counts and body (bench/broker/submit_claim.py's limit);
 * ``library``: ``Conductor.submit`` of the same parsed items;
 * ``submit``: ``conductor submit FILE --quiet`` as the CLI runs it (cli/main.py), in this process:
   the file read from disk, every line checked, the job declared, the durable intake task recorded,
@@ -43,14 +43,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 if __package__ in (None, ""):
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import msgspec  # noqa: E402
 import redis  # noqa: E402
 
-from bench.common import command_line, git_rev, machine, median, now_utc, publish, table  # noqa: E402
-from bench.submit_claim import run_xadd  # noqa: E402
-from bench.workload import make_items  # noqa: E402
+from bench.broker.submit_claim import run_xadd  # noqa: E402
+from bench.common.report import command_line, git_rev, machine, median, now_utc, publish, table  # noqa: E402
+from bench.common.workload import make_items  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
 from conductor.formats.file_lines import iter_lines  # noqa: E402
@@ -60,7 +60,7 @@ from conductor.intake.intake_task import Task, create  # noqa: E402
 from conductor.jobs import job_state  # noqa: E402
 from conductor.redis_contract.records import PreparedItem  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SYSTEMS = ("xadd", "library", "submit", "submit (process)", "xadd (OpenAI)", "api", "xadd (file)",
            "xadd (OpenAI file)")
 OLD = "submit (process, old tree)"

@@ -116,7 +116,7 @@ PROMPT_BYTES = 280  # body = JSON [prompt, null]: about 290 bytes, plus id/job/t
 def make_items(n: int, *, shapes: int, seed: int, tag: str, mu: float = 5.0, sigma: float = 0.5,
                model: str = "bench") -> list[PreparedItem]:
     """``n`` items of about 300 bytes over ``shapes`` shapes, lognormal input lengths: the small-item
-    workload of the submit and claim benchmarks (bench/submit_claim.py, its profiles, the disk tier's
+    workload of the submit and claim benchmarks (bench/broker/submit_claim.py, its profiles, the disk tier's
     and the cluster claim's)."""
     rng = random.Random(seed)
     alphabet = "abcdefghijklmnopqrstuvwxyz "

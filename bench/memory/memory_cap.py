@@ -1,8 +1,8 @@
 """Issue 25's figure: a job of any size drains through a Redis of fixed size.
 
-    nice .venv/bin/python -m bench.memory_cap                  # 1,000,000 items, maxmemory 64mb; RESULTS.md
-    nice .venv/bin/python -m bench.memory_cap --order backlog-first   # the whole file before any worker
-    .venv/bin/python -m bench.memory_cap --quick               # 2,000 items, prints only
+    nice .venv/bin/python -m bench.memory.memory_cap                  # 1,000,000 items, maxmemory 64mb; RESULTS.md
+    nice .venv/bin/python -m bench.memory.memory_cap --order backlog-first   # the whole file before any worker
+    .venv/bin/python -m bench.memory.memory_cap --quick               # 2,000 items, prints only
 
 Real processes, as a user runs them: a private redis-server (``--maxmemory``, noeviction), a store
 directory (the disk tier: ``resident_tokens`` bounds what waits in Redis), ``conductor submit`` of
@@ -33,13 +33,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common import command_line, git_rev, machine, now_utc, table, write_section
-from conductor.client import Conductor
-from conductor.embedded import EmbeddedRedis
-from conductor.formats.lines import parse_line
-from conductor.tier.object_store import Store
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-ROOT = Path(__file__).resolve().parent.parent
+from bench.common.report import command_line, git_rev, machine, now_utc, table, write_section  # noqa: E402
+from conductor.client import Conductor  # noqa: E402
+from conductor.embedded import EmbeddedRedis  # noqa: E402
+from conductor.formats.lines import parse_line  # noqa: E402
+from conductor.tier.object_store import Store  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "capped"
 RESIDENT_TOKENS = 50_000  # input tokens waiting in Redis at most; the rest wait in store segments
 

@@ -14,7 +14,7 @@ path (submit.lua, claim.lua, the Worker loop, complete.lua) on a private redis-s
 * overload, latch on: the same backlog, ``--high-water K --low-water K - K/8``.
 
 Goal (issue 4): with the latch, finished sequences/s >= 90 % of the unloaded rate.
-Run: .venv/bin/python bench/latch_bench.py [--items 3000] [--write-results]
+Run: .venv/bin/python bench/engines/latch_bench.py [--items 3000] [--write-results]
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.common import command_line, git_rev, machine, now_utc, table, write_section  # noqa: E402
+from bench.common.report import command_line, git_rev, machine, now_utc, table, write_section  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
 from conductor.formats.lines import parse_line  # noqa: E402

@@ -1,0 +1,1 @@
+"""Fleets against the oracle: workers joining and leaving, fair share between tenants."""

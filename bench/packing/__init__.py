@@ -1,0 +1,1 @@
+"""Batch packing against FIFO peers and the offline oracle: the suite, the sweep, the shape lifecycle."""

@@ -1,0 +1,1 @@
+"""Where the scripts spend their server time: instrumented copies of submit.lua and claim.lua."""
