@@ -28,7 +28,7 @@ NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex", 
          "heartbeat", "declare", "dead_retry", "repair_items", "trim", "trim_results", "lease",
          "cancel", "register_segment", "fail_stored", "offload_results", "take_name", "job_class",
          "intake_create", "intake_lease", "intake_cursor", "compact_ids", "batch_finalize",
-         "schema_init")
+         "schema_init", "tenant_admit")
 
 
 def _lua_value(v: object) -> str:
@@ -126,6 +126,7 @@ class Scripts:
     intake_cursor: redis.commands.core.Script
     batch_finalize: redis.commands.core.Script
     schema_init: redis.commands.core.Script
+    tenant_admit: redis.commands.core.Script
 
 
 class ScriptClient(Protocol):
