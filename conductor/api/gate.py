@@ -77,10 +77,10 @@ def install(app: FastAPI, r: redis.Redis, book: KeyBook) -> None:
 
     def who(request: Request) -> tuple[Identity | None, int]:
         """(the identity, 0) or (None, the seconds to wait) or (None, -1: no valid key)."""
+        if book.open():  # no key anywhere: whatever a client sends (the SDK always sends one), as before keys
+            return OPEN, 0
         token = _token(request)
-        if token is None:
-            return None, -1
-        ident = OPEN if not token and book.open() else book.identify(token)
+        ident = book.identify(token) if token is not None else None
         if ident is None:
             return None, -1
         rpm = limits(ident.tenant).requests_per_minute if not ident.open else 0
