@@ -301,6 +301,10 @@ def test_an_upload_over_the_tenants_file_limit_is_refused_naming_it(env):
     with pytest.raises(openai.APIStatusError) as e:
         c.files.create(file=("big.jsonl", io.BytesIO(jsonl([request(i) for i in range(10)]))), purpose="batch")
     assert e.value.status_code == 413 and "300 bytes" in e.value.response.json()["error"]["message"]
+    # one whose declared length is far past it: refused by the gate before its body is read
+    with pytest.raises(openai.APIStatusError) as e:
+        c.files.create(file=("huge.jsonl", io.BytesIO(b"x" * 200_000)), purpose="batch")
+    assert e.value.status_code == 413 and e.value.response.json()["error"]["code"] == "file_too_large"
     assert len(c.files.list().data) == 1
     assert not list((Path(env.a.log).parent / "files").glob(".*.part"))
 

@@ -33,6 +33,7 @@ from conductor.jobs.tenant_keys import OPEN, Identity, KeyBook
 
 log = logging.getLogger(__name__)
 LIMITS_TTL_S = 0.5  # a tenant's limits are read again after this long
+MULTIPART_SLACK = 64 * 1024  # an upload's form fields and boundaries around the file's bytes, at most
 
 
 def identity(request: Request) -> Identity:
@@ -75,22 +76,22 @@ def _token(request: Request) -> str | None:
 def install(app: FastAPI, r: redis.Redis, book: KeyBook) -> None:
     limits = _LimitCache(r)
 
-    def who(request: Request) -> tuple[Identity | None, int]:
-        """(the identity, 0) or (None, the seconds to wait) or (None, -1: no valid key)."""
+    def who(request: Request) -> tuple[Identity | None, int, tenant_limits.Limits]:
+        """(the identity or None: no valid key; the seconds it must wait, 0: none; its tenant's limits)."""
         if book.open():  # no key anywhere: whatever a client sends (the SDK always sends one), as before keys
-            return OPEN, 0
+            return OPEN, 0, tenant_limits.Limits()
         token = _token(request)
         ident = book.identify(token) if token is not None else None
         if ident is None:
-            return None, -1
-        rpm = limits(ident.tenant).requests_per_minute if not ident.open else 0
-        wait = tenant_limits.take_request(r, ident.tenant, rpm) if rpm else 0
-        return ident, wait
+            return None, 0, tenant_limits.Limits()
+        lim = limits(ident.tenant)
+        wait = tenant_limits.take_request(r, ident.tenant, lim.requests_per_minute) if lim.requests_per_minute else 0
+        return ident, wait, lim
 
     @app.middleware("http")
     async def gate(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         try:
-            ident, wait = await run_in_threadpool(who, request)
+            ident, wait, lim = await run_in_threadpool(who, request)
         except redis.RedisError as e:
             log.warning("key check: Redis: %s", e)
             return error_reply(503, "the key store (Redis) did not answer; try again", code="unavailable",
@@ -99,16 +100,8 @@ def install(app: FastAPI, r: redis.Redis, book: KeyBook) -> None:
             # the key as sent is never echoed: it may be a real key in the wrong place, or long
             return error_reply(401, "Incorrect API key provided.", code="invalid_api_key")
         request.state.identity = ident
-        if wait:
-            response: Response = error_reply(429, f"Rate limit reached for tenant {ident.tenant}: its "
-                                             f"requests_per_minute; try again in {wait} s",
-                                             code="rate_limit_exceeded", type_="requests")
-            response.headers["Retry-After"] = str(wait)
-            request.state.audit_code = "rate_limit_exceeded"
-        elif request.url.path == "/" and not ident.admin:
-            response = error_reply(403, "the status page shows every tenant's jobs: it needs an admin key",
-                                   code="admin_only")
-        else:
+        response = _refused(request, ident, wait, lim)
+        if response is None:
             response = await call_next(request)
         await _audit(r, request, ident, response.status_code)
         return response
@@ -135,3 +128,24 @@ async def _audit(r: redis.Redis, request: Request, ident: Identity, status: int)
                                 code=getattr(request.state, "audit_code", ""))
     except redis.RedisError as e:  # the answer is given already; the log line stands for the record
         log.warning("audit record of %s %s: Redis: %s", name, target, e)
+
+
+def _refused(request: Request, ident: Identity, wait: int, lim: tenant_limits.Limits) -> Response | None:
+    """The gate's own refusals of a known key: over its tenant's rate (429, Retry-After), the status
+    page without an admin key (403), an upload whose declared length is past the tenant's file limit
+    (413 before its body is read; the upload counts its bytes too, for a body that says less)."""
+    if wait:
+        request.state.audit_code = "rate_limit_exceeded"
+        reply = error_reply(429, f"Rate limit reached for tenant {ident.tenant}: its requests_per_minute; try "
+                                 f"again in {wait} s", code="rate_limit_exceeded", type_="requests")
+        reply.headers["Retry-After"] = str(wait)
+        return reply
+    if request.url.path == "/" and not ident.admin:
+        return error_reply(403, "the status page shows every tenant's jobs: it needs an admin key", code="admin_only")
+    declared = request.headers.get("content-length", "")
+    if (lim.max_file_bytes and request.method == "POST" and request.url.path == "/v1/files" and declared.isdigit()
+            and int(declared) > lim.max_file_bytes + MULTIPART_SLACK):
+        request.state.audit_code = "file_too_large"
+        return error_reply(413, f"File too large: at most {lim.max_file_bytes} bytes for this tenant (its "
+                                "max_file_bytes)", "file", code="file_too_large")
+    return None
