@@ -212,6 +212,8 @@ def test_each_tenant_sees_only_its_own_and_the_admin_sees_both(env):
     assert refused and refused[0]["status"] == "404" and refused[0]["route"] == f"POST /v1/batches/{bb}/cancel"
     created = [x for x in rows_a if x["action"] == "batch.create" and x["outcome"] == "ok"]
     assert ba in {x["target"] for x in created}
+    assert f"audit: batch.create POST /v1/batches key={a_id} tenant=team-a target={ba}" in \
+        env.a.log.read_text() + env.b.log.read_text()  # in the log too
     text = cli("audit", "--tenant", "team-b", url=env.url).stdout.decode()
     assert "batch.create" in text and "team-a" not in text
     # the admin's batch for team-b is recorded as the admin's act
@@ -265,6 +267,8 @@ def test_a_batch_over_the_enqueued_token_limit_is_refused_and_writes_nothing(env
     use = json.loads(cli("tenants", "--limits", "--json", url=env.url).stdout)
     mine = [u for u in use if u["tenant"] == "team-t"][0]
     assert mine["enqueued_tokens"] == tokens and mine["limits"]["max_enqueued_tokens"] == tokens + tokens // 2
+    table = [ln for ln in cli("tenants", url=env.url).stdout.decode().splitlines() if ln.startswith("team-t ")]
+    assert any(f"{tokens:,} / {tokens + tokens // 2:,}" in ln for ln in table)  # (after its fair-share row)
     # an ended batch counts no more: the same batch goes through once the first is cancelled
     c.batches.cancel(first.id)
     second = c.batches.create(input_file_id=f2, endpoint="/v1/chat/completions", completion_window="24h")
