@@ -730,6 +730,22 @@ def batch_finalize_done(c: Conductor) -> Call:
                 check=lambda r: r.hget(key, "status") == b"completed" and r.hget(key, "output_lines") == b"3")
 
 
+def tenant_admit_under(c: Conductor) -> Call:
+    """A batch within its tenant's enqueued-token limit is counted (lua/tenant_admit.lua)."""
+    tk = K.TenantKeys("t")
+    c.r.zadd(tk.open, {"batch_a": 40})
+    return Call("tenant_admit", [tk.open, tk.opened], ["batch_b", 50, 100, 1000],
+                check=lambda r: r.zscore(tk.open, "batch_b") == 50 and r.zscore(tk.opened, "batch_b") == 1000)
+
+
+def tenant_admit_over(c: Conductor) -> Call:
+    """One past the limit is refused, nothing written."""
+    tk = K.TenantKeys("t")
+    c.r.zadd(tk.open, {"batch_a": 80})
+    return Call("tenant_admit", [tk.open, tk.opened], ["batch_b", 50, 100, 1000],
+                check=lambda r: r.zscore(tk.open, "batch_b") is None)
+
+
 def take_name_free(c: Conductor) -> Call:
     return Call("take_name", [MK.base], ["host", 1, 10000, 1000], check=lambda r: r.exists(MK.heartbeat("host")))
 
@@ -784,6 +800,7 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "cancel_lane": [cancel_lane_waiting],
     "cancel_segment": [cancel_segment_waiting],
     "batch_finalize": [batch_finalize_start, batch_finalize_done],
+    "tenant_admit": [tenant_admit_under, tenant_admit_over],
 }
 
 

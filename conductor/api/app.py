@@ -3,7 +3,8 @@
 Stateless: batches are jobs (their lifecycle in ``cdr:job:J:meta``, conductor/jobs/job_state.py),
 file objects live in Redis and file bytes in a shared store directory
 (conductor/api/upload_store.py), so any number of replicas may serve behind one load balancer.
-This module puts the app together: authentication, the error replies, the expiry loop, the intake
+This module puts the app together: the gate (keys, tenants' rate limits, the audit trail:
+conductor/api/gate.py), the error replies, the expiry loop, the intake
 resumer (a batch whose replica died mid-intake goes on from its cursor here), the finalizer (a
 batch's output and error files written, then completed: conductor/api/finalize.py) and the routers
 (conductor/api/files.py, conductor/api/batches.py, conductor/api/status_page.py).
@@ -17,15 +18,15 @@ import os
 import secrets
 import socket
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 
-from conductor.api import finalize
+from conductor.api import finalize, gate
 from conductor.api.batch_retry import retry_router
 from conductor.api.batches import batches_router
-from conductor.api.errors import ApiError, error_reply
+from conductor.api.errors import error_reply
 from conductor.api.files import files_router
 from conductor.api.status_page import status_router
 from conductor.api.upload_store import FileStore
@@ -33,6 +34,7 @@ from conductor.client import Conductor
 from conductor.errors import ConductorError
 from conductor.intake import intake_resume
 from conductor.jobs.job_state import expire_due_leased
+from conductor.jobs.tenant_keys import KeyBook
 from conductor.tier.object_store import Store
 
 log = logging.getLogger(__name__)
@@ -46,7 +48,8 @@ def make_app(redis_url: str, *, data_dir: str | None = None, api_keys: list[str]
     intake_resume.unreadable_s()  # a bad CONDUCTOR_INTAKE_UNREADABLE_S is refused before serving
     c = Conductor.from_url(redis_url, store=segment_store)
     store = FileStore(c.r, data_dir)
-    keys = {k for k in (api_keys or []) if k}
+    # the keys in Redis (conductor keys create) and the --api-key ones: conductor/jobs/tenant_keys.py
+    book = KeyBook(c.r, [k for k in (api_keys or []) if k])
     stop = threading.Event()
     owner = f"serve:{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
 
@@ -75,20 +78,8 @@ def make_app(redis_url: str, *, data_dir: str | None = None, api_keys: list[str]
 
     app = FastAPI(title="conductor", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.store = store
-
-    @app.middleware("http")
-    async def auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if keys:
-            got = request.headers.get("authorization", "")
-            token = got[7:] if got.lower().startswith("bearer ") else request.query_params.get("key", "")
-            if not any(secrets.compare_digest(token, k) for k in keys):
-                shown = (token[:3] + "*" * 4 + token[-4:]) if len(token) > 8 else "*" * len(token)
-                return error_reply(401, f"Incorrect API key provided: {shown}.", code="invalid_api_key")
-        return await call_next(request)
-
-    @app.exception_handler(ApiError)
-    async def api_error(_request: Request, e: ApiError) -> JSONResponse:
-        return error_reply(e.status, e.message, e.param, e.code, e.type)
+    app.state.keys = book
+    gate.install(app, c.r, book)  # keys, rate limits, the audit trail (conductor/api/gate.py)
 
     @app.exception_handler(ConductorError)
     async def conductor_error(_request: Request, e: ConductorError) -> JSONResponse:

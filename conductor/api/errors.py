@@ -9,9 +9,10 @@ from fastapi.responses import JSONResponse
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str = "invalid_request_error") -> None:
+                 type_: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+        self.headers = headers or {}
 
 
 def error_reply(status: int, message: str, param: str | None = None, code: str | None = None,

@@ -127,25 +127,38 @@ def cmd_trim_results(args: argparse.Namespace) -> int:
 
 def cmd_tenant(args: argparse.Namespace) -> int:
     from conductor.errors import BadInput
+    from conductor.jobs import tenant_limits
     from conductor.jobs.tenants import render, set_weight, tenant_rows
     if not args.tenant.strip():
         raise ConductorError("tenant: a name is needed (a job without --tenant is its own tenant, weight 1; "
                              "conductor tenants lists them as one row)")
     c = conductor_from(args)
-    if args.weight is not None:
-        try:
+    limits = {n: getattr(args, n, None) for n in tenant_limits.NAMES}
+    try:
+        if args.weight is not None:
             set_weight(c, args.tenant, args.weight)
-        except BadInput as e:
-            raise ConductorError(str(e)) from None
+        if any(v is not None for v in limits.values()):
+            tenant_limits.set_limits(c.r, args.tenant, **limits)
+    except BadInput as e:
+        raise ConductorError(str(e)) from None
     rows = [r for m in c.models() for r in tenant_rows(c, m) if r.tenant == args.tenant]
     print(render(rows) if rows else f"tenant {args.tenant}: weight {args.weight if args.weight is not None else 1:g}, "
           "nothing served or waiting yet")
+    print(tenant_limits.render(tenant_limits.usage(c.r, [args.tenant])))
     return 0
 
 
 def cmd_tenants(args: argparse.Namespace) -> int:
     from conductor.jobs.tenants import render, tenant_rows
     c = conductor_from(args)
+    from conductor.jobs import tenant_limits
+    if args.limits:  # the Batch API's use against each tenant's limits alone
+        use = tenant_limits.usage(c.r)
+        print(json.dumps([u.as_dict() for u in use]) if args.json else tenant_limits.render(use))
+        return 0
     rows = [r for m in ([args.model] if args.model else c.models()) for r in tenant_rows(c, m)]
     print(json.dumps([r.as_dict() for r in rows]) if args.json else render(rows))
+    if not args.json and (use := tenant_limits.usage(c.r)):  # (a fleet without API keys or limits: no table)
+        print()
+        print(tenant_limits.render(use))
     return 0

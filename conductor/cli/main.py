@@ -32,6 +32,7 @@ from conductor.cli.args import (
 )
 from conductor.cli.cancel import add_commands as add_cancel_commands
 from conductor.cli.connect import DEFAULT_URL
+from conductor.cli.keys import add_commands as add_key_commands
 from conductor.cli.read import cmd_exporter, cmd_inspect, cmd_jobs, cmd_results, cmd_status
 from conductor.cli.run import Interrupted, cmd_run
 from conductor.cli.serve import add_commands as add_serve_commands
@@ -122,6 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_cancel_commands(command)
     add_serve_commands(command)
+    add_key_commands(command)
     from conductor.cli.retry import add_commands as add_ledger_commands
     add_ledger_commands(command)
 
@@ -194,14 +196,24 @@ def build_parser() -> argparse.ArgumentParser:
                                                                   "(to pause it before its first item)")
         pa.set_defaults(resume=resume)
 
-    tn = command("tenant", "show a tenant, or set its weight: its share of the fleet among tenants with work "
-                           "waiting", cmd_tenant)
-    tn.add_argument("tenant", help="tenant name (conductor submit --tenant T)")
+    tn = command("tenant", "show a tenant, or set its weight (its share of the fleet among tenants with work "
+                           "waiting) and its Batch API limits", cmd_tenant)
+    tn.add_argument("tenant", help="tenant name (conductor submit --tenant T; conductor keys create --tenant T)")
     tn.add_argument("--weight", type=float, help="its weight (default 1): weight 3 gets three times the share of 1")
+    tn.add_argument("--max-enqueued-tokens", type=non_negative_int, metavar="N",
+                    help="Batch API: input tokens of its batches not yet ended, at most (a batch past it: 429 "
+                         "token_limit_exceeded, nothing written; 0: no limit)")
+    tn.add_argument("--max-file-bytes", type=non_negative_int, metavar="N",
+                    help="Batch API: bytes of one uploaded file, at most (0: the API's 200 MB)")
+    tn.add_argument("--requests-per-minute", type=non_negative_int, metavar="N",
+                    help="Batch API: requests of its keys per minute (past it: 429 with Retry-After; 0: no limit)")
     ts = command("tenants", "every tenant: weight, service, share of the last minute, waiting work; the jobs "
-                            "without a tenant (each its own) as one row, '- (no tenant)'", cmd_tenants)
+                            "without a tenant (each its own) as one row, '- (no tenant)'; then, when any tenant has "
+                            "API keys or limits, the Batch API's use against each tenant's limits", cmd_tenants)
     ts.add_argument("model", nargs="?", help="one model (default: all)")
     ts.add_argument("--json", action="store_true", help="one JSON list of tenant objects")
+    ts.add_argument("--limits", action="store_true",
+                    help="only the Batch API's use against each tenant's limits (with --json: one JSON list)")
 
     rc = command("reclaim", "one reclaim sweep of a model's dead consumers", cmd_reclaim)
     rc.add_argument("model", help="model name (conductor inspect lists them)")

@@ -34,6 +34,25 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     cdr:files                       zset     file id -> created_at (s), files uploaded to conductor serve
     cdr:file:F                      hash     an uploaded file's object (conductor/api/upload_store.py); its
                                              bytes live in the store directory, not in Redis
+    cdr:apikeys                     zset     API key id -> created (s): every key `conductor keys create` made,
+                                             revoked ones included (conductor/jobs/tenant_keys.py); a serve
+                                             replica asks for keys as soon as this exists (issue 35)
+    cdr:apikey:ID                   hash     one API key: tenant, role (user, admin), label, salt and hash
+                                             (PBKDF2-SHA256 of its secret; the secret itself is never
+                                             stored), created, last_used, revoked (s)
+    cdr:tenants:limits              hash     tenant -> JSON of its limits (`conductor tenant T --max-...`):
+                                             max_enqueued_tokens, max_file_bytes, requests_per_minute
+    cdr:tenant:{T}:open             zset     batch -> its input tokens, tenant T's batches not yet ended: what
+                                             counts against max_enqueued_tokens (lua/tenant_admit.lua adds;
+                                             an ended batch is taken out at the next admission)
+    cdr:tenant:{T}:opened           zset     batch -> when it was admitted (ms): a reservation whose batch
+                                             never got recorded (its replica died in between) lapses
+    cdr:tenant:{T}:rate:N           string   tenant T's requests in the minute N (s // 60), expiring
+    cdr:tenant:{T}:files            zset     file id -> created_at (s), the files of tenant T (its keys' view)
+    cdr:tenant:{T}:batches          zset     batch -> created_at (s), the batches of tenant T
+    cdr:audit                       stream   the Batch API's creates, cancels, retries, downloads and deletes:
+                                             key id, tenant, route, target, status (XADD MAXLEN ~ 100000;
+                                             conductor/api/audit.py, `conductor audit`)
     cdr:job:J:intake                hash     the job's intake task (conductor/intake/intake_task.py): source
                                              (api, cli), input path, file id, endpoint, model defaults it
                                              was checked with, cursor (line: last line sent; sent: items),
@@ -244,6 +263,50 @@ BATCHES_OPEN_KEY = f"{PREFIX}:batches:open"
 
 def file_key(file_id: str) -> str:
     return f"{PREFIX}:file:{file_id}"
+
+
+# API keys (conductor/jobs/tenant_keys.py): the index of every key made, and each key's record.
+APIKEYS_KEY = f"{PREFIX}:apikeys"
+
+
+def apikey_key(key_id: str) -> str:
+    return f"{PREFIX}:apikey:{key_id}"
+
+
+# tenant -> its limits as JSON (conductor/jobs/tenant_limits.py): one key, so `conductor tenants` lists them all
+TENANT_LIMITS_KEY = f"{PREFIX}:tenants:limits"
+# The Batch API's audit stream (conductor/api/audit.py), capped at about AUDIT_MAXLEN entries.
+AUDIT_KEY = f"{PREFIX}:audit"
+
+
+class TenantKeys:
+    """Key names of one tenant's API use (issue 35); they share the hash tag ``{tenant}``, so that
+    lua/tenant_admit.lua touches one slot."""
+
+    __slots__ = ("tenant", "base")
+
+    def __init__(self, tenant: str) -> None:
+        self.tenant = check_name("tenant", tenant)
+        self.base = f"{PREFIX}:tenant:{{{tenant}}}"
+
+    @property
+    def open(self) -> str:
+        return f"{self.base}:open"
+
+    @property
+    def opened(self) -> str:
+        return f"{self.base}:opened"
+
+    def rate(self, minute: int) -> str:
+        return f"{self.base}:rate:{minute}"
+
+    @property
+    def files(self) -> str:
+        return f"{self.base}:files"
+
+    @property
+    def batches(self) -> str:
+        return f"{self.base}:batches"
 
 
 # Durable intake (conductor/intake/intake_task.py): one hash per job's intake and the index of the open ones.

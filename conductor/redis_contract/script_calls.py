@@ -220,6 +220,13 @@ def batch_finalize(job: str, step: str, at: int, **fields: int) -> Call[bool]:
     return Call("batch_finalize", [K.job_meta_key(job)], [step, at, *pairs], lambda r: int(r) == 1)
 
 
+def tenant_admit(tk: K.TenantKeys, batch: str, tokens: int, limit: int, now_ms: int) -> Call[tuple[bool, int]]:
+    """lua/tenant_admit.lua: whether the batch fits the tenant's enqueued-token ``limit`` (0: none),
+    counted among its batches when it does; and the tenant's enqueued tokens (with it when admitted)."""
+    return Call("tenant_admit", [tk.open, tk.opened], [batch, tokens, limit, now_ms],
+                lambda r: (int(r[0]) == 1, int(r[1])))
+
+
 def seal(mk: K.ModelKeys) -> Call[int]:
     """lua/seal.lua: the seal time (ms, the server's clock)."""
     return Call("seal", [mk.state, mk.intake, mk.doorbell], [], _int)  # the bell wakes a worker at once
