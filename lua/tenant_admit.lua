@@ -7,7 +7,7 @@
 --
 -- KEYS[1] open     cdr:tenant:{T}:open    (batch -> input tokens)
 -- KEYS[2] opened   cdr:tenant:{T}:opened  (batch -> admitted at, ms)
--- ARGV[1] batch    the batch id (1..128 bytes)
+-- ARGV[1] batch    the batch id (a job name: name_ok)
 -- ARGV[2] tokens   its input tokens (integer 0..1e15)
 -- ARGV[3] limit    the tenant's max_enqueued_tokens (integer 0..1e15; 0: no limit, the batch is only counted)
 -- ARGV[4] now      the admission time (ms)
@@ -21,7 +21,7 @@
 local open, opened = KEYS[1], KEYS[2]
 if #ARGV ~= 4 then return redis.error_reply('ERR_ARG argv: batch, tokens, limit, now') end
 local batch, tokens, limit, now = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-if #batch < 1 or #batch > 128 then return redis.error_reply('ERR_ARG batch: must be 1..128 bytes') end
+if not name_ok(batch) then return redis.error_reply('ERR_ARG batch: must be a job name (keys.py check_name)') end
 if not int_in(tokens, 0, 1e15) then return redis.error_reply('ERR_ARG tokens: must be an integer in 0..1e15') end
 if not int_in(limit, 0, 1e15) then return redis.error_reply('ERR_ARG limit: must be an integer in 0..1e15') end
 if not int_in(now, 0, 1e15) then return redis.error_reply('ERR_ARG now: must be an integer >= 0 (ms)') end

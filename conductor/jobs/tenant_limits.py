@@ -32,7 +32,7 @@ from conductor.redis_contract.scripts import ScriptClient
 NAMES = ("max_enqueued_tokens", "max_file_bytes", "requests_per_minute")
 MAX_VALUE = 10**15
 # a reservation whose batch was never recorded (its replica died between the two writes) lapses after this
-ORPHAN_MS = 60_000
+ORPHAN_S = 60
 
 
 @dataclass
@@ -97,7 +97,7 @@ def _ended(r: redis.Redis, tk: K.TenantKeys) -> tuple[dict[str, int], list[str]]
     for i, (b, _) in enumerate(rows):
         (status, ending), at = meta[2 * i], meta[2 * i + 1]
         if status is None:
-            if at is None or now_ms - int(at) > ORPHAN_MS:
+            if at is None or now_ms - int(at) > ORPHAN_S * 1000:
                 ended.append(b)
         elif as_str(status) in job_state.TERMINAL or as_str(ending, absent=""):
             ended.append(b)
