@@ -53,6 +53,7 @@ from conductor.formats.openai_options import request_options
 from conductor.redis_contract.records import Batch, BatchItem, Contract
 
 from .base import ContractHolder, Finished, too_long
+from .waiting import Waiting
 
 
 @dataclass
@@ -126,12 +127,7 @@ class SimEngine(ContractHolder):
                                   max_batch_tokens=max_batch_tokens, max_input_len=max_input_len)
         self.time_scale = time_scale
         self.p = params or SimParams()
-        self.max_num_seqs = max_batch_size if max_num_seqs is None else max_num_seqs
-        # Given and not started yet (beyond max_num_seqs), in order; and the size of the last batch
-        # given, pacing's unit (room).
-        self._queued: deque[tuple[Batch, list[BatchItem]]] = deque()
-        self._queued_n = 0
-        self._last_batch = max_batch_size
+        self._waiting = Waiting(max_batch_size if max_num_seqs is None else max_num_seqs, max_batch_size)
         self.counters = SimCounters()
         self._prefix_lru: list[str] = []
         self._graphs: set[tuple[int, str, int]] = set()
@@ -165,27 +161,25 @@ class SimEngine(ContractHolder):
         items = [it for it in items if it.input_tokens <= self._contract.max_input_len]
         if not items:
             return refused
-        self._last_batch = len(items)
-        self._queued.append((batch, items))
-        self._queued_n += len(items)
+        self._waiting.add(batch, items)
         self._start()
         return refused
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences that run at once (0: no limit); the rest wait in the engine (workers/engines/waiting.py)."""
+        return self._waiting.max_num_seqs
+
+    @max_num_seqs.setter
+    def max_num_seqs(self, value: int) -> None:
+        self._waiting.max_num_seqs = value
 
     def _running(self) -> int:
         return len(self._heap) + len(self._resident) + len(self._evicted)
 
     def _start(self) -> None:
-        """Start what waits, oldest first, while fewer than max_num_seqs run (a batch may start in parts)."""
-        cap = self.max_num_seqs
-        while self._queued and (cap <= 0 or self._running() < cap):
-            batch, items = self._queued[0]
-            n = len(items) if cap <= 0 else min(len(items), cap - self._running())
-            if n < len(items):
-                self._queued[0] = (batch, items[n:])
-            else:
-                self._queued.popleft()
-            self._queued_n -= n
-            self._prefill(batch, items[:n])
+        for batch, items in self._waiting.startable(self._running):
+            self._prefill(batch, items)
 
     def _prefill(self, batch: Batch, items: list[BatchItem]) -> None:
         """Items of one batch starting together: their prefill (prefix cache, padding, graph) is paid now."""
@@ -294,14 +288,10 @@ class SimEngine(ContractHolder):
         return done
 
     def active(self) -> int:
-        return self._running() + self._queued_n
+        return self._running() + self._waiting.items
 
     def room(self) -> int | None:
-        """A batch's worth once what has not started is under half the last batch given, else none
-        (vLLM's rule, workers/engines/vllm_engine.py); None (no limit of its own) with max_num_seqs 0."""
-        if self.max_num_seqs <= 0:
-            return None
-        return self._contract.max_batch_size if 2 * self._queued_n < self._last_batch else 0
+        return self._waiting.room(self._contract.max_batch_size)
 
     def prewarm(self, shape: str, lanes: list[int], epoch: int) -> None:
         for plen in lanes:
@@ -310,8 +300,7 @@ class SimEngine(ContractHolder):
                 self.counters.graphs_prewarmed += 1
 
     def close(self) -> None:
-        self._queued.clear()
-        self._queued_n = 0
+        self._waiting.clear()
         self._heap.clear()
         self._resident.clear()
         self._evicted.clear()

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +50,7 @@ from conductor.redis_contract.records import Batch, BatchItem, Contract, ResultE
 
 from .base import ContractHolder, EngineConfigError, EngineUnavailable, Finished, too_long
 from .byte_tokenizer import ByteTokenizer
+from .waiting import Waiting
 
 TINY_CONFIG: dict[str, Any] = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2)
@@ -168,10 +169,7 @@ class TorchEngine(ContractHolder):
         self.prefix_cache_shapes = prefix_cache_shapes
         self.cohorts: list[_Cohort] = []
         self.counters = TorchCounters()
-        self.max_num_seqs = max_batch_size if max_num_seqs is None else max_num_seqs
-        self._queued: deque[tuple[Batch, list[BatchItem]]] = deque()  # given, not started (beyond max_num_seqs)
-        self._queued_n = 0
-        self._last_batch = max_batch_size  # items in the last batch given: pacing's unit (room)
+        self._waiting = Waiting(max_batch_size if max_num_seqs is None else max_num_seqs, max_batch_size)
 
     def _load(self, path: str) -> tuple[Any, Any, int]:
         from pathlib import Path
@@ -216,10 +214,17 @@ class TorchEngine(ContractHolder):
     def admit(self, batch: Batch, items: list[BatchItem]) -> list[Finished]:
         if not items:
             return []
-        self._last_batch = len(items)
-        self._queued.append((batch, items))
-        self._queued_n += len(items)
+        self._waiting.add(batch, items)
         return self._start()
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences that run at once (0: no limit); the rest wait in the engine (workers/engines/waiting.py)."""
+        return self._waiting.max_num_seqs
+
+    @max_num_seqs.setter
+    def max_num_seqs(self, value: int) -> None:
+        self._waiting.max_num_seqs = value
 
     def _running(self) -> int:
         return sum(len(c.items) for c in self.cohorts)
@@ -228,16 +233,8 @@ class TorchEngine(ContractHolder):
         """Prefill what waits, oldest first, while fewer than max_num_seqs rows run (a batch may start in
         parts); returns the rows refused or finished at once."""
         out: list[Finished] = []
-        cap = self.max_num_seqs
-        while self._queued and (cap <= 0 or self._running() < cap):
-            batch, items = self._queued[0]
-            n = len(items) if cap <= 0 else min(len(items), cap - self._running())
-            if n < len(items):
-                self._queued[0] = (batch, items[n:])
-            else:
-                self._queued.popleft()
-            self._queued_n -= n
-            out += self._prefill(batch, items[:n])
+        for batch, items in self._waiting.startable(self._running):
+            out += self._prefill(batch, items)
         return out
 
     def _prefill(self, batch: Batch, items: list[BatchItem]) -> list[Finished]:
@@ -384,20 +381,15 @@ class TorchEngine(ContractHolder):
         return done + self._start()  # into the rows the finished ones left
 
     def active(self) -> int:
-        return self._running() + self._queued_n
+        return self._running() + self._waiting.items
 
     def room(self) -> int | None:
-        """A batch's worth once what has not started is under half the last batch given, else none
-        (vLLM's rule, workers/engines/vllm_engine.py); None (no limit of its own) with max_num_seqs 0."""
-        if self.max_num_seqs <= 0:
-            return None
-        return self._contract.max_batch_size if 2 * self._queued_n < self._last_batch else 0
+        return self._waiting.room(self._contract.max_batch_size)
 
     def prewarm(self, shape: str, lanes: list[int], epoch: int) -> None:
         """Nothing to build ahead for eager PyTorch; the prefix KV is computed with the first batch."""
 
     def close(self) -> None:
-        self._queued.clear()
-        self._queued_n = 0
+        self._waiting.clear()
         self.cohorts.clear()
         self._prefixes.clear()
