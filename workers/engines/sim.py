@@ -53,7 +53,7 @@ from conductor.formats.openai_options import request_options
 from conductor.redis_contract.records import Batch, BatchItem, Contract
 
 from .base import ContractHolder, Finished, too_long
-from .waiting import Waiting
+from .waiting import HoldsWaiting, Waiting
 
 
 @dataclass
@@ -117,7 +117,7 @@ def sim_output(it: BatchItem) -> tuple[str, int]:
     return text, n
 
 
-class SimEngine(ContractHolder):
+class SimEngine(HoldsWaiting, ContractHolder):
     kind = "sim"
 
     def __init__(self, model: str, *, max_batch_size: int = 64, max_batch_tokens: int = 8192,
@@ -164,15 +164,6 @@ class SimEngine(ContractHolder):
         self._waiting.add(batch, items)
         self._start()
         return refused
-
-    @property
-    def max_num_seqs(self) -> int:
-        """Sequences that run at once (0: no limit); the rest wait in the engine (workers/engines/waiting.py)."""
-        return self._waiting.max_num_seqs
-
-    @max_num_seqs.setter
-    def max_num_seqs(self, value: int) -> None:
-        self._waiting.max_num_seqs = value
 
     def _running(self) -> int:
         return len(self._heap) + len(self._resident) + len(self._evicted)
@@ -289,9 +280,6 @@ class SimEngine(ContractHolder):
 
     def active(self) -> int:
         return self._running() + self._waiting.items
-
-    def room(self) -> int | None:
-        return self._waiting.room(self._contract.max_batch_size)
 
     def prewarm(self, shape: str, lanes: list[int], epoch: int) -> None:
         for plen in lanes:

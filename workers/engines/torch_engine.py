@@ -50,7 +50,7 @@ from conductor.redis_contract.records import Batch, BatchItem, Contract, ResultE
 
 from .base import ContractHolder, EngineConfigError, EngineUnavailable, Finished, too_long
 from .byte_tokenizer import ByteTokenizer
-from .waiting import Waiting
+from .waiting import HoldsWaiting, Waiting
 
 TINY_CONFIG: dict[str, Any] = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                    num_attention_heads=4, num_key_value_heads=2)
@@ -127,7 +127,7 @@ class _Cohort:
     sampling: list[_Sampling] = field(default_factory=list)  # per row
 
 
-class TorchEngine(ContractHolder):
+class TorchEngine(HoldsWaiting, ContractHolder):
     kind = "torch"
 
     def __init__(self, model: str, *, model_path: str | None = None, max_batch_size: int = 16,
@@ -216,15 +216,6 @@ class TorchEngine(ContractHolder):
             return []
         self._waiting.add(batch, items)
         return self._start()
-
-    @property
-    def max_num_seqs(self) -> int:
-        """Sequences that run at once (0: no limit); the rest wait in the engine (workers/engines/waiting.py)."""
-        return self._waiting.max_num_seqs
-
-    @max_num_seqs.setter
-    def max_num_seqs(self, value: int) -> None:
-        self._waiting.max_num_seqs = value
 
     def _running(self) -> int:
         return sum(len(c.items) for c in self.cohorts)
@@ -382,9 +373,6 @@ class TorchEngine(ContractHolder):
 
     def active(self) -> int:
         return self._running() + self._waiting.items
-
-    def room(self) -> int | None:
-        return self._waiting.room(self._contract.max_batch_size)
 
     def prewarm(self, shape: str, lanes: list[int], epoch: int) -> None:
         """Nothing to build ahead for eager PyTorch; the prefix KV is computed with the first batch."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator
 
-from conductor.redis_contract.records import Batch, BatchItem
+from conductor.redis_contract.records import Batch, BatchItem, Contract
 
 
 class Waiting:
@@ -48,3 +48,22 @@ class Waiting:
     def clear(self) -> None:
         self._queue.clear()
         self.items = 0
+
+
+class HoldsWaiting:
+    """The part of an engine's protocol that its Waiting answers: its max_num_seqs and its room."""
+
+    _waiting: Waiting
+    _contract: Contract
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Sequences that run at once (0: no limit); the rest wait in the engine."""
+        return self._waiting.max_num_seqs
+
+    @max_num_seqs.setter
+    def max_num_seqs(self, value: int) -> None:
+        self._waiting.max_num_seqs = value
+
+    def room(self) -> int | None:
+        return self._waiting.room(self._contract.max_batch_size)
