@@ -20,8 +20,8 @@ local function claim_bad_args(base, consumer, max_items, max_tokens, token)
   if not int_in(max_tokens, 1, RULES.MAX_BATCH_TOKENS) then
     return redis.error_reply('ERR_ARG max_batch_tokens: must be an integer in 1..' .. RULES.MAX_BATCH_TOKENS)
   end
-  if (not token) or #token < 1 or #token > 64 or not string.match(token, '^[%w%._-]+$') then
-    return redis.error_reply('ERR_ARG token: must be 1..64 characters from A-Z a-z 0-9 . _ -')
+  if not token_ok(token) then
+    return redis.error_reply('ERR_ARG token: must be 1..' .. RULES.TOKEN_MAX .. ' characters from A-Z a-z 0-9 . _ -')
   end
   if redis.call('EXISTS', base .. ':bat:' .. token) == 1 then
     return redis.error_reply('ERR_ARG token: ' .. token .. ' is in use by a pending batch')

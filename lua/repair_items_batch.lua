@@ -31,8 +31,8 @@ local base, state_key, batches_key, reclaimed_key = KEYS[1], KEYS[2], KEYS[3], K
 if #ARGV ~= 6 then return redis.error_reply('ERR_ARG argv: expected 6 arguments, got ' .. #ARGV) end
 local token, sig, entry_id = ARGV[1], ARGV[2], ARGV[6]
 local ep, lane, dv = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
-if #token < 1 or #token > 64 or not string.match(token, '^[%w%._-]+$') then
-  return redis.error_reply('ERR_ARG token: must be 1..64 characters from A-Z a-z 0-9 . _ -')
+if not token_ok(token) then
+  return redis.error_reply('ERR_ARG token: must be 1..' .. RULES.TOKEN_MAX .. ' characters from A-Z a-z 0-9 . _ -')
 end
 if not hex_ok(sig, RULES.SIG_HEX) then
   return redis.error_reply('ERR_ARG sig: must be 16 lowercase hex digits')

@@ -78,6 +78,7 @@ def generated() -> str:
     defaults = ", ".join(f"{n} = {lua_value(v)}" for n, v in config.DEFAULTS.items())
     shared = ",\n  ".join(f"{n} = {lua_value(v)}" for n, v in rules.LUA_RULES.items())
     name_pattern = lua_value(f"^[{rules.lua_class(rules.NAME_CHARS)}]+$")
+    token_pattern = lua_value(f"^[{rules.lua_class(rules.TOKEN_CHARS)}]+$")
     end_codes = " or ".join(f"code == {lua_value(c)}" for c in rules.END_CODES)
     return (
         "-- lib_generated.lua: written by conductor/redis_contract/lua_generated.py when a script is\n"
@@ -93,6 +94,11 @@ def generated() -> str:
         "local function name_ok(v)\n"
         "  return type(v) == 'string' and #v >= 1 and #v <= RULES.NAME_MAX\n"
         f"    and string.match(v, {name_pattern}) ~= nil\n"
+        "end\n"
+        "-- A claim's batch token as rules.py TOKEN_RE takes it.\n"
+        "local function token_ok(v)\n"
+        "  return type(v) == 'string' and #v >= 1 and #v <= RULES.TOKEN_MAX\n"
+        f"    and string.match(v, {token_pattern}) ~= nil\n"
         "end\n"
         "-- A lowercase hex string of exactly n digits (RULES.SIG_HEX, SUM_HEX, SEGMENT_NAME_HEX, FILE_SUM_HEX).\n"
         "local function hex_ok(v, n)\n"

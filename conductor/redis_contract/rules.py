@@ -17,6 +17,12 @@ NAME_CHARS = "A-Za-z0-9._/@+=-"  # a character class body, as both re and Lua pa
 NAME_MAX = 128
 NAME_RE = re.compile(f"^[{NAME_CHARS}]{{1,{NAME_MAX}}}$")
 
+# A claim's batch token (conductor/client/claiming.py draws one per call; M:bat:T holds its items):
+# claim.lua and repair_items_batch.lua take it, verify's repair reads it back from the stream.
+TOKEN_CHARS = "A-Za-z0-9._-"
+TOKEN_MAX = 64
+TOKEN_RE = re.compile(f"^[{TOKEN_CHARS}]{{1,{TOKEN_MAX}}}$")
+
 # An item, as the edge (conductor/formats/checks.py) and submit.lua check it.
 MAX_ID_BYTES = 512
 MAX_INPUT_TOKENS = 16_777_216
@@ -59,6 +65,7 @@ DEFAULT_MAX_TOKENS = 1024
 # Every rule above that a script reads, by the name it has in Lua's RULES table.
 LUA_RULES: dict[str, int | str] = {
     "NAME_MAX": NAME_MAX,
+    "TOKEN_MAX": TOKEN_MAX,
     "MAX_ID_BYTES": MAX_ID_BYTES,
     "MAX_INPUT_TOKENS": MAX_INPUT_TOKENS,
     "MAX_OUTPUT_TOKENS": MAX_OUTPUT_TOKENS,

@@ -3,7 +3,6 @@ lanes (lua/repair.lua), then the model's and jobs' counters from the truth in on
 
 from __future__ import annotations
 
-import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +11,7 @@ import redis
 
 from conductor.errors import ConductorError
 from conductor.redis_contract import keys as K
+from conductor.redis_contract import rules
 from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.connection import as_str
 from conductor.redis_contract.scripts import Scripts
@@ -114,7 +114,7 @@ def _leaked_entries(r: redis.Redis, mk: K.ModelKeys, orphans: set[str]) -> list[
     out: list[tuple[str, list[Any]]] = []
     for eid, f in xrange_pages(r, mk.batches):
         token = as_str(f.get(b"k", b""))
-        if as_str(eid) not in pending and token and token not in orphans and re.fullmatch(r"[\w.-]{1,64}", token):
+        if as_str(eid) not in pending and token and token not in orphans and rules.TOKEN_RE.match(token):
             out.append((f"{mk.batches} {as_str(eid)}", [token, as_str(f.get(b"sig", b"0" * 16)), as_int(f.get(b"ep")),
                                                        as_int(f.get(b"lane")), 1, as_str(eid)]))
     return out
