@@ -4,6 +4,7 @@ hits from the workers' own Prometheus endpoints (the engine counts them; nothing
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import msgspec
@@ -26,6 +27,7 @@ class RunSummary:
         self.actual_tokens = 0
         self._batches: dict[str, int] = {}  # batch id -> its padded tokens
         self.prefix_hit_tokens: int | None = None
+        self.unread = ""  # why the workers' figures are unknown: the port and the error
         self.engine_queries = self.engine_hits = 0  # the engine's own prefix-cache count (vllm), in its tokens
         self.busy_s: list[float] = []  # each worker's busy seconds (its engine held sequences), when all were read
 
@@ -51,10 +53,16 @@ class RunSummary:
         hits, a missing worker would hide the imbalance)."""
         total, busy, queries, hits = 0.0, [], 0.0, 0.0
         for port in ports:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as resp:
-                    text = resp.read().decode()
-            except OSError:
+            text = ""
+            for attempt in range(3):  # a busy worker's metrics thread may miss one read
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as resp:
+                        text = resp.read().decode()
+                    break
+                except OSError as e:
+                    self.unread = f"port {port}: {e}"
+                    time.sleep(0.2 * (attempt + 1))
+            else:
                 return
             for fam in text_string_to_metric_families(text):
                 if fam.name == "conductor_prefix_hit_tokens":
@@ -65,13 +73,14 @@ class RunSummary:
                     queries += sum(s.value for s in fam.samples if s.name.endswith("_total"))
                 elif fam.name == "conductor_engine_prefix_cache_hits":
                     hits += sum(s.value for s in fam.samples if s.name.endswith("_total"))
+        self.unread = ""
         self.prefix_hit_tokens = int(total)
         self.busy_s = busy
         self.engine_queries, self.engine_hits = int(queries), int(hits)
 
     def text(self) -> str:
         mean = self.results / self.batches if self.batches else 0.0
-        hits = "prefix hits unknown" if self.prefix_hit_tokens is None else (
+        hits = f"prefix hits unknown ({self.unread or 'not read'})" if self.prefix_hit_tokens is None else (
             f"prefix hits {self.prefix_hit_tokens:,} tokens "
             f"({self.prefix_hit_tokens / self.actual_tokens if self.actual_tokens else 0:.1%} of input tokens)")
         fleet = ""
