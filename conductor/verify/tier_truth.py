@@ -95,11 +95,20 @@ def store_truth(r: redis.Redis, mk: K.ModelKeys, store: Store | None, jobs: list
                 notes: list[str] | None = None) -> StoreTruth | None:
     """The tier's counters and their truth, with the missing or damaged segments (their files are
     read when ``store`` is given); None when nothing of the model is or was counted in the store."""
-    index = _index(r, mk)
-    rec_items, rec_tokens = (as_int(v) for v in r.hmget(mk.intake, "stored_items", "stored_tokens"))
+    # The index, the ids and the counters are separate reads: a segment registered, fed or failed
+    # between them (a submit or a feeder running beside) would read as drift. Every such step moves
+    # the counters, so the reads count when the counters did not move across them.
+    for _ in range(10):
+        counted = r.hmget(mk.intake, "stored_items", "stored_tokens")
+        index = _index(r, mk)
+        stored = _stored_ids(r, mk, index, jobs)
+        if r.hmget(mk.intake, "stored_items", "stored_tokens") == counted:
+            break
+        time.sleep(0.05)
+    rec_items, rec_tokens = (as_int(v) for v in counted)
     if not index and not rec_items and not rec_tokens:
         return None
-    truth = StoreTruth(rec_items, rec_tokens, index, _stored_ids(r, mk, index, jobs))
+    truth = StoreTruth(rec_items, rec_tokens, index, stored)
     if store is None:
         if index and notes is not None:
             notes.append(f"{mk.model}: {len(index)} store segment(s) registered; no store given (--store, "
