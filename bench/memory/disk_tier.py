@@ -250,7 +250,7 @@ def _drain_packing(c: Conductor, feeder: Feeder, items: list[PreparedItem], size
     drain_s = time.perf_counter() - t0
     done.set()
     th.join()
-    fields = ("activations", "hygiene_drains", "shapes_finished")
+    fields = ("activations", "hygiene_drains", "shapes_finished", "neighbour_fills")
     out = {k: float(int(v or 0)) for k, v in zip(fields, c.r.hmget(mk.state, *fields), strict=True)}
     out.update(waste=(pad - act) / pad if pad else float("nan"), batches=nb, not_full=partial,
                not_full_tokens=part_pad / max(1, pad), not_full_waste_share=(part_pad - part_act) / max(1, pad - act),
