@@ -36,8 +36,10 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.broker.submit_claim import run_xadd  # noqa: E402
+from bench.common.oracle import Item as OItem  # noqa: E402
+from bench.common.oracle import cut_shape  # noqa: E402
 from bench.common.report import command_line, git_rev, machine, now_utc, table, write_section  # noqa: E402
-from bench.common.workload import make_items  # noqa: E402
+from bench.common.workload import WorkloadSpec, generate, make_items  # noqa: E402
 from conductor.client import Conductor  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
 from conductor.formats.lines import parse_line  # noqa: E402
@@ -190,6 +192,96 @@ def backlog(total_tokens: int, item_tokens: int, ceiling: int, store_dir: Path) 
     return res
 
 
+def oracle_waste(items: list[PreparedItem], size: int, budget: int) -> float:
+    """Padding waste of the offline oracle's cut (bench/common/oracle.py, rule 1) of ``items``."""
+    by_sig: dict[str, list[OItem]] = {}
+    for it in items:
+        by_sig.setdefault(it.sig, []).append(OItem(it.id, it.sig, it.input_tokens, it.max_tokens))
+    pad = act = 0
+    for its in by_sig.values():
+        for b in cut_shape(its, 0, size, budget):
+            pad += b.plen * len(b.items)
+            act += sum(i.tok for i in b.items)
+    return (pad - act) / pad
+
+
+def _drain_packing(c: Conductor, feeder: Feeder, items: list[PreparedItem], size: int, budget: int) -> dict[str, float]:
+    """One claimer drains the model while ``feeder`` feeds from the store in a thread; the
+    batches' padding, the non-full batches' share and the shape lifecycle's counters."""
+    mk = K.ModelKeys(MODEL)
+    tok_of = {it.id: it.input_tokens for it in items}
+    done = threading.Event()
+
+    def feed() -> None:
+        next_offload = 0.0
+        while not done.is_set():
+            if time.monotonic() >= next_offload:
+                offload_model(feeder.c, feeder.store, MODEL)
+                next_offload = time.monotonic() + 1.0
+            if feeder.feed() == 0:
+                time.sleep(0.001)
+
+    th = threading.Thread(target=feed, daemon=True)
+    th.start()
+    contract = Contract(model=MODEL, max_batch_size=size, max_batch_tokens=budget, max_input_len=8192)
+    seen: set[str] = set()
+    pad = act = nb = partial = part_pad = part_act = 0
+    t0 = time.perf_counter()
+    while True:
+        b, why = c.claim(contract, "w")
+        if b is None:
+            waiting, stored = (int(v or 0) for v in c.r.hmget(mk.intake, "tokens", "stored_tokens"))
+            if why == "idle" or (waiting == 0 and stored == 0):
+                break
+            time.sleep(0.002)
+            continue
+        nb += 1
+        padded, actual = b.padded_len * len(b.items), sum(tok_of[i.id] for i in b.items)
+        pad, act = pad + padded, act + actual
+        if len(b.items) < size and (len(b.items) + 1) * b.padded_len <= budget:  # room for one more
+            partial, part_pad, part_act = partial + 1, part_pad + padded, part_act + actual
+        seen.update(i.id for i in b.items)
+        now = int(time.time() * 1000)
+        c.complete(b, [Result(id=i.id, model=MODEL, job=i.job, output="o", output_tokens=1, error=None,
+                              shape=b.shape, epoch=b.epoch, lane=b.lane, batch=b.batch_id,
+                              batch_size=len(b.items), batch_padded_len=b.padded_len,
+                              input_tokens=i.input_tokens, worker="w", claimed_at=b.claimed_at,
+                              finished_at=now) for i in b.items])
+    drain_s = time.perf_counter() - t0
+    done.set()
+    th.join()
+    fields = ("activations", "hygiene_drains", "shapes_finished", "neighbour_fills")
+    out = {k: float(int(v or 0)) for k, v in zip(fields, c.r.hmget(mk.state, *fields), strict=True)}
+    out.update(waste=(pad - act) / pad if pad else float("nan"), batches=nb, not_full=partial,
+               not_full_tokens=part_pad / max(1, pad), not_full_waste_share=(part_pad - part_act) / max(1, pad - act),
+               items=len(seen), fed_segments=feeder.loaded_segments, drain_s=drain_s)
+    return out
+
+
+def packing(n: int, ceiling: int, store_dir: Path, maxmemory: str = "64mb", seed: int = 7,
+            cfg: dict[str, str] | None = None) -> dict[str, dict[str, float]]:
+    """Issue 37's figure: padding waste of the batches one claimer gets, the same ``n`` items (the
+    packing suite's workload: 50 Zipf shapes, lognormal suffixes) submitted with the tier (``ceiling``:
+    most of them through store segments, fed back by a feeder thread) and without it (all in lanes),
+    against the offline oracle's cut of the same items under the same contract (64 items, 65,536
+    tokens, as bench/packing/suite.py's), in a Redis of ``maxmemory``."""
+    wl = generate(WorkloadSpec(items=n, model=MODEL, seed=seed))
+    size, budget = 64, 65_536
+    out: dict[str, dict[str, float]] = {"oracle": {"waste": oracle_waste(wl.items, size, budget)}}
+    for name, ceil in (("tier", ceiling), ("resident", 0)):
+        with EmbeddedRedis(extra=["--maxmemory", maxmemory, "--maxmemory-policy", "noeviction"]) as srv:
+            store = Store(str(store_dir / f"pack-{name}"))
+            c = Conductor.from_url(srv.url, store=store)
+            c.ensure_model(MODEL)
+            c.set_config(MODEL, {"resident_tokens": ceil, **(cfg or {})})
+            for s in range(0, len(wl.items), 5000):
+                c.submit(wl.items[s:s + 5000], "pack")
+            fc = Conductor.from_url(srv.url, store=store)
+            out[name] = _drain_packing(c, Feeder(fc, store, MODEL), wl.items, size, budget)
+        print(name, out[name], flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -197,7 +289,25 @@ def main() -> None:
     ap.add_argument("--item-tokens", type=int, default=10_000)
     ap.add_argument("--ceiling", type=int, default=4_000_000)
     ap.add_argument("--per-item", type=int, default=20_000)
+    ap.add_argument("--packing", type=int, default=0, metavar="N",
+                    help="only issue 37's figure: padding waste of N items with the tier (--ceiling) and without, "
+                         "against the oracle; prints only")
+    ap.add_argument("--cfg", default="", metavar="K=V,...", help="--packing: model config fields set before submitting")
     a = ap.parse_args()
+    if a.packing:
+        d = Path(tempfile.mkdtemp(prefix="cdr-tier-pack-"))
+        try:
+            res = packing(a.packing, a.ceiling, d, cfg=dict(kv.split("=", 1) for kv in a.cfg.split(",") if kv))
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+        o = res["oracle"]["waste"]
+        for name in ("tier", "resident"):
+            w = res[name]["waste"]
+            print(f"{name:9s} waste {w:.3%}  oracle {o:.3%}  goal <= {1.1 * o + 0.001:.3%}  "
+                  f"batches {res[name]['batches']:.0f} ({res[name]['not_full']:.0f} not full)  "
+                  f"activations {res[name]['activations']:.0f}  hygiene drains {res[name]['hygiene_drains']:.0f}  "
+                  f"ids {res[name]['items']:.0f}  segments fed {res[name]['fed_segments']:.0f}")
+        return
     if a.quick:
         a.tokens, a.per_item = 20_000_000, 2000
     d = Path(tempfile.mkdtemp(prefix="cdr-tier-bench-"))
