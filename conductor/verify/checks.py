@@ -223,11 +223,11 @@ class _Check:
         for i, fld in enumerate(("completed", "failed")):
             self.row(mk.state, fld, as_int(got[1][i]), sum(as_int(x[i]) for x in got[3::2]), f"state.{fld}")
 
-    def store(self, jobs: list[str], store: Store | None) -> None:
+    def store(self, store: Store | None) -> None:
         """The disk tier (verify/tier_truth.py): the stored counters against the stored ids and the
         index records, each stored id placed in its segment, a missing or damaged segment's items."""
         mk = self.mk
-        truth = store_truth(self.r, mk, store, jobs, self.rep.notes)
+        truth = store_truth(self.r, mk, store, self.rep.notes)
         if truth is None:
             return
         self.row(mk.intake, "stored_items", truth.rec_items, truth.items, "state.stored")
@@ -271,7 +271,7 @@ def verify(r: redis.Redis, model: str, *, items: bool = False, store: Store | No
     for job in jobs:
         check.job(job)
     check.model_jobs(jobs)
-    check.store(jobs, store)
+    check.store(store)
     return check.finish()
 
 

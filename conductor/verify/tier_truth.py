@@ -74,16 +74,15 @@ def _index(r: redis.Redis, mk: K.ModelKeys) -> list[tuple[str, dict[str, str]]]:
             if rec]
 
 
-def _stored_ids(r: redis.Redis, mk: K.ModelKeys, index: list[tuple[str, dict[str, str]]],
-                jobs: list[str]) -> dict[str, list[tuple[str, str]]]:
+def _stored_ids(r: redis.Redis, mk: K.ModelKeys,
+                index: list[tuple[str, dict[str, str]]]) -> dict[str, list[tuple[str, str]]]:
     """seq -> [(job, id)] of every id that waits in a store segment: named in the segment's id list
     and still held by its job's stored ids (an id placed in a lane has left them; its segment's
-    record goes right after)."""
+    record goes right after). Every registered segment counts, whatever job it holds: the counters
+    do, and a job made after the caller listed the jobs (a submit beside) is no drift."""
     out: dict[str, list[tuple[str, str]]] = {}
     for name, rec in index:
         job = rec.get("job", "")
-        if job not in jobs:
-            continue
         ids = [as_str(i) for i in r.lrange(mk.seg_ids(name), 0, -1)]
         held = stored_sums(r, mk, job, ids)
         out.setdefault(rec.get("seq", ""), []).extend((job, i) for i, s in zip(ids, held, strict=True)
@@ -91,7 +90,7 @@ def _stored_ids(r: redis.Redis, mk: K.ModelKeys, index: list[tuple[str, dict[str
     return out
 
 
-def store_truth(r: redis.Redis, mk: K.ModelKeys, store: Store | None, jobs: list[str],
+def store_truth(r: redis.Redis, mk: K.ModelKeys, store: Store | None,
                 notes: list[str] | None = None) -> StoreTruth | None:
     """The tier's counters and their truth, with the missing or damaged segments (their files are
     read when ``store`` is given); None when nothing of the model is or was counted in the store."""
@@ -101,7 +100,7 @@ def store_truth(r: redis.Redis, mk: K.ModelKeys, store: Store | None, jobs: list
     for _ in range(10):
         counted = r.hmget(mk.intake, "stored_items", "stored_tokens")
         index = _index(r, mk)
-        stored = _stored_ids(r, mk, index, jobs)
+        stored = _stored_ids(r, mk, index)
         if r.hmget(mk.intake, "stored_items", "stored_tokens") == counted:
             break
         time.sleep(0.05)
@@ -141,9 +140,7 @@ def _damage(store: Store, name: str, rec: dict[str, str], mk: K.ModelKeys, notes
 def repair_store(r: redis.Redis, model: str, store: Store | None) -> list[str]:
     """Answer the items of every missing or damaged segment with an error result; one line each."""
     mk = K.ModelKeys(model)
-    jobs = sorted(as_str(j) for j in r.zrange(K.JOBS_KEY, 0, -1)
-                  if r.sismember(K.job_models_key(as_str(j)), model))
-    truth = store_truth(r, mk, store, jobs)
+    truth = store_truth(r, mk, store)
     if truth is None or store is None:
         return []
     scripts = Scripts(r)
