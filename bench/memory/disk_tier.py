@@ -44,7 +44,7 @@ from conductor.client import Conductor  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
 from conductor.formats.lines import parse_line  # noqa: E402
 from conductor.redis_contract import keys as K  # noqa: E402
-from conductor.redis_contract.records import Contract, PreparedItem, Result  # noqa: E402
+from conductor.redis_contract.records import Batch, Contract, PreparedItem, Result  # noqa: E402
 from conductor.tier.feeder import Feeder  # noqa: E402
 from conductor.tier.object_store import Store  # noqa: E402
 from conductor.tier.result_segments import offload_model  # noqa: E402
@@ -55,6 +55,15 @@ MODEL = "bench"
 TIER_CEILING = 200_000
 RESULTS_WINDOW = 10_000  # result records kept in Redis for the backlog run; older ones move to the store
 
+
+
+def _results(b: Batch) -> list[Result]:
+    """One-token answers for every item of ``b``, as a worker writes them (the claimer of both drains)."""
+    now = int(time.time() * 1000)
+    return [Result(id=i.id, model=MODEL, job=i.job, output="o", output_tokens=1, error=None, shape=b.shape,
+                   epoch=b.epoch, lane=b.lane, batch=b.batch_id, batch_size=len(b.items),
+                   batch_padded_len=b.padded_len, input_tokens=i.input_tokens, worker="w",
+                   claimed_at=b.claimed_at, finished_at=now) for i in b.items]
 
 def _quick_cfg(c: Conductor, **extra: int) -> None:
     c.ensure_model(MODEL)
@@ -166,12 +175,7 @@ def backlog(total_tokens: int, item_tokens: int, ceiling: int, store_dir: Path) 
             for i in b.items:
                 dup += i.id in seen
                 seen.add(i.id)
-            now = int(time.time() * 1000)
-            c.complete(b, [Result(id=i.id, model=MODEL, job=i.job, output="o", output_tokens=1, error=None,
-                                  shape=b.shape, epoch=b.epoch, lane=b.lane, batch=b.batch_id,
-                                  batch_size=len(b.items), batch_padded_len=b.padded_len,
-                                  input_tokens=i.input_tokens, worker="w", claimed_at=b.claimed_at,
-                                  finished_at=now) for i in b.items])
+            c.complete(b, _results(b))
         drain_s = time.perf_counter() - t0
         done.set()
         th.join()
@@ -241,12 +245,7 @@ def _drain_packing(c: Conductor, feeder: Feeder, items: list[PreparedItem], size
         if len(b.items) < size and (len(b.items) + 1) * b.padded_len <= budget:  # room for one more
             partial, part_pad, part_act = partial + 1, part_pad + padded, part_act + actual
         seen.update(i.id for i in b.items)
-        now = int(time.time() * 1000)
-        c.complete(b, [Result(id=i.id, model=MODEL, job=i.job, output="o", output_tokens=1, error=None,
-                              shape=b.shape, epoch=b.epoch, lane=b.lane, batch=b.batch_id,
-                              batch_size=len(b.items), batch_padded_len=b.padded_len,
-                              input_tokens=i.input_tokens, worker="w", claimed_at=b.claimed_at,
-                              finished_at=now) for i in b.items])
+        c.complete(b, _results(b))
     drain_s = time.perf_counter() - t0
     done.set()
     th.join()
