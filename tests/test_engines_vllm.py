@@ -188,7 +188,8 @@ def _worker_mid_batch(c: Conductor, url: str, model_dir: Path, job: str, name: s
                       log: Path) -> tuple[subprocess.Popen, list[dict]]:
     """A worker in vLLM's own process layout (the default) that has claimed a batch of ``job`` and not
     finished the job; its process and the job's lines."""
-    lines = shaped_lines(24, shapes=2, max_tokens=96)
+    # two batches of 64 tokens: long enough to catch it mid-batch, short enough for the module engine to finish
+    lines = shaped_lines(16, shapes=2, max_tokens=64)
     c.ensure_model("tiny")
     submit_lines(c, job, lines)
     p = _worker_proc(url, model_dir, name, log, dict(vllm_env(), **MULTIPROCESS))

@@ -41,6 +41,7 @@ from .requests import EngineRequest, request_of
 
 log = logging.getLogger("conductor.engine.openai")
 
+METRICS_MISSES = 3  # reads of /metrics in a row without the gauge before its value is forgotten
 MAX_RETRIES = 4  # a 429, 5xx or timeout sent again this many times before it is the item's error
 PROBE_S = 0.5  # health probes while the server is away
 METRICS_S = 1.0  # the server's queue read this often
@@ -384,6 +385,7 @@ class OpenAIEngine(ContractHolder):
 
     async def _watch_queue(self) -> None:
         """The server's waiting requests from its /metrics, while it publishes vLLM's gauge."""
+        missed = 0
         while True:
             try:
                 resp = await self._client.get(f"{self.root}/metrics", timeout=2.0)
@@ -392,7 +394,12 @@ class OpenAIEngine(ContractHolder):
                 waiting = None
             if waiting is None and self.counters.server_waiting == -1 and not self.down:
                 return  # it does not publish the gauge: growth stays the slow kind
-            self.counters.server_waiting = -1 if waiting is None else waiting
+            # One slow or failed read of a server that publishes the gauge is not news: a busy
+            # server answers /metrics late, and forgetting its queue would slow the window's growth
+            # for nothing. Only a run of them (or an outage, said by the health probe) is.
+            missed = missed + 1 if waiting is None else 0
+            if waiting is not None or missed >= METRICS_MISSES:
+                self.counters.server_waiting = -1 if waiting is None else waiting
             await asyncio.sleep(METRICS_S)
 
 
