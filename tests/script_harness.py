@@ -633,6 +633,31 @@ def heartbeat(c: Conductor) -> Call:
                                                                         "1-0"])
 
 
+def _idle_beat(busy: Any = 1500) -> Call:
+    return Call("idle_beat", [MK.heartbeat("w"), MK.busy, MK.maint_lease, MK.state, MK.intake, MK.hot, MK.workers],
+                ["w", 1, 10000, 5000, busy],
+                check=lambda r: r.pttl(MK.heartbeat("w")) > 5000 and r.pttl(MK.maint_lease) > 1000)
+
+
+def idle_beat_takes_lease(c: Conductor) -> Call:
+    quick(c)
+    return _idle_beat()
+
+
+def idle_beat_renews_with_work(c: Conductor) -> Call:
+    quick(c)
+    c.submit([item(i, 10) for i in range(4)], "j")
+    c.r.set(MK.maint_lease, "w", px=1000)
+    return _idle_beat("")
+
+
+def idle_beat_lease_taken(c: Conductor) -> Call:
+    quick(c)
+    c.r.set(MK.maint_lease, "other", px=5000)
+    return Call("idle_beat", [MK.heartbeat("w"), MK.busy, MK.maint_lease, MK.state, MK.intake, MK.hot, MK.workers],
+                ["w", 1, 10000, 5000, 7], check=lambda r: r.get(MK.maint_lease) == b"other")
+
+
 def seal(c: Conductor) -> Call:
     quick(c)
     return Call("seal", [MK.state, MK.intake], [])
@@ -792,6 +817,7 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "ensure_model": [ensure_model_new, ensure_model_known],
     "register": [register],
     "heartbeat": [heartbeat],
+    "idle_beat": [idle_beat_takes_lease, idle_beat_renews_with_work, idle_beat_lease_taken],
     "seal": [seal, seal_rings],
     "declare": [declare],
     "lease": [lease_free, lease_mine, lease_taken, lease_handed_back],

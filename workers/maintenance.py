@@ -72,6 +72,9 @@ class Maintenance:
         self.feeder = Feeder(conductor, conductor.tier.store, model) if conductor.tier is not None else None
         self.feed_interval_s = 0.05
         self._held_until = 0.0
+        # Until when an idle beat (lua/idle_beat.lua, workers/idle.py) that took or renewed the lease
+        # stands for lease.lua: an idle holder then sends one call where it sent two.
+        self._told_until = 0.0
         self._feed_next = 0.0
         # Intake tasks whose process died (a killed conductor submit or serve) whose file this host
         # can read are resumed here too: a fleet may run without serve (conductor/intake/intake_resume.py).
@@ -103,6 +106,19 @@ class Maintenance:
             due = min(due, self._feed_next)
         return max(0.0, due - now)
 
+    def told(self, held: bool) -> None:
+        """What an idle beat found of the lease: held (taken or renewed in that call) or not."""
+        now = time.monotonic()
+        if held:
+            self._told_until = now + self.lease_ms / 2000
+            self._held_until = max(self._held_until, now + self.lease_ms / 2000)
+        else:
+            self._told_until = self._held_until = 0.0
+
+    def holds(self) -> bool:
+        """Whether this worker held the lease at its last take or renewal, well inside its TTL."""
+        return time.monotonic() < self._held_until
+
     def tick(self) -> dict[str, int] | None:
         now = time.monotonic()
         self._feed(now)
@@ -110,11 +126,12 @@ class Maintenance:
             return None
         self._next = now + self.interval_s
         try:
-            if not calls.lease(self.keys.maint_lease, self.owner, self.lease_ms).run(self.c.scripts):
+            if now >= self._told_until and not calls.lease(self.keys.maint_lease, self.owner,
+                                                           self.lease_ms).run(self.c.scripts):
                 self._held_until = 0.0
                 return None
             # fed only well inside the lease: another worker may take it once it lapses
-            self._held_until = now + self.lease_ms / 2000
+            self._held_until = max(self._held_until, now + self.lease_ms / 2000)
             # Live consumers lose only entries idle past stale_idle_ms: their heartbeat extends
             # every lease it knows of, so such an entry is one whose claim reply never arrived
             # (Redis died between running the script and answering).

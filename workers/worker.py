@@ -11,7 +11,8 @@ The loop, once per turn:
 4. With nothing new, a progress-only step still advances the active sequences; an idle
    worker blocks on the model's doorbell (workers/doorbell.py: BLPOP, rung by submit.lua and
    seal.lua) until new work or its next timed duty (maintenance, quiet intake), instead of
-   polling claim.lua (``wake="poll"``: the old back-off up to ``poll_max_s``).
+   polling claim.lua (``wake="poll"``: the old back-off up to ``poll_max_s``); with nothing
+   waiting at all, one BLPOP and one lua/idle_beat.lua call a beat (workers/idle.py).
 
 How much a pull asks for is workers/pacing.py's (claims follow the engine); the worker's start,
 name, registration and heartbeat are workers/worker_start.py's; riding out a Redis outage is
@@ -28,6 +29,7 @@ from . import pacing
 from .doorbell import Doorbell, poll_sleep
 from .engines.base import EngineDead, EngineOutage, Finished
 from .held import InFlight, event
+from .idle import IdleBeat
 from .outage import OutageHandling, cut_retries
 from .transient import RIDE_OUT, is_transient
 from .worker_start import WorkerOptions, WorkerStart
@@ -222,6 +224,7 @@ class Worker(WorkerStart, OutageHandling):
         maint = Maintenance.for_worker(self.c, self.contract.model, self.name, self.opts.heartbeat_ttl_s)
         maint.on_error = self._outage  # an outage is said once, by the link
         bell = Doorbell(self.c, self.contract.model) if self.opts.wake == "bell" else None
+        idle = IdleBeat(self, maint, bell) if bell is not None else None  # the wait on the bell
         rung = False
         # From here on the worker rides outages out itself (workers/outage.py): the client's own
         # retries end once it knows Redis is away, or once it is told to stop.
@@ -254,11 +257,10 @@ class Worker(WorkerStart, OutageHandling):
                     continue
                 # polling, results waiting for Redis to come back, or an engine not taking work (a server
                 # away): a doorbell would not ring when it is back
-                if bell is None or self.retry or self.engine.room() == 0:
+                if idle is None or self.retry or self.engine.room() == 0:
                     sleep = poll_sleep(sleep, self.opts.poll_max_s)
                     continue
-                got = bell.wait_idle(maint.due_in(), self.opts.idle_exit_s, idle_since, self.last_claim,
-                                     on_error=self._outage)
+                got = idle.wait(self.last_claim, self.opts.idle_exit_s, idle_since, on_error=self._outage)
                 if got is None:
                     sleep = poll_sleep(sleep, self.opts.poll_max_s)
                 rung = bool(got)

@@ -3,6 +3,13 @@ doorbell, how fast an idle worker wakes, and request latency through RequestClie
 
     .venv/bin/python bench/broker/idle_fleet.py [--fleets 20,200] [--seconds 5] [--write-results]
 
+``--idle-goal`` (issue 36: an idle worker at most 1 command and 50 us of Redis CPU a second) measures
+what each idle worker sends (bench/common/sent.py: counted on its own connections, the lease
+holder apart), the server's CPU over an empty baseline, and the wake-up, ``--repeats`` times per fleet:
+
+    .venv/bin/python bench/broker/idle_fleet.py --idle-goal --fleets 2,16,32 --seconds 10 --repeats 3 \
+        --wakes 15 --write-results
+
 Idle workers run as threads of this process (one Conductor and connection each, sim engine),
 so 200 of them fit on a small machine; Redis's side (INFO commandstats, used_cpu_sys+user) is
 what is measured. The request figures use one `conductor worker` process (sim, time scale 0).
@@ -22,7 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.common.report import command_line, machine, median, now_utc, pct, table, write_section  # noqa: E402
+from bench.common import sent  # noqa: E402
+from bench.common.report import command_line, git_rev, machine, median, now_utc, pct, table, write_section  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.client.request import RequestClient  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
@@ -72,6 +80,111 @@ def idle_fleet(url: str, n: int, wake: str, seconds: float, wakes: int = 15, set
     return {"n": n, "wake": wake, "cmds_s": calls / took, "per_worker": calls / took / n,
             "scripts_per_worker": stats.get("cmdstat_evalsha", {}).get("calls", 0) / took / n,
             "cpu_pct": 100 * (c1 - c0) / took, "wake_ms": median(lat)}
+
+
+def wake_ups(r, wakes: int) -> list[float]:  # noqa: ANN001
+    """One sealed item submitted to the idle fleet at a time: submit to claim, on Redis's clock."""
+    c = Conductor(r)
+    lat = []
+    for k in range(wakes):
+        s, us = r.time()
+        at = s * 1000 + us / 1000
+        c.submit([from_native({"id": f"x{k}", "model": "m", "prompt": "p", "max_tokens": 4})], "wake", seal=True)
+        while len(rows := c.read_results("wake")) <= k:
+            time.sleep(0.002)
+        lat.append(rows[k].claimed_at - at)
+        time.sleep(0.3)  # idle again
+    return lat
+
+
+def server_window(r, seconds: float) -> tuple[float, dict, float]:  # noqa: ANN001
+    """Redis's CPU seconds and INFO commandstats over ``seconds``, and the window's length."""
+    r.config_resetstat()
+    c0, t0 = cpu(r), time.monotonic()
+    time.sleep(seconds)
+    stats, c1 = r.info("commandstats"), cpu(r)
+    return c1 - c0, stats, time.monotonic() - t0
+
+
+def idle_goal(url: str, n: int, seconds: float, wakes: int, settle_s: float) -> dict:
+    """``n`` idle workers on one model: what each sends, what Redis spends, how fast one wakes."""
+    r = connect(url)
+    r.flushall()
+    Conductor(r).set_config("m", QUICK)
+    base_cpu, _, base_took = server_window(r, min(seconds, 3.0)) if n else (0.0, {}, 1.0)
+    workers = [Worker(Conductor(connect(url)), SimEngine("m", max_batch_size=8, max_batch_tokens=8192),
+                      WorkerOptions(name=f"i{i}")) for i in range(n)]
+    threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
+    for t in threads:
+        t.start()
+    time.sleep(settle_s + n / 50)  # registered, past start-up, each through its first beat
+    sent.reset()
+    used, stats, took = server_window(r, seconds)
+    per = {w.name: sent.of(w.c.r) / took for w in workers}
+    holder = (r.get("cdr:{m}:lease:maint") or b"").decode()
+    lat = wake_ups(r, wakes)
+    for w in workers:
+        w.request_stop()
+    for t in threads:
+        t.join(15)
+    calls = sum(v["calls"] for k, v in stats.items() if k not in ("cmdstat_config|resetstat", "cmdstat_info"))
+    others = [v for k, v in per.items() if k != holder]
+    return {"n": n, "sent_per_other": sum(others) / max(1, len(others)), "sent_max_other": max(others, default=0.0),
+            "sent_holder": per.get(holder, 0.0), "server_cmds_per_worker": calls / took / n,
+            "evalsha_per_worker": stats.get("cmdstat_evalsha", {}).get("calls", 0) / took / n,
+            "cpu_us_s": 1e6 * used / took, "base_us_s": 1e6 * base_cpu / base_took, "wake_ms": median(lat),
+            "wake_max_ms": max(lat)}
+
+
+def idle_goal_main(args: argparse.Namespace) -> None:
+    sent.install()
+    srv = EmbeddedRedis().start()
+    rows, runs = [], {}
+    try:
+        where = machine(connect(srv.url))
+        fleets = [int(x) for x in args.fleets.split(",")]
+        for _ in range(args.repeats):
+            for n in fleets:  # interleaved, so that a burst of load on the machine spreads over the fleets
+                f = idle_goal(srv.url, n, args.seconds, args.wakes, args.settle_s)
+                print(f, flush=True)
+                runs.setdefault(n, []).append(f)
+    finally:
+        srv.close()
+    marginal = {}
+    for n in fleets:
+        fs = runs[n]
+        cpu_over = median([f["cpu_us_s"] - f["base_us_s"] for f in fs])
+        marginal[n] = cpu_over
+        rows.append([n, f"{median([f['sent_per_other'] for f in fs]):.2f}",
+                     f"{median([f['sent_max_other'] for f in fs]):.2f}",
+                     f"{median([f['sent_holder'] for f in fs]):.1f}",
+                     f"{median([f['server_cmds_per_worker'] for f in fs]):.1f}",
+                     f"{median([f['evalsha_per_worker'] for f in fs]):.2f}",
+                     f"{median([f['base_us_s'] for f in fs]):.0f}", f"{median([f['cpu_us_s'] for f in fs]):.0f}",
+                     f"{cpu_over / n:.0f}", f"{median([f['wake_ms'] for f in fs]):.1f}",
+                     f"{max(f['wake_max_ms'] for f in fs):.1f}"])
+    lo, hi = min(fleets), max(fleets)
+    slope = (marginal[hi] - marginal[lo]) / (hi - lo) if hi > lo else float("nan")
+    body = (f"## Idle workers: commands and Redis CPU per idle worker (issue 36)\n\nCommand: `{command_line()}`  \n"
+            f"Run: {now_utc()}, commit {git_rev()}; {where}.  \n"
+            f"Idle workers are threads of the benchmark's process (one Conductor and connection each, sim engine, "
+            f"thresholds quiet_ms=50, heartbeat TTL 10 s); nothing is submitted while they are measured. Sent: "
+            f"commands each worker sent over {args.seconds:g} s, counted on its own connections "
+            f"(bench/common/sent.py: a pipeline counts each command, a script call one), the maintenance lease holder "
+            f"apart; INFO commandstats counts the commands scripts run inside Redis as well. Redis CPU: "
+            f"used_cpu_sys+user over the window, and over {min(args.seconds, 3.0):g} s before the workers start "
+            f"(the empty server's own timers). Wake-up: one sealed item submitted to the idle fleet, "
+            f"submit to claim on Redis's clock, {args.wakes} per run. Medians over {args.repeats} runs per fleet, "
+            f"fleets interleaved.\n\n"
+            + table(["idle workers", "sent/s per worker (not the holder)", "worst worker (not the holder)",
+                     "sent/s, lease holder", "commandstats calls/s per worker", "script calls/s per worker",
+                     "Redis CPU us/s, empty", "Redis CPU us/s, fleet", "over empty, per worker (us/s)",
+                     "wake-up ms (median)", "wake-up ms (worst)"], rows)
+            + f"\n\nMarginal Redis CPU of one more idle worker, from {lo} to {hi} workers: {slope:.1f} us/s "
+            f"(1,000 idle workers: {slope * 1000 / 1e4:.1f} % of a core, the holder's sweep apart).\n")
+    print(body)
+    if args.write_results:
+        write_section("idle_goal", body)
 
 
 def requests(url: str, seq: int) -> dict:
@@ -127,7 +240,13 @@ def main() -> None:
     ap.add_argument("--wakes", type=int, default=15, help="wake-ups measured per fleet (the median is reported)")
     ap.add_argument("--settle-s", type=float, default=3.0, help="seconds for a fleet to register before measuring")
     ap.add_argument("--write-results", action="store_true")
+    ap.add_argument("--idle-goal", action="store_true",
+                    help="issue 36's figures: commands and Redis CPU per idle worker")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per fleet (--idle-goal)")
     args = ap.parse_args()
+    if args.idle_goal:
+        idle_goal_main(args)
+        return
     srv = EmbeddedRedis().start()
     try:
         r = connect(srv.url)

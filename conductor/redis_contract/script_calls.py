@@ -125,6 +125,22 @@ def heartbeat(mk: K.ModelKeys, worker: str, now_ms: int, ttl_ms: int, batch_ids:
                 _int)
 
 
+class IdleBeat(NamedTuple):
+    held: bool  # the caller holds the maintenance lease now
+    waits: bool  # a claim could find work: claim now rather than block on the doorbell
+    registered: bool  # False: the worker's registration is gone (an emptied server): join again
+
+
+def idle_beat(mk: K.ModelKeys, worker: str, now_ms: int, ttl_ms: int, lease_ms: int,
+              busy_ms: int | None = None) -> Call[IdleBeat]:
+    """lua/idle_beat.lua: an idle worker's heartbeat, maintenance lease and "does work wait?" in one
+    call; ``busy_ms`` None leaves the busy time as last written."""
+    return Call("idle_beat", [mk.heartbeat(worker), mk.busy, mk.maint_lease, mk.state, mk.intake, mk.hot,
+                              mk.workers],
+                [worker, now_ms, ttl_ms, lease_ms, "" if busy_ms is None else busy_ms],
+                lambda raw: IdleBeat(bool(int(raw[0])), bool(int(raw[1])), bool(int(raw[2]))))
+
+
 def schema_init(version: int) -> Call[int]:
     """lua/schema_init.lua: ``version`` written on an empty Redis in one step; the version Redis holds
     then (0: conductor registries without a version, nothing written)."""

@@ -25,7 +25,8 @@ _INCLUDE = re.compile(r"^--@include\s+(\S+)\s*$", re.M)
 GENERATED = "lib_generated.lua"
 # Every script of lua/ that is run (lib*.lua are includes); tests/test_scripts.py holds the two to each other.
 NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex", "seal", "ensure_model", "register",
-         "heartbeat", "declare", "dead_retry", "repair_items_batch", "repair_items_lane", "repair_items_done",
+         "heartbeat", "idle_beat", "declare", "dead_retry", "repair_items_batch", "repair_items_lane",
+         "repair_items_done",
          "trim", "trim_results", "lease", "cancel_registry", "cancel_lane", "cancel_segment",
          "register_segment", "fail_stored", "offload_results",
          "take_name", "job_class", "intake_create", "intake_lease", "intake_cursor", "compact_ids", "batch_finalize",
@@ -86,6 +87,7 @@ class Scripts:
     ensure_model: redis.commands.core.Script
     register: redis.commands.core.Script
     heartbeat: redis.commands.core.Script
+    idle_beat: redis.commands.core.Script
     declare: redis.commands.core.Script
     dead_retry: redis.commands.core.Script
     repair_items_batch: redis.commands.core.Script

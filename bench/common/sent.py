@@ -1,0 +1,67 @@
+"""Commands a client sends, counted on its own connections: what one worker costs Redis in round
+trips, apart from the commands its scripts run inside Redis (which INFO commandstats counts too)
+and without MONITOR (which slows the server it measures).
+
+``install()`` wraps redis-py's ``send_packed_command`` (every command a connection sends goes
+through it: plain calls, pipelines, and the claim's hiredis-packed pair) and counts the RESP
+arrays in what it sends, per connection; ``of(client)`` sums the counts of a client's
+connections.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any
+
+import redis
+from redis.connection import AbstractConnection
+
+_lock = threading.Lock()
+_counts: Counter[int] = Counter()  # id(connection) -> commands sent
+_original: Any = None
+
+
+def commands_in(packed: bytes) -> int:
+    """How many RESP commands (arrays of bulk strings, as clients send them) ``packed`` holds."""
+    n = pos = 0
+    end = len(packed)
+    while pos < end:
+        if packed[pos:pos + 1] != b"*":
+            raise ValueError(f"not a RESP array at byte {pos}")
+        eol = packed.index(b"\r\n", pos)
+        args = int(packed[pos + 1:eol])
+        pos = eol + 2
+        for _ in range(args):
+            eol = packed.index(b"\r\n", pos)
+            pos = eol + 2 + int(packed[pos + 1:eol]) + 2
+        n += 1
+    return n
+
+
+def install() -> None:
+    global _original
+    if _original is not None:
+        return
+    _original = AbstractConnection.send_packed_command
+
+    def counted(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
+        data = command if isinstance(command, (bytes, bytearray, memoryview)) else b"".join(command)
+        with _lock:
+            _counts[id(self)] += commands_in(bytes(data))
+        _original(self, command, check_health)
+
+    AbstractConnection.send_packed_command = counted  # type: ignore[method-assign]
+
+
+def reset() -> None:
+    with _lock:
+        _counts.clear()
+
+
+def of(client: redis.Redis) -> int:
+    """Commands sent since ``reset()`` on the connections of ``client``'s pool."""
+    pool = client.connection_pool
+    conns = [*pool._available_connections, *pool._in_use_connections]  # noqa: SLF001 - no public list of a pool's connections
+    with _lock:
+        return sum(_counts[id(c)] for c in conns)

@@ -1,0 +1,71 @@
+#!lua flags=allow-oom
+-- allow-oom: an idle worker's heartbeat must go on over maxmemory, as heartbeat.lua's (a refused
+-- one would let the worker count as dead). The shebang also makes a cluster node refuse any key
+-- outside the slot of the model's hash tag.
+-- idle_beat.lua: an idle worker's one call per beat (workers/idle.py), in place of the heartbeat,
+-- the maintenance lease's take or renewal and the timed claim that found nothing: 1,000 idle
+-- workers must cost Redis under 5 % of a core (issue 36), and each of those was a round trip.
+--
+-- KEYS[1] heartbeat  cdr:{model}:hb:<worker>
+-- KEYS[2] busy       cdr:{model}:busy         (hash: worker -> busy ms)
+-- KEYS[3] lease      cdr:{model}:lease:maint
+-- KEYS[4] state      cdr:{model}:state        (reclaimed_items, paused)
+-- KEYS[5] intake     cdr:{model}:intake       (tokens, stored_tokens: what waits in lanes and store segments)
+-- KEYS[6] hot        cdr:{model}:hot          (interactive work waiting)
+-- KEYS[7] workers    cdr:{model}:workers      (the registrations)
+-- ARGV[1] worker     1..200 bytes, the caller's consumer name (and the lease's owner)
+-- ARGV[2] value      ms since the epoch; ARGV[3] ttl_ms (1..86400000): the heartbeat
+-- ARGV[4] lease_ms   the maintenance lease's time to live (1..86400000)
+-- ARGV[5] busy_ms    the worker's busy time (0..1e15), or '' when unchanged since it was last written
+-- Returns: {held, waits, registered}: held 1 when the caller holds the maintenance lease now
+--   (taken or renewed), waits 1 when a claim could find work (reclaimed batches, waiting tokens in
+--   lanes or store segments, interactive work) on a model that is not paused, registered 0 when
+--   the caller's registration is gone (a FLUSHALL, a new server: the worker joins again, as a
+--   claim's NOGROUP would have told it before it stopped claiming while idle). Errors, with nothing
+--   written: 'ERR_ARG ...'; 'NOPERM ...' (lib.lua acl_refused).
+-- Invariants: the heartbeat is renewed as heartbeat.lua renews it (an idle worker leases no
+--   batch); the lease as lease.lua takes it: one holder at a time, renewed only by its holder;
+--   waits is 0 only when claim.lua would answer 'idle' or 'paused', so a worker that skips its
+--   claim on 0 misses no work (a ring wakes it for new work before the next beat).
+--@include lib.lua
+
+local hb_key, busy_key, lease_key, state_key, intake_key, hot_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
+local workers_key = KEYS[7]
+if #ARGV ~= 5 then return redis.error_reply('ERR_ARG argv: worker, value, ttl_ms, lease_ms and busy_ms') end
+local worker, value, ttl, lease_ms = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+if #worker < 1 or #worker > 200 then return redis.error_reply('ERR_ARG worker: must be 1..200 bytes') end
+if not int_in(value, 0, 1e15) or not int_in(ttl, 1, 86400000) then
+  return redis.error_reply('ERR_ARG heartbeat: a time in ms and a TTL in 1..86400000 ms')
+end
+if not int_in(lease_ms, 1, 86400000) then
+  return redis.error_reply('ERR_ARG lease_ms: must be an integer in 1..86400000')
+end
+if ARGV[5] ~= '' and not int_in(tonumber(ARGV[5]), 0, 1e15) then
+  return redis.error_reply('ERR_ARG busy_ms: an integer in 0..1e15, or empty')
+end
+local refused = acl_refused(function(ok)
+  return ok('SET', hb_key) and ok('HSET', busy_key) and ok('GET', lease_key) and ok('PEXPIRE', lease_key)
+    and ok('SET', lease_key) and ok('HMGET', state_key) and ok('HMGET', intake_key) and ok('EXISTS', hot_key)
+    and ok('HEXISTS', workers_key)
+end)
+if refused then return refused end
+
+local holder = redis.call('GET', lease_key)
+local registered = redis.call('HEXISTS', workers_key, worker)
+local st = redis.call('HMGET', state_key, 'reclaimed_items', 'paused')
+local waiting = redis.call('HMGET', intake_key, 'tokens', 'stored_tokens')
+local waits = 0
+if st[2] ~= '1' and (num(st[1]) > 0 or num(waiting[1]) > 0 or num(waiting[2]) > 0
+    or redis.call('EXISTS', hot_key) == 1) then
+  waits = 1
+end
+
+redis.call('SET', hb_key, ARGV[2], 'PX', ttl)
+if ARGV[5] ~= '' then redis.call('HSET', busy_key, worker, ARGV[5]) end
+local held = 0
+if holder == worker then
+  held = redis.call('PEXPIRE', lease_key, lease_ms)
+elseif not holder then
+  held = redis.call('SET', lease_key, worker, 'NX', 'PX', lease_ms) and 1 or 0
+end
+return {held, waits, registered}

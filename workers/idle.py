@@ -1,0 +1,101 @@
+"""An idle worker's wait (issue 36): one blocking read on the model's doorbell and one
+lua/idle_beat.lua call a beat, nothing else.
+
+A worker whose claim answered 'idle' (nothing waits) used to renew the maintenance lease every
+second, claim again every second, BLPOP between the two and beat its heartbeat every third of its
+TTL: about 4 commands a second, so 1,000 idle workers took almost two Redis cores. Here it blocks
+on the doorbell until a ring (new work: it claims at once) or its next beat, a third of the
+heartbeat TTL less a tenth (3 s at the default 10 s). The beat renews the heartbeat and the busy
+time, takes or renews the maintenance lease, and says whether a claim could find work: work that
+comes without a ring (a dead worker's batches put back, items short of a full batch once intake
+goes quiet) is claimed at the next beat. The heartbeat thread finds the key fresh and sends nothing.
+
+The lease holder still sweeps every second (workers/maintenance.py: reclaim, trim, expiry, its
+own commands), so it costs more than the others; a beat's lease answer stands for the sweep's
+lease.lua call until the next beat.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from conductor.redis_contract import script_calls as calls
+
+from .doorbell import Doorbell
+from .transient import RIDE_OUT, is_transient
+from .worker_start import WorkerStart
+
+if TYPE_CHECKING:  # imported where the loop starts, as workers/worker.py does
+    from .maintenance import Maintenance
+
+# The beat comes this share of the heartbeat thread's period (a third of the TTL) after the last
+# one, so that the thread, which beats only when none came within its period, stays silent.
+BEAT_SHARE = 0.9
+# A BLPOP is cut at this many seconds: redis-py reads the reply under the connection's socket
+# timeout (10 s), which a longer block would pass.
+MAX_BLOCK_S = 5.0
+
+
+class IdleBeat:
+    def __init__(self, worker: WorkerStart, maint: Maintenance, bell: Doorbell) -> None:
+        self.w = worker
+        self.maint = maint
+        self.bell = bell
+        self.ttl_ms = max(1, int(worker.opts.heartbeat_ttl_s * 1000))
+        self.period_s = BEAT_SHARE * worker.opts.heartbeat_ttl_s / 3
+        self._busy_sent: int | None = None
+        self.beats = 0  # tests, metrics
+
+    def beat(self) -> calls.IdleBeat:
+        busy = int(self.w.metrics.busy_s * 1000)
+        sent = time.monotonic()
+        got = calls.idle_beat(self.w.keys, self.w.name, int(time.time() * 1000), self.ttl_ms,
+                              self.maint.lease_ms, None if busy == self._busy_sent else busy).run(self.w.c.scripts)
+        self._busy_sent = busy
+        self.w.beat_at = sent
+        self.beats += 1
+        self.maint.told(got.held)
+        if not got.registered:
+            self.w._rejoin_needed.set()  # the worker's loop joins again (workers/outage.py)
+        return got
+
+    def wait(self, last_claim: str, idle_exit_s: float | None, idle_since: float,
+             on_error: Callable[[BaseException], object] | None = None) -> bool | None:
+        """After a claim that found nothing at all ('idle'): block until a ring (True), work a beat or
+        the sweep found, the idle exit or a stop (False), or a transient Redis error (None:
+        ``on_error`` hears of it, the caller backs off). After any other answer, the doorbell's
+        wait bounded by the next timed duty (Doorbell.wait_idle)."""
+        if last_claim != "idle":
+            return self.bell.wait_idle(self.maint.due_in(), idle_exit_s, idle_since, last_claim, on_error)
+        try:
+            return self._wait(idle_exit_s, idle_since)
+        except RIDE_OUT as e:
+            if not is_transient(e):
+                raise
+            if on_error is not None:
+                on_error(e)
+            return None
+
+    def _wait(self, idle_exit_s: float | None, idle_since: float) -> bool:
+        while not self.w.stopping.is_set():
+            now = time.monotonic()
+            if idle_exit_s is not None and now - idle_since > idle_exit_s:
+                return False
+            if now >= self.w.beat_at + self.period_s:
+                got = self.beat()
+                if got.waits or not got.registered:
+                    return False
+            if self.maint.holds() and self.maint.due_in() <= 0:
+                res = self.maint.tick()
+                if res and res.get("batches"):
+                    return False  # the sweep put a dead worker's batches back: claim them
+            limit = self.w.beat_at + self.period_s - time.monotonic()
+            if self.maint.holds():
+                limit = min(limit, self.maint.due_in())
+            if idle_exit_s is not None:
+                limit = min(limit, idle_exit_s - (time.monotonic() - idle_since) + 0.01)
+            if self.bell.wait(min(MAX_BLOCK_S, max(0.0, limit)), "idle"):
+                return True
+        return False
