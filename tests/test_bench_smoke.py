@@ -190,6 +190,12 @@ def test_idle_fleet_quick_form_runs():
     assert "doorbell (BLPOP)" in out and "64 of 64 permits back after" in out
 
 
+def test_idle_goal_quick_form_runs():
+    out = _bench("bench/broker/idle_fleet.py", "--idle-goal", "--fleets", "2", "--seconds", "0.5", "--repeats", "1",
+                 "--wakes", "2", "--settle-s", "0.5")
+    assert "sent/s per worker (not the holder)" in out and "Marginal Redis CPU" in out
+
+
 def test_input_rss_quick_form_runs():
     out = _bench("-m", "bench.intake.input_rss", "--rows", "1500", "--no-write")
     assert "| 1,500 | JSONL |" in out and "| 1,500 | Parquet |" in out

@@ -35,9 +35,11 @@ from conductor.client import Conductor, connect  # noqa: E402
 from conductor.client.request import RequestClient  # noqa: E402
 from conductor.embedded import EmbeddedRedis  # noqa: E402
 from conductor.formats.native import from_native  # noqa: E402
+from conductor.redis_contract import keys as K  # noqa: E402
 from conductor.workers.engines.sim import SimEngine  # noqa: E402
 from conductor.workers.worker import Worker, WorkerOptions  # noqa: E402
 
+MK = K.ModelKeys("m")
 QUICK = {"quiet_ms": 50, "release_batches": 0, "activate_batches": 0}
 
 
@@ -118,10 +120,12 @@ def idle_goal(url: str, n: int, seconds: float, wakes: int, settle_s: float) -> 
     for t in threads:
         t.start()
     time.sleep(settle_s + n / 50)  # registered, past start-up, each through its first beat
+    for w in workers:  # each a consumer of the group, as a worker is once it has claimed (the sweep visits each)
+        r.xgroup_createconsumer(MK.batches, K.GROUP, w.name)
     sent.reset()
     used, stats, took = server_window(r, seconds)
     per = {w.name: sent.of(w.c.r) / took for w in workers}
-    holder = (r.get("cdr:{m}:lease:maint") or b"").decode()
+    holder = (r.get(MK.maint_lease) or b"").decode()
     lat = wake_ups(r, wakes)
     for w in workers:
         w.request_stop()

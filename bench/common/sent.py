@@ -2,10 +2,10 @@
 trips, apart from the commands its scripts run inside Redis (which INFO commandstats counts too)
 and without MONITOR (which slows the server it measures).
 
-``install()`` wraps redis-py's ``send_packed_command`` (every command a connection sends goes
-through it: plain calls, pipelines, and the claim's hiredis-packed pair) and counts the RESP
-arrays in what it sends, per connection; ``of(client)`` sums the counts of a client's
-connections.
+``install()`` (``uninstall()`` undoes it) wraps redis-py's ``send_packed_command`` (every command
+a connection sends goes through it: plain calls, pipelines, and the claim's hiredis-packed pair)
+and counts the RESP arrays in what it sends, per connection; ``of(client)`` sums the counts of a
+client's connections.
 """
 
 from __future__ import annotations
@@ -52,6 +52,13 @@ def install() -> None:
         _original(self, command, check_health)
 
     AbstractConnection.send_packed_command = counted  # type: ignore[method-assign]
+
+
+def uninstall() -> None:
+    global _original
+    if _original is not None:
+        AbstractConnection.send_packed_command = _original  # type: ignore[method-assign]
+        _original = None
 
 
 def reset() -> None:

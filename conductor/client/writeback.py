@@ -48,18 +48,22 @@ class Writeback(ConductorCore):
             rows = self.r.xinfo_consumers(mk.batches, K.GROUP)
         except redis.ResponseError:
             return []
-        out = []
-        for row in rows:
-            row = {as_str(k): (as_str(v) if isinstance(v, bytes) else v) for k, v in row.items()}
-            row["alive"] = bool(self.r.exists(mk.heartbeat(row["name"])))
-            out.append(row)
+        out = [{as_str(k): (as_str(v) if isinstance(v, bytes) else v) for k, v in row.items()} for row in rows]
+        # one round trip for the fleet: the lease holder asks every second (workers/maintenance.py)
+        pipe = self.r.pipeline(transaction=False)
+        for row in out:
+            pipe.exists(mk.heartbeat(row["name"]))
+        for row, alive in zip(out, pipe.execute() if out else [], strict=True):
+            row["alive"] = bool(alive)
         return out
 
     def reclaim_dead(self, model: str, *, min_idle_ms: int = 0) -> dict[str, int]:
         """One reclaim sweep over every consumer of ``model`` without a live heartbeat."""
         total = {"consumers": 0, "batches": 0, "items": 0, "dead": 0}
         for row in self.consumers(model):
-            if row["alive"] and not min_idle_ms:
+            # a live consumer with nothing pending has nothing to lose: no reclaim.lua call for each
+            # idle worker of the fleet every second
+            if row["alive"] and (not min_idle_ms or not row.get("pending")):
                 continue
             res = self.reclaim_consumer(model, row["name"], min_idle_ms=min_idle_ms)
             if res["batches"] or res["deleted"]:
