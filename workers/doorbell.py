@@ -10,7 +10,9 @@ The wait is bounded by the next moment something could change without a ring: th
 tick (reclaim sweep: a dead worker's batches come back), and, when the claim answered 'gate' or
 'wait' (the release gate or the active shape waiting for quiet intake or a full batch), the
 model's quiet_ms, after which a claim may dispatch what it held back. Aging and lane hygiene are
-time-driven too; the maintenance period (1 s) bounds their delay.
+time-driven too; the maintenance period (1 s) bounds their delay. After a claim that found nothing
+at all ('idle'), the wait is workers/idle.py's: the doorbell until the next beat, a few seconds,
+with no timed claim (issue 36).
 """
 
 from __future__ import annotations

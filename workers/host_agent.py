@@ -44,6 +44,7 @@ from .doorbell import Doorbell, poll_sleep
 from .engines.base import Finished
 from .handoff_wire import Done, FrameReader, Handoff, Hello, Message, Refused, Took, encode
 from .identity import default_worker_name
+from .idle import IdleBeat
 from .shm_ring import KIND_BATCH, RingFull, RingWriter
 from .transient import RIDE_OUT, is_transient
 from .worker import Worker, WorkerOptions, event
@@ -320,6 +321,7 @@ class HostAgent(Worker):
         from .maintenance import Maintenance
         maint = Maintenance.for_worker(self.c, self.contract.model, self.name, self.opts.heartbeat_ttl_s)
         bell = Doorbell(self.c, self.contract.model)
+        idle = IdleBeat(self, maint, bell)  # nothing waiting: one BLPOP and one beat a beat (issue 36)
         idle_since, rung = time.monotonic(), False
         while not self.stopping.is_set():
             maint.tick()
@@ -343,7 +345,7 @@ class HostAgent(Worker):
                 idle_since = time.monotonic()
             if self.opts.idle_exit_s is not None and time.monotonic() - idle_since > self.opts.idle_exit_s:
                 return
-            got = bell.wait_idle(maint.due_in(), self.opts.idle_exit_s, idle_since, self.last_claim)
+            got = idle.wait(self.last_claim, self.opts.idle_exit_s, idle_since)
             if got is None:
                 time.sleep(0.05)
             rung = bool(got)

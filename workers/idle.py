@@ -4,11 +4,17 @@ lua/idle_beat.lua call a beat, nothing else.
 A worker whose claim answered 'idle' (nothing waits) used to renew the maintenance lease every
 second, claim again every second, BLPOP between the two and beat its heartbeat every third of its
 TTL: about 4 commands a second, so 1,000 idle workers took almost two Redis cores. Here it blocks
-on the doorbell until a ring (new work: it claims at once) or its next beat, a third of the
-heartbeat TTL less a tenth (3 s at the default 10 s). The beat renews the heartbeat and the busy
-time, takes or renews the maintenance lease, and says whether a claim could find work: work that
-comes without a ring (a dead worker's batches put back, items short of a full batch once intake
-goes quiet) is claimed at the next beat. The heartbeat thread finds the key fresh and sends nothing.
+on the doorbell until a ring (new work: it claims at once) or its next beat, half the heartbeat
+TTL (5 s at the default 10 s). The beat renews the heartbeat and the busy time, takes or renews
+the maintenance lease, and says whether a claim could find work: work that comes without a ring (a
+dead worker's batches put back, items short of a full batch once intake goes quiet) is claimed at
+the next beat. The heartbeat thread, which beats a third of the TTL after the last heartbeat,
+is put off past the next beat and sends nothing.
+
+Half the TTL, not a third as the heartbeat thread beats: an idle worker leases no batch, so a beat
+late past the TTL costs nothing but a moment of looking dead (the thread steps in if it is later
+than ``GRACE``); a worker that holds batches (a host agent whose GPU processes run while its claim
+found nothing) leaves its heartbeat to the thread, which extends their leases.
 
 The lease holder still sweeps every second (workers/maintenance.py: reclaim, trim, expiry, its
 own commands), so it costs more than the others; a beat's lease answer stands for the sweep's
@@ -30,9 +36,10 @@ from .worker_start import WorkerStart
 if TYPE_CHECKING:  # imported where the loop starts, as workers/worker.py does
     from .maintenance import Maintenance
 
-# The beat comes this share of the heartbeat thread's period (a third of the TTL) after the last
-# one, so that the thread, which beats only when none came within its period, stays silent.
-BEAT_SHARE = 0.9
+# An idle beat every this share of the heartbeat TTL; the heartbeat thread beats when one is late
+# by GRACE of its period.
+BEAT_SHARE = 0.5
+GRACE = 0.3
 # A BLPOP is cut at this many seconds: redis-py reads the reply under the connection's socket
 # timeout (10 s), which a longer block would pass.
 MAX_BLOCK_S = 5.0
@@ -44,8 +51,9 @@ class IdleBeat:
         self.maint = maint
         self.bell = bell
         self.ttl_ms = max(1, int(worker.opts.heartbeat_ttl_s * 1000))
-        self.period_s = BEAT_SHARE * worker.opts.heartbeat_ttl_s / 3
+        self.period_s = BEAT_SHARE * worker.opts.heartbeat_ttl_s
         self._busy_sent: int | None = None
+        self._beat_at = 0.0  # monotonic time of the last beat sent
         self.beats = 0  # tests, metrics
 
     def beat(self) -> calls.IdleBeat:
@@ -54,7 +62,9 @@ class IdleBeat:
         got = calls.idle_beat(self.w.keys, self.w.name, int(time.time() * 1000), self.ttl_ms,
                               self.maint.lease_ms, None if busy == self._busy_sent else busy).run(self.w.c.scripts)
         self._busy_sent = busy
-        self.w.beat_at = sent
+        self._beat_at = sent
+        if not self.w.leased_ids():  # else the heartbeat thread's beat must still extend their leases
+            self.w.hb_due = max(self.w.hb_due, sent + self.period_s * (1 + GRACE))
         self.beats += 1
         self.maint.told(got.held)
         if not got.registered:
@@ -83,7 +93,7 @@ class IdleBeat:
             now = time.monotonic()
             if idle_exit_s is not None and now - idle_since > idle_exit_s:
                 return False
-            if now >= self.w.beat_at + self.period_s:
+            if now >= self._beat_at + self.period_s:
                 got = self.beat()
                 if got.waits or not got.registered:
                     return False
@@ -91,7 +101,7 @@ class IdleBeat:
                 res = self.maint.tick()
                 if res and res.get("batches"):
                     return False  # the sweep put a dead worker's batches back: claim them
-            limit = self.w.beat_at + self.period_s - time.monotonic()
+            limit = self._beat_at + self.period_s - time.monotonic()
             if self.maint.holds():
                 limit = min(limit, self.maint.due_in())
             if idle_exit_s is not None:

@@ -2,7 +2,8 @@
 process died) run by whichever worker holds a short lease.
 
 No central daemon is needed for correctness: any live worker of a model can sweep, and the
-lease (SET NX PX, renewed by its holder) keeps it to one at a time.
+lease (SET NX PX, renewed by its holder) keeps it to one at a time. An idle worker takes or renews
+it in its beat (lua/idle_beat.lua, workers/idle.py), not with a lease call of its own every second.
 """
 
 from __future__ import annotations

@@ -74,9 +74,9 @@ class WorkerStart:
         self.output_tokens = 0
         self._lock = threading.Lock()
         self._hb_thread: threading.Thread | None = None
-        # When the heartbeat key was last renewed (monotonic), by the heartbeat thread or by an idle
-        # worker's beat (workers/idle.py); register() writes it first.
-        self.beat_at = time.monotonic()
+        # When the heartbeat thread beats next (monotonic): a third of the TTL after its last beat, or
+        # later, set by an idle worker's beat (workers/idle.py) that renewed the key itself.
+        self.hb_due = time.monotonic() + self.opts.heartbeat_ttl_s / 3
         self._wd_thread: threading.Thread | None = None
         self.notifier = Notifier()
         self.metrics = WorkerMetrics(self.contract.model, self.name, self.contract.max_batch_tokens)
@@ -183,14 +183,10 @@ class WorkerStart:
 
     def _heartbeat_loop(self) -> None:
         period = self.opts.heartbeat_ttl_s / 3
-        wait = period
-        while not self._hb_stop.wait(wait):
-            # An idle worker's beat (workers/idle.py) renews the key a little sooner: then this
-            # thread sends nothing, and an idle worker one call a beat instead of two.
-            wait = self.beat_at + period - time.monotonic()
-            if wait > 0.001:
-                continue
-            wait = period
+        while not self._hb_stop.wait(max(0.0, self.hb_due - time.monotonic())):
+            if time.monotonic() < self.hb_due:
+                continue  # an idle worker's beat renewed the key meanwhile: this thread sends nothing
+            self.hb_due = time.monotonic() + period
             if self._rides_out and (self.link.down or self._rejoin_needed.is_set()):
                 continue  # the main loop probes, and joins Redis again before heartbeats resume
             try:
@@ -209,10 +205,8 @@ class WorkerStart:
     def _beat(self) -> None:
         # lua/heartbeat.lua, allow-oom: a heartbeat refused over maxmemory would let a live
         # worker's batches be reclaimed and run twice.
-        sent = time.monotonic()
         calls.heartbeat(self.keys, self.name, int(time.time() * 1000), max(1, int(self.opts.heartbeat_ttl_s * 1000)),
                         self.leased_ids(), int(self.metrics.busy_s * 1000)).run(self.c.scripts)
-        self.beat_at = sent
 
     def _watchdog_loop(self, every: float) -> None:
         # Its own thread, not the heartbeat's: that one can sit for many seconds in Redis
