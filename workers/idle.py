@@ -107,5 +107,7 @@ class IdleBeat:
             if idle_exit_s is not None:
                 limit = min(limit, idle_exit_s - (time.monotonic() - idle_since) + 0.01)
             if self.bell.wait(min(MAX_BLOCK_S, max(0.0, limit)), "idle"):
+                if not self.maint.holds():
+                    self.maint.put_off()  # its lease is its beat's business while idle; new work first
                 return True
         return False

@@ -116,6 +116,10 @@ class Maintenance:
         else:
             self._told_until = self._held_until = 0.0
 
+    def put_off(self) -> None:
+        """The next sweep (its lease call first) a period from now: a worker a ring woke claims first."""
+        self._next = max(self._next, time.monotonic() + self.interval_s)
+
     def holds(self) -> bool:
         """Whether this worker held the lease at its last take or renewal, well inside its TTL."""
         return time.monotonic() < self._held_until
