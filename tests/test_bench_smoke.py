@@ -191,7 +191,7 @@ def test_idle_fleet_quick_form_runs():
 
 
 def test_idle_goal_quick_form_runs():
-    out = _bench("bench/broker/idle_fleet.py", "--idle-goal", "--fleets", "2", "--seconds", "0.5", "--repeats", "1",
+    out = _bench("bench/broker/idle_fleet.py", "--idle-goal", "--fleets", "1,2", "--seconds", "0.5", "--repeats", "1",
                  "--wakes", "2", "--settle-s", "0.5")
     assert "sent/s per worker (not the holder)" in out and "Marginal Redis CPU" in out
 

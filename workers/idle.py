@@ -36,8 +36,8 @@ from .worker_start import WorkerStart
 if TYPE_CHECKING:  # imported where the loop starts, as workers/worker.py does
     from .maintenance import Maintenance
 
-# An idle beat every this share of the heartbeat TTL; the heartbeat thread beats when one is late
-# by GRACE of its period.
+# An idle beat every this share of the heartbeat TTL; the heartbeat thread steps in only when the
+# next one is late by GRACE x that period (a holder's sweep that runs long, say).
 BEAT_SHARE = 0.5
 GRACE = 0.3
 # A BLPOP is cut at this many seconds: redis-py reads the reply under the connection's socket
