@@ -41,6 +41,12 @@
 --   cleanup mode), lib_serve.lua (aging, lane hygiene, interactive work, ready lanes, neighbour fill,
 --   draining), lib_rebalance.lua (fair loans and switches), lib_lanes.lua (planning a batch from lanes).
 --@include lib.lua
+--@include lib_claim_idle.lua
+-- Nothing to claim: answered before the rest is defined (lib_claim_idle.lua).
+do
+  local idle = claim_idle(KEYS[1], KEYS[3], KEYS[4], ARGV)
+  if idle then return idle end
+end
 --@include lib_claim_guard.lua
 --@include lib_gate.lua
 --@include lib_serve.lua
