@@ -43,10 +43,8 @@
 --@include lib.lua
 --@include lib_claim_idle.lua
 -- Nothing to claim: answered before the rest is defined (lib_claim_idle.lua).
-do
-  local idle = claim_idle(KEYS[1], KEYS[3], KEYS[4], ARGV)
-  if idle then return idle end
-end
+local idle_reply = claim_idle(KEYS[1], KEYS[3], KEYS[4], ARGV)
+if idle_reply then return idle_reply end
 --@include lib_claim_guard.lua
 --@include lib_gate.lua
 --@include lib_serve.lua
@@ -128,7 +126,12 @@ local SHAPE_VISITS = 4
 local active, info = redis.call('HGET', c.affinity_key, consumer), nil
 if active then
   info = inst_info(c, active)
-  if not info.state then active = nil end
+  if not info.state then
+    -- Finished by another worker's claim: the name goes too, or every idle claim of this consumer
+    -- would take the full pass (lib_claim_idle.lua answers only a consumer that serves nothing).
+    redis.call('HDEL', c.affinity_key, consumer)
+    active = nil
+  end
 end
 for _ = 1, SHAPE_VISITS do
   if not active then
