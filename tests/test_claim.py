@@ -315,3 +315,15 @@ def test_an_idle_claim_answers_early_after_the_full_pass_finished_the_consumers_
     cdr.r.delete(mk.batches)
     with pytest.raises(Exception, match="NOGROUP"):
         cdr.r.evalsha(cdr.scripts.claim.sha, len(keys), *keys, "w", 10, 10, "t1")
+
+
+def test_an_affinity_to_an_instance_another_worker_finished_is_dropped(cdr):
+    """A worker whose instance another worker's claim finished keeps no name of it: its next claim drops
+    it, so that its idle claims after that are answered early (lib_claim_idle.lua)."""
+    cdr.submit([item(i, 100) for i in range(4)], "j", seal=True)
+    b, _ = cdr.claim(contract(tokens=100000), "w")
+    cdr.complete(b, results_for(b))
+    mk = K.ModelKeys("m")
+    cdr.r.hset(mk.affinity, "w2", "deadbeefdeadbeef:1")  # as another worker's claim left it
+    assert cdr.claim(contract(tokens=100000), "w2") == (None, "idle")
+    assert cdr.r.hget(mk.affinity, "w2") is None

@@ -14,7 +14,8 @@ server time, read from SLOWLOG with a threshold of 0 in one extra profiled run p
 the commands a script runs too, each inside its script's time; logging every command costs the server, so the
 profiled run's CPU is kept out of the medians). ``--before DIR`` runs this same
 file in a child process against DIR's ``conductor`` package, Lua scripts and benchmark machinery (DIR: a checkout
-of another commit, e.g. ``git archive main | tar -x -C DIR``), so both columns share the machine and the hour.
+of another commit, e.g. ``git archive main | tar -x -C DIR``), one run before each run of this tree, so both
+columns share the machine's load run by run.
 Medians over ``--reps`` runs; the machine is shared and noisy.
 """
 
@@ -149,8 +150,14 @@ def run_peer(system: str, r: redis.Redis, wl: Any, cfg: suite.SuiteConfig) -> di
     return {"cpu": rec.redis_cpu_us_per_item, "items": len(wl.items)}
 
 
-def measure(points: list[CostPoint], reps: int, peers: bool, log: Any = print) -> dict[str, Any]:
+def measure(points: list[CostPoint], reps: int, peers: bool, *, profile: bool = True, before: str | None = None,
+            log: Any = print) -> dict[str, Any]:
+    """Each point: one profiled run, then ``reps`` runs (with the peers where asked). With ``before``, each
+    run of this tree follows one of the before tree's (a child process, its own redis-server), so that
+    both columns share the machine's load run by run. Returns {rev, machine, points, before?}."""
     out: dict[str, Any] = {"rev": git_rev() if not _TREE else _rev(_TREE), "points": {}}
+    if before:
+        out["before"] = {"rev": _rev(before), "points": {}}
     with EmbeddedRedis() as srv:
         r = connect(srv.url)
         out["machine"] = machine(r)
@@ -158,9 +165,15 @@ def measure(points: list[CostPoint], reps: int, peers: bool, log: Any = print) -
             wl = generate(pt.spec)
             cfg = suite.SuiteConfig(workers=pt.workers, max_wall_s=1800.0)
             runs: dict[str, list[dict[str, Any]]] = {"conductor": [], "stream": [], "rq": [], "profile": []}
-            gc.collect()
-            runs["profile"].append(run_conductor(r, srv.url, wl, cfg, True))
+            bruns: dict[str, list[dict[str, Any]]] = {"conductor": [], "profile": []}
+            if profile:
+                gc.collect()
+                runs["profile"].append(run_conductor(r, srv.url, wl, cfg, True))
             for k in range(reps):
+                if before:
+                    got = _child(before, pt, profile=profile and k == 0)
+                    for key in bruns:
+                        bruns[key] += got["points"][pt.name][key]
                 gc.collect()
                 runs["conductor"].append(run_conductor(r, srv.url, wl, cfg, False))
                 if peers:
@@ -168,9 +181,23 @@ def measure(points: list[CostPoint], reps: int, peers: bool, log: Any = print) -
                         gc.collect()
                         runs[s].append(run_peer(s, r, wl, cfg))
                 line = "  ".join(f"{s} {v[-1]['cpu']:.1f}" for s, v in runs.items() if v and s != "profile")
+                if before:
+                    line = f"before {bruns['conductor'][-1]['cpu']:.1f}  " + line
                 log(f"  {pt.name}#{k} us/item: {line}  {runs['conductor'][-1]['complete']}")
             out["points"][pt.name] = runs
+            if before:
+                out["before"]["points"][pt.name] = bruns
     return out
+
+
+def _child(tree: str, pt: CostPoint, profile: bool) -> dict[str, Any]:
+    """One run of point ``pt`` (and a profiled one where asked) on ``tree``'s code, in a child process."""
+    res = Path(tree) / ".cost_before.json"
+    env = {**os.environ, "CONDUCTOR_COST_TREE": str(Path(tree).resolve())}
+    cmd = [sys.executable, __file__, "--points", pt.name, "--reps", "1", "--child-json", str(res)]
+    subprocess.run(cmd + ([] if profile else ["--no-profile"]), env=env, check=True)
+    got: dict[str, Any] = json.loads(res.read_text())
+    return got
 
 
 def _rev(tree: str) -> str:
@@ -213,11 +240,18 @@ def _cmds(runs: list[dict[str, Any]]) -> dict[str, tuple[float, float]]:
                 statistics.median(x["cmds"].get(k, [0, 0])[1] / x["items"] for x in runs)) for k in names}
 
 
+# The benchmark's own commands (a run starts with FLUSHALL, before its CPU is read; SLOWLOG and INFO read it).
+_MACHINERY = {"flushall", "config", "slowlog", "info"}
+
+
 def report(after: dict[str, Any], before: dict[str, Any] | None, reps: int, wall: float) -> str:
     head = ["point", "varies", "landed (fleet section)"]
     if before:
         head.append(f"before ({before['rev']})")
-    head += [f"after ({after['rev']}), range", "plain FIFO stream (limit)", "RQ 2.x (peer)", "goal 30"]
+    head += [f"after ({after['rev']}), range"]
+    if before:
+        head.append("after/before, run by run (median)")
+    head += ["plain FIFO stream (limit)", "RQ 2.x (peer)", "after/limit", "goal 30"]
     rows = []
     for name, runs in after["points"].items():
         c = runs["conductor"]
@@ -225,8 +259,15 @@ def report(after: dict[str, Any], before: dict[str, Any] | None, reps: int, wall
         if before:
             b = before["points"].get(name, {}).get("conductor", [])
             row.append(f"{_med(b):.1f} ({_rng(b)})" if b else "-")
-        row += [f"**{_med(c):.1f}** ({_rng(c)})", f"{_med(runs['stream']):.1f}", f"{_med(runs['rq']):.1f}",
-                "met" if _med(c) <= 30 else "missed"]
+        row.append(f"**{_med(c):.1f}** ({_rng(c)})")
+        if before:
+            b = before["points"].get(name, {}).get("conductor", [])
+            ratios = [a["cpu"] / x["cpu"] for a, x in zip(c, b, strict=False)]
+            row.append(f"{statistics.median(ratios):.2f}x" if ratios else "-")
+        # each run's conductor against the limit run beside it, as the machine's load moves run to run
+        lim = [a["cpu"] / x["cpu"] for a, x in zip(c, runs["stream"], strict=False)]
+        row += [f"{_med(runs['stream']):.1f}", f"{_med(runs['rq']):.1f}",
+                f"{statistics.median(lim):.1f}x" if lim else "-", "met" if _med(c) <= 30 else "missed"]
         rows.append(row)
     parts = [
         "## Redis cost of an item: server CPU per item over a whole job (issue 36)",
@@ -252,6 +293,8 @@ def report(after: dict[str, Any], before: dict[str, Any] | None, reps: int, wall
             sh += ["before: calls/item", "us/item", "us/call"]
         srows = []
         for k in sorted(set(sc) | set(bsc), key=lambda k: -sc.get(k, (0, 0, 0))[1]):
+            if k in _MACHINERY:
+                continue
             a = sc.get(k, (0.0, 0.0, 0.0))
             if a[1] < 0.05 and bsc.get(k, (0, 0, 0))[1] < 0.05:
                 continue
@@ -261,7 +304,8 @@ def report(after: dict[str, Any], before: dict[str, Any] | None, reps: int, wall
                 row += [f"{b[0]:.4f}", f"{b[1]:.2f}", f"{b[2]:.0f}"]
             srows.append(row)
         cm = _cmds(c)
-        top = sorted((k for k in cm if k not in ("evalsha", "eval")), key=lambda k: -cm[k][1])[:14]
+        top = sorted((k for k in cm if k not in ("evalsha", "eval") and k.split("|")[0] not in _MACHINERY),
+                     key=lambda k: -cm[k][1])[:14]
         parts += [f"### {name}: where the server time goes (batches {_med(c, 'batches'):,.0f}, claim calls "
                   f"{_med(c, 'claim_calls'):,.0f}, items {c[0]['items']:,})", "", table(sh, srows), "",
                   "Commands (INFO commandstats deltas, those run inside the scripts included; their time is "
@@ -280,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-write", action="store_true", help="print only; RESULTS.md untouched")
     p.add_argument("--json", help="write every run's figures as JSON to this file")
     p.add_argument("--child-json", help=argparse.SUPPRESS)
+    p.add_argument("--no-profile", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.points:
         unknown = [n for n in args.points.split(",") if n not in BY_NAME]
@@ -288,21 +333,13 @@ def main(argv: list[str] | None = None) -> int:
         points = [BY_NAME[n] for n in args.points.split(",")]
     else:
         points = [pt for pt in POINTS if pt.quick == args.quick]
-    if args.child_json:  # the --before child: measure this tree, hand the figures back
-        Path(args.child_json).write_text(json.dumps(measure(points, args.reps, False)))
+    if args.child_json:  # one --before run: measure this tree, hand the figures back
+        Path(args.child_json).write_text(json.dumps(measure(points, args.reps, False, profile=not args.no_profile,
+                                                            log=lambda _m: None)))
         return 0
     t0 = time.monotonic()
-    before = None
-    if args.before:
-        out = Path(args.before) / ".cost_before.json"
-        env = {**os.environ, "CONDUCTOR_COST_TREE": str(Path(args.before).resolve())}
-        cmd = [sys.executable, __file__, "--points", ",".join(pt.name for pt in points), "--reps", str(args.reps),
-               "--child-json", str(out)]
-        print(f"before: {args.before}", flush=True)
-        subprocess.run(cmd, env=env, check=True)
-        before = json.loads(out.read_text())
-    print("after:", flush=True)
-    after = measure(points, args.reps, not args.no_peers)
+    after = measure(points, args.reps, not args.no_peers, before=args.before)
+    before = after.pop("before", None)
     bad = [n for n, rs in after["points"].items() if not all(x["complete"].startswith("ok") for x in rs["conductor"])]
     text = report(after, before, args.reps, time.monotonic() - t0)
     if bad:
