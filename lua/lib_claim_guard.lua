@@ -63,4 +63,3 @@ local function claim_refused(base, state_key, batches_key, reclaimed_key, batch_
   if refused then return refused end
   return claim_nogroup(batches_key)
 end
-

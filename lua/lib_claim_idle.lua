@@ -1,7 +1,7 @@
 -- lib_claim_idle.lua: claim.lua's answer for a consumer with nothing to claim, given before the
 -- script defines the rest of its includes: an idle fleet polls, and a full claim pass costs the
--- server about 75 us (of which about 25 us is only defining the includes' functions, which every
--- EVALSHA call does again, and 24 us the ACL pre-check), this answer about 8 us.
+-- server about 75 us (defining the includes' functions, which every EVALSHA does again, about 10 us
+-- of it, the ACL pre-check about 8), this answer 18-30 us (bench/RESULTS.md, redis_cost notes).
 -- Keys: M:intake, M:state (HMGET), M:affinity (HGET), M:hot, M:bat:<token> (EXISTS), M:batches (XINFO
 --   GROUPS).
 -- Invariant: reads only; it answers 'idle' only where a full pass would answer 'idle' and write
