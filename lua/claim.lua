@@ -41,6 +41,10 @@
 --   cleanup mode), lib_serve.lua (aging, lane hygiene, interactive work, ready lanes, neighbour fill,
 --   draining), lib_rebalance.lua (fair loans and switches), lib_lanes.lua (planning a batch from lanes).
 --@include lib.lua
+--@include lib_claim_idle.lua
+-- Nothing to claim: answered before the rest is defined (lib_claim_idle.lua).
+local idle_reply = claim_idle(KEYS[1], KEYS[3], KEYS[4], ARGV)
+if idle_reply then return idle_reply end
 --@include lib_claim_guard.lua
 --@include lib_gate.lua
 --@include lib_serve.lua
@@ -122,7 +126,12 @@ local SHAPE_VISITS = 4
 local active, info = redis.call('HGET', c.affinity_key, consumer), nil
 if active then
   info = inst_info(c, active)
-  if not info.state then active = nil end
+  if not info.state then
+    -- Finished by another worker's claim: the name goes too, or every idle claim of this consumer
+    -- would take the full pass (lib_claim_idle.lua answers only a consumer that serves nothing).
+    redis.call('HDEL', c.affinity_key, consumer)
+    active = nil
+  end
 end
 for _ = 1, SHAPE_VISITS do
   if not active then

@@ -3,10 +3,11 @@
 -- lib.lua acl_refused: every command claim.lua and its includes may call, on each key or key
 -- pattern), and a batches stream without the consumer group ('NOGROUP': XCLAIM would refuse it
 -- after the items moved).
--- Keys: reads only (EXISTS M:bat:<token>, XINFO GROUPS of M:batches).
+-- Keys: reads only (EXISTS M:bat:<token>, XINFO GROUPS of M:batches: lib_claim_idle.lua claim_nogroup).
 -- Invariant: a command added to claim.lua's includes is added here too
 --   (tests/test_script_acl_atomicity.py denies each in turn).
 --@include lib.lua
+--@include lib_claim_idle.lua
 
 -- The arguments (claim.lua's header), and the batch token not in use by a pending batch. Returns
 -- the error reply to return ('ERR_ARG <field>: ...'), or nil.
@@ -60,15 +61,5 @@ local function claim_refused(base, state_key, batches_key, reclaimed_key, batch_
       and ok('DEL', I, il, fi, re, fr, to) and ok('DEL', lk, tk, mk)
   end)
   if refused then return refused end
-  local groups = redis.pcall('XINFO', 'GROUPS', batches_key)
-  local found = false
-  if type(groups) == 'table' and not groups.err then
-    for _, g in ipairs(groups) do
-      if g[2] == GROUP then found = true end
-    end
-  end
-  if not found then
-    return redis.error_reply('NOGROUP ' .. batches_key .. ' has no consumer group ' .. GROUP .. ': nothing written')
-  end
-  return nil
+  return claim_nogroup(batches_key)
 end

@@ -23,11 +23,17 @@ local function complete_args(argv)
   if #argv ~= 3 + 4 * n then
     return nil, redis.error_reply('ERR_ARG argv: expected ' .. (3 + 4 * n) .. ' arguments, got ' .. #argv)
   end
+  -- A batch's results name one job or a few: each name is checked once (a pattern match per result
+  -- cost about a microsecond each).
+  local named = {}
   for i = 0, n - 1 do
     local o = 4 + 4 * i
     local job = argv[o]
-    if not name_ok(job) then
-      return nil, redis.error_reply('ERR_ARG job: invalid job name at result ' .. i)
+    if not named[job] then
+      if not name_ok(job) then
+        return nil, redis.error_reply('ERR_ARG job: invalid job name at result ' .. i)
+      end
+      named[job] = true
     end
     if #argv[o + 1] < 1 or #argv[o + 1] > RULES.MAX_ID_BYTES then
       return nil, redis.error_reply('ERR_ARG id: must be 1..' .. RULES.MAX_ID_BYTES .. ' bytes at result ' .. i)

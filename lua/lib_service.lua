@@ -8,10 +8,10 @@
 --@include lib.lua
 
 -- A result's padded input tokens and output tokens, read from its JSON without decoding it
--- (RESULT_INT, generated from records.Result). Adds them to g.pin and g.pout.
+-- (result_int, generated from records.Result). Adds them to g.pin and g.pout.
 local function add_tokens(g, r)
-  g.pin = (g.pin or 0) + (tonumber(string.match(r, RESULT_INT.batch_padded_len)) or 0)
-  g.pout = (g.pout or 0) + (tonumber(string.match(r, RESULT_INT.output_tokens)) or 0)
+  g.pin = (g.pin or 0) + (result_int(r, 'batch_padded_len') or 0)
+  g.pout = (g.pout or 0) + (result_int(r, 'output_tokens') or 0)
 end
 
 -- What counting may run (lib.lua acl_refused's ok), before complete.lua's first write.

@@ -16,7 +16,7 @@
 -- The n results of argv (4 fields each from argv[4]) by job, in the order jobs first appear: per job
 -- g.ids and g.at (each result's id and its position in argv), g.state (its done marks: one HMGET per
 -- job, in slices as unpack stops near 8,000 values) and g.ends (lib_job_end.lua; none for a request
--- job, which never ends). Returns jobs, order.
+-- job, which never ends; g.request says which). Returns jobs, order.
 local function results_by_job(base, argv, n)
   local jobs, order = {}, {}
   for i = 0, n - 1 do
@@ -33,7 +33,8 @@ local function results_by_job(base, argv, n)
   for _, job in ipairs(order) do
     local g = jobs[job]
     g.state = done_marks(base .. ':job:' .. job, g.ids)  -- packed ids (lib_packed.lua) are done too
-    if not is_request(job) then g.ends = job_end_read(base, job) end
+    g.request = is_request(job)
+    if not g.request then g.ends = job_end_read(base, job) end
   end
   return jobs, order
 end
@@ -53,7 +54,7 @@ local function write_results(base, state_key, jobs, order, argv)
         marks[#marks + 1] = id
         marks[#marks + 1] = 'd'
         last = redis.call('XADD', jk .. ':results', '*', 'id', id, 'r', argv[o + 3])
-        if is_request(job) then
+        if g.request then
           local rk = base .. ':reply:' .. job .. ':' .. id
           redis.call('LPUSH', rk, argv[o + 3])
           redis.call('PEXPIRE', rk, RULES.REPLY_TTL_MS)

@@ -264,3 +264,15 @@ def test_memory_cap_quick_form_drains_both_runs():
     assert p.returncode == 0, (p.stdout.decode()[-2000:], p.stderr.decode()[-2000:])
     out = p.stdout.decode()
     assert "maxmemory 64mb (noeviction)" in out and "no cap (peer)" in out and "| yes |" in out
+
+
+def test_redis_cost_quick_form_runs_with_a_before_tree(tmp_path):
+    # --before measures another checkout's tree in a child process: here this same tree, copied
+    before = tmp_path / "before"
+    before.mkdir()
+    subprocess.run(f"git archive HEAD | tar -x -C {before}", shell=True, cwd=str(ROOT), check=True)
+    out = _bench("bench/broker/redis_cost.py", "--quick", "--reps", "1", "--no-write", "--before", str(before),
+                 timeout=240)
+    assert "| q2 |" in out and "plain FIFO stream (limit)" in out and "INCOMPLETE" not in out
+    for script in ("| claim |", "| complete |", "| submit |"):
+        assert script in out

@@ -292,3 +292,38 @@ def test_a_batch_of_ten_thousand_items_from_neighbouring_lanes_moves_whole(cdr):
     b, _ = cdr.claim(contract(size=20_000, tokens=10_000_000), "w")
     assert len(b.items) == 10_000 and len({it.id for it in b.items}) == 10_000
     assert b.padded_len == 200 and int(cdr.r.hget(K.ModelKeys("m").intake, "items")) == 0
+
+
+def test_an_idle_claim_answers_early_after_the_full_pass_finished_the_consumers_shape(cdr):
+    """lib_claim_idle.lua: once nothing waits and the consumer serves no instance, a claim answers 'idle'
+    from a few reads; the claim that found its instance emptied still ran the full pass, which finished
+    it. A missing consumer group is still reported, and arguments are still checked."""
+    cdr.submit([item(i, 100) for i in range(8)], "j", seal=True)
+    b, _ = cdr.claim(contract(tokens=100000), "w")
+    assert b is not None and len(b.items) == 8
+    mk = K.ModelKeys("m")
+    assert cdr.r.hget(mk.affinity, "w") is not None and cdr.r.zcard(mk.active) == 1
+    cdr.complete(b, results_for(b))
+    assert cdr.claim(contract(tokens=100000), "w") == (None, "idle")
+    assert cdr.r.hget(mk.affinity, "w") is None and cdr.r.zcard(mk.active) == 0  # finished by the full pass
+    finished = cdr.r.hget(mk.state, "shapes_finished")
+    assert cdr.claim(contract(tokens=100000), "w") == (None, "idle")
+    assert cdr.r.hget(mk.state, "shapes_finished") == finished
+    keys = [mk.base, mk.cfg, mk.state, mk.batches, mk.reclaimed]
+    with pytest.raises(Exception, match="ERR_ARG"):
+        cdr.r.evalsha(cdr.scripts.claim.sha, len(keys), *keys, "w", 10, 10, "bad token!")
+    cdr.r.delete(mk.batches)
+    with pytest.raises(Exception, match="NOGROUP"):
+        cdr.r.evalsha(cdr.scripts.claim.sha, len(keys), *keys, "w", 10, 10, "t1")
+
+
+def test_an_affinity_to_an_instance_another_worker_finished_is_dropped(cdr):
+    """A worker whose instance another worker's claim finished keeps no name of it: its next claim drops
+    it, so that its idle claims after that are answered early (lib_claim_idle.lua)."""
+    cdr.submit([item(i, 100) for i in range(4)], "j", seal=True)
+    b, _ = cdr.claim(contract(tokens=100000), "w")
+    cdr.complete(b, results_for(b))
+    mk = K.ModelKeys("m")
+    cdr.r.hset(mk.affinity, "w2", "deadbeefdeadbeef:1")  # as another worker's claim left it
+    assert cdr.claim(contract(tokens=100000), "w2") == (None, "idle")
+    assert cdr.r.hget(mk.affinity, "w2") is None
