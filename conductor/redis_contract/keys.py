@@ -62,7 +62,14 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
                                              busy to take it (conductor/intake/intake_resume.py)
     cdr:intake:tasks                zset     job -> created (ms): intake tasks not yet ended (the resumers'
                                              index; lua/intake_lease.lua decides who runs one)
-    M:cfg                           hash     per-model thresholds (conductor/redis_contract/config.py)
+    M:cfg                           hash     per-model thresholds (conductor/redis_contract/config.py); with
+                                             shards > 1 (issue 36) the model's shapes live on its shards
+                                             ``m~s.k`` (conductor/redis_contract/shards.py), each a model of
+                                             this layout whose cfg is a copy of this one
+    M:shards_old                    set      earlier shard counts of a model whose shards changed: their
+                                             shards keep draining (workers serve them too)
+    M:shard_of                      hash     signature -> its shard under the current count, recorded at its
+                                             first submit (the least loaded shard, then stable)
     M:state                         hash     the fleet's model state: gate, cleanup, in-flight and finished
                                              counters, pause (workers write it; producers only read it;
                                              every field in STATE_FIELDS below)
@@ -180,6 +187,7 @@ and M:seg:N:ids.
 from __future__ import annotations
 
 from conductor.redis_contract import rules
+from conductor.redis_contract.shards import fold, is_shard
 
 PREFIX = "cdr"
 SCHEMA_KEY = f"{PREFIX}:schema"
@@ -232,7 +240,8 @@ STATE_FIELDS: dict[str, str] = {
 
 def check_name(kind: str, value: str) -> str:
     """``value`` when it is a valid name (rules.py NAME_RE, which the scripts' name_ok applies too)."""
-    if not isinstance(value, str) or not rules.NAME_RE.match(value):
+    if not isinstance(value, str) or not rules.NAME_RE.match(value) or (
+            "~" in value and not (kind == "model" and is_shard(value) and "~" not in fold(value))):
         raise ValueError(
             f"{kind}: {value!r} is not a valid name (1-{rules.NAME_MAX} characters from A-Z a-z 0-9 . _ / @ + = -)"
         )
@@ -333,6 +342,14 @@ class ModelKeys:
     @property
     def state(self) -> str:
         return f"{self.base}:state"
+
+    @property
+    def shards_old(self) -> str:
+        return f"{self.base}:shards_old"
+
+    @property
+    def shard_of(self) -> str:
+        return f"{self.base}:shard_of"
 
     @property
     def staged(self) -> str:

@@ -1,0 +1,137 @@
+"""A worker of a sharded model (issue 36; conductor/redis_contract/shards.py) on its model's shards:
+registered and beating on each (a shard's reclaim sweep judges its consumers by the shard's own
+heartbeat keys), handing back and taking back on each, and one maintenance per shard, whose lease
+holder sweeps that shard's dead consumers.
+
+On an unsharded model every call here does nothing beyond what the worker does on the model itself
+(workers/worker_start.py), and ``for_worker`` is the model's one Maintenance."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+from conductor.client import Conductor
+from conductor.client.shard_claims import ShardClaims
+from conductor.redis_contract import keys as K
+from conductor.redis_contract import script_calls as calls
+from conductor.redis_contract.records import Batch, Contract
+
+from .held import event
+from .maintenance import Maintenance
+
+
+class ShardMembers:
+    """What the worker does on the model's keys, done on each other shard too."""
+
+    def __init__(self, c: Conductor, shards: ShardClaims) -> None:
+        self.c = c
+        self.shards = shards
+        self._registered: set[str] = set()
+        self._reg: tuple[str, str, Contract, int] | None = None
+
+    def others(self) -> list[str]:
+        return [n for n in self.shards.names() if n != self.shards.model]
+
+    def register(self, worker: str, shown: str, contract: Contract, ttl_ms: int) -> None:
+        self._reg = (worker, shown, contract, ttl_ms)
+        self._registered.clear()
+        if self.others():
+            self.c.ensure_shards(self.shards.model)
+        self._join_new()
+
+    def _join_new(self) -> None:
+        """Register on shards not yet joined (a change of the count adds some while the worker runs)."""
+        if self._reg is None:
+            return
+        worker, shown, contract, ttl_ms = self._reg
+        for name in self.others():
+            if name in self._registered:
+                continue
+            self.c.ensure_model(name)
+            calls.register(K.ModelKeys(name), worker, shown, msgspec_replace(contract, name), int(time.time() * 1000),
+                           ttl_ms).run(self.c.scripts)
+            self._registered.add(name)
+
+    def beat(self, worker: str, ttl_ms: int, held: Iterable[Batch], busy_ms: int) -> None:
+        others = self.others()
+        if not others:
+            return
+        self._join_new()
+        by_shard: dict[str, list[str]] = {}
+        for b in held:
+            by_shard.setdefault(b.model, []).append(b.batch_id)
+        now = int(time.time() * 1000)
+        for name in others:
+            calls.heartbeat(K.ModelKeys(name), worker, now, ttl_ms, by_shard.get(name, []), busy_ms).run(self.c.scripts)
+
+    def take_back(self, worker: str) -> None:
+        """What an earlier run under this name left pending on each shard, handed back now."""
+        for name in self.others():
+            mk = K.ModelKeys(name)
+            if self.c.r.exists(mk.batches) and self.c.r.xpending_range(mk.batches, K.GROUP, "-", "+", 1,
+                                                                        consumername=worker):
+                res = self.c.reclaim_consumer(name, worker, force=True)
+                event("took_back", worker=worker, shard=name, batches=res["batches"], items=res["items"])
+
+    def reclaim(self, worker: str) -> dict[str, int]:
+        """This worker's pending batches on the model and every shard, to the reclaimed queues."""
+        total = self.c.reclaim_consumer(self.shards.model, worker, force=True)
+        for name in self.others():
+            got = self.c.reclaim_consumer(name, worker, force=True)
+            for k in ("batches", "items", "dead"):
+                total[k] += got[k]
+        return total
+
+    def deregister(self, worker: str) -> None:
+        for name in self.others():
+            mk = K.ModelKeys(name)
+            pipe = self.c.r.pipeline(transaction=False)
+            for key in (mk.workers, mk.affinity, mk.warming, mk.busy):
+                pipe.hdel(key, worker)
+            pipe.delete(mk.heartbeat(worker))
+            pipe.execute()
+            if not self.c.r.xpending_range(mk.batches, K.GROUP, "-", "+", 1, consumername=worker):
+                self.c.r.xgroup_delconsumer(mk.batches, K.GROUP, worker)
+
+
+def msgspec_replace(contract: Contract, model: str) -> Contract:
+    return Contract(model=model, max_batch_size=contract.max_batch_size, max_batch_tokens=contract.max_batch_tokens,
+                    max_input_len=contract.max_input_len)
+
+
+class ShardMaintenance:
+    """One Maintenance per shard (and the model's own), ticked together: each shard's lease holder
+    sweeps that shard's dead consumers, feeds, trims and checks its counters."""
+
+    def __init__(self, c: Conductor, shards: ShardClaims, owner: str, heartbeat_ttl_s: float) -> None:
+        self.c, self.shards, self.owner, self.ttl_s = c, shards, owner, heartbeat_ttl_s
+        self.parts: dict[str, Maintenance] = {}
+        self.on_error: Callable[[BaseException], bool] | None = None
+        self._refresh()
+
+    def _refresh(self) -> None:
+        for name in dict.fromkeys([self.shards.model, *self.shards.names()]):
+            if name not in self.parts:
+                m = Maintenance.for_worker(self.c, name, self.owner, self.ttl_s)
+                m.on_error = self.on_error
+                self.parts[name] = m
+
+    def due_in(self) -> float:
+        return min(m.due_in() for m in self.parts.values())
+
+    def tick(self) -> dict[str, int] | None:
+        self._refresh()
+        out: dict[str, int] | None = None
+        for m in self.parts.values():
+            m.on_error = self.on_error
+            got = m.tick()
+            if got is not None:
+                out = {k: (out or {}).get(k, 0) + v for k, v in got.items()}
+        return out
+
+
+def for_worker(c: Conductor, shards: ShardClaims, owner: str, heartbeat_ttl_s: float) -> ShardMaintenance:
+    """The worker's maintenance: the model's own Maintenance alone while it is not sharded (today's),
+    one more per shard from the moment it is (a live change of the count included)."""
+    return ShardMaintenance(c, shards, owner, heartbeat_ttl_s)
