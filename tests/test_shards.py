@@ -6,14 +6,21 @@ their shard; the count changed 1 -> 3 -> 1 with work waiting, nothing lost nothi
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from collections import Counter
 
 import pytest
 
 from conductor.client import Conductor, connect
 from conductor.embedded import EmbeddedCluster
+from conductor.redis_contract import keys as K
 from conductor.redis_contract import shards as S
-from tests.conftest import cli, follow_with_workers
+from conductor.verify import verify
+from tests.conftest import ROOT, cli, follow_with_workers, item
 
 
 @pytest.fixture(scope="module")
@@ -61,3 +68,85 @@ def test_a_job_over_three_shards_end_to_end_through_the_cli(cluster, tmp_path):
     assert Counter(json.loads(x)["id"] for x in out) == ids
     vj = cli("verify-job", "sj", url=url, check=False)
     assert vj.returncode == 0, vj.stdout.decode() + vj.stderr.decode()
+
+
+def _worker(url: str, model: str, name: str, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "conductor", "--log-level", "warning", "worker", "--engine", "sim",
+                             "--model", model, "--name", name, "--max-batch-size", "32", "--max-batch-tokens", "4096",
+                             "--max-input-len", "4096", *extra],
+                            env=dict(os.environ, CONDUCTOR_REDIS_URL=url), cwd=str(ROOT))
+
+
+def _once(rows: list[dict], n: int, prefix: str = "c", start: int = 0) -> Counter:
+    ids = Counter(r["id"] for r in rows)
+    assert set(ids) == {f"{prefix}{i}" for i in range(start, start + n)} and set(ids.values()) == {1}, \
+        (len(ids), [i for i, k in ids.items() if k > 1][:5])
+    return ids
+
+
+def test_cancel_retry_and_verify_over_shards(cluster, tmp_path):
+    url, model = cluster.url, "cancy"
+    cli("config", model, "--create", "quiet_ms=200", "shards=3", url=url)
+    src = tmp_path / "in.jsonl"
+    _lines(src, 600, model)
+    cli("submit", str(src), "--job", "cx", url=url)
+    cli("cancel", "cx", url=url)
+    st = json.loads(cli("status", "cx", "--json", url=url).stdout)
+    assert (st["status"], st["cancelled"], st["pending"]) == ("cancelled", 600, 0), st
+    rows = [json.loads(x) for x in cli("results", "cx", url=url).stdout.decode().splitlines()]
+    _once(rows, 600)
+    assert {r["model"] for r in rows} == {model}
+    assert cli("verify-job", "cx", url=url, check=False).returncode == 0
+    cli("retry", "cx", "--job", "cx2", url=url)
+    rows = follow_with_workers(url, "cx2", tmp_path / "out.jsonl", [(model, "w1")], batch_size=32,
+                               batch_tokens=4096, timeout=180)
+    _once(rows, 600)
+    st = json.loads(cli("status", "cx2", "--json", url=url).stdout)
+    assert (st["status"], st["completed"]) == ("completed", 600), st
+    assert cli("verify-job", "cx2", url=url, check=False).returncode == 0
+
+
+def test_a_worker_killed_mid_batch_its_batches_reclaimed_on_their_shard(cluster, tmp_path):
+    url, model = cluster.url, "killy"
+    cli("config", model, "--create", "quiet_ms=200", "shards=3", url=url)
+    src = tmp_path / "in.jsonl"
+    _lines(src, 900, model)
+    cli("submit", str(src), "--job", "kj", url=url)
+    c = Conductor(connect(url))
+    names = c.shards(model)
+    slow = _worker(url, model, "slow", "--sim-time-scale", "50", "--heartbeat-ttl", "2")
+    try:
+        held: list[str] = []
+        deadline = time.monotonic() + 60
+        while not held and time.monotonic() < deadline:
+            held = [n for n in names if c.r.exists(K.ModelKeys(n).batches)
+                    and c.r.xpending_range(K.ModelKeys(n).batches, K.GROUP, "-", "+", 1, consumername="slow")]
+            time.sleep(0.1)
+        assert held, "the slow worker never held a batch"
+    finally:
+        slow.send_signal(signal.SIGKILL)
+        slow.wait(10)
+    rows = follow_with_workers(url, "kj", tmp_path / "out.jsonl", [(model, "fast")], batch_size=32,
+                               batch_tokens=4096, timeout=180)
+    _once(rows, 900)
+    reclaims = {n: int(c.r.hget(K.ModelKeys(n).state, "reclaims") or 0) for n in names}
+    assert all(reclaims[n] >= 1 for n in held), reclaims
+    assert any(r["deliveries"] > 1 for r in rows)
+    for n in names:
+        assert verify(c.r, n, items=True).ok
+
+
+def test_the_count_changed_1_3_1_with_work_waiting_loses_and_doubles_nothing(cluster, tmp_path):
+    url, model = cluster.url, "movy"
+    cli("config", model, "--create", "quiet_ms=200", url=url)
+    for k, count in enumerate((1, 3, 1)):
+        cli("config", model, f"shards={count}", url=url)
+        c = Conductor(connect(url))  # a producer that reads the layout now
+        c.submit([item(f"c{i}", 20 + i % 90, model=model, prefix=(f"sys {i % 12}",), max_tokens=8)
+                  for i in range(300 * k, 300 * k + 300)], "mj")
+    assert len([n for n in c.shards(model) if c.status("mj")["models"].get(n, {}).get("submitted")]) == 4
+    rows = follow_with_workers(url, "mj", tmp_path / "out.jsonl", [(model, "w1"), (model, "w2")], batch_size=32,
+                               batch_tokens=4096, timeout=180)
+    _once(rows, 900)
+    st = json.loads(cli("status", "mj", "--json", url=url).stdout)
+    assert (st["status"], st["completed"], st["pending"]) == ("completed", 900, 0), st
