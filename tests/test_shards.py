@@ -150,3 +150,13 @@ def test_the_count_changed_1_3_1_with_work_waiting_loses_and_doubles_nothing(clu
     _once(rows, 900)
     st = json.loads(cli("status", "mj", "--json", url=url).stdout)
     assert (st["status"], st["completed"], st["pending"]) == ("completed", 900, 0), st
+    # drained, the old layout is forgotten (the lease holder does it once it is quiet: shard_maintenance.py)
+    assert c.forget_drained(model, quiet_ms=0) == [3]
+    assert c.shards(model) == [model]
+
+
+def test_a_model_made_sharded_before_any_item_has_no_old_layout_to_drain(cluster):
+    c = Conductor(connect(cluster.url))
+    c.set_config("fresh", {"shards": 3})
+    assert c.shards("fresh") == S.shard_names("fresh", 3)
+    assert c.config(S.shard_names("fresh", 3)[1])["quiet_ms"] == c.config("fresh")["quiet_ms"]

@@ -19,6 +19,9 @@ from conductor.redis_contract.records import Batch, Contract
 
 from .held import event
 from .maintenance import Maintenance
+from .transient import RIDE_OUT
+
+FORGET_EVERY_S = 10.0
 
 
 class ShardMembers:
@@ -107,6 +110,7 @@ class ShardMaintenance:
     def __init__(self, c: Conductor, shards: ShardClaims, owner: str, heartbeat_ttl_s: float) -> None:
         self.c, self.shards, self.owner, self.ttl_s = c, shards, owner, heartbeat_ttl_s
         self.parts: dict[str, Maintenance] = {}
+        self._forget_next = 0.0
         self.on_error: Callable[[BaseException], bool] | None = None
         self._refresh()
 
@@ -123,12 +127,31 @@ class ShardMaintenance:
     def tick(self) -> dict[str, int] | None:
         self._refresh()
         out: dict[str, int] | None = None
-        for m in self.parts.values():
+        for name, m in self.parts.items():
             m.on_error = self.on_error
             got = m.tick()
             if got is not None:
                 out = {k: (out or {}).get(k, 0) + v for k, v in got.items()}
+                if name == self.shards.model:
+                    self._forget_drained()
         return out
+
+    def _forget_drained(self) -> None:
+        """The model's lease holder forgets an old layout once its shards are empty (workers stop
+        claiming and beating there)."""
+        now = time.monotonic()
+        if now < self._forget_next:
+            return
+        self._forget_next = now + FORGET_EVERY_S
+        try:
+            gone = self.c.forget_drained(self.shards.model)
+        except RIDE_OUT as e:
+            if self.on_error is None or not self.on_error(e):
+                event("shards_forget_failed", model=self.shards.model, error=str(e))
+            return
+        if gone:
+            event("old_shards_drained", model=self.shards.model, counts=gone)
+            self.parts = {n: m for n, m in self.parts.items() if n in {self.shards.model, *self.shards.names()}}
 
 
 def for_worker(c: Conductor, shards: ShardClaims, owner: str, heartbeat_ttl_s: float) -> ShardMaintenance:

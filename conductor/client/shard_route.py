@@ -54,7 +54,7 @@ class Sharding(ConductorCore):
         mk = K.ModelKeys(model)
         pipe = self.r.pipeline(transaction=False)
         pipe.hget(mk.cfg, "shards")
-        pipe.smembers(mk.shards_old)
+        pipe.hkeys(mk.shards_old)
         raw, old = pipe.execute()
         try:
             count = S.check_count(as_str(raw)) if raw is not None else 1
@@ -157,13 +157,57 @@ class Sharding(ConductorCore):
         was = self.layout(model, fresh=True).count
         if was != count:
             pipe = self.r.pipeline(transaction=False)
-            pipe.sadd(mk.shards_old, was)
-            pipe.srem(mk.shards_old, count)
+            if self.ever_used(S.shard_names(model, was)):  # a model made sharded has nothing to drain
+                pipe.hset(mk.shards_old, str(was), int(time.time() * 1000))
+            pipe.hdel(mk.shards_old, str(count))
             pipe.delete(mk.shard_of)  # placements were under the old count
             pipe.hset(mk.cfg, "shards", count)
             pipe.execute()
         self._layouts.pop(model, None)
         self.ensure_shards(model)
+
+    def ever_used(self, names: list[str]) -> bool:
+        """Whether any of these shards ever took an item (M:intake ``submitted``)."""
+        pipe = self.r.pipeline(transaction=False)
+        for name in names:
+            pipe.hget(K.ModelKeys(name).intake, "submitted")
+        return any(int(as_str(x) or 0) > 0 for x in pipe.execute() if x is not None)
+
+    def drained(self, names: list[str]) -> bool:
+        """Whether these shards hold nothing: no waiting item, none in flight or taken back, no store
+        segment (an old layout's shards, once drained, are forgotten: shard_maintenance.py)."""
+        pipe = self.r.pipeline(transaction=False)
+        for name in names:
+            mk = K.ModelKeys(name)
+            pipe.hget(mk.intake, "items")
+            pipe.hmget(mk.state, "inflight_batches", "reclaimed_items")
+            pipe.zcard(mk.segs)
+        got = pipe.execute()
+        for i in range(len(names)):
+            items, (batches, back), segs = got[3 * i], got[3 * i + 1], got[3 * i + 2]
+            if int(as_str(items) or 0) > 0 if items is not None else False:
+                return False
+            if int(as_str(batches) or 0) > 0 if batches is not None else False:
+                return False
+            if (int(as_str(back) or 0) > 0 if back is not None else False) or int(segs) > 0:
+                return False
+        return True
+
+    def forget_drained(self, model: str, quiet_ms: int = 30_000) -> list[int]:
+        """The old counts whose shards are drained and that stopped being current over ``quiet_ms``
+        ago (a producer's cached layout lapsed long before: nothing new goes there), taken out of
+        M:shards_old; returns them."""
+        mk = K.ModelKeys(model)
+        now = int(time.time() * 1000)
+        gone = []
+        for raw, since in self.r.hgetall(mk.shards_old).items():
+            n = int(as_str(raw))
+            if now - int(as_str(since)) >= quiet_ms and self.drained(S.shard_names(model, n)):
+                gone.append(n)
+        if gone:
+            self.r.hdel(mk.shards_old, *[str(n) for n in gone])
+            self._layouts.pop(model, None)
+        return gone
 
     def ensure_shards(self, model: str) -> list[str]:
         """Every current shard made a model (cfg, group, the models registry) with the model's cfg."""

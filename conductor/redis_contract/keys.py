@@ -66,8 +66,9 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
                                              shards > 1 (issue 36) the model's shapes live on its shards
                                              ``m~s.k`` (conductor/redis_contract/shards.py), each a model of
                                              this layout whose cfg is a copy of this one
-    M:shards_old                    set      earlier shard counts of a model whose shards changed: their
-                                             shards keep draining (workers serve them too)
+    M:shards_old                    hash     earlier shard count -> when it stopped being current (ms): its
+                                             shards keep draining (workers serve them too) until the lease
+                                             holder finds them empty (workers/shard_maintenance.py)
     M:shard_of                      hash     signature -> its shard under the current count, recorded at its
                                              first submit (the least loaded shard, then stable)
     M:state                         hash     the fleet's model state: gate, cleanup, in-flight and finished

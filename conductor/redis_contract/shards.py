@@ -24,6 +24,7 @@ from redis.crc import key_slot
 
 SEP = "~"
 SLOTS = 16384
+EDGE = 4
 MAX_SHARDS = 64  # beyond it a cluster's masters, not shards, are the limit
 _SHARD_RE = re.compile(rf"^(?P<model>.+){SEP}(?P<s>\d+)\.(?P<k>\d+)$")
 
@@ -37,7 +38,9 @@ def shard_name(model: str, s: int, count: int) -> str:
     """Shard ``s`` of ``count`` of ``model``; the model itself when ``count`` is 1."""
     if count <= 1:
         return model
-    lo, hi = s * SLOTS // count, (s + 1) * SLOTS // count
+    # EDGE slots kept off each end of the part: tools split the slot range with their own rounding
+    # (redis-cli --cluster create gives 0-5460, 5461-10922, 10923-16383 to three masters)
+    lo, hi = s * SLOTS // count + EDGE, (s + 1) * SLOTS // count - EDGE
     k = 0
     while True:  # about ``count`` tries: each salt lands in the part with chance 1/count
         name = f"{model}{SEP}{s}.{k}"
