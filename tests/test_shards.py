@@ -160,3 +160,68 @@ def test_a_model_made_sharded_before_any_item_has_no_old_layout_to_drain(cluster
     c.set_config("fresh", {"shards": 3})
     assert c.shards("fresh") == S.shard_names("fresh", 3)
     assert c.config(S.shard_names("fresh", 3)[1])["quiet_ms"] == c.config("fresh")["quiet_ms"]
+
+
+def test_the_batch_api_over_a_sharded_model(cluster, tmp_path):
+    import io
+    import urllib.error
+    import urllib.request
+
+    from openai import OpenAI
+
+    from conductor.embedded import free_port
+    url, model, key = cluster.url, "apim", "sk-test-shards"
+    cli("config", model, "--create", "quiet_ms=200", "shards=3", url=url)
+    port = free_port()
+    serve = subprocess.Popen([sys.executable, "-m", "conductor", "serve", "--port", str(port), "--data-dir",
+                              str(tmp_path / "files")], env=dict(os.environ, CONDUCTOR_REDIS_URL=url,
+                                                                 CONDUCTOR_API_KEYS=key), cwd=str(ROOT))
+    w = _worker(url, model, "api-w")
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2)
+                break
+            except urllib.error.HTTPError:  # it answers (without a key: 401)
+                break
+            except OSError:
+                assert serve.poll() is None and time.monotonic() < deadline, "serve did not start"
+                time.sleep(0.1)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key)
+        rows = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+                 "body": {"model": model, "max_tokens": 4,
+                          "messages": [{"role": "system", "content": f"be brief {i % 9}"},
+                                       {"role": "user", "content": f"question {i}"}]}} for i in range(120)]
+        f = client.files.create(file=("in.jsonl", io.BytesIO("".join(json.dumps(r) + "\n" for r in rows).encode())),
+                                purpose="batch")
+        b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        while b.status not in ("completed", "failed", "cancelled", "expired"):
+            assert time.monotonic() < deadline + 120, b
+            time.sleep(0.2)
+            b = client.batches.retrieve(b.id)
+        assert b.status == "completed", b.errors
+        assert (b.request_counts.total, b.request_counts.completed) == (120, 120)
+        out = [json.loads(x) for x in client.files.content(b.output_file_id).text.splitlines()]
+        assert sorted(x["custom_id"] for x in out) == sorted(r["custom_id"] for r in rows)
+        c = Conductor(connect(url))
+        assert len([n for n in S.shard_names(model, 3) if c.status(b.id)["models"].get(n)]) >= 2
+    finally:
+        w.terminate()
+        serve.terminate()
+        assert w.wait(30) == 0 and serve.wait(30) == 0
+
+
+def test_a_tenants_service_on_one_shard_counts_on_the_others(cluster):
+    from conductor.jobs.shard_fair import ShardFair
+    c = Conductor(connect(cluster.url))
+    c.set_config("fairy", {"shards": 3})
+    names = c.shards("fairy")
+    fair = ShardFair(c.r)
+    assert fair.sync(names) == {}  # the first sync only learns the counters
+    c.r.hincrbyfloat(K.ModelKeys(names[0]).vtc, "a", 1000)
+    c.r.hincrbyfloat(K.ModelKeys(names[1]).vtc, "b", 10)
+    assert fair.sync(names) == {"a": 2000, "b": 20}
+    vtc = [{k.decode(): float(v) for k, v in c.r.hgetall(K.ModelKeys(n).vtc).items()} for n in names]
+    assert vtc == [{"a": 1000, "b": 10}, {"a": 1000, "b": 10}, {"a": 1000, "b": 10}]
+    assert fair.sync(names) == {}  # a top-up is not growth to spread again

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 
 from conductor.client import Conductor
 from conductor.client.shard_claims import ShardClaims
+from conductor.jobs.shard_fair import ShardFair
 from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.records import Batch, Contract
@@ -111,6 +112,7 @@ class ShardMaintenance:
         self.c, self.shards, self.owner, self.ttl_s = c, shards, owner, heartbeat_ttl_s
         self.parts: dict[str, Maintenance] = {}
         self._forget_next = 0.0
+        self.fair = ShardFair(c.r)
         self.on_error: Callable[[BaseException], bool] | None = None
         self._refresh()
 
@@ -132,9 +134,18 @@ class ShardMaintenance:
             got = m.tick()
             if got is not None:
                 out = {k: (out or {}).get(k, 0) + v for k, v in got.items()}
-                if name == self.shards.model:
+                if name == self.shards.model and len(self.parts) > 1:
                     self._forget_drained()
+                    self._fair()
         return out
+
+    def _fair(self) -> None:
+        """Tenants' service over the shards combined (conductor/jobs/shard_fair.py), by the model's lease holder."""
+        try:
+            self.fair.sync(self.shards.names())
+        except RIDE_OUT as e:
+            if self.on_error is None or not self.on_error(e):
+                event("shard_fair_failed", model=self.shards.model, error=str(e))
 
     def _forget_drained(self) -> None:
         """The model's lease holder forgets an old layout once its shards are empty (workers stop
