@@ -66,6 +66,8 @@ def test_a_job_over_three_shards_end_to_end_through_the_cli(cluster, tmp_path):
     assert list(st["models"]) == [model]
     out = cli("results", "sj", url=url).stdout.decode().splitlines()
     assert Counter(json.loads(x)["id"] for x in out) == ids
+    row = next(r for r in json.loads(cli("jobs", "--json", url=url).stdout) if r["job"] == "sj")
+    assert (row["state"], row["models"], row["completed"]) == ("completed", [model], 1500), row
     vj = cli("verify-job", "sj", url=url, check=False)
     assert vj.returncode == 0, vj.stdout.decode() + vj.stderr.decode()
 

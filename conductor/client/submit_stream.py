@@ -136,8 +136,9 @@ class Submitting(Sharding):
         when the job has items already under another class."""
         check_name("job", job)
         for model in models:
-            self._confirmed(calls.job_class(self._intake_model(model), job, job_class.tenant, job_class.priority,
-                                            job_class.deadline_ms))
+            for name in dict.fromkeys([model, *self.shards(model)]):  # a sharded model's items go to its shards
+                self._confirmed(calls.job_class(self._intake_model(name), job, job_class.tenant, job_class.priority,
+                                                job_class.deadline_ms))
 
     def check_ids_across_models(self, job: str, by_model: dict[str, list[PreparedItem]]) -> None:
         """Refuse ids the job already has under another of its models (one read per 1,000 ids and
