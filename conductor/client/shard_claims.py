@@ -19,6 +19,8 @@ from conductor.redis_contract.connection import as_str
 from conductor.redis_contract.records import Batch, Contract
 from conductor.redis_contract.shards import shard_name
 
+from .shard_route import WORKER_LAYOUT_TTL_S
+
 REORDER_S = 2.0
 # What an empty round over the shards answers, the first found in this order: work held back
 # somewhere (quiet intake, the release gate) keeps the worker's timed wait short.
@@ -28,9 +30,9 @@ _REASONS = ("wait", "gate", "nogroup", "paused")
 class ShardClient(Protocol):
     r: Any
 
-    def shards(self, model: str) -> list[str]: ...
+    def shards(self, model: str, max_age_s: float = ...) -> list[str]: ...
 
-    def layout(self, model: str, *, fresh: bool = False) -> Any: ...
+    def layout(self, model: str, *, fresh: bool = False, max_age_s: float = ...) -> Any: ...
 
     def claim(self, contract: Contract, consumer: str) -> tuple[Batch | None, str]: ...
 
@@ -44,7 +46,7 @@ class ShardClaims:
 
     def names(self) -> list[str]:
         """The model's shards that may hold work (the model alone when unsharded)."""
-        return self.c.shards(self.model)
+        return self.c.shards(self.model, max_age_s=WORKER_LAYOUT_TTL_S)
 
     @property
     def sharded(self) -> bool:
@@ -53,7 +55,7 @@ class ShardClaims:
     def bell_model(self) -> str:
         """Whose doorbell an idle worker waits on: the first current shard (submits to the other
         shards ring it too: conductor/client/shard_route.py)."""
-        return shard_name(self.model, 0, self.c.layout(self.model).count)
+        return shard_name(self.model, 0, self.c.layout(self.model, max_age_s=WORKER_LAYOUT_TTL_S).count)
 
     def claim(self, contract: Contract, consumer: str) -> tuple[Batch | None, str]:
         names = self.names()

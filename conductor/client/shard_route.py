@@ -20,9 +20,12 @@ from conductor.redis_contract import shards as S
 from conductor.redis_contract.connection import as_str
 from conductor.redis_contract.records import PreparedItem
 
-# A producer or worker sees a change of the count this late at most: items routed meanwhile under
-# the old count wait on the old shards, which keep draining (M:shards_old).
+# A producer sees a change of the count this late at most: items routed meanwhile under the old
+# count wait on the old shards, which keep draining (M:shards_old).
 LAYOUT_TTL_S = 2.0
+# A worker, this late: new shards wait that long for it at most, and an idle worker of an unsharded
+# model reads the layout (two commands) once per period, not every 2 s.
+WORKER_LAYOUT_TTL_S = 10.0
 # Fields of a model's cfg that stay the shard's own: its count (a shard is not sharded) and the
 # reference budget its first worker sets (register.lua).
 _OWN_FIELDS = ("shards", "budget_tokens", "budget_items")
@@ -44,12 +47,12 @@ class Sharding(ConductorCore):
     _layouts: dict[str, tuple[float, Layout]]
     _placed: dict[tuple[str, int], dict[str, int]]
 
-    def layout(self, model: str, *, fresh: bool = False) -> Layout:
+    def layout(self, model: str, *, fresh: bool = False, max_age_s: float = LAYOUT_TTL_S) -> Layout:
         if not hasattr(self, "_layouts"):
             self._layouts, self._placed = {}, {}
         now = time.monotonic()
         got = self._layouts.get(model)
-        if got is not None and not fresh and now - got[0] < LAYOUT_TTL_S:
+        if got is not None and not fresh and now - got[0] < max_age_s:
             return got[1]
         mk = K.ModelKeys(model)
         pipe = self.r.pipeline(transaction=False)
@@ -66,9 +69,9 @@ class Sharding(ConductorCore):
         self._layouts[model] = (now, lay)
         return lay
 
-    def shards(self, model: str) -> list[str]:
+    def shards(self, model: str, max_age_s: float = LAYOUT_TTL_S) -> list[str]:
         """Every shard of ``model`` that may hold work (the model itself when it is not sharded)."""
-        return self.layout(model).names(model)
+        return self.layout(model, max_age_s=max_age_s).names(model)
 
     def route(self, by_model: dict[str, list[PreparedItem]]) -> dict[str, list[PreparedItem]]:
         """Items per model -> items per shard, each item under its shard's name."""
