@@ -68,6 +68,10 @@ def test_a_job_over_three_shards_end_to_end_through_the_cli(cluster, tmp_path):
     assert Counter(json.loads(x)["id"] for x in out) == ids
     row = next(r for r in json.loads(cli("jobs", "--json", url=url).stdout) if r["job"] == "sj")
     assert (row["state"], row["models"], row["completed"]) == ("completed", [model], 1500), row
+    insp = json.loads(cli("inspect", model, "--json", url=url).stdout)
+    assert [v["model"] for v in insp] == names and all(v["consumers"] == [] for v in insp), insp
+    ver = cli("inspect", model, "--verify", url=url, check=False)
+    assert ver.returncode == 0, ver.stdout.decode() + ver.stderr.decode()
     vj = cli("verify-job", "sj", url=url, check=False)
     assert vj.returncode == 0, vj.stdout.decode() + vj.stderr.decode()
 

@@ -235,7 +235,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.model:
         from conductor.cli.admin import known_model
         known_model(c, args.model, create=None)
-    models = [args.model] if args.model else c.models()
+    models = c.shards(args.model) if args.model else c.models()  # a sharded model: each of its shards
     if args.verify or args.repair:
         from conductor.verify import cli_verify
         status = cli_verify(c.r, models, do_repair=args.repair, show_all=args.all, ledger=not args.no_ledger,
