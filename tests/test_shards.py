@@ -231,3 +231,35 @@ def test_a_tenants_service_on_one_shard_counts_on_the_others(cluster):
     vtc = [{k.decode(): float(v) for k, v in c.r.hgetall(K.ModelKeys(n).vtc).items()} for n in names]
     assert vtc == [{"a": 1000, "b": 10}, {"a": 1000, "b": 10}, {"a": 1000, "b": 10}]
     assert fair.sync(names) == {}  # a top-up is not growth to spread again
+
+
+def test_pause_covers_every_shard(cluster, tmp_path):
+    url, model = cluster.url, "pausy"
+    cli("config", model, "--create", "quiet_ms=200", "shards=3", url=url)
+    src = tmp_path / "in.jsonl"
+    _lines(src, 60, model)
+    cli("pause", model, url=url)
+    assert cli("submit", str(src), "--job", "pj", url=url, check=False).returncode == 2
+    cli("resume", model, url=url)
+    cli("submit", str(src), "--job", "pj", url=url)
+    assert Conductor(connect(url)).status("pj")["submitted"] == 60
+
+
+def test_the_request_path_of_a_sharded_model_is_served(redis_url):
+    # RequestClient takes no cluster URL; shards work on one Redis too (all on one node)
+    from conductor.client.request import RequestClient
+    model = "reqy"
+    cli("config", model, "--create", "quiet_ms=200", "shards=3", url=redis_url)
+    w = _worker(redis_url, model, "req-w")
+    try:
+        c = Conductor(connect(redis_url))
+        deadline = time.monotonic() + 30
+        while not c.r.exists(K.ModelKeys(model).heartbeat("req-w")):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        with RequestClient(redis_url, model=model, max_in_flight=2) as rc:  # on the model's own keys
+            res = rc.generate("hello", prefix=("sys",), max_tokens=4, timeout=20)
+            assert res.error is None and res.output and res.model == model
+    finally:
+        w.terminate()
+        assert w.wait(30) == 0

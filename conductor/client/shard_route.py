@@ -141,6 +141,15 @@ class Sharding(ConductorCore):
         if pipe is not None:
             pipe.execute()
 
+    def pause(self, model: str) -> None:
+        """The model and each of its shards (core.pause)."""
+        for name in dict.fromkeys([model, *self.shards(model, max_age_s=0)]):
+            super().pause(name)
+
+    def resume(self, model: str) -> None:
+        for name in dict.fromkeys([model, *self.shards(model, max_age_s=0)]):
+            super().resume(name)
+
     def set_config(self, model: str, values: dict[str, Any]) -> None:
         """As the core's, ``shards`` changing the layout (set_shards) and every other value copied to
         the model's shards."""
