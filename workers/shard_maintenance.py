@@ -23,6 +23,7 @@ from .maintenance import Maintenance
 from .transient import RIDE_OUT
 
 FORGET_EVERY_S = 10.0
+SHARD_SWEEP_S = 2.5
 
 
 class ShardMembers:
@@ -120,11 +121,17 @@ class ShardMaintenance:
         for name in dict.fromkeys([self.shards.model, *self.shards.names()]):
             if name not in self.parts:
                 m = Maintenance.for_worker(self.c, name, self.owner, self.ttl_s)
+                if name != self.shards.model:
+                    # a shard's sweep less often than the model's: each costs a lease, a reclaim
+                    # sweep and a trim, and a dead worker's batches wait for its heartbeat's TTL anyway
+                    m.interval_s = SHARD_SWEEP_S
                 m.on_error = self.on_error
                 self.parts[name] = m
 
     def due_in(self) -> float:
-        return min(m.due_in() for m in self.parts.values())
+        """The latest of the parts' next duties, none later than a sweep period: an idle worker wakes
+        once for all of them (their periods drift apart by the time each tick takes), not once each."""
+        return min(max(m.due_in() for m in self.parts.values()), SHARD_SWEEP_S)
 
     def tick(self) -> dict[str, int] | None:
         self._refresh()

@@ -150,6 +150,29 @@ def run_one(cl: Cluster, model: str, shards: int, shapes: int, items: int, worke
             "share": max(cpu) / total, "items_per_shard": sorted(per_shard.values(), reverse=True)}
 
 
+def idle_rate(cl: Cluster, model: str, shards: int, seconds: float) -> tuple[float, float]:
+    """One idle worker (sim, doorbell wake) on a model with nothing waiting: the commands a second it
+    costs all the masters together, and their CPU us a second, past its first seconds (registration)."""
+    c = Conductor(connect(cl.url))
+    c.set_config(model, {"shards": shards})
+    env = dict(os.environ, CONDUCTOR_REDIS_URL=cl.url)
+    p = subprocess.Popen([sys.executable, "-m", "conductor", "--log-level", "warning", "worker", "--engine", "sim",
+                          "--model", model, "--name", "idle"], env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL)
+    try:
+        time.sleep(4.0)
+        before = [_cpu_calls(port) for port in cl.ports]
+        quiet0 = time.monotonic()
+        time.sleep(seconds)
+        after = [_cpu_calls(port) for port in cl.ports]
+        took = time.monotonic() - quiet0
+    finally:
+        p.terminate()
+        p.wait(30)
+    calls = sum(a[1] - b[1] for a, b in zip(after, before, strict=True)) - 2 * len(cl.ports)  # INFO's own
+    cpu = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
+    return calls / took, cpu / took * 1e6
+
+
 def on_paper(data: list[dict]) -> str:
     """Items a second one model's Redis carries, from the figures above: the busiest master saturates
     first, at one core; against fleets of GPUs at 10 to 25 items a second each."""
@@ -173,12 +196,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--masters", type=int, nargs="+", default=[3, 6])
     p.add_argument("--shapes", type=int, nargs="+", default=[48, 480])
     p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--idle-s", type=float, default=10.0, help="how long an idle worker is measured (0: not)")
     p.add_argument("--no-write", action="store_true")
     a = p.parse_args(argv)
-    rows, data = [], []
+    rows, data, idle = [], [], []
     for masters in a.masters:
         cl = Cluster(masters)
         try:
+            if a.idle_s > 0:
+                for shards in (1, masters):
+                    got_idle = idle_rate(cl, f"idle{shards}", shards, a.idle_s)
+                    idle.append((masters, shards, f"{got_idle[0]:.1f}", f"{got_idle[1]:.0f}"))
+                    print(idle[-1], flush=True)
             n = 0
             for shapes in a.shapes:
                 for shards, placement in ((1, "-"), (masters, "hash"), (masters, "least loaded")):
@@ -205,6 +234,12 @@ def main(argv: list[str] | None = None) -> int:
             "recorded).\n\n"
             + table(["masters", "shards", "shapes", "placement", "run s", "CPU us/item per master", "CPU us/item",
                      "commands/item per master", "busiest share", "goal", "items per shard"], rows))
+    if idle:
+        text += ("\n\nOne idle worker (sim, doorbell wake, default heartbeat TTL 10 s) on a model with nothing "
+                 f"waiting, over {a.idle_s:g} s after its first 4: the commands a second and the CPU us a second of "
+                 "all "
+                 "the masters together (cluster bus and cron included), unsharded and over every master.\n\n"
+                 + table(["masters", "shards", "commands/s", "CPU us/s, all masters"], idle))
     text += "\n\n" + on_paper(data)
     publish(text, SECTION, write=not a.no_write)
     return 0
