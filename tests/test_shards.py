@@ -263,3 +263,28 @@ def test_the_request_path_of_a_sharded_model_is_served(redis_url):
     finally:
         w.terminate()
         assert w.wait(30) == 0
+
+
+def test_a_host_agent_serves_every_shard(redis_url):
+    import threading
+
+    from conductor.workers.host_agent import HostAgent
+    from conductor.workers.worker import WorkerOptions
+    from tests.helpers import quick
+    c = Conductor(connect(redis_url))
+    quick(c, "agy", shards=3)
+    c.submit([item(f"a{i}", 10 + i % 40, model="agy", prefix=(f"sys {i % 9}",), max_tokens=8) for i in range(240)],
+             "aj")
+    used = [n for n in c.shards("agy") if c.status("aj")["models"].get(n)]
+    assert len(used) == 3
+    spec = {"kind": "sim", "model": "agy", "max_batch_size": 8, "max_batch_tokens": 8192, "max_input_len": 4096,
+            "time_scale": 0.0}
+    agent = HostAgent(Conductor(connect(redis_url)), spec, 2, WorkerOptions(name="ag", idle_exit_s=1.0))
+    t = threading.Thread(target=agent.run, daemon=True)
+    t.start()
+    t.join(timeout=60)
+    assert not t.is_alive()
+    rows = c.read_results("aj")
+    _once([{"id": r.id} for r in rows], 240, prefix="a")
+    assert {r.model for r in rows} == {"agy"}
+    assert all(int(c.r.hget(K.ModelKeys(n).job("aj"), "completed") or 0) > 0 for n in used)
