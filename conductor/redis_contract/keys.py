@@ -171,8 +171,8 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
 
 Who may write what (deploy/redis/users.acl): a producer writes only M:intake, M:in:*, the shape,
 instance and lane keys (through submit.lua, seal.lua and declare.lua) and the global job and
-model registries; everything else, results and counters of finished work included, is the
-workers'. Schema 3 (migrations/0003) split the producer's keys from the workers'.
+model registries, and M:shard_of (a new shape's shard, HSETNX; conductor/client/shard_route.py);
+everything else, results and counters of finished work included, is the workers'. Schema 3 (migrations/0003) split the producer's keys from the workers'.
 
 An item record is the JSON array text ``[id, job, input_tokens, max_tokens, prompt, payload]``
 (``records.BatchItem`` decodes it as an array-like struct). The producer builds it
