@@ -288,3 +288,41 @@ def test_a_host_agent_serves_every_shard(redis_url):
     _once([{"id": r.id} for r in rows], 240, prefix="a")
     assert {r.model for r in rows} == {"agy"}
     assert all(int(c.r.hget(K.ModelKeys(n).job("aj"), "completed") or 0) > 0 for n in used)
+
+
+def test_a_change_of_count_moves_waiting_shapes_to_their_new_shards(cluster, tmp_path):
+    from conductor.client import shard_migrate
+    from conductor.redis_contract import script_calls as calls
+    from conductor.redis_contract.records import Contract
+    from tests.helpers import quick
+    url, model = cluster.url, "migy"
+    c = Conductor(connect(url))
+    quick(c, model)
+    c.submit([item(f"g{i}", 10 + i % 60, model=model, prefix=(f"sys {i % 12}",), max_tokens=8)
+              for i in range(600)], "gj", seal=True)
+    c.set_config(model, {"shards": 3})
+    assert shard_migrate.old_shards(c, model) == [model]
+    # a migration that died after handing a batch over, before submitting it: the next step resumes it
+    time.sleep(0.2)  # past quiet_ms: the old shard dispatches what waits
+    batch, why = c.claim(Contract(model=model, max_batch_size=50, max_batch_tokens=1 << 20, max_input_len=4096), "mv")
+    assert batch is not None, why
+    token = c.r.xrange(K.ModelKeys(model).batches, batch.batch_id, batch.batch_id)[0][1][b"k"].decode()
+    assert calls.hand_over(K.ModelKeys(model), batch.batch_id, "mv", token).run(c.scripts) == len(batch.items)
+    assert c.status("gj")["submitted"] == 600 - len(batch.items)  # in the moving list, nowhere claimable
+    deadline = time.monotonic() + 30
+    while not c.drained([model]):
+        assert time.monotonic() < deadline, c.status("gj")
+        shard_migrate.step(c, model, "mv", batches=50)
+        time.sleep(0.05)
+    st = c.status("gj")
+    assert st["submitted"] == 600 and st["models"][model]["submitted"] == 0, st
+    assert all(st["models"][n]["submitted"] for n in S.shard_names(model, 3))
+    assert c.forget_drained(model, quiet_ms=0) == [1]
+    for n in [model, *S.shard_names(model, 3)]:
+        rep = verify(c.r, n, items=True)
+        assert rep.ok, (n, rep.drift)
+    w = _worker(url, model, "after", "--idle-exit", "2")
+    assert w.wait(120) == 0
+    rows = [json.loads(r) for r in c.results("gj")]
+    _once(rows, 600, prefix="g")
+    assert c.status("gj")["done"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable
 
-from conductor.client import Conductor
+from conductor.client import Conductor, shard_migrate
 from conductor.client.shard_claims import ShardClaims
 from conductor.jobs.shard_fair import ShardFair
 from conductor.redis_contract import keys as K
@@ -142,9 +142,21 @@ class ShardMaintenance:
             if got is not None:
                 out = {k: (out or {}).get(k, 0) + v for k, v in got.items()}
                 if name == self.shards.model and len(self.parts) > 1:
+                    self._migrate()
                     self._forget_drained()
                     self._fair()
         return out
+
+    def _migrate(self) -> None:
+        """Waiting shapes of an old layout to their new shards, one bounded step a tick (shard_migrate.py)."""
+        try:
+            moved = shard_migrate.step(self.c, self.shards.model, self.owner)
+        except RIDE_OUT as e:
+            if self.on_error is None or not self.on_error(e):
+                event("shard_migrate_failed", model=self.shards.model, error=str(e))
+            return
+        if moved:
+            event("shard_migrated", model=self.shards.model, items=moved)
 
     def _fair(self) -> None:
         """Tenants' service over the shards combined (conductor/jobs/shard_fair.py), by the model's lease holder."""

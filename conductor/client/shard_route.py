@@ -163,7 +163,7 @@ class Sharding(ConductorCore):
                     self.reindex(name)
 
     def set_shards(self, model: str, count: int) -> None:
-        """Change the model's count: the old layout's shards keep draining (M:shards_old), new shapes
+        """Change the model's count: the old layout's shards drain and are migrated (M:shards_old), new shapes
         go to the new shards. Each shard is made a model with a copy of the model's cfg."""
         mk = self.ensure_model(model)
         was = self.layout(model, fresh=True).count
@@ -186,22 +186,23 @@ class Sharding(ConductorCore):
         return any(int(as_str(x) or 0) > 0 for x in pipe.execute() if x is not None)
 
     def drained(self, names: list[str]) -> bool:
-        """Whether these shards hold nothing: no waiting item, none in flight or taken back, no store
-        segment (an old layout's shards, once drained, are forgotten: shard_maintenance.py)."""
+        """Whether these shards hold nothing: no waiting item, none in flight, taken back or being moved,
+        no store segment (an old layout's shards, once drained, are forgotten: shard_maintenance.py)."""
         pipe = self.r.pipeline(transaction=False)
         for name in names:
             mk = K.ModelKeys(name)
             pipe.hget(mk.intake, "items")
             pipe.hmget(mk.state, "inflight_batches", "reclaimed_items")
             pipe.zcard(mk.segs)
+            pipe.hlen(mk.moving)
         got = pipe.execute()
         for i in range(len(names)):
-            items, (batches, back), segs = got[3 * i], got[3 * i + 1], got[3 * i + 2]
+            items, (batches, back), segs, moving = got[4 * i], got[4 * i + 1], got[4 * i + 2], got[4 * i + 3]
             if int(as_str(items) or 0) > 0 if items is not None else False:
                 return False
             if int(as_str(batches) or 0) > 0 if batches is not None else False:
                 return False
-            if (int(as_str(back) or 0) > 0 if back is not None else False) or int(segs) > 0:
+            if (int(as_str(back) or 0) > 0 if back is not None else False) or int(segs) > 0 or int(moving) > 0:
                 return False
         return True
 

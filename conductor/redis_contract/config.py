@@ -53,7 +53,8 @@ FIELDS: dict[str, tuple[Any, str]] = {
                          "segments too, whatever results_window says (a follower has read them long ago). 0: off"),
     "shards": (1, "the model's shapes spread over this many shards, each a single-slot copy of its keys on its own "
                   "part of a cluster's slots (conductor/redis_contract/shards.py); 1: the model's own keys. A change "
-                  "moves nothing: the old shards keep draining"),
+                  "moves the waiting shapes to their new shards (the workers' lease holder; the old shards drain "
+                  "meanwhile)"),
 }
 
 DEFAULTS: dict[str, Any] = {k: v[0] for k, v in FIELDS.items()}

@@ -71,6 +71,10 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
                                              holder finds them empty (workers/shard_maintenance.py)
     M:shard_of                      hash     signature -> its shard under the current count, recorded at its
                                              first submit (the least loaded shard, then stable)
+    M:moving                        hash     token -> shape signature: batches an old shard handed over
+                                             (lua/hand_over.lua) whose items the migration has yet to submit
+                                             to their new shard
+    M:moving:T                      list     the item records of one of them (conductor/client/shard_migrate.py)
     M:state                         hash     the fleet's model state: gate, cleanup, in-flight and finished
                                              counters, pause (workers write it; producers only read it;
                                              every field in STATE_FIELDS below)
@@ -172,7 +176,8 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
 Who may write what (deploy/redis/users.acl): a producer writes only M:intake, M:in:*, the shape,
 instance and lane keys (through submit.lua, seal.lua and declare.lua) and the global job and
 model registries, and M:shard_of (a new shape's shard, HSETNX; conductor/client/shard_route.py);
-everything else, results and counters of finished work included, is the workers'. Schema 3 (migrations/0003) split the producer's keys from the workers'.
+everything else, results and counters of finished work included, is the workers'. Schema 3
+(migrations/0003) split the producer's keys from the workers'.
 
 An item record is the JSON array text ``[id, job, input_tokens, max_tokens, prompt, payload]``
 (``records.BatchItem`` decodes it as an array-like struct). The producer builds it
@@ -351,6 +356,13 @@ class ModelKeys:
     @property
     def shard_of(self) -> str:
         return f"{self.base}:shard_of"
+
+    @property
+    def moving(self) -> str:
+        return f"{self.base}:moving"
+
+    def moving_items(self, token: str) -> str:
+        return f"{self.base}:moving:{token}"
 
     @property
     def staged(self) -> str:

@@ -9,8 +9,9 @@ every other respect (its own cfg, lanes, streams, counters), registered in the m
 and in the job's models set like any model: every script stays single-slot, and every view that
 walks a job's models sees the whole job; views show ``fold(name)``, the model's own name.
 
-A live change of S moves nothing: the old layout's shards keep draining, recorded in
-``M:shards_old`` (keys.py), and workers serve them as long as they are recorded.
+A live change of S: the old layout's shards are recorded in ``M:shards_old`` (keys.py); workers serve
+them as long as they are recorded, and the model's lease holder moves their waiting shapes to the new
+shards (conductor/client/shard_migrate.py, lua/hand_over.lua), then forgets them once empty.
 
 Pure functions only: the Redis reads are the client's (conductor/client/shard_claims.py).
 """
