@@ -326,3 +326,40 @@ def test_a_change_of_count_moves_waiting_shapes_to_their_new_shards(cluster, tmp
     rows = [json.loads(r) for r in c.results("gj")]
     _once(rows, 600, prefix="g")
     assert c.status("gj")["done"]
+
+
+def test_a_live_model_resharded_1_to_3_mid_run_through_the_cli(cluster, tmp_path):
+    # workers running and work waiting when the count changes: the lease holder moves the waiting
+    # shapes to the new shards while the workers serve both layouts; every id once
+    url, model = cluster.url, "livey"
+    cli("config", model, "--create", "quiet_ms=200", url=url)
+    src = tmp_path / "in.jsonl"
+    _lines(src, 1200, model, shapes=24)
+    cli("submit", str(src), "--job", "lj", url=url)
+    c = Conductor(connect(url))
+    # slow enough that work still waits when the workers see the new count (WORKER_LAYOUT_TTL_S)
+    procs = [_worker(url, model, f"lw{i}", "--sim-time-scale", "20") for i in range(2)]
+    try:
+        deadline = time.monotonic() + 60
+        while c.status("lj")["completed"] < 100:
+            assert time.monotonic() < deadline, c.status("lj")
+            time.sleep(0.1)
+        cli("config", model, "shards=3", url=url)
+        deadline = time.monotonic() + 180
+        while not c.status("lj")["done"]:
+            assert time.monotonic() < deadline, c.status("lj")
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            assert p.wait(30) == 0
+    st = c.status("lj")
+    assert sum(st["models"].get(n, {}).get("submitted", 0) for n in S.shard_names(model, 3)) > 0, st  # moved
+    rows = [json.loads(x) for x in cli("results", "lj", url=url).stdout.decode().splitlines()]
+    _once(rows, 1200)
+    assert json.loads(cli("status", "lj", "--json", url=url).stdout)["status"] == "completed"
+    for n in [model, *S.shard_names(model, 3)]:
+        rep = verify(c.r, n, items=True)
+        assert rep.ok, (n, rep.drift)
+    assert cli("verify-job", "lj", url=url, check=False).returncode == 0

@@ -25,7 +25,7 @@ from conductor.redis_contract.records import PreparedItem
 LAYOUT_TTL_S = 2.0
 # A worker, this late: new shards wait that long for it at most, and an idle worker of an unsharded
 # model reads the layout (two commands) once per period, not every 2 s.
-WORKER_LAYOUT_TTL_S = 10.0
+WORKER_LAYOUT_TTL_S = 5.0
 # Fields of a model's cfg that stay the shard's own: its count (a shard is not sharded) and the
 # reference budget its first worker sets (register.lua).
 _OWN_FIELDS = ("shards", "budget_tokens", "budget_items")
