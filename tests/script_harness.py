@@ -426,6 +426,16 @@ def fail_dead_letters(c: Conductor) -> Call:
     return fail_call(b, "w")
 
 
+def hand_over(c: Conductor) -> Call:
+    # a claimed batch of an old shard taken out of it into its moving list (conductor/client/shard_migrate.py)
+    quick(c)
+    c.submit([item(i, 10) for i in range(4)], "j")
+    b, _ = c.claim(contract(max_input_len=4096), "w")
+    token = c.r.xrange(MK.batches, b.batch_id, b.batch_id)[0][1][b"k"].decode()
+    return Call("hand_over", [MK.base, MK.state, MK.batches], [b.batch_id, "w", token],
+                check=lambda r: r.llen(MK.moving_items(token)) == 4 and r.hget(MK.job_intake("j"), "submitted") == b"0")
+
+
 def dead_retry(c: Conductor) -> Call:
     quick(c, max_deliveries=1)
     c.submit([item(i, 10) for i in range(3)], "j")
@@ -827,6 +837,7 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "cancel_segment": [cancel_segment_waiting],
     "batch_finalize": [batch_finalize_start, batch_finalize_done],
     "tenant_admit": [tenant_admit_under, tenant_admit_over],
+    "hand_over": [hand_over],
 }
 
 

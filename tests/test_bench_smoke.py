@@ -80,6 +80,14 @@ def test_cluster_claim_bench_runs(capsys):
     assert "| 3-node cluster |" in out and out.count("| single node") == 2
 
 
+def test_cluster_shards_bench_runs(capsys):
+    from bench.broker import cluster_shards
+    assert cluster_shards.main(["--items", "400", "--masters", "3", "--shapes", "12", "--workers", "1",
+                                "--no-write"]) == 0
+    out = capsys.readouterr().out
+    assert "| 3 | 3 | 12 | least loaded |" in out and "GPUs fed" in out
+
+
 def test_oracle_plan_covers_every_item_once_in_pure_batches_under_the_contract():
     from bench.common import oracle
     wl = generate(WorkloadSpec(items=3000, shapes=6, seed=4))

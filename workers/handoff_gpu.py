@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from conductor.errors import ConductorError
 from conductor.redis_contract.records import Batch, Result, ResultError
+from conductor.redis_contract.shards import fold  # a shard's results under its model's name
 
 from .engines import make_engine
 from .engines.base import Engine, Finished
@@ -80,7 +81,7 @@ class GpuProcess:
                 continue
             b, it = fin.batch, fin.item
             run.results.append(Result(
-                id=it.id, model=b.model, job=it.job, output=fin.output, output_tokens=fin.output_tokens,
+                id=it.id, model=fold(b.model), job=it.job, output=fin.output, output_tokens=fin.output_tokens,
                 error=fin.error, shape=b.shape, epoch=b.epoch, lane=b.lane, batch=b.batch_id,
                 batch_size=len(b.items), batch_padded_len=b.padded_len, input_tokens=it.input_tokens,
                 worker=self.name, claimed_at=b.claimed_at, finished_at=int(time.time() * 1000),

@@ -282,7 +282,7 @@ class HostAgent(Worker):
     def _claim_for(self, gpu: _Gpu) -> bool:
         t0 = time.monotonic()
         try:
-            batch, self.last_claim = self.c.claim(self.contract, self.name)
+            batch, self.last_claim = self.shards.claim(self.contract, self.name)
         except RIDE_OUT as e:
             if not is_transient(e):
                 raise
@@ -318,9 +318,9 @@ class HostAgent(Worker):
             event("agent_stopped", worker=self.name, **self.summary())
 
     def _claim_loop(self) -> None:  # noqa: C901 - the worker loop's order (maintenance, room, claim, bell, exits) in one place
-        from .maintenance import Maintenance
-        maint = Maintenance.for_worker(self.c, self.contract.model, self.name, self.opts.heartbeat_ttl_s)
-        bell = Doorbell(self.c, self.contract.model)
+        from .shard_maintenance import for_worker
+        maint = for_worker(self.c, self.shards, self.name, self.opts.heartbeat_ttl_s)  # each shard's too
+        bell = Doorbell(self.c, self.shards.bell_model())
         idle = IdleBeat(self, maint, bell)  # nothing waiting: one BLPOP and one beat a beat (issue 36)
         idle_since, rung = time.monotonic(), False
         while not self.stopping.is_set():
@@ -360,7 +360,7 @@ class HostAgent(Worker):
         left = self.leased_ids()
         if left:
             try:
-                res = self.c.reclaim_consumer(self.contract.model, self.name, force=True)
+                res = self.members.reclaim(self.name)
                 event("handed_back", worker=self.name, batches=res["batches"], requeued=res["items"])
             except RIDE_OUT as e:  # pending under this name; the next sweep hands them on
                 event("hand_back_failed", worker=self.name, batches=len(left), error=str(e))

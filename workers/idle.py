@@ -34,7 +34,7 @@ from .transient import RIDE_OUT, is_transient
 from .worker_start import WorkerStart
 
 if TYPE_CHECKING:  # imported where the loop starts, as workers/worker.py does
-    from .maintenance import Maintenance
+    from .shard_maintenance import ShardMaintenance as Maintenance
 
 # An idle beat every this share of the heartbeat TTL; the heartbeat thread steps in only when the
 # next one is late by GRACE x that period (a holder's sweep that runs long, say).
@@ -77,7 +77,9 @@ class IdleBeat:
         the sweep found, the idle exit or a stop (False), or a transient Redis error (None:
         ``on_error`` hears of it, the caller backs off). After any other answer, the doorbell's
         wait bounded by the next timed duty (Doorbell.wait_idle)."""
-        if last_claim != "idle":
+        # a sharded model's beat would see only the model's own keys: its idle workers keep the
+        # doorbell's wait (work on any shard rings the bell they wait on) until the beat spans shards
+        if last_claim != "idle" or self.w.members.others():
             return self.bell.wait_idle(self.maint.due_in(), idle_exit_s, idle_since, last_claim, on_error)
         try:
             return self._wait(idle_exit_s, idle_since)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import time
 
 from conductor.redis_contract.records import Batch, Result, ResultError
+from conductor.redis_contract.shards import fold
 
 from . import pacing
 from .doorbell import Doorbell, poll_sleep
@@ -45,7 +46,7 @@ class Worker(WorkerStart, OutageHandling):
     # ------------------------------------------------------------------ results
     def _result(self, fin: Finished) -> Result:
         b, it = fin.batch, fin.item
-        return Result(id=it.id, model=b.model, job=it.job, output=fin.output, output_tokens=fin.output_tokens,
+        return Result(id=it.id, model=fold(b.model), job=it.job, output=fin.output, output_tokens=fin.output_tokens,
                       error=fin.error, shape=b.shape, epoch=b.epoch, lane=b.lane, batch=b.batch_id,
                       batch_size=len(b.items), batch_padded_len=b.padded_len, input_tokens=it.input_tokens,
                       worker=self.name, claimed_at=b.claimed_at, finished_at=int(time.time() * 1000),
@@ -109,7 +110,7 @@ class Worker(WorkerStart, OutageHandling):
         if contract is None:
             return False
         t = time.perf_counter()
-        batch, self.last_claim = self.c.claim(contract, self.name)
+        batch, self.last_claim = self.shards.claim(contract, self.name)
         self.metrics.claim_took(time.perf_counter() - t)
         if batch is None:
             if self.last_claim == "nogroup" and self._rides_out:
@@ -220,10 +221,10 @@ class Worker(WorkerStart, OutageHandling):
         idle_since = time.monotonic()
         sleep = 0.001
         # The reclaim sweep runs in whichever live worker holds the model's maintenance lease.
-        from .maintenance import Maintenance
-        maint = Maintenance.for_worker(self.c, self.contract.model, self.name, self.opts.heartbeat_ttl_s)
+        from .shard_maintenance import for_worker
+        maint = for_worker(self.c, self.shards, self.name, self.opts.heartbeat_ttl_s)  # each shard's too
         maint.on_error = self._outage  # an outage is said once, by the link
-        bell = Doorbell(self.c, self.contract.model) if self.opts.wake == "bell" else None
+        bell = Doorbell(self.c, self.shards.bell_model()) if self.opts.wake == "bell" else None
         idle = IdleBeat(self, maint, bell) if bell is not None else None  # the wait on the bell
         rung = False
         # From here on the worker rides outages out itself (workers/outage.py): the client's own
@@ -315,7 +316,7 @@ class Worker(WorkerStart, OutageHandling):
         ids = [e.batch.batch_id for e in self.inflight.values()]
         try:
             self._flush_writes()
-            res = self.c.reclaim_consumer(self.contract.model, self.name, force=True) if ids else {}
+            res = self.members.reclaim(self.name) if ids else {}
         except RIDE_OUT as e:
             # Redis is away: the batches stay pending under this name and the heartbeat key
             # expires, so the next reclaim sweep hands them on (as after a SIGKILL).

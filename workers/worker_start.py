@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import redis
 
 from conductor.client import Conductor
+from conductor.client.shard_claims import ShardClaims
 from conductor.errors import ConductorError, Paused
 from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls
@@ -31,6 +32,7 @@ from .latch import AdmissionLatch
 from .outage import Link
 from .prewarm import Prewarm
 from .sdnotify import Notifier
+from .shard_maintenance import ShardMembers
 from .worker_metrics import WorkerMetrics
 
 
@@ -63,6 +65,9 @@ class WorkerStart:
         self._stem = "" if stable else self.name
         self.contract: Contract = engine.contract
         self.keys = K.ModelKeys(self.contract.model)
+        # the model's shards, when it has some (issue 36): claims rotate over them, the rest is on each
+        self.shards = ShardClaims(conductor, self.contract.model)
+        self.members = ShardMembers(conductor, self.shards)
         self.inflight: dict[str, InFlight] = {}
         self.retry: deque[tuple[Batch, list[Result], bool]] = deque()
         self.stopping = threading.Event()
@@ -100,6 +105,7 @@ class WorkerStart:
                             "max_input_len": c.max_input_len, "engine": self.engine.kind, **owner()})
         set_tokens, set_items = calls.register(self.keys, self.name, shown, c, int(time.time() * 1000),
                                                max(1, int(self.opts.heartbeat_ttl_s * 1000))).run(self.c.scripts)
+        self.members.register(self.name, shown, c, max(1, int(self.opts.heartbeat_ttl_s * 1000)))
         if set_tokens or set_items:
             # Lanes that waited for this first worker were judged under the default budget.
             try:
@@ -131,6 +137,7 @@ class WorkerStart:
         if self.c.r.xpending_range(self.keys.batches, K.GROUP, "-", "+", 1, consumername=self.name):
             res = self.c.reclaim_consumer(self.contract.model, self.name, force=True)
             event("took_back", worker=self.name, batches=res["batches"], items=res["items"])
+        self.members.take_back(self.name)
 
     def _wait_out_live_owner(self) -> None:
         hb = self.keys.heartbeat(self.name)
@@ -177,6 +184,7 @@ class WorkerStart:
             if not pending:
                 # DELCONSUMER discards pending entries: only once the list is empty.
                 self.c.r.xgroup_delconsumer(self.keys.batches, K.GROUP, self.name)
+            self.members.deregister(self.name)
         except (redis.RedisError, OSError) as e:
             event("deregister_failed", worker=self.name, error=str(e))
         event("deregistered", worker=self.name)
@@ -207,6 +215,10 @@ class WorkerStart:
         # worker's batches be reclaimed and run twice.
         calls.heartbeat(self.keys, self.name, int(time.time() * 1000), max(1, int(self.opts.heartbeat_ttl_s * 1000)),
                         self.leased_ids(), int(self.metrics.busy_s * 1000)).run(self.c.scripts)
+        with self._lock:
+            held = [e.batch for e in self.inflight.values()] + [b for b, _, _ in self.retry]
+        self.members.beat(self.name, max(1, int(self.opts.heartbeat_ttl_s * 1000)), held,
+                          int(self.metrics.busy_s * 1000))
 
     def _watchdog_loop(self, every: float) -> None:
         # Its own thread, not the heartbeat's: that one can sit for many seconds in Redis

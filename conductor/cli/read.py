@@ -14,6 +14,7 @@ from conductor.cli.connect import conductor_from, url_from
 from conductor.cli.output import Output, refuse_overwrite
 from conductor.errors import ConductorError
 from conductor.redis_contract.connection import as_str
+from conductor.redis_contract.shards import fold
 
 if TYPE_CHECKING:
     from conductor.client import Conductor
@@ -122,6 +123,19 @@ def _unclean(st: dict[str, Any]) -> bool:
     return bool(it["failed"] or it["expired"])
 
 
+def folded_rows(rows: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """Per-model counters with a sharded model's shards summed under its name (shards.py)."""
+    out: dict[str, dict[str, int]] = {}
+    for model, row in rows.items():
+        into = out.setdefault(fold(model), dict.fromkeys(row, 0))
+        for k, v in row.items():
+            into[k] = into.get(k, 0) + v
+    for row in out.values():
+        if "lost" in row:
+            row["lost"] = max(0, row.get("declared", 0) - row.get("submitted", 0))
+    return out
+
+
 def _with_lines(c: Conductor, job: str, st: dict[str, Any]) -> dict[str, Any]:
     """The item counters in ``status``'s words (failed, cancelled and expired apart), with the input
     lines (``lines``: None where the input is not known), the request counts as ``conductor verify-job``
@@ -130,7 +144,8 @@ def _with_lines(c: Conductor, job: str, st: dict[str, Any]) -> dict[str, Any]:
     d = describe(c, job, advance=False)
     deadline = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(d["deadline_ms"] / 1000)) if d["deadline_ms"] \
         else None
-    return {**st, **item_answers(st), "lines": d["lines"], "request_counts": d["request_counts"],
+    return {**st, "models": folded_rows(st["models"]), **item_answers(st), "lines": d["lines"],
+            "request_counts": d["request_counts"],
             "status": d["status"], "tenant": d["tenant"], "priority": d["priority"], "deadline": deadline,
             "deadline_ms": d["deadline_ms"], "past_deadline": past_deadline(d["deadline_ms"], d["status"])}
 
@@ -220,7 +235,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.model:
         from conductor.cli.admin import known_model
         known_model(c, args.model, create=None)
-    models = [args.model] if args.model else c.models()
+    models = c.shards(args.model) if args.model else c.models()  # a sharded model: each of its shards
     if args.verify or args.repair:
         from conductor.verify import cli_verify
         status = cli_verify(c.r, models, do_repair=args.repair, show_all=args.all, ledger=not args.no_ledger,

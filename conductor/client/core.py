@@ -56,8 +56,10 @@ class ConductorCore:
         mk = K.ModelKeys(model)
         if model in self._models_ready and not force:
             return mk
-        # The reference budget is the first worker's contract (seed 001), set when it registers.
-        defaults = [(name, value) for name, value in DEFAULTS.items() if name not in ("budget_tokens", "budget_items")]
+        # The reference budget is the first worker's contract (seed 001), set when it registers; an
+        # unset shard count is 1 (conductor/client/shard_route.py), left unwritten: today's cfg.
+        defaults = [(name, value) for name, value in DEFAULTS.items()
+                    if name not in ("budget_tokens", "budget_items", "shards")]
         # One allow-oom script (lua/ensure_model.lua), not HSETNX and XGROUP CREATE: over maxmemory
         # Redis refuses those (even when they would change nothing), and a fresh worker must still
         # register to drain a full Redis. The models set is in another slot: read first, so that a

@@ -14,6 +14,7 @@ from conductor.client.rewind import REWIND_WINDOW, Rewind, find_rewind
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.connection import as_str
 from conductor.redis_contract.records import Result, result_decoder
+from conductor.redis_contract.shards import fold
 from conductor.tier.result_segments import ResultSegments
 
 
@@ -37,8 +38,16 @@ class JobReads(ConductorCore):
             # Items the producer declared before sending them and Redis does not hold (declare.lua).
             row["lost"] = max(0, row["declared"] - row["submitted"])
             total["models"][model] = row
-            for k in ("submitted", "completed", "failed", "pending", "declared", "lost", "cancelled", "expired"):
+            for k in ("submitted", "completed", "failed", "pending", "declared", "cancelled", "expired"):
                 total[k] += row[k]
+        # A sharded model's declaration is on the model, its items on its shards (shard_route.py):
+        # what is lost is counted over the model's shards together.
+        groups: dict[str, list[int]] = {}
+        for model, row in total["models"].items():
+            g = groups.setdefault(fold(model), [0, 0])
+            g[0] += row["declared"]
+            g[1] += row["submitted"]
+        total["lost"] = sum(max(0, dec - sub) for dec, sub in groups.values())
         total["done"] = bool(models) and total["pending"] == 0
         return total
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import redis
 
-from conductor.client.core import ConductorCore, check_name
+from conductor.client.core import check_name
+from conductor.client.shard_route import Sharding
 from conductor.errors import ConductorError, Conflict, DuplicateId, Paused, RedisUnavailable
 from conductor.redis_contract import keys as K
 from conductor.redis_contract import rules
@@ -54,7 +55,7 @@ class SubmitReport:
     models: set[str] = field(default_factory=set)
 
 
-class Submitting(ConductorCore):
+class Submitting(Sharding):
     def submit(self, items: Iterable[PreparedItem], job: str, *, seal: bool = False,
                progress: Callable[[int], None] | None = None, checked: bool = False,
                idle: Callable[[], None] | None = None) -> SubmitReport:
@@ -84,6 +85,7 @@ class Submitting(ConductorCore):
             by_model.setdefault(it.model, []).append(it)
         for model in by_model:  # every name checked before the first write
             check_name("model", model)
+        by_model = self.route(by_model)  # a sharded model's items to their shards (shard_route.py)
         if not checked:
             self._refuse_before_writing(job, by_model)
         if len(by_model) > 1:
@@ -105,6 +107,7 @@ class Submitting(ConductorCore):
             mk = self._intake_model(model)
             report.models.add(model)
             self._submit_model(mk, job, grouped_by_shape(its), report, progress, idle)
+        self.ring_first_shard(by_model)
         if seal:
             for model in by_model:
                 self.seal(model)
@@ -133,12 +136,14 @@ class Submitting(ConductorCore):
         when the job has items already under another class."""
         check_name("job", job)
         for model in models:
-            self._confirmed(calls.job_class(self._intake_model(model), job, job_class.tenant, job_class.priority,
-                                            job_class.deadline_ms))
+            for name in dict.fromkeys([model, *self.shards(model)]):  # a sharded model's items go to its shards
+                self._confirmed(calls.job_class(self._intake_model(name), job, job_class.tenant, job_class.priority,
+                                                job_class.deadline_ms))
 
     def check_ids_across_models(self, job: str, by_model: dict[str, list[PreparedItem]]) -> None:
         """Refuse ids the job already has under another of its models (one read per 1,000 ids and
         other model; none for a job of one model)."""
+        by_model = self.route(by_model)
         known = self.job_models(job)
         for other in known:
             ids = [it.id for model, its in by_model.items() if model != other for it in its]
@@ -156,7 +161,7 @@ class Submitting(ConductorCore):
         by_model: dict[str, list[PreparedItem]] = {}
         for it in items:
             by_model.setdefault(it.model, []).append(it)
-        self._refuse_before_writing(job, by_model)
+        self._refuse_before_writing(job, self.route(by_model))
 
     def check_paused(self, models: Iterable[str]) -> None:
         """Raise Paused when one of ``models`` is paused: all a new job's submission can be refused
@@ -195,8 +200,8 @@ class Submitting(ConductorCore):
                            f"{example!r}); nothing submitted: use another job id, or the same content")
 
     def seal(self, model: str) -> int:
-        """Declare the end of this producer's submission to ``model`` (seal.lua)."""
-        return calls.seal(K.ModelKeys(model)).run(self.scripts)
+        """Declare the end of this producer's submission to ``model`` (seal.lua), each of its shards."""
+        return max(calls.seal(K.ModelKeys(name)).run(self.scripts) for name in self.shards(model))
 
     def _intake_model(self, model: str) -> K.ModelKeys:
         """A model as a producer needs it: in the models set. Its thresholds and consumer group

@@ -12,6 +12,7 @@ from conductor.client import Conductor
 from conductor.jobs.job_state import class_fields
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.connection import as_str
+from conductor.redis_contract.shards import fold
 
 
 @dataclass
@@ -95,7 +96,8 @@ def list_jobs(c: Conductor, limit: int | None = None) -> list[JobRow]:
             pipe.hmget(K.ModelKeys(m).job(row.job), "completed", "failed", "end", "cancelled", "expired")
     counts = iter(pipe.execute())
     for row in rows:
-        for k, _ in enumerate(row.models):
+        declared_of: dict[str, list[int]] = {}  # a sharded model's declaration is on it, its items on its shards
+        for k, m in enumerate(row.models):
             raw_sub, raw_declared, tenant, prio, deadline = (as_str(v, absent="") for v in next(counts))
             if k == 0:  # the class is the same on each model (lua/job_class.lua)
                 cls = class_fields(row.job, tenant, prio, deadline)
@@ -105,12 +107,16 @@ def list_jobs(c: Conductor, limit: int | None = None) -> list[JobRow]:
             row.cancelled += int(cancelled or 0)
             row.expired += int(expired or 0)
             row.submitted += sub
-            row.lost += max(0, declared - sub)
+            pair = declared_of.setdefault(fold(m), [0, 0])
+            pair[0] += declared
+            pair[1] += sub
             row.completed += int(done or 0)
             row.failed += int(failed or 0)
             if end is not None:
                 row.ends.append(as_str(end))
+        row.lost = sum(max(0, dec - sub) for dec, sub in declared_of.values())
         row.pending = row.submitted - row.completed - row.failed
+        row.models = sorted({fold(m) for m in row.models})
     return rows
 
 

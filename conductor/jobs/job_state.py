@@ -40,6 +40,7 @@ from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.connection import as_str
 from conductor.redis_contract.packed_ids import job_segments
 from conductor.redis_contract.scripts import ScriptClient
+from conductor.redis_contract.shards import fold
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +221,8 @@ def _ends(c: Conductor, job: str, models: list[str]) -> tuple[list[str], int | N
             ends.append(as_str(how, absent="completed"))
     for m in unstamped:
         last = c.r.xrevrange(K.ModelKeys(m).job_results(job), "+", "-", count=1)
+        if not last and any(fold(o) == m != o for o in models):
+            continue  # a sharded model: its declaration here, its items and their answers on its shards
         if not last:
             return ends, None
         times.append(int(as_str(last[0][0]).split("-")[0]))
@@ -266,7 +269,8 @@ def describe(c: Conductor, job: str, *, advance: bool = True, now: float | None 
         rc["total"] = lines["input"] - lines["refused"]
         rc["failed"] = rc["total"] - rc["completed"] - lines["pending"]
     out: dict[str, Any] = {"job": job, "status": status, "request_counts": rc, "lines": lines,
-                           "pending": st["pending"], "submitted": st["submitted"], "models": sorted(st["models"]),
+                           "pending": st["pending"], "submitted": st["submitted"],
+                           "models": sorted({fold(m) for m in st["models"]}),  # a sharded model once
                            "items": item_answers(st), **job_class_of(c.r, job, models),
                            "completion_window": meta.get("completion_window"),
                            "metadata": msgspec.json.decode(meta["metadata"]) if meta.get("metadata") else None}
@@ -361,14 +365,14 @@ def _sweep(c: Conductor, job: str, how: str) -> int:
         insts = {as_str(i) for i in c.r.zrange(mk.active, 0, -1)} | {as_str(i) for i in c.r.zrange(mk.staged, 0, -1)}
         for inst in sorted(insts):
             for lane in c.r.zrange(mk.inst_lanes(inst), 0, -1):
-                total += calls.cancel_lane(mk, job, model, f"{inst}:{as_str(lane)}", how, message).run(
+                total += calls.cancel_lane(mk, job, fold(model), f"{inst}:{as_str(lane)}", how, message).run(
                     c.scripts).answered
         # store segments of the job: their ids wait in no lane and no registry entry (schema 6)
         for name in job_segments(c.r, mk, job):
-            total += calls.cancel_segment(mk, job, model, name, how, message).run(c.scripts).answered
+            total += calls.cancel_segment(mk, job, fold(model), name, how, message).run(c.scripts).answered
         cursor = "0"
         while True:
-            step = calls.cancel_registry(mk, job, model, cursor, STEP, how, message).run(c.scripts)
+            step = calls.cancel_registry(mk, job, fold(model), cursor, STEP, how, message).run(c.scripts)
             cursor = step.cursor
             total += step.answered
             if cursor == "0":

@@ -51,6 +51,10 @@ FIELDS: dict[str, tuple[Any, str]] = {
                           "moves older ones to store segments, which `conductor results` reads too. 0: all stay"),
     "results_age_s": (0, "disk tier (with a store): result records older than this many seconds move to store "
                          "segments too, whatever results_window says (a follower has read them long ago). 0: off"),
+    "shards": (1, "the model's shapes spread over this many shards, each a single-slot copy of its keys on its own "
+                  "part of a cluster's slots (conductor/redis_contract/shards.py); 1: the model's own keys. A change "
+                  "moves the waiting shapes to their new shards (the workers' lease holder; the old shards drain "
+                  "meanwhile)"),
 }
 
 DEFAULTS: dict[str, Any] = {k: v[0] for k, v in FIELDS.items()}
@@ -60,6 +64,9 @@ def parse_value(name: str, raw: str) -> Any:
     if name not in FIELDS:
         raise ValueError(f"config: unknown field {name!r} (known: {', '.join(FIELDS)})")
     default = DEFAULTS[name]
+    if name == "shards":
+        from conductor.redis_contract.shards import check_count
+        return check_count(raw)
     if name == "mode":
         if raw not in ("memory", "disk"):
             raise ValueError("config: mode must be 'memory' or 'disk'")

@@ -62,7 +62,19 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
                                              busy to take it (conductor/intake/intake_resume.py)
     cdr:intake:tasks                zset     job -> created (ms): intake tasks not yet ended (the resumers'
                                              index; lua/intake_lease.lua decides who runs one)
-    M:cfg                           hash     per-model thresholds (conductor/redis_contract/config.py)
+    M:cfg                           hash     per-model thresholds (conductor/redis_contract/config.py); with
+                                             shards > 1 (issue 36) the model's shapes live on its shards
+                                             ``m~s.k`` (conductor/redis_contract/shards.py), each a model of
+                                             this layout whose cfg is a copy of this one
+    M:shards_old                    hash     earlier shard count -> when it stopped being current (ms): its
+                                             shards keep draining (workers serve them too) until the lease
+                                             holder finds them empty (workers/shard_maintenance.py)
+    M:shard_of                      hash     signature -> its shard under the current count, recorded at its
+                                             first submit (the least loaded shard, then stable)
+    M:moving                        hash     token -> shape signature: batches an old shard handed over
+                                             (lua/hand_over.lua) whose items the migration has yet to submit
+                                             to their new shard
+    M:moving:T                      list     the item records of one of them (conductor/client/shard_migrate.py)
     M:state                         hash     the fleet's model state: gate, cleanup, in-flight and finished
                                              counters, pause (workers write it; producers only read it;
                                              every field in STATE_FIELDS below)
@@ -163,8 +175,9 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
 
 Who may write what (deploy/redis/users.acl): a producer writes only M:intake, M:in:*, the shape,
 instance and lane keys (through submit.lua, seal.lua and declare.lua) and the global job and
-model registries; everything else, results and counters of finished work included, is the
-workers'. Schema 3 (migrations/0003) split the producer's keys from the workers'.
+model registries, and M:shard_of (a new shape's shard, HSETNX; conductor/client/shard_route.py);
+everything else, results and counters of finished work included, is the workers'. Schema 3
+(migrations/0003) split the producer's keys from the workers'.
 
 An item record is the JSON array text ``[id, job, input_tokens, max_tokens, prompt, payload]``
 (``records.BatchItem`` decodes it as an array-like struct). The producer builds it
@@ -180,6 +193,7 @@ and M:seg:N:ids.
 from __future__ import annotations
 
 from conductor.redis_contract import rules
+from conductor.redis_contract.shards import fold, is_shard
 
 PREFIX = "cdr"
 SCHEMA_KEY = f"{PREFIX}:schema"
@@ -232,7 +246,8 @@ STATE_FIELDS: dict[str, str] = {
 
 def check_name(kind: str, value: str) -> str:
     """``value`` when it is a valid name (rules.py NAME_RE, which the scripts' name_ok applies too)."""
-    if not isinstance(value, str) or not rules.NAME_RE.match(value):
+    if not isinstance(value, str) or not rules.NAME_RE.match(value) or (
+            "~" in value and not (kind == "model" and is_shard(value) and "~" not in fold(value))):
         raise ValueError(
             f"{kind}: {value!r} is not a valid name (1-{rules.NAME_MAX} characters from A-Z a-z 0-9 . _ / @ + = -)"
         )
@@ -333,6 +348,21 @@ class ModelKeys:
     @property
     def state(self) -> str:
         return f"{self.base}:state"
+
+    @property
+    def shards_old(self) -> str:
+        return f"{self.base}:shards_old"
+
+    @property
+    def shard_of(self) -> str:
+        return f"{self.base}:shard_of"
+
+    @property
+    def moving(self) -> str:
+        return f"{self.base}:moving"
+
+    def moving_items(self, token: str) -> str:
+        return f"{self.base}:moving:{token}"
 
     @property
     def staged(self) -> str:

@@ -12,8 +12,9 @@ from __future__ import annotations
 import re
 
 # Names (models, jobs, tenants, workers) end up inside key names and hash tags: printable, and
-# free of the characters that would break the tag ({}) or the ':' separated layout.
-NAME_CHARS = "A-Za-z0-9._/@+=-"  # a character class body, as both re and Lua patterns read it
+# free of the characters that would break the tag ({}) or the ':' separated layout. '~' only in a
+# model's shard names (conductor/redis_contract/shards.py; keys.check_name refuses it elsewhere).
+NAME_CHARS = "A-Za-z0-9._/@+=~-"  # a character class body, as both re and Lua patterns read it
 NAME_MAX = 128
 NAME_RE = re.compile(f"^[{NAME_CHARS}]{{1,{NAME_MAX}}}$")
 

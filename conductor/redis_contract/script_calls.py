@@ -312,6 +312,11 @@ def fail(mk: K.ModelKeys, batch_id: str, consumer: str, reason: str) -> Call[Fai
                 lambda raw: FailReply(int(raw[0]), int(raw[1])))
 
 
+def hand_over(mk: K.ModelKeys, batch_id: str, consumer: str, token: str) -> Call[int]:
+    """lua/hand_over.lua: a claimed batch of an old shard taken out of it into M:moving:<token>."""
+    return Call("hand_over", [mk.base, mk.state, mk.batches], [batch_id, consumer, token], _int)
+
+
 class ReclaimReply(NamedTuple):
     batches: int
     items: int  # requeued

@@ -30,7 +30,7 @@ NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex", 
          "trim", "trim_results", "lease", "cancel_registry", "cancel_lane", "cancel_segment",
          "register_segment", "fail_stored", "offload_results",
          "take_name", "job_class", "intake_create", "intake_lease", "intake_cursor", "compact_ids", "batch_finalize",
-         "schema_init", "tenant_admit")
+         "schema_init", "tenant_admit", "hand_over")
 
 
 def expand(name: str, read: Callable[[str], str]) -> str:
@@ -111,6 +111,7 @@ class Scripts:
     batch_finalize: redis.commands.core.Script
     schema_init: redis.commands.core.Script
     tenant_admit: redis.commands.core.Script
+    hand_over: redis.commands.core.Script
 
 
 class ScriptClient(Protocol):

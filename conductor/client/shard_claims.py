@@ -1,0 +1,96 @@
+"""A worker's claims over its model's shards (issue 36; conductor/redis_contract/shards.py).
+
+The worker stays on one shard while it gives batches; every REORDER_S it orders the shards again
+by waiting tokens per worker serving them (M:intake ``tokens`` over 1 + the workers whose affinity
+is there), most first, so the fleet's balance spans the shards. A claim that finds nothing on one
+shard tries the next at once: an idle answer means every shard had nothing.
+
+An unsharded model (the default) claims exactly as before: one claim.lua call on the model."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+import msgspec
+
+from conductor.redis_contract import keys as K
+from conductor.redis_contract.connection import as_str
+from conductor.redis_contract.records import Batch, Contract
+from conductor.redis_contract.shards import shard_name
+
+from .shard_route import WORKER_LAYOUT_TTL_S
+
+REORDER_S = 2.0
+# What an empty round over the shards answers, the first found in this order: work held back
+# somewhere (quiet intake, the release gate) keeps the worker's timed wait short.
+_REASONS = ("wait", "gate", "nogroup", "paused")
+
+
+class ShardClient(Protocol):
+    r: Any
+
+    def shards(self, model: str, max_age_s: float = ...) -> list[str]: ...
+
+    def layout(self, model: str, *, fresh: bool = False, max_age_s: float = ...) -> Any: ...
+
+    def claim(self, contract: Contract, consumer: str) -> tuple[Batch | None, str]: ...
+
+
+class ShardClaims:
+    def __init__(self, c: ShardClient, model: str) -> None:
+        self.c = c
+        self.model = model
+        self._order: list[str] = []
+        self._next = 0.0
+
+    def names(self) -> list[str]:
+        """The model's shards that may hold work (the model alone when unsharded)."""
+        return self.c.shards(self.model, max_age_s=WORKER_LAYOUT_TTL_S)
+
+    @property
+    def sharded(self) -> bool:
+        return self.names() != [self.model]
+
+    def bell_model(self) -> str:
+        """Whose doorbell an idle worker waits on: the first current shard (submits to the other
+        shards ring it too: conductor/client/shard_route.py)."""
+        return shard_name(self.model, 0, self.c.layout(self.model, max_age_s=WORKER_LAYOUT_TTL_S).count)
+
+    def claim(self, contract: Contract, consumer: str) -> tuple[Batch | None, str]:
+        names = self.names()
+        if names == [contract.model]:
+            return self.c.claim(contract, consumer)
+        if self.model not in names:
+            # the request path (conductor/client/request.py) keeps a sharded model's own keys
+            names = [*names, self.model]
+        reasons = []
+        for name in self._ordered(names):
+            batch, why = self.c.claim(msgspec.structs.replace(contract, model=name), consumer)
+            if batch is not None:
+                if self._order and self._order[0] != name:  # stay where the work was found
+                    self._order.remove(name)
+                    self._order.insert(0, name)
+                return batch, why
+            reasons.append(why)
+        return None, next((r for r in _REASONS if r in reasons), reasons[-1] if reasons else "idle")
+
+    def _ordered(self, names: list[str]) -> list[str]:
+        now = time.monotonic()
+        if now < self._next and set(self._order) == set(names):
+            return self._order
+        self._next = now + REORDER_S
+        pipe = self.c.r.pipeline(transaction=False)
+        for name in names:
+            mk = K.ModelKeys(name)
+            pipe.hget(mk.intake, "tokens")
+            pipe.hlen(mk.affinity)
+            pipe.llen(mk.reclaimed)
+        got = pipe.execute()
+        score = {}
+        for i, name in enumerate(names):
+            tokens, serving, back = got[3 * i], got[3 * i + 1], got[3 * i + 2]
+            # a shard with batches taken back first: they are served before any lane
+            score[name] = (int(back or 0) > 0, int(as_str(tokens) or 0) / (1 + int(serving or 0)) if tokens else 0.0)
+        self._order = sorted(names, key=lambda n: score[n], reverse=True)
+        return self._order

@@ -1,0 +1,135 @@
+"""Waiting shapes moved to their new shards after a model's shard count changed (issue 36).
+
+The old layout's shards (M:shards_old) are drained by the migration as well as by the workers: the
+model's lease holder (workers/shard_maintenance.py) claims batches there under its own name, as
+any worker does (claim.lua takes the items out of the lanes with every count kept), hands each
+batch over (lua/hand_over.lua: out of the shard's in-flight counts, registries and submitted
+counts, into M:moving:<token> of the same slot), submits its items to the model, which routes them
+to their new shards (submit.lua, idempotent on id there), and then deletes the moving list. An item
+is claimable in one place at any time; a migration that dies between the steps leaves either a
+batch pending under its name (a reclaim hands it back to the old shard: run there, or moved later)
+or a moving list, which the next step submits again (the ids already there are skipped).
+
+Request items (a request job, conductor/client/request.py) stay: their caller waits on the model's
+own keys; a batch holding one is given back (fail.lua, one delivery counted) and its shard is left
+to the workers for this step."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import msgspec
+
+from conductor.redis_contract import keys as K
+from conductor.redis_contract import rules
+from conductor.redis_contract import script_calls as calls
+from conductor.redis_contract.connection import as_str
+from conductor.redis_contract.records import Batch, Contract, JobClass, PreparedItem
+
+# One claim takes this much of an old shard at most: the step stays short (a maintenance tick).
+MOVE_ITEMS = 512
+MOVE_TOKENS = 1 << 20
+
+
+class _Record(msgspec.Struct, array_like=True):
+    id: str
+    job: str
+    input_tokens: int
+    max_tokens: int
+    prompt: msgspec.Raw
+    payload: msgspec.Raw
+
+
+_record = msgspec.json.Decoder(_Record)
+
+
+class MigrateClient(Protocol):
+    r: Any
+    scripts: Any
+
+    def shards(self, model: str, max_age_s: float = ...) -> list[str]: ...
+
+    def layout(self, model: str, *, fresh: bool = False, max_age_s: float = ...) -> Any: ...
+
+    def claim(self, contract: Contract, consumer: str) -> tuple[Batch | None, str]: ...
+
+    def fail(self, batch: Batch, consumer: str, reason: str) -> tuple[int, int]: ...
+
+    def submit(self, items: Any, job: str, *, checked: bool = ...) -> Any: ...
+
+    def set_job_class(self, job: str, models: Any, job_class: JobClass) -> None: ...
+
+    def prefix(self, model: str, sig: str) -> list[str]: ...
+
+
+def old_shards(c: MigrateClient, model: str) -> list[str]:
+    """The shards of the old layouts that are not shards of the current one."""
+    lay = c.layout(model, fresh=True)
+    current = set(lay.names(model)[:lay.count]) if lay.count > 1 else {model}
+    return [n for n in lay.names(model) if n not in current]
+
+
+def step(c: MigrateClient, model: str, consumer: str, *, batches: int = 8) -> int:
+    """One bounded step of the migration of ``model``: moving lists left by an earlier step first,
+    then up to ``batches`` batches from the old shards. Returns the items moved."""
+    moved = 0
+    olds = old_shards(c, model)
+    for shard in olds:
+        moved += _resume(c, model, shard)
+    for shard in olds:
+        contract = Contract(model=shard, max_batch_size=MOVE_ITEMS, max_batch_tokens=MOVE_TOKENS,
+                            max_input_len=rules.MAX_INPUT_TOKENS)
+        for _ in range(batches):
+            batch, _why = c.claim(contract, consumer)
+            if batch is None:
+                break
+            if any(it.job.startswith(K.REQUEST_JOB_PREFIX) for it in batch.items):
+                c.fail(batch, consumer, "a request item stays on the model's own keys (shard migration)")
+                break
+            token = _token(c, shard, batch.batch_id)
+            if token is None:
+                break
+            if calls.hand_over(K.ModelKeys(shard), batch.batch_id, consumer, token).run(c.scripts):
+                moved += _submit_moving(c, model, shard, token, batch.shape)
+    return moved
+
+
+def _token(c: MigrateClient, shard: str, batch_id: str) -> str | None:
+    rows = c.r.xrange(K.ModelKeys(shard).batches, batch_id, batch_id)
+    if not rows:
+        return None
+    k = rows[0][1].get(b"k")
+    return as_str(k) if k is not None else None
+
+
+def _resume(c: MigrateClient, model: str, shard: str) -> int:
+    """Moving lists an earlier step left (it died before deleting them): their items submitted again."""
+    mk = K.ModelKeys(shard)
+    moved = 0
+    for token, sig in c.r.hgetall(mk.moving).items():
+        moved += _submit_moving(c, model, shard, as_str(token), as_str(sig))
+    return moved
+
+
+def _submit_moving(c: MigrateClient, model: str, shard: str, token: str, sig: str) -> int:
+    """One moving list's items submitted to the model (their new shard), then the list deleted."""
+    mk = K.ModelKeys(shard)
+    prefix = c.prefix(shard, sig)  # the shape's record stays on the old shard (M:shape:S)
+    recs = c.r.lrange(mk.moving_items(token), 0, -1)
+    by_job: dict[str, list[PreparedItem]] = {}
+    for raw in recs:
+        r = _record.decode(raw)
+        body = b"[" + bytes(r.prompt) + b"," + bytes(r.payload) + b"]"
+        by_job.setdefault(r.job, []).append(PreparedItem(id=r.id, model=model, sig=sig, input_tokens=r.input_tokens,
+                                                         max_tokens=r.max_tokens, body=body, prefix=tuple(prefix)))
+    for job, its in by_job.items():
+        cls = c.r.hmget(mk.job_intake(job), "tenant", "prio", "deadline_ms")
+        if cls[0] is not None or cls[1] is not None:
+            c.set_job_class(job, [model], JobClass(as_str(cls[0] or b""), as_str(cls[1] or b"batch"),
+                                                   int(as_str(cls[2] or b"0"))))
+        c.submit(its, job, checked=True)
+    pipe = c.r.pipeline(transaction=False)
+    pipe.delete(mk.moving_items(token))
+    pipe.hdel(mk.moving, token)
+    pipe.execute()
+    return len(recs)

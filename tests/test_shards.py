@@ -1,0 +1,365 @@
+"""A model's shapes sharded over a three-master Redis Cluster (issue 36; conductor/redis_contract/shards.py):
+a job end to end through the command line and sim worker processes, every id once, its results merged
+and followed; cancel, retry and verify over it; a worker killed mid-batch, its batches reclaimed on
+their shard; the count changed 1 -> 3 -> 1 with work waiting, nothing lost nothing twice."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+
+from conductor.client import Conductor, connect
+from conductor.embedded import EmbeddedCluster
+from conductor.redis_contract import keys as K
+from conductor.redis_contract import shards as S
+from conductor.verify import verify
+from tests.conftest import ROOT, cli, follow_with_workers, item
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with EmbeddedCluster(3) as c:
+        yield c
+
+
+def _lines(path, n: int, model: str, shapes: int = 12, start: int = 0) -> None:
+    with open(path, "w") as f:
+        for i in range(start, start + n):
+            f.write(json.dumps({"id": f"c{i}", "model": model, "prefix": [f"sys {i % shapes}"], "prompt": "x",
+                                "input_tokens": 20 + i % 90, "max_tokens": 8}) + "\n")
+
+
+def test_shard_names_land_on_their_part_of_the_slots():
+    for count in (2, 3, 6):
+        names = S.shard_names("llama", count)
+        assert [S.slot_of(n) * count // S.SLOTS for n in names] == list(range(count))
+        assert {S.fold(n) for n in names} == {"llama"}
+    assert S.shard_names("llama", 1) == ["llama"] and S.fold("llama") == "llama"
+
+
+def test_a_job_over_three_shards_end_to_end_through_the_cli(cluster, tmp_path):
+    url, model = cluster.url, "shardy"
+    cli("config", model, "--create", "quiet_ms=200", "shards=3", url=url)
+    rc = connect(url)
+    names = S.shard_names(model, 3)
+    assert len({rc.get_node_from_key(f"cdr:{{{n}}}").name for n in names}) == 3
+    src = tmp_path / "in.jsonl"
+    _lines(src, 1500, model)
+    assert cli("submit", str(src), "--job", "sj", url=url).stdout.decode().strip() == "sj"
+    c = Conductor(rc)
+    per_shard = {n: c.status("sj")["models"].get(n, {}).get("submitted", 0) for n in names}
+    assert sum(per_shard.values()) == 1500 and all(per_shard.values()), per_shard
+    rows = follow_with_workers(url, "sj", tmp_path / "out.jsonl", [(model, "w1"), (model, "w2")],
+                               batch_size=32, batch_tokens=4096, timeout=180)
+    ids = Counter(r["id"] for r in rows)
+    assert set(ids) == {f"c{i}" for i in range(1500)} and set(ids.values()) == {1}
+    assert {r["model"] for r in rows} == {model}
+    st = json.loads(cli("status", "sj", "--json", url=url).stdout)
+    assert (st["status"], st["submitted"], st["completed"], st["pending"]) == ("completed", 1500, 1500, 0)
+    assert list(st["models"]) == [model]
+    out = cli("results", "sj", url=url).stdout.decode().splitlines()
+    assert Counter(json.loads(x)["id"] for x in out) == ids
+    row = next(r for r in json.loads(cli("jobs", "--json", url=url).stdout) if r["job"] == "sj")
+    assert (row["state"], row["models"], row["completed"]) == ("completed", [model], 1500), row
+    insp = json.loads(cli("inspect", model, "--json", url=url).stdout)
+    assert [v["model"] for v in insp] == names and all(v["consumers"] == [] for v in insp), insp
+    ver = cli("inspect", model, "--verify", url=url, check=False)
+    assert ver.returncode == 0, ver.stdout.decode() + ver.stderr.decode()
+    vj = cli("verify-job", "sj", url=url, check=False)
+    assert vj.returncode == 0, vj.stdout.decode() + vj.stderr.decode()
+
+
+def _worker(url: str, model: str, name: str, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "conductor", "--log-level", "warning", "worker", "--engine", "sim",
+                             "--model", model, "--name", name, "--max-batch-size", "32", "--max-batch-tokens", "4096",
+                             "--max-input-len", "4096", *extra],
+                            env=dict(os.environ, CONDUCTOR_REDIS_URL=url), cwd=str(ROOT))
+
+
+def _once(rows: list[dict], n: int, prefix: str = "c", start: int = 0) -> Counter:
+    ids = Counter(r["id"] for r in rows)
+    assert set(ids) == {f"{prefix}{i}" for i in range(start, start + n)} and set(ids.values()) == {1}, \
+        (len(ids), [i for i, k in ids.items() if k > 1][:5])
+    return ids
+
+
+def test_cancel_retry_and_verify_over_shards(cluster, tmp_path):
+    url, model = cluster.url, "cancy"
+    cli("config", model, "--create", "quiet_ms=200", "shards=3", url=url)
+    src = tmp_path / "in.jsonl"
+    _lines(src, 600, model)
+    cli("submit", str(src), "--job", "cx", url=url)
+    cli("cancel", "cx", url=url)
+    st = json.loads(cli("status", "cx", "--json", url=url).stdout)
+    assert (st["status"], st["cancelled"], st["pending"]) == ("cancelled", 600, 0), st
+    rows = [json.loads(x) for x in cli("results", "cx", url=url).stdout.decode().splitlines()]
+    _once(rows, 600)
+    assert {r["model"] for r in rows} == {model}
+    assert cli("verify-job", "cx", url=url, check=False).returncode == 0
+    cli("retry", "cx", "--job", "cx2", url=url)
+    rows = follow_with_workers(url, "cx2", tmp_path / "out.jsonl", [(model, "w1")], batch_size=32,
+                               batch_tokens=4096, timeout=180)
+    _once(rows, 600)
+    st = json.loads(cli("status", "cx2", "--json", url=url).stdout)
+    assert (st["status"], st["completed"]) == ("completed", 600), st
+    assert cli("verify-job", "cx2", url=url, check=False).returncode == 0
+
+
+def test_a_worker_killed_mid_batch_its_batches_reclaimed_on_their_shard(cluster, tmp_path):
+    url, model = cluster.url, "killy"
+    cli("config", model, "--create", "quiet_ms=200", "shards=3", url=url)
+    src = tmp_path / "in.jsonl"
+    _lines(src, 900, model)
+    cli("submit", str(src), "--job", "kj", url=url)
+    c = Conductor(connect(url))
+    names = c.shards(model)
+    slow = _worker(url, model, "slow", "--sim-time-scale", "50", "--heartbeat-ttl", "2")
+    try:
+        held: list[str] = []
+        deadline = time.monotonic() + 60
+        while not held and time.monotonic() < deadline:
+            held = [n for n in names if c.r.exists(K.ModelKeys(n).batches)
+                    and c.r.xpending_range(K.ModelKeys(n).batches, K.GROUP, "-", "+", 1, consumername="slow")]
+            time.sleep(0.1)
+        assert held, "the slow worker never held a batch"
+    finally:
+        slow.send_signal(signal.SIGKILL)
+        slow.wait(10)
+    rows = follow_with_workers(url, "kj", tmp_path / "out.jsonl", [(model, "fast")], batch_size=32,
+                               batch_tokens=4096, timeout=180)
+    _once(rows, 900)
+    reclaims = {n: int(c.r.hget(K.ModelKeys(n).state, "reclaims") or 0) for n in names}
+    assert all(reclaims[n] >= 1 for n in held), reclaims
+    assert any(r["deliveries"] > 1 for r in rows)
+    for n in names:
+        assert verify(c.r, n, items=True).ok
+
+
+def test_the_count_changed_1_3_1_with_work_waiting_loses_and_doubles_nothing(cluster, tmp_path):
+    url, model = cluster.url, "movy"
+    cli("config", model, "--create", "quiet_ms=200", url=url)
+    for k, count in enumerate((1, 3, 1)):
+        cli("config", model, f"shards={count}", url=url)
+        c = Conductor(connect(url))  # a producer that reads the layout now
+        c.submit([item(f"c{i}", 20 + i % 90, model=model, prefix=(f"sys {i % 12}",), max_tokens=8)
+                  for i in range(300 * k, 300 * k + 300)], "mj")
+    assert len([n for n in c.shards(model) if c.status("mj")["models"].get(n, {}).get("submitted")]) == 4
+    rows = follow_with_workers(url, "mj", tmp_path / "out.jsonl", [(model, "w1"), (model, "w2")], batch_size=32,
+                               batch_tokens=4096, timeout=180)
+    _once(rows, 900)
+    st = json.loads(cli("status", "mj", "--json", url=url).stdout)
+    assert (st["status"], st["completed"], st["pending"]) == ("completed", 900, 0), st
+    # drained, the old layout is forgotten (the lease holder does it once it is quiet: shard_maintenance.py)
+    assert c.forget_drained(model, quiet_ms=0) == [3]
+    assert c.shards(model) == [model]
+
+
+def test_a_model_made_sharded_before_any_item_has_no_old_layout_to_drain(cluster):
+    c = Conductor(connect(cluster.url))
+    c.set_config("fresh", {"shards": 3})
+    assert c.shards("fresh") == S.shard_names("fresh", 3)
+    assert c.config(S.shard_names("fresh", 3)[1])["quiet_ms"] == c.config("fresh")["quiet_ms"]
+
+
+def test_the_batch_api_over_a_sharded_model(cluster, tmp_path):
+    import io
+    import urllib.error
+    import urllib.request
+
+    from openai import OpenAI
+
+    from conductor.embedded import free_port
+    url, model, key = cluster.url, "apim", "sk-test-shards"
+    cli("config", model, "--create", "quiet_ms=200", "shards=3", url=url)
+    port = free_port()
+    serve = subprocess.Popen([sys.executable, "-m", "conductor", "serve", "--port", str(port), "--data-dir",
+                              str(tmp_path / "files")], env=dict(os.environ, CONDUCTOR_REDIS_URL=url,
+                                                                 CONDUCTOR_API_KEYS=key), cwd=str(ROOT))
+    w = _worker(url, model, "api-w")
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2)
+                break
+            except urllib.error.HTTPError:  # it answers (without a key: 401)
+                break
+            except OSError:
+                assert serve.poll() is None and time.monotonic() < deadline, "serve did not start"
+                time.sleep(0.1)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key)
+        rows = [{"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
+                 "body": {"model": model, "max_tokens": 4,
+                          "messages": [{"role": "system", "content": f"be brief {i % 9}"},
+                                       {"role": "user", "content": f"question {i}"}]}} for i in range(120)]
+        f = client.files.create(file=("in.jsonl", io.BytesIO("".join(json.dumps(r) + "\n" for r in rows).encode())),
+                                purpose="batch")
+        b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        while b.status not in ("completed", "failed", "cancelled", "expired"):
+            assert time.monotonic() < deadline + 120, b
+            time.sleep(0.2)
+            b = client.batches.retrieve(b.id)
+        assert b.status == "completed", b.errors
+        assert (b.request_counts.total, b.request_counts.completed) == (120, 120)
+        out = [json.loads(x) for x in client.files.content(b.output_file_id).text.splitlines()]
+        assert sorted(x["custom_id"] for x in out) == sorted(r["custom_id"] for r in rows)
+        c = Conductor(connect(url))
+        assert len([n for n in S.shard_names(model, 3) if c.status(b.id)["models"].get(n)]) >= 2
+    finally:
+        w.terminate()
+        serve.terminate()
+        assert w.wait(30) == 0 and serve.wait(30) == 0
+
+
+def test_a_tenants_service_on_one_shard_counts_on_the_others(cluster):
+    from conductor.jobs.shard_fair import ShardFair
+    c = Conductor(connect(cluster.url))
+    c.set_config("fairy", {"shards": 3})
+    names = c.shards("fairy")
+    fair = ShardFair(c.r)
+    assert fair.sync(names) == {}  # the first sync only learns the counters
+    c.r.hincrbyfloat(K.ModelKeys(names[0]).vtc, "a", 1000)
+    c.r.hincrbyfloat(K.ModelKeys(names[1]).vtc, "b", 10)
+    assert fair.sync(names) == {"a": 2000, "b": 20}
+    vtc = [{k.decode(): float(v) for k, v in c.r.hgetall(K.ModelKeys(n).vtc).items()} for n in names]
+    assert vtc == [{"a": 1000, "b": 10}, {"a": 1000, "b": 10}, {"a": 1000, "b": 10}]
+    assert fair.sync(names) == {}  # a top-up is not growth to spread again
+
+
+def test_pause_covers_every_shard(cluster, tmp_path):
+    url, model = cluster.url, "pausy"
+    cli("config", model, "--create", "quiet_ms=200", "shards=3", url=url)
+    src = tmp_path / "in.jsonl"
+    _lines(src, 60, model)
+    cli("pause", model, url=url)
+    assert cli("submit", str(src), "--job", "pj", url=url, check=False).returncode == 2
+    cli("resume", model, url=url)
+    cli("submit", str(src), "--job", "pj", url=url)
+    assert Conductor(connect(url)).status("pj")["submitted"] == 60
+
+
+def test_the_request_path_of_a_sharded_model_is_served(redis_url):
+    # RequestClient takes no cluster URL; shards work on one Redis too (all on one node)
+    from conductor.client.request import RequestClient
+    model = "reqy"
+    cli("config", model, "--create", "quiet_ms=200", "shards=3", url=redis_url)
+    w = _worker(redis_url, model, "req-w")
+    try:
+        c = Conductor(connect(redis_url))
+        deadline = time.monotonic() + 30
+        while not c.r.exists(K.ModelKeys(model).heartbeat("req-w")):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        with RequestClient(redis_url, model=model, max_in_flight=2) as rc:  # on the model's own keys
+            res = rc.generate("hello", prefix=("sys",), max_tokens=4, timeout=20)
+            assert res.error is None and res.output and res.model == model
+    finally:
+        w.terminate()
+        assert w.wait(30) == 0
+
+
+def test_a_host_agent_serves_every_shard(redis_url):
+    import threading
+
+    from conductor.workers.host_agent import HostAgent
+    from conductor.workers.worker import WorkerOptions
+    from tests.helpers import quick
+    c = Conductor(connect(redis_url))
+    quick(c, "agy", shards=3)
+    c.submit([item(f"a{i}", 10 + i % 40, model="agy", prefix=(f"sys {i % 9}",), max_tokens=8) for i in range(240)],
+             "aj")
+    used = [n for n in c.shards("agy") if c.status("aj")["models"].get(n)]
+    assert len(used) == 3
+    spec = {"kind": "sim", "model": "agy", "max_batch_size": 8, "max_batch_tokens": 8192, "max_input_len": 4096,
+            "time_scale": 0.0}
+    agent = HostAgent(Conductor(connect(redis_url)), spec, 2, WorkerOptions(name="ag", idle_exit_s=1.0))
+    t = threading.Thread(target=agent.run, daemon=True)
+    t.start()
+    t.join(timeout=60)
+    assert not t.is_alive()
+    rows = c.read_results("aj")
+    _once([{"id": r.id} for r in rows], 240, prefix="a")
+    assert {r.model for r in rows} == {"agy"}
+    assert all(int(c.r.hget(K.ModelKeys(n).job("aj"), "completed") or 0) > 0 for n in used)
+
+
+def test_a_change_of_count_moves_waiting_shapes_to_their_new_shards(cluster, tmp_path):
+    from conductor.client import shard_migrate
+    from conductor.redis_contract import script_calls as calls
+    from conductor.redis_contract.records import Contract
+    from tests.helpers import quick
+    url, model = cluster.url, "migy"
+    c = Conductor(connect(url))
+    quick(c, model)
+    c.submit([item(f"g{i}", 10 + i % 60, model=model, prefix=(f"sys {i % 12}",), max_tokens=8)
+              for i in range(600)], "gj", seal=True)
+    c.set_config(model, {"shards": 3})
+    assert shard_migrate.old_shards(c, model) == [model]
+    # a migration that died after handing a batch over, before submitting it: the next step resumes it
+    time.sleep(0.2)  # past quiet_ms: the old shard dispatches what waits
+    batch, why = c.claim(Contract(model=model, max_batch_size=50, max_batch_tokens=1 << 20, max_input_len=4096), "mv")
+    assert batch is not None, why
+    token = c.r.xrange(K.ModelKeys(model).batches, batch.batch_id, batch.batch_id)[0][1][b"k"].decode()
+    assert calls.hand_over(K.ModelKeys(model), batch.batch_id, "mv", token).run(c.scripts) == len(batch.items)
+    assert c.status("gj")["submitted"] == 600 - len(batch.items)  # in the moving list, nowhere claimable
+    deadline = time.monotonic() + 30
+    while not c.drained([model]):
+        assert time.monotonic() < deadline, c.status("gj")
+        shard_migrate.step(c, model, "mv", batches=50)
+        time.sleep(0.05)
+    st = c.status("gj")
+    assert st["submitted"] == 600 and st["models"][model]["submitted"] == 0, st
+    assert all(st["models"][n]["submitted"] for n in S.shard_names(model, 3))
+    assert c.forget_drained(model, quiet_ms=0) == [1]
+    for n in [model, *S.shard_names(model, 3)]:
+        rep = verify(c.r, n, items=True)
+        assert rep.ok, (n, rep.drift)
+    w = _worker(url, model, "after", "--idle-exit", "2")
+    assert w.wait(120) == 0
+    rows = [json.loads(r) for r in c.results("gj")]
+    _once(rows, 600, prefix="g")
+    assert c.status("gj")["done"]
+
+
+def test_a_live_model_resharded_1_to_3_mid_run_through_the_cli(cluster, tmp_path):
+    # workers running and work waiting when the count changes: the lease holder moves the waiting
+    # shapes to the new shards while the workers serve both layouts; every id once
+    url, model = cluster.url, "livey"
+    cli("config", model, "--create", "quiet_ms=200", url=url)
+    src = tmp_path / "in.jsonl"
+    _lines(src, 1200, model, shapes=24)
+    cli("submit", str(src), "--job", "lj", url=url)
+    c = Conductor(connect(url))
+    # slow enough that work still waits when the workers see the new count (WORKER_LAYOUT_TTL_S)
+    procs = [_worker(url, model, f"lw{i}", "--sim-time-scale", "20") for i in range(2)]
+    try:
+        deadline = time.monotonic() + 60
+        while c.status("lj")["completed"] < 100:
+            assert time.monotonic() < deadline, c.status("lj")
+            time.sleep(0.1)
+        cli("config", model, "shards=3", url=url)
+        deadline = time.monotonic() + 180
+        while not c.status("lj")["done"]:
+            assert time.monotonic() < deadline, c.status("lj")
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            assert p.wait(30) == 0
+    st = c.status("lj")
+    assert sum(st["models"].get(n, {}).get("submitted", 0) for n in S.shard_names(model, 3)) > 0, st  # moved
+    rows = [json.loads(x) for x in cli("results", "lj", url=url).stdout.decode().splitlines()]
+    _once(rows, 1200)
+    assert json.loads(cli("status", "lj", "--json", url=url).stdout)["status"] == "completed"
+    for n in [model, *S.shard_names(model, 3)]:
+        rep = verify(c.r, n, items=True)
+        assert rep.ok, (n, rep.drift)
+    assert cli("verify-job", "lj", url=url, check=False).returncode == 0

@@ -1,0 +1,210 @@
+"""A worker of a sharded model (issue 36; conductor/redis_contract/shards.py) on its model's shards:
+registered and beating on each (a shard's reclaim sweep judges its consumers by the shard's own
+heartbeat keys), handing back and taking back on each, and one maintenance per shard, whose lease
+holder sweeps that shard's dead consumers.
+
+On an unsharded model every call here does nothing beyond what the worker does on the model itself
+(workers/worker_start.py), and ``for_worker`` is the model's one Maintenance."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+from conductor.client import Conductor, shard_migrate
+from conductor.client.shard_claims import ShardClaims
+from conductor.errors import ConductorError
+from conductor.jobs.shard_fair import ShardFair
+from conductor.redis_contract import keys as K
+from conductor.redis_contract import script_calls as calls
+from conductor.redis_contract.records import Batch, Contract
+
+from .held import event
+from .maintenance import Maintenance
+from .transient import RIDE_OUT
+
+FORGET_EVERY_S = 10.0
+SHARD_SWEEP_S = 2.5
+
+
+class ShardMembers:
+    """What the worker does on the model's keys, done on each other shard too."""
+
+    def __init__(self, c: Conductor, shards: ShardClaims) -> None:
+        self.c = c
+        self.shards = shards
+        self._registered: set[str] = set()
+        self._reg: tuple[str, str, Contract, int] | None = None
+
+    def others(self) -> list[str]:
+        return [n for n in self.shards.names() if n != self.shards.model]
+
+    def register(self, worker: str, shown: str, contract: Contract, ttl_ms: int) -> None:
+        self._reg = (worker, shown, contract, ttl_ms)
+        self._registered.clear()
+        if self.others():
+            self.c.ensure_shards(self.shards.model)
+        self._join_new()
+
+    def _join_new(self) -> None:
+        """Register on shards not yet joined (a change of the count adds some while the worker runs)."""
+        if self._reg is None:
+            return
+        worker, shown, contract, ttl_ms = self._reg
+        for name in self.others():
+            if name in self._registered:
+                continue
+            self.c.ensure_model(name)
+            calls.register(K.ModelKeys(name), worker, shown, msgspec_replace(contract, name), int(time.time() * 1000),
+                           ttl_ms).run(self.c.scripts)
+            self._registered.add(name)
+
+    def beat(self, worker: str, ttl_ms: int, held: Iterable[Batch], busy_ms: int) -> None:
+        others = self.others()
+        if not others:
+            return
+        self._join_new()
+        by_shard: dict[str, list[str]] = {}
+        for b in held:
+            by_shard.setdefault(b.model, []).append(b.batch_id)
+        now = int(time.time() * 1000)
+        for name in others:
+            calls.heartbeat(K.ModelKeys(name), worker, now, ttl_ms, by_shard.get(name, []), busy_ms).run(self.c.scripts)
+
+    def take_back(self, worker: str) -> None:
+        """What an earlier run under this name left pending on each shard, handed back now."""
+        for name in self.others():
+            mk = K.ModelKeys(name)
+            if self.c.r.exists(mk.batches) and self.c.r.xpending_range(mk.batches, K.GROUP, "-", "+", 1,
+                                                                        consumername=worker):
+                res = self.c.reclaim_consumer(name, worker, force=True)
+                event("took_back", worker=worker, shard=name, batches=res["batches"], items=res["items"])
+
+    def reclaim(self, worker: str) -> dict[str, int]:
+        """This worker's pending batches on the model and every shard, to the reclaimed queues."""
+        total = self.c.reclaim_consumer(self.shards.model, worker, force=True)
+        for name in self.others():
+            got = self.c.reclaim_consumer(name, worker, force=True)
+            for k in ("batches", "items", "dead"):
+                total[k] += got[k]
+        return total
+
+    def deregister(self, worker: str) -> None:
+        for name in self.others():
+            mk = K.ModelKeys(name)
+            pipe = self.c.r.pipeline(transaction=False)
+            for key in (mk.workers, mk.affinity, mk.warming, mk.busy):
+                pipe.hdel(key, worker)
+            pipe.delete(mk.heartbeat(worker))
+            pipe.execute()
+            if not self.c.r.xpending_range(mk.batches, K.GROUP, "-", "+", 1, consumername=worker):
+                self.c.r.xgroup_delconsumer(mk.batches, K.GROUP, worker)
+
+
+def msgspec_replace(contract: Contract, model: str) -> Contract:
+    return Contract(model=model, max_batch_size=contract.max_batch_size, max_batch_tokens=contract.max_batch_tokens,
+                    max_input_len=contract.max_input_len)
+
+
+class ShardMaintenance:
+    """One Maintenance per shard (and the model's own), ticked together: each shard's lease holder
+    sweeps that shard's dead consumers, feeds, trims and checks its counters."""
+
+    def __init__(self, c: Conductor, shards: ShardClaims, owner: str, heartbeat_ttl_s: float) -> None:
+        self.c, self.shards, self.owner, self.ttl_s = c, shards, owner, heartbeat_ttl_s
+        self.parts: dict[str, Maintenance] = {}
+        self._forget_next = 0.0
+        self.fair = ShardFair(c.r)
+        self.on_error: Callable[[BaseException], bool] | None = None
+        self._refresh()
+
+    def _refresh(self) -> None:
+        for name in dict.fromkeys([self.shards.model, *self.shards.names()]):
+            if name not in self.parts:
+                m = Maintenance.for_worker(self.c, name, self.owner, self.ttl_s)
+                if name != self.shards.model:
+                    # a shard's sweep less often than the model's: each costs a lease, a reclaim
+                    # sweep and a trim, and a dead worker's batches wait for its heartbeat's TTL anyway
+                    m.interval_s = SHARD_SWEEP_S
+                m.on_error = self.on_error
+                self.parts[name] = m
+
+    def due_in(self) -> float:
+        """The latest of the parts' next duties, none later than a sweep period: an idle worker wakes
+        once for all of them (their periods drift apart by the time each tick takes), not once each."""
+        return min(max(m.due_in() for m in self.parts.values()), SHARD_SWEEP_S)
+
+    # What an idle worker's beat (workers/idle.py) asks of its maintenance: the model's own part's
+    # lease, since lua/idle_beat.lua takes that lease on the model's keys. A sharded model's idle
+    # worker keeps the doorbell wait of before (IdleBeat.wait), so the shards' parts tick as they did.
+    @property
+    def lease_ms(self) -> int:
+        return self.parts[self.shards.model].lease_ms
+
+    def told(self, held: bool) -> None:
+        self.parts[self.shards.model].told(held)
+
+    def put_off(self) -> None:
+        self.parts[self.shards.model].put_off()
+
+    def holds(self) -> bool:
+        return self.parts[self.shards.model].holds()
+
+    def tick(self) -> dict[str, int] | None:
+        self._refresh()
+        out: dict[str, int] | None = None
+        for name, m in self.parts.items():
+            m.on_error = self.on_error
+            got = m.tick()
+            if got is not None:
+                out = {k: (out or {}).get(k, 0) + v for k, v in got.items()}
+                if name == self.shards.model and len(self.parts) > 1:
+                    self._migrate()
+                    self._forget_drained()
+                    self._fair()
+        return out
+
+    def _migrate(self) -> None:
+        """Waiting shapes of an old layout to their new shards, one bounded step a tick (shard_migrate.py)."""
+        try:
+            moved = shard_migrate.step(self.c, self.shards.model, self.owner)
+        except RIDE_OUT as e:
+            if self.on_error is None or not self.on_error(e):
+                event("shard_migrate_failed", model=self.shards.model, error=str(e))
+            return
+        except ConductorError as e:  # an id the new shard holds with other content: the list waits, said each time
+            event("shard_migrate_failed", model=self.shards.model, error=str(e))
+            return
+        if moved:
+            event("shard_migrated", model=self.shards.model, items=moved)
+
+    def _fair(self) -> None:
+        """Tenants' service over the shards combined (conductor/jobs/shard_fair.py), by the model's lease holder."""
+        try:
+            self.fair.sync(self.shards.names())
+        except RIDE_OUT as e:
+            if self.on_error is None or not self.on_error(e):
+                event("shard_fair_failed", model=self.shards.model, error=str(e))
+
+    def _forget_drained(self) -> None:
+        """The model's lease holder forgets an old layout once its shards are empty (workers stop
+        claiming and beating there)."""
+        now = time.monotonic()
+        if now < self._forget_next:
+            return
+        self._forget_next = now + FORGET_EVERY_S
+        try:
+            gone = self.c.forget_drained(self.shards.model)
+        except RIDE_OUT as e:
+            if self.on_error is None or not self.on_error(e):
+                event("shards_forget_failed", model=self.shards.model, error=str(e))
+            return
+        if gone:
+            event("old_shards_drained", model=self.shards.model, counts=gone)
+            self.parts = {n: m for n, m in self.parts.items() if n in {self.shards.model, *self.shards.names()}}
+
+
+def for_worker(c: Conductor, shards: ShardClaims, owner: str, heartbeat_ttl_s: float) -> ShardMaintenance:
+    """The worker's maintenance: the model's own Maintenance alone while it is not sharded (today's),
+    one more per shard from the moment it is (a live change of the count included)."""
+    return ShardMaintenance(c, shards, owner, heartbeat_ttl_s)
