@@ -83,7 +83,7 @@ def test_cluster_claim_bench_runs(capsys):
 def test_cluster_shards_bench_runs(capsys):
     from bench.broker import cluster_shards
     assert cluster_shards.main(["--items", "400", "--masters", "3", "--shapes", "12", "--workers", "1",
-                                "--no-write"]) == 0
+                                "--idle-s", "0", "--no-write"]) == 0
     out = capsys.readouterr().out
     assert "| 3 | 3 | 12 | least loaded |" in out and "GPUs fed" in out
 
@@ -278,7 +278,9 @@ def test_redis_cost_quick_form_runs_with_a_before_tree(tmp_path):
     # --before measures another checkout's tree in a child process: here this same tree, copied
     before = tmp_path / "before"
     before.mkdir()
-    subprocess.run(f"git archive HEAD | tar -x -C {before}", shell=True, cwd=str(ROOT), check=True)
+    archive = tmp_path / "head.tar"
+    subprocess.run(["git", "archive", "-o", str(archive), "HEAD"], cwd=str(ROOT), check=True)
+    subprocess.run(["tar", "-xf", str(archive), "-C", str(before)], check=True)
     out = _bench("bench/broker/redis_cost.py", "--quick", "--reps", "1", "--no-write", "--before", str(before),
                  timeout=240)
     assert "| q2 |" in out and "plain FIFO stream (limit)" in out and "INCOMPLETE" not in out

@@ -65,16 +65,7 @@ def idle_fleet(url: str, n: int, wake: str, seconds: float, wakes: int = 15, set
     # commandstats counts the commands scripts run inside Redis too
     calls = sum(v["calls"] for k, v in stats.items() if k not in ("cmdstat_config|resetstat", "cmdstat_info"))
     # wake-up: one item submitted (and sealed) to the idle fleet, submit to claim on Redis's clock
-    c = Conductor(r)
-    lat = []
-    for k in range(wakes):
-        s, us = r.time()
-        at = s * 1000 + us / 1000
-        c.submit([from_native({"id": f"x{k}", "model": "m", "prompt": "p", "max_tokens": 4})], "wake", seal=True)
-        while len(rows := c.read_results("wake")) <= k:
-            time.sleep(0.002)
-        lat.append(rows[k].claimed_at - at)
-        time.sleep(0.2 + (0.5 if wake == "poll" else 0))  # idle again (the poller backs off to its cap)
+    lat = wake_ups(r, wakes, 0.2 + (0.5 if wake == "poll" else 0))  # idle again (the poller backs off to its cap)
     for w in workers:
         w.request_stop()
     for t in threads:
@@ -84,7 +75,7 @@ def idle_fleet(url: str, n: int, wake: str, seconds: float, wakes: int = 15, set
             "cpu_pct": 100 * (c1 - c0) / took, "wake_ms": median(lat)}
 
 
-def wake_ups(r, wakes: int) -> list[float]:  # noqa: ANN001
+def wake_ups(r, wakes: int, pause_s: float = 0.3) -> list[float]:  # noqa: ANN001
     """One sealed item submitted to the idle fleet at a time: submit to claim, on Redis's clock."""
     c = Conductor(r)
     lat = []
@@ -95,7 +86,7 @@ def wake_ups(r, wakes: int) -> list[float]:  # noqa: ANN001
         while len(rows := c.read_results("wake")) <= k:
             time.sleep(0.002)
         lat.append(rows[k].claimed_at - at)
-        time.sleep(0.3)  # idle again
+        time.sleep(pause_s)  # idle again
     return lat
 
 
