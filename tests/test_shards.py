@@ -328,6 +328,7 @@ def test_a_change_of_count_moves_waiting_shapes_to_their_new_shards(cluster, tmp
     assert c.status("gj")["done"]
 
 
+@pytest.mark.slow  # ~30 s: the default run keeps the 1->3->1 change and the migration with work waiting (above)
 def test_a_live_model_resharded_1_to_3_mid_run_through_the_cli(cluster, tmp_path):
     # workers running and work waiting when the count changes: the lease holder moves the waiting
     # shapes to the new shards while the workers serve both layouts; every id once
