@@ -24,12 +24,8 @@
 
 local batches_key = KEYS[4]
 local bid, consumer, reason = ARGV[1], ARGV[2], ARGV[3] or ''
-if not stream_id_ok(bid) then
-  return redis.error_reply('ERR_ARG batch_id: must be a stream id like 1700000000000-0')
-end
-if (not consumer) or #consumer < 1 or #consumer > 200 then
-  return redis.error_reply('ERR_ARG consumer: must be 1..200 bytes')
-end
+local bad = batch_ref_bad(bid, consumer)
+if bad then return bad end
 if #reason > RULES.MAX_REASON_BYTES then reason = string.sub(reason, 1, RULES.MAX_REASON_BYTES) end
 local rq, refused = requeue_prologue(KEYS)
 if not rq then return refused end

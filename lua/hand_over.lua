@@ -25,12 +25,8 @@
 
 local base, state_key, batches_key = KEYS[1], KEYS[2], KEYS[3]
 local bid, consumer, token = ARGV[1], ARGV[2], ARGV[3]
-if not stream_id_ok(bid) then
-  return redis.error_reply('ERR_ARG batch_id: must be a stream id like 1700000000000-0')
-end
-if (not consumer) or #consumer < 1 or #consumer > 200 then
-  return redis.error_reply('ERR_ARG consumer: must be 1..200 bytes')
-end
+local bad = batch_ref_bad(bid, consumer)
+if bad then return bad end
 if not token_ok(token) then return redis.error_reply('ERR_ARG token: not a batch token') end
 local stop = paused(state_key)
 if stop then return stop end

@@ -150,6 +150,21 @@ local function stream_id_ok(id)
   return ms ~= nil and u64_ok(ms) and u64_ok(seq)
 end
 
+-- The consumer a worker's script acts for: the error reply naming it, or nil.
+local function consumer_bad(consumer)
+  if (not consumer) or #consumer < 1 or #consumer > 200 then
+    return redis.error_reply('ERR_ARG consumer: must be 1..200 bytes')
+  end
+  return nil
+end
+-- A batch its consumer names (fail.lua, hand_over.lua): the error reply for the first bad field, or nil.
+local function batch_ref_bad(bid, consumer)
+  if not stream_id_ok(bid) then
+    return redis.error_reply('ERR_ARG batch_id: must be a stream id like 1700000000000-0')
+  end
+  return consumer_bad(consumer)
+end
+
 -- Two valid stream ids compared: -1, 0 or 1 (the parts may pass 2^53: compared as digit strings).
 local function id_cmp(a, b)
   local am, as = string.match(a, '^0*(%d-)%-0*(%d-)$')

@@ -12,9 +12,8 @@
 -- The arguments (claim.lua's header), and the batch token not in use by a pending batch. Returns
 -- the error reply to return ('ERR_ARG <field>: ...'), or nil.
 local function claim_bad_args(base, consumer, max_items, max_tokens, token)
-  if (not consumer) or #consumer < 1 or #consumer > 200 then
-    return redis.error_reply('ERR_ARG consumer: must be 1..200 bytes')
-  end
+  local bad = consumer_bad(consumer)
+  if bad then return bad end
   if not int_in(max_items, 1, RULES.MAX_BATCH_ITEMS) then
     return redis.error_reply('ERR_ARG max_batch_size: must be an integer in 1..' .. RULES.MAX_BATCH_ITEMS)
   end

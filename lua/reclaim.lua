@@ -29,9 +29,8 @@
 local base, state_key, batches_key = KEYS[1], KEYS[3], KEYS[4]
 local consumer, force = ARGV[1], ARGV[2]
 local min_idle, count = tonumber(ARGV[3]), tonumber(ARGV[4])
-if (not consumer) or #consumer < 1 or #consumer > 200 then
-  return redis.error_reply('ERR_ARG consumer: must be 1..200 bytes')
-end
+local bad = consumer_bad(consumer)
+if bad then return bad end
 if force ~= '0' and force ~= '1' then return redis.error_reply('ERR_ARG force: must be 0 or 1') end
 if not int_in(min_idle, 0, 1e15) then
   return redis.error_reply('ERR_ARG min_idle_ms: must be an integer in 0..1e15')
