@@ -75,14 +75,7 @@ class Doorbell:
         limit = due_in_s
         if idle_exit_s is not None:
             limit = min(limit, idle_exit_s - (time.monotonic() - idle_since) + 0.01)
-        try:
-            return self.wait(limit, last_claim)
-        except RIDE_OUT as e:
-            if not is_transient(e):
-                raise
-            if on_error is not None:
-                on_error(e)
-            return None
+        return ride_out(lambda: self.wait(limit, last_claim), on_error)
 
     def pass_on(self) -> None:
         """A worker that a ring woke and that found work rings once more: if work is left, the next
@@ -101,3 +94,14 @@ def poll_sleep(sleep: float, poll_max_s: float) -> float:
     return min(sleep * 2, poll_max_s)
 
 
+def ride_out(wait: Callable[[], bool], on_error: Callable[[BaseException], object] | None) -> bool | None:
+    """An idle wait's answer, or None after a transient Redis error (``on_error`` hears of it, the
+    caller backs off as after a failed claim); other errors propagate."""
+    try:
+        return wait()
+    except RIDE_OUT as e:
+        if not is_transient(e):
+            raise
+        if on_error is not None:
+            on_error(e)
+        return None

@@ -29,8 +29,7 @@ from typing import TYPE_CHECKING
 
 from conductor.redis_contract import script_calls as calls
 
-from .doorbell import Doorbell
-from .transient import RIDE_OUT, is_transient
+from .doorbell import Doorbell, ride_out
 from .worker_start import WorkerStart
 
 if TYPE_CHECKING:  # imported where the loop starts, as workers/worker.py does
@@ -81,14 +80,7 @@ class IdleBeat:
         # doorbell's wait (work on any shard rings the bell they wait on) until the beat spans shards
         if last_claim != "idle" or self.w.members.others():
             return self.bell.wait_idle(self.maint.due_in(), idle_exit_s, idle_since, last_claim, on_error)
-        try:
-            return self._wait(idle_exit_s, idle_since)
-        except RIDE_OUT as e:
-            if not is_transient(e):
-                raise
-            if on_error is not None:
-                on_error(e)
-            return None
+        return ride_out(lambda: self._wait(idle_exit_s, idle_since), on_error)
 
     def _wait(self, idle_exit_s: float | None, idle_since: float) -> bool:
         while not self.w.stopping.is_set():
