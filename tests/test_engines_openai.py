@@ -135,7 +135,7 @@ def _worker(url: str, server: VllmServer, log: Path) -> subprocess.Popen:
 def test_the_server_killed_mid_run_and_restarted_loses_and_fails_nothing(redis_url: str, cdr: Conductor,
                                                                           server: VllmServer, tmp_path: Path):
     c = cdr
-    lines = shaped_lines(48, shapes=3, max_tokens=160)
+    lines = shaped_lines(32, shapes=3, max_tokens=160)
     c.ensure_model("tiny")
     submit_lines(c, "sk", lines)
     log = tmp_path / "worker.log"
