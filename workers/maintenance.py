@@ -39,6 +39,9 @@ log = logging.getLogger("conductor.maintenance")
 RIDE_OUT_OR_STORE: tuple[type[BaseException], ...] = (*RIDE_OUT, StoreError)
 
 
+FULL_SWEEP_S = 10.0
+
+
 class Maintenance:
     def __init__(self, conductor: Conductor, model: str, owner: str, *, interval_s: float = 1.0,
                  lease_ms: int = 5000, stale_idle_ms: int = 300_000, thrash_batches: int = 100,
@@ -52,6 +55,7 @@ class Maintenance:
         self.stale_idle_ms = stale_idle_ms
         self.thrash_batches = thrash_batches
         self._next = 0.0
+        self._full_next = 0.0  # the next sweep that also forgets dead consumers holding nothing
         self._finished_cursor = "$"
         self.batches_per_shape: list[int] = []
         # Counter drift check (conductor/verify/): reads every waiting entry in bounded steps,
@@ -140,7 +144,13 @@ class Maintenance:
             # Live consumers lose only entries idle past stale_idle_ms: their heartbeat extends
             # every lease it knows of, so such an entry is one whose claim reply never arrived
             # (Redis died between running the script and answering).
-            res = self.c.reclaim_dead(self.model, min_idle_ms=self.stale_idle_ms)
+            # A dead consumer holding no batch costs nothing but its registration: forgotten every
+            # FULL_SWEEP_S, so an idle fleet's holder reads one XPENDING a second, not a heartbeat
+            # per worker (issue 36).
+            full = now >= self._full_next
+            if full:
+                self._full_next = now + FULL_SWEEP_S
+            res = self.c.reclaim_dead(self.model, min_idle_ms=self.stale_idle_ms, pending_only=not full)
             if res["batches"]:
                 log.info(json.dumps({"event": "reclaimed", "model": self.model, **res}))
             self._thrash_alarm()

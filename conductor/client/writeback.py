@@ -42,13 +42,15 @@ class Writeback(ConductorCore):
             if got.batches < count:
                 return total
 
-    def consumers(self, model: str) -> list[dict[str, Any]]:
+    def consumers(self, model: str, *, pending_only: bool = False) -> list[dict[str, Any]]:
         mk = K.ModelKeys(model)
         try:
             rows = self.r.xinfo_consumers(mk.batches, K.GROUP)
         except redis.ResponseError:
             return []
         out = [{as_str(k): (as_str(v) if isinstance(v, bytes) else v) for k, v in row.items()} for row in rows]
+        if pending_only:
+            out = [row for row in out if row.get("pending")]
         # one round trip for the fleet: the lease holder asks every second (workers/maintenance.py)
         pipe = self.r.pipeline(transaction=False)
         for row in out:
@@ -57,10 +59,19 @@ class Writeback(ConductorCore):
             row["alive"] = bool(alive)
         return out
 
-    def reclaim_dead(self, model: str, *, min_idle_ms: int = 0) -> dict[str, int]:
-        """One reclaim sweep over every consumer of ``model`` without a live heartbeat."""
+    def reclaim_dead(self, model: str, *, min_idle_ms: int = 0, pending_only: bool = False) -> dict[str, int]:
+        """One reclaim sweep over every consumer of ``model`` without a live heartbeat. ``pending_only``:
+        only consumers that hold batches (a dead one holding none is only forgotten), and nothing read
+        past one XPENDING while no batch is in flight: the lease holder of an idle fleet sweeps every
+        second, and XINFO CONSUMERS with a heartbeat read per consumer grew with the fleet (issue 36)."""
         total = {"consumers": 0, "batches": 0, "items": 0, "dead": 0}
-        for row in self.consumers(model):
+        if pending_only:
+            try:
+                if not int(self.r.xpending(K.ModelKeys(model).batches, K.GROUP)["pending"]):
+                    return total
+            except redis.ResponseError:  # no stream or group yet: nothing in flight
+                return total
+        for row in self.consumers(model, pending_only=pending_only):
             # a live consumer with nothing pending has nothing to lose: no reclaim.lua call for each
             # idle worker of the fleet every second
             if row["alive"] and (not min_idle_ms or not row.get("pending")):
