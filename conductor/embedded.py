@@ -196,9 +196,11 @@ class EmbeddedCluster:
                 c.close()
         raise RedisUnavailable("embedded cluster never reached state ok")
 
-    def move_slot(self, slot: int, to: int) -> None:
+    def move_slot(self, slot: int, to: int, *, page_pause_s: float = 0.0) -> None:
         """Reshard one slot to node ``to`` the way redis-cli does: IMPORTING and MIGRATING marks,
-        MIGRATE of its keys in pages, then SETSLOT NODE on every node."""
+        MIGRATE of its keys 10 at a time (redis-cli's --cluster-pipeline), then SETSLOT NODE on every node.
+        ``page_pause_s``: a pause after each MIGRATE, so that a test's small slot stays half moved
+        as long as a big one would."""
         cs = [redis.Redis(port=n.port) for n in self.nodes]
         try:
             ids = [c.execute_command("CLUSTER", "MYID").decode() for c in cs]
@@ -209,8 +211,9 @@ class EmbeddedCluster:
                 return
             cs[to].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[owner])
             cs[owner].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[to])
-            while keys := cs[owner].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+            while keys := cs[owner].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 10):
                 cs[owner].execute_command("MIGRATE", "127.0.0.1", self.nodes[to].port, "", 0, 5000, "KEYS", *keys)
+                time.sleep(page_pause_s)
             for c in cs:
                 c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[to])
         finally:
