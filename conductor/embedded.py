@@ -162,11 +162,15 @@ class EmbeddedRedis:
 
 
 class EmbeddedCluster:
-    """A Redis Cluster of ``nodes`` primaries (no replicas) on free ports, slots split evenly,
-    joined with CLUSTER MEET: for tests of a model's keys living on one node among several."""
+    """A Redis Cluster of ``nodes`` primaries on free ports, slots split evenly, joined with CLUSTER
+    MEET: for tests of a model's keys living on one node among several. ``replicas``: that many
+    replicas of each primary (CLUSTER REPLICATE), in ``replicas_of[i]`` for ``nodes[i]``, for
+    tests that fail a primary over (``failover``)."""
 
-    def __init__(self, nodes: int = 3) -> None:
+    def __init__(self, nodes: int = 3, replicas: int = 0) -> None:
         self.nodes = [EmbeddedRedis(cluster=True, own_all_slots=False) for _ in range(nodes)]
+        self.replicas_of = [[EmbeddedRedis(cluster=True, own_all_slots=False) for _ in range(replicas)]
+                            for _ in range(nodes)]
 
     @property
     def url(self) -> str:
@@ -174,31 +178,69 @@ class EmbeddedCluster:
         return f"redis://127.0.0.1:{self.nodes[0].port}/0?cluster=1"
 
     def start(self, timeout: float = 20.0) -> EmbeddedCluster:
-        for n in self.nodes:
+        every = [*self.nodes, *(r for rs in self.replicas_of for r in rs)]
+        for n in every:
             n.start(timeout)
-        clients = [redis.Redis(port=n.port) for n in self.nodes]
+        clients = [redis.Redis(port=n.port) for n in every]
         deadline = time.monotonic() + timeout
         try:
             step = 16384 // len(self.nodes)
-            for i, c in enumerate(clients):
-                last = 16383 if i == len(clients) - 1 else (i + 1) * step - 1
+            for i, c in enumerate(clients[:len(self.nodes)]):
+                last = 16383 if i == len(self.nodes) - 1 else (i + 1) * step - 1
                 c.execute_command("CLUSTER", "ADDSLOTSRANGE", i * step, last)
             for c in clients[1:]:
                 c.execute_command("CLUSTER", "MEET", "127.0.0.1", self.nodes[0].port, self.nodes[0].bus_port)
-            while time.monotonic() < deadline:
-                infos = [c.execute_command("CLUSTER", "INFO") for c in clients]
-                if all(b"cluster_state:ok" in i and f"cluster_known_nodes:{len(clients)}".encode() in i
-                       for i in infos):
-                    return self
+            self._wait(clients, deadline, lambda i: f"cluster_known_nodes:{len(every)}".encode() in i)
+            replicas = [(p, r) for p, rs in zip(self.nodes, self.replicas_of, strict=True) for r in rs]
+            for primary, replica in replicas:
+                primary_id = redis.Redis(port=primary.port).execute_command("CLUSTER", "MYID").decode()
+                redis.Redis(port=replica.port).execute_command("CLUSTER", "REPLICATE", primary_id)
+            while replicas and time.monotonic() < deadline:
+                if all(redis.Redis(port=r.port).info("replication").get("master_link_status") == "up"
+                       for _p, r in replicas):
+                    break
                 time.sleep(0.05)
+            self._wait(clients, deadline, lambda i: True)
+            return self
         finally:
             for c in clients:
                 c.close()
+
+    @staticmethod
+    def _wait(clients: list[redis.Redis], deadline: float, also: Callable[[bytes], bool]) -> None:
+        while time.monotonic() < deadline:
+            infos = [c.execute_command("CLUSTER", "INFO") for c in clients]
+            if all(b"cluster_state:ok" in i and also(i) for i in infos):
+                return
+            time.sleep(0.05)
         raise RedisUnavailable("embedded cluster never reached state ok")
 
-    def move_slot(self, slot: int, to: int) -> None:
+    def failover(self, primary: int, how: str = "", timeout: float = 20.0) -> float:
+        """Promote the first replica of ``nodes[primary]``: CLUSTER FAILOVER on it (``how`` empty:
+        the planned form, the primary hands over once the replica has all its writes; "FORCE" or
+        "TAKEOVER" without the primary, for one that died). The two swap places in ``nodes`` and
+        ``replicas_of``; the seconds until the replica served as primary."""
+        replica = self.replicas_of[primary][0]
+        t0 = time.monotonic()
+        c = redis.Redis(port=replica.port)
+        try:
+            c.execute_command("CLUSTER", "FAILOVER", *([how] if how else []))
+            while c.info("replication").get("role") != "master" or \
+                    b"cluster_state:ok" not in c.execute_command("CLUSTER", "INFO"):
+                if time.monotonic() > t0 + timeout:
+                    raise RedisUnavailable(f"replica on port {replica.port} was not promoted in {timeout}s")
+                time.sleep(0.02)
+        finally:
+            c.close()
+        took = time.monotonic() - t0
+        self.replicas_of[primary][0], self.nodes[primary] = self.nodes[primary], replica
+        return took
+
+    def move_slot(self, slot: int, to: int, *, page_pause_s: float = 0.0) -> None:
         """Reshard one slot to node ``to`` the way redis-cli does: IMPORTING and MIGRATING marks,
-        MIGRATE of its keys in pages, then SETSLOT NODE on every node."""
+        MIGRATE of its keys 10 at a time (redis-cli's --cluster-pipeline), then SETSLOT NODE on every node.
+        ``page_pause_s``: a pause after each MIGRATE, so that a test's small slot stays half moved
+        as long as a big one would."""
         cs = [redis.Redis(port=n.port) for n in self.nodes]
         try:
             ids = [c.execute_command("CLUSTER", "MYID").decode() for c in cs]
@@ -209,8 +251,9 @@ class EmbeddedCluster:
                 return
             cs[to].execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[owner])
             cs[owner].execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[to])
-            while keys := cs[owner].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):
+            while keys := cs[owner].execute_command("CLUSTER", "GETKEYSINSLOT", slot, 10):
                 cs[owner].execute_command("MIGRATE", "127.0.0.1", self.nodes[to].port, "", 0, 5000, "KEYS", *keys)
+                time.sleep(page_pause_s)
             for c in cs:
                 c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", ids[to])
         finally:
@@ -218,7 +261,7 @@ class EmbeddedCluster:
                 c.close()
 
     def close(self) -> None:
-        for n in self.nodes:
+        for n in [*self.nodes, *(r for rs in self.replicas_of for r in rs)]:
             n.close()
 
     def __enter__(self) -> EmbeddedCluster:

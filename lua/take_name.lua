@@ -6,6 +6,9 @@
 -- takes the first free name of stem, stem-2, stem-3, ... so that any number of them run on one host.
 --
 -- KEYS[1] base   cdr:{model} (a name's heartbeat key is cdr:{model}:hb:<name>)
+-- KEYS[2] (optional, not read) the stem's heartbeat key: with two keys declared, base never a key,
+--   a Redis Cluster node refuses this call (ASK, then TRYAGAIN) while the slot is half moved to
+--   another node, instead of running it where half the heartbeats are missing
 -- ARGV[1] stem   the host name, 1..120 bytes of A-Z a-z 0-9 . _ / @ + = - (conductor/redis_contract/keys.py names)
 -- ARGV[2] heartbeat value (ms since the epoch), ARGV[3] heartbeat TTL in ms (1..86400000)
 -- ARGV[4] tries  how many names to try, 1..10000 (stem-10000 still fits a 128-byte name)

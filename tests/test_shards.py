@@ -21,6 +21,7 @@ from conductor.redis_contract import keys as K
 from conductor.redis_contract import shards as S
 from conductor.verify import verify
 from tests.conftest import ROOT, cli, follow_with_workers, item
+from tests.helpers import results_for
 
 
 @pytest.fixture(scope="module")
@@ -364,3 +365,49 @@ def test_a_live_model_resharded_1_to_3_mid_run_through_the_cli(cluster, tmp_path
         rep = verify(c.r, n, items=True)
         assert rep.ok, (n, rep.drift)
     assert cli("verify-job", "lj", url=url, check=False).returncode == 0
+
+
+def test_verify_of_a_sharded_model_with_batches_in_flight_on_every_shard(cluster):
+    # verify reads the in-flight set (XPENDING, XRANGE, the reclaimed list) of each shard in one
+    # MULTI: on a cluster that is redis-py's cluster pipeline, whose replies must read as on one Redis
+    from conductor.redis_contract.records import Contract
+    from tests.helpers import quick
+    url, model = cluster.url, "flighty"
+    c = Conductor(connect(url))
+    quick(c, model, shards=3)
+    c.submit([item(f"f{i}", 20 + i % 50, model=model, prefix=(f"sys {i % 12}",), max_tokens=8) for i in range(600)],
+             "fj")
+    names = c.shards(model)
+    time.sleep(0.1)  # past quiet_ms
+    held = {}
+    for n in names:
+        contract = Contract(model=n, max_batch_size=16, max_batch_tokens=8192, max_input_len=4096)
+        held[n] = [c.claim(contract, "w")[0] for _ in range(2)]
+        assert all(held[n]), n
+    c.fail(held[names[1]][1], "w", "boom")  # one batch back in its shard's reclaimed list
+    for n in names:
+        assert int(c.r.hget(K.ModelKeys(n).state, "inflight_batches")) >= 1
+    p = cli("inspect", model, "--verify", url=url, check=False)
+    text = p.stdout.decode()
+    assert p.returncode == 0, text + p.stderr.decode()
+    assert "<-- differs" not in text
+    docs = json.loads(cli("inspect", model, "--verify", "--json", "--all", url=url).stdout)
+    assert [d["model"] for d in docs] == names and all(d["differ"] == 0 for d in docs), docs
+    inflight = {d["model"]: next(r["truth"] for r in d["rows"] if r["field"] == "inflight_items") for d in docs}
+    assert all(inflight[n] == sum(len(b.items) for b in held[n][:1 if n == names[1] else 2]) for n in names), inflight
+    for n in names:  # the ledger too: each queued id in exactly one place, a pending batch's list included
+        rep = verify(c.r, n, items=True)
+        assert rep.ok, (n, rep.drift, rep.problems)
+    assert cli("verify-job", "fj", url=url, check=False).returncode == 0
+    # a broken counter of one shard is reported, on that shard
+    c.r.hincrby(K.ModelKeys(names[2]).state, "inflight_items", 5)
+    p = cli("inspect", model, "--verify", url=url, check=False)
+    text = p.stdout.decode()
+    assert p.returncode == 1, text
+    bad = [ln.split()[:2] for ln in text.splitlines() if "<-- differs" in ln]
+    assert bad == [[K.ModelKeys(names[2]).state, "inflight_items"]], text
+    c.r.hincrby(K.ModelKeys(names[2]).state, "inflight_items", -5)
+    for n in names:
+        for b in held[n][:1 if n == names[1] else 2]:
+            c.complete(b, results_for(b))
+    assert cli("inspect", model, "--verify", url=url, check=False).returncode == 0

@@ -28,7 +28,7 @@ def connect(url: str, *, timeout: float = 10.0, retries: int = 8) -> redis.Redis
     try:
         _refuse_bad_credentials_at_once(url, timeout)
         if cluster:
-            cluster_client = redis.RedisCluster.from_url(
+            cluster_client = _Cluster.from_url(
                 url, socket_timeout=timeout, socket_connect_timeout=timeout,
                 retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=retries))
             cluster_client.ping()
@@ -51,6 +51,18 @@ def connect(url: str, *, timeout: float = 10.0, retries: int = 8) -> redis.Redis
     except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
         raise RedisUnavailable(f"cannot reach Redis at {shown}: {e}") from None
     return client
+
+
+class _Cluster(redis.RedisCluster):
+    """redis-py's cluster client, which also retries, with the same backoff as a dropped connection,
+    a command that used up its redirections: "TTL exhausted", sixteen MOVED, ASK or TRYAGAIN
+    replies in a row, each a refusal before the command ran. A slot being resharded answers a
+    script TRYAGAIN for as long as its keys are half moved (the conductor's scripts that build key
+    names declare the never-written key ``cdr:{model}`` among theirs, so that Redis refuses
+    them then, rather than run them on a half-moved slot): seconds for a big slot, where
+    redis-py's own retries last about 0.4 s (tests/test_shards_chaos.py)."""
+
+    ERRORS_ALLOW_RETRY = (*redis.RedisCluster.ERRORS_ALLOW_RETRY, redis.exceptions.ClusterError)  # type: ignore[assignment]
 
 
 def _cluster_flag(url: str) -> tuple[str, bool]:

@@ -113,7 +113,8 @@ def register(mk: K.ModelKeys, worker: str, contract_json: str, contract: Contrac
 def take_name(mk: K.ModelKeys, stem: str, now_ms: int, ttl_ms: int, tries: int = 1000) -> Call[str | None]:
     """lua/take_name.lua: the first free name of ``stem``, ``stem``-2, ... taken with its heartbeat
     key (None when all ``tries`` are live)."""
-    return Call("take_name", [mk.base], [stem, now_ms, ttl_ms, tries],
+    # the stem's heartbeat key declared beside base: see the script's KEYS[2]
+    return Call("take_name", [mk.base, mk.heartbeat(stem)], [stem, now_ms, ttl_ms, tries],
                 lambda raw: None if raw is None else as_str(raw))
 
 

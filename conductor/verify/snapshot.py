@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from redis.client import CaseInsensitiveDict
 
 from conductor.redis_contract import keys as K
 from conductor.redis_contract import rules
@@ -119,6 +120,14 @@ class Snapshot:
 
     def _run(self, transaction: bool, raise_on_error: bool) -> list[Any]:
         pipe = self.r.pipeline(transaction=transaction)
+        if transaction and isinstance(self.r, redis.RedisCluster):
+            # redis-py's cluster pipeline in MULTI parses replies with the cluster's own callbacks
+            # only, leaving XPENDING, XRANGE, SMEMBERS... raw: give it a node's callbacks as well,
+            # so that a snapshot reads the same on a cluster as on one Redis
+            node_callbacks = self.r.get_default_node().redis_connection.response_callbacks
+            pipe.cluster_response_callbacks = CaseInsensitiveDict(
+                {**{name: _node_callback(cb) for name, cb in node_callbacks.items()},
+                 **self.r.cluster_response_callbacks})
         for name, args, kw in self.calls:
             getattr(pipe, name)(*args, **kw)
         out: list[Any] = pipe.execute(raise_on_error=raise_on_error)
@@ -131,6 +140,15 @@ class Snapshot:
             except (redis.exceptions.OutOfMemoryError, redis.exceptions.ExecAbortError):
                 oom.on = True
         return self._run(False, raise_on_error)
+
+
+def _node_callback(cb: Callable[..., Any]) -> Callable[..., Any]:
+    """A node client's reply callback called as the cluster transaction calls its own: with the
+    command's options, ``keys`` among them, which a node client drops before its callbacks."""
+    def parse(reply: Any, **options: Any) -> Any:
+        options.pop("keys", None)
+        return cb(reply, **options)
+    return parse
 
 
 def pairs(v: Any) -> Any:
