@@ -3,7 +3,7 @@
 -- lib.lua acl_refused: every command claim.lua and its includes may call, on each key or key
 -- pattern), and a batches stream without the consumer group ('NOGROUP': XCLAIM would refuse it
 -- after the items moved).
--- Keys: reads only (EXISTS M:bat:<token>, XINFO GROUPS of M:batches: lib_claim_idle.lua claim_nogroup).
+-- Keys: reads only (EXISTS M:bat:<token>, XPENDING of M:batches: lib_claim_idle.lua claim_nogroup).
 -- Invariant: a command added to claim.lua's includes is added here too
 --   (tests/test_script_acl_atomicity.py denies each in turn).
 --@include lib.lua
@@ -56,7 +56,7 @@ local function claim_refused(base, state_key, batches_key, reclaimed_key, batch_
       and ok('ZRANGEBYSCORE', re) and ok('ZRANGE', re) and ok('ZREM', to) and ok('ZADD', to)
       and ok('ZRANGEBYSCORE', to) and ok('SADD', fr) and ok('LTRIM', lk) and ok('LRANGE', tk) and ok('LTRIM', tk)
       and ok('HMGET', mk) and ok('HSET', mk) and ok('HDEL', mk) and ok('HGET', mk) and ok('EXISTS', mk)
-      and ok('TIME') and ok('XINFO', 'GROUPS', batches_key) and ok('SORT', lk, 'STORE', bk)
+      and ok('TIME') and ok('XPENDING', batches_key) and ok('SORT', lk, 'STORE', bk)
       and ok('DEL', I, il, fi, re, fr, to) and ok('DEL', lk, tk, mk)
   end)
   if refused then return refused end
