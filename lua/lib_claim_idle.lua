@@ -28,16 +28,16 @@ local function claim_idle(base, state_key, batches_key, argv)
   if not (base and state_key and batches_key) or #argv ~= 4 or #consumer < 1 or #consumer > 200
       or not int_in(tonumber(argv[2]), 1, RULES.MAX_BATCH_ITEMS)
       or not int_in(tonumber(argv[3]), 1, RULES.MAX_BATCH_TOKENS)
-      or not token_ok(argv[4]) or redis.call('EXISTS', base .. ':bat:' .. argv[4]) == 1 then
+      or not token_ok(argv[4]) then
     return nil
   end
+  -- a batch token in use (the full pass refuses it) or interactive work waiting: one EXISTS for both
+  if redis.call('EXISTS', base .. ':bat:' .. argv[4], base .. ':hot') ~= 0 then return nil end
   local it = redis.call('HMGET', base .. ':intake', 'items', 'tokens', 'stored_tokens')
   if num(it[1]) ~= 0 or num(it[2]) ~= 0 or num(it[3]) ~= 0 then return nil end
   local st = redis.call('HMGET', state_key, 'reclaimed_items', 'cleanup', 'paused')
   if num(st[1]) ~= 0 or st[2] == '1' then return nil end
-  if redis.call('HGET', base .. ':affinity', consumer) or redis.call('EXISTS', base .. ':hot') == 1 then
-    return nil
-  end
+  if redis.call('HGET', base .. ':affinity', consumer) then return nil end
   if st[3] == '1' then return {0, 'paused'} end
   return claim_nogroup(batches_key) or {0, 'idle'}
 end

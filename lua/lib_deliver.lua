@@ -109,12 +109,13 @@ local function take_batch(c, inst, parts, acc, flags, info)
     local meta, mk = seg.meta, seg.mk
     local rep = num(meta.rep)
     local left, left_tok = num(meta.items) - seg.k, num(meta.tokens) - seg.sum
-    if left <= 0 then
+    if left <= 0 and now - num(meta.last_ms) >= cfg.lane_quiet_ms then
+      retire_lane(c, inst, lane)  -- its keys and index entries go: nothing to update first
+    elseif left <= 0 then
       redis.call('ZREM', ik .. ':fill', lane)
       redis.call('ZREM', ik .. ':ready', lane)
       redis.call('HSET', mk, 'items', left, 'tokens', left_tok)
       redis.call('HDEL', mk, 'since_ms')
-      if now - num(meta.last_ms) >= cfg.lane_quiet_ms then retire_lane(c, inst, lane) end
     else
       redis.call('HSET', mk, 'items', left, 'tokens', left_tok, 'since_ms', now)
       if not lane_is_ready(cfg, left, left_tok, rep) then redis.call('ZREM', ik .. ':ready', lane) end
