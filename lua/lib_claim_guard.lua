@@ -9,9 +9,10 @@
 --@include lib.lua
 --@include lib_claim_idle.lua
 
--- The arguments (claim.lua's header), and the batch token not in use by a pending batch. Returns
--- the error reply to return ('ERR_ARG <field>: ...'), or nil.
-local function claim_bad_args(base, consumer, max_items, max_tokens, token)
+-- The arguments (claim.lua's header), and the batch token not in use by a pending batch (token_free:
+-- lib_claim_idle.lua saw its list absent in this call). Returns the error reply to return
+-- ('ERR_ARG <field>: ...'), or nil.
+local function claim_bad_args(base, consumer, max_items, max_tokens, token, token_free)
   local bad = consumer_bad(consumer)
   if bad then return bad end
   if not int_in(max_items, 1, RULES.MAX_BATCH_ITEMS) then
@@ -23,7 +24,7 @@ local function claim_bad_args(base, consumer, max_items, max_tokens, token)
   if not token_ok(token) then
     return redis.error_reply('ERR_ARG token: must be 1..' .. RULES.TOKEN_MAX .. ' characters from A-Z a-z 0-9 . _ -')
   end
-  if redis.call('EXISTS', base .. ':bat:' .. token) == 1 then
+  if not token_free and redis.call('EXISTS', base .. ':bat:' .. token) == 1 then
     return redis.error_reply('ERR_ARG token: ' .. token .. ' is in use by a pending batch')
   end
   return nil
@@ -47,7 +48,7 @@ local function claim_refused(base, state_key, batches_key, reclaimed_key, batch_
       and ok('EXISTS', base .. ':hot') and ok('ZRANGE', base .. ':hot')
       and ok('ZREM', base .. ':hot')
       and ok('HGET', wm) and ok('HSET', wm) and ok('HDEL', wm)
-      and ok('ZRANK', fi) and ok('ZRANGE', fi) and ok('LRANGE', lk)
+      and ok('ZRANK', fi) and ok('ZRANGE', fi) and ok('LRANGE', lk) and ok('LMPOP', lk)
       and ok('RPUSH', bk) and ok('XADD', batches_key) and ok('XCLAIM', batches_key) and ok('LINDEX', rk)
       and ok('LPOP', rk) and ok('LSET', rk) and ok('ZREM', sk) and ok('ZADD', sk) and ok('ZREVRANGE', sk)
       and ok('ZREM', sa) and ok('ZADD', sa) and ok('ZRANGE', sa) and ok('XADD', base .. ':finished')

@@ -100,12 +100,14 @@ local function take_batch(c, inst, parts, acc, flags, info)
     if i == 1 then
       -- SORT BY nosort keeps list order and reads only the range it stores: the common batch,
       -- one lane's head, moves lane -> batch list without its bytes entering Lua.
-      redis.call('SORT', lk, 'BY', 'nosort', 'LIMIT', 0, seg.k, 'STORE', c.batch_items_key)
+      redis.call('SORT', lk, 'BY', 'nosort', 'LIMIT', '0', seg.k, 'STORE', c.batch_items_key)
+      redis.call('LTRIM', lk, seg.k, '-1')
     else
-      push_all(c.batch_items_key, redis.call('LRANGE', lk, 0, seg.k - 1))
+      -- the lane's head taken off and read in one command (LRANGE and LTRIM would be two)
+      local popped = redis.call('LMPOP', '1', lk, 'LEFT', 'COUNT', seg.k)
+      if popped then push_all(c.batch_items_key, popped[2]) end
     end
-    redis.call('LTRIM', lk, seg.k, -1)
-    redis.call('LTRIM', base .. ':lanetok:' .. inst .. ':' .. lane, seg.k, -1)
+    redis.call('LTRIM', base .. ':lanetok:' .. inst .. ':' .. lane, seg.k, '-1')
     local meta, mk = seg.meta, seg.mk
     local rep = num(meta.rep)
     local left, left_tok = num(meta.items) - seg.k, num(meta.tokens) - seg.sum
