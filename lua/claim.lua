@@ -43,8 +43,9 @@
 --@include lib.lua
 --@include lib_claim_idle.lua
 -- Nothing to claim: answered before the rest is defined (lib_claim_idle.lua).
-local idle_reply = claim_idle(KEYS[1], KEYS[3], KEYS[4], ARGV)
+local idle_reply, seen = claim_idle(KEYS[1], KEYS[3], KEYS[4], ARGV)
 if idle_reply then return idle_reply end
+seen = seen or {}
 --@include lib_claim_guard.lua
 --@include lib_gate.lua
 --@include lib_serve.lua
@@ -54,7 +55,7 @@ local base, cfg_key, state_key, batches_key, reclaimed_key = KEYS[1], KEYS[2], K
 local consumer = ARGV[1]
 local max_items, max_tokens = tonumber(ARGV[2]), tonumber(ARGV[3])
 local token = ARGV[4]
-local refused = claim_bad_args(base, consumer, max_items, max_tokens, token)
+local refused = claim_bad_args(base, consumer, max_items, max_tokens, token, seen.free)
 if refused then return refused end
 -- A caller that still sends the input-length limit ARGV[4] once held would name its batch list wrongly.
 if #ARGV ~= 4 then return redis.error_reply('ERR_ARG argv: expected 4 arguments, got ' .. #ARGV) end
@@ -78,7 +79,7 @@ local st = hmget_named(state_key, STATE)
 -- The waiting counters and intake times live in the producer's hash (M:intake, which
 -- deploy/redis/users.acl lets a producer write; M:state it may only read).
 local intake_key = base .. ':intake'
-local intake = hmget_named(intake_key, {'tokens', 'last_intake_ms', 'items', 'sealed_ms', 'stored_tokens'})
+local intake = seen.intake or hmget_named(intake_key, INTAKE_FIELDS)
 -- The claim context every include takes. Each worker warms its own next instance (M:warming), so
 -- in a fleet the shape a worker prepared is the one it switches to, not one another took first.
 local c = {base = base, state_key = state_key, batches_key = batches_key, reclaimed_key = reclaimed_key,
@@ -106,7 +107,7 @@ if num(st.reclaimed_items) > 0 then
   if r then return r end
 end
 -- 1b. Interactive work (issue 26): before the gate and before this worker's own shape.
-if redis.call('EXISTS', base .. ':hot') == 1 then
+if not seen.free and redis.call('EXISTS', base .. ':hot') == 1 then
   local r = serve_hot(c)
   if r then return r end
 end

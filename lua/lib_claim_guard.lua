@@ -3,15 +3,16 @@
 -- lib.lua acl_refused: every command claim.lua and its includes may call, on each key or key
 -- pattern), and a batches stream without the consumer group ('NOGROUP': XCLAIM would refuse it
 -- after the items moved).
--- Keys: reads only (EXISTS M:bat:<token>, XINFO GROUPS of M:batches: lib_claim_idle.lua claim_nogroup).
+-- Keys: reads only (EXISTS M:bat:<token>, XPENDING of M:batches: lib_claim_idle.lua claim_nogroup).
 -- Invariant: a command added to claim.lua's includes is added here too
 --   (tests/test_script_acl_atomicity.py denies each in turn).
 --@include lib.lua
 --@include lib_claim_idle.lua
 
--- The arguments (claim.lua's header), and the batch token not in use by a pending batch. Returns
--- the error reply to return ('ERR_ARG <field>: ...'), or nil.
-local function claim_bad_args(base, consumer, max_items, max_tokens, token)
+-- The arguments (claim.lua's header), and the batch token not in use by a pending batch (token_free:
+-- lib_claim_idle.lua saw its list absent in this call). Returns the error reply to return
+-- ('ERR_ARG <field>: ...'), or nil.
+local function claim_bad_args(base, consumer, max_items, max_tokens, token, token_free)
   local bad = consumer_bad(consumer)
   if bad then return bad end
   if not int_in(max_items, 1, RULES.MAX_BATCH_ITEMS) then
@@ -23,7 +24,7 @@ local function claim_bad_args(base, consumer, max_items, max_tokens, token)
   if not token_ok(token) then
     return redis.error_reply('ERR_ARG token: must be 1..' .. RULES.TOKEN_MAX .. ' characters from A-Z a-z 0-9 . _ -')
   end
-  if redis.call('EXISTS', base .. ':bat:' .. token) == 1 then
+  if not token_free and redis.call('EXISTS', base .. ':bat:' .. token) == 1 then
     return redis.error_reply('ERR_ARG token: ' .. token .. ' is in use by a pending batch')
   end
   return nil
@@ -47,7 +48,7 @@ local function claim_refused(base, state_key, batches_key, reclaimed_key, batch_
       and ok('EXISTS', base .. ':hot') and ok('ZRANGE', base .. ':hot')
       and ok('ZREM', base .. ':hot')
       and ok('HGET', wm) and ok('HSET', wm) and ok('HDEL', wm)
-      and ok('ZRANK', fi) and ok('ZRANGE', fi) and ok('LRANGE', lk)
+      and ok('ZRANK', fi) and ok('ZRANGE', fi) and ok('LRANGE', lk) and ok('LMPOP', lk)
       and ok('RPUSH', bk) and ok('XADD', batches_key) and ok('XCLAIM', batches_key) and ok('LINDEX', rk)
       and ok('LPOP', rk) and ok('LSET', rk) and ok('ZREM', sk) and ok('ZADD', sk) and ok('ZREVRANGE', sk)
       and ok('ZREM', sa) and ok('ZADD', sa) and ok('ZRANGE', sa) and ok('XADD', base .. ':finished')
@@ -56,7 +57,7 @@ local function claim_refused(base, state_key, batches_key, reclaimed_key, batch_
       and ok('ZRANGEBYSCORE', re) and ok('ZRANGE', re) and ok('ZREM', to) and ok('ZADD', to)
       and ok('ZRANGEBYSCORE', to) and ok('SADD', fr) and ok('LTRIM', lk) and ok('LRANGE', tk) and ok('LTRIM', tk)
       and ok('HMGET', mk) and ok('HSET', mk) and ok('HDEL', mk) and ok('HGET', mk) and ok('EXISTS', mk)
-      and ok('TIME') and ok('XINFO', 'GROUPS', batches_key) and ok('SORT', lk, 'STORE', bk)
+      and ok('TIME') and ok('XPENDING', batches_key) and ok('SORT', lk, 'STORE', bk)
       and ok('DEL', I, il, fi, re, fr, to) and ok('DEL', lk, tk, mk)
   end)
   if refused then return refused end

@@ -100,21 +100,24 @@ local function take_batch(c, inst, parts, acc, flags, info)
     if i == 1 then
       -- SORT BY nosort keeps list order and reads only the range it stores: the common batch,
       -- one lane's head, moves lane -> batch list without its bytes entering Lua.
-      redis.call('SORT', lk, 'BY', 'nosort', 'LIMIT', 0, seg.k, 'STORE', c.batch_items_key)
+      redis.call('SORT', lk, 'BY', 'nosort', 'LIMIT', '0', seg.k, 'STORE', c.batch_items_key)
+      redis.call('LTRIM', lk, seg.k, '-1')
     else
-      push_all(c.batch_items_key, redis.call('LRANGE', lk, 0, seg.k - 1))
+      -- the lane's head taken off and read in one command (LRANGE and LTRIM would be two)
+      local popped = redis.call('LMPOP', '1', lk, 'LEFT', 'COUNT', seg.k)
+      if popped then push_all(c.batch_items_key, popped[2]) end
     end
-    redis.call('LTRIM', lk, seg.k, -1)
-    redis.call('LTRIM', base .. ':lanetok:' .. inst .. ':' .. lane, seg.k, -1)
+    redis.call('LTRIM', base .. ':lanetok:' .. inst .. ':' .. lane, seg.k, '-1')
     local meta, mk = seg.meta, seg.mk
     local rep = num(meta.rep)
     local left, left_tok = num(meta.items) - seg.k, num(meta.tokens) - seg.sum
-    if left <= 0 then
+    if left <= 0 and now - num(meta.last_ms) >= cfg.lane_quiet_ms then
+      retire_lane(c, inst, lane)  -- its keys and index entries go: nothing to update first
+    elseif left <= 0 then
       redis.call('ZREM', ik .. ':fill', lane)
       redis.call('ZREM', ik .. ':ready', lane)
       redis.call('HSET', mk, 'items', left, 'tokens', left_tok)
       redis.call('HDEL', mk, 'since_ms')
-      if now - num(meta.last_ms) >= cfg.lane_quiet_ms then retire_lane(c, inst, lane) end
     else
       redis.call('HSET', mk, 'items', left, 'tokens', left_tok, 'since_ms', now)
       if not lane_is_ready(cfg, left, left_tok, rep) then redis.call('ZREM', ik .. ':ready', lane) end

@@ -1,7 +1,7 @@
 -- lib_survey.lua: what waits, as claim.lua weighs it (seeds 001, 003, issues 24 and 26): each
 -- instance's remaining work, the staged instance that goes first, and per tenant the instances its
 -- workers serve. Every function takes c, the claim context claim.lua builds.
--- Keys: M:inst:S:E (HMGET), M:staged (ZREVRANGE), M:active (ZRANGE); through lib_workers.lua and
+-- Keys: M:inst:S:E (HMGET, HGET), M:staged (ZREVRANGE), M:active (ZRANGE); through lib_workers.lua and
 --   lib_lifecycle.lua (finish) what they touch.
 -- Invariant: reads only, but for an emptied active instance no live worker serves, which survey
 --   finishes; at most STAGED_LOOK staged instances are looked at, so the work is bounded by that
@@ -13,10 +13,14 @@
 -- An instance's waiting input tokens, and its remaining work in input-token units: those tokens
 -- plus decode_weight times its waiting items' output limits (priced at the mean limit of what it
 -- took in, lib_intake.lua): what the fleet balances, since decoding, not prefill, fills a GPU's time.
-local WORK_FIELDS = {'tokens', 'items', 'in_items', 'in_out', 'state', 'warming_for', 'claimed_ms', 'activated_ms',
-  'tenant', 'prio', 'deadline'}
-local function inst_work(c, inst)
-  local h = hmget_named(inst_key(c.base, inst), WORK_FIELDS)
+-- A staged instance's fields, and an active one's: only those present on such an instance, since a
+-- missing field costs HMGET a scan of the whole hash (survey reads up to STAGED_LOOK of them per
+-- call); warming_for is read by free_for, only for a warming instance.
+local WORK_FIELDS = {'tokens', 'items', 'in_items', 'in_out', 'state', 'tenant', 'prio', 'deadline'}
+local ACTIVE_FIELDS = {'tokens', 'items', 'in_items', 'in_out', 'state', 'tenant', 'prio', 'claimed_ms', 'activated_ms'}
+local function inst_work(c, inst, fields)
+  local h = hmget_named(inst_key(c.base, inst), fields or WORK_FIELDS)
+  h.inst = inst
   local tokens, placed = num(h.tokens), num(h.in_items)
   local mean_out = placed > 0 and num(h.in_out) / placed or 0
   return tokens, tokens + c.cfg.decode_weight * num(h.items) * mean_out, mean_out, h
@@ -37,7 +41,9 @@ end
 -- Whether a staged instance is free for this worker to start: not another live worker's next
 -- (each worker warms one at a time, so at most a fleet's worth are skipped).
 local function free_for(c, h)
-  return h.state ~= 'warming' or h.warming_for == c.consumer or not h.warming_for or not alive(c.base, h.warming_for)
+  if h.state ~= 'warming' then return true end
+  local by = redis.call('HGET', inst_key(c.base, h.inst), 'warming_for')
+  return by == c.consumer or not by or not alive(c.base, by)
 end
 
 -- The staged instance that goes first (before()) of `tenant`'s (any tenant's when nil) that no
@@ -93,7 +99,7 @@ local function survey(c, need)
     return x
   end
   for _, inst in ipairs(actives) do
-    local t, w, _, h = inst_work(c, inst)
+    local t, w, _, h = inst_work(c, inst, ACTIVE_FIELDS)
     local k = n[inst] or 0
     if t > 0 then
       local x = rec(h)
