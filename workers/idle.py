@@ -24,7 +24,8 @@ and one shard more each period, in turn: its heartbeat there lives a round of th
 and ``GRACE`` more, its registration stays, its turn takes or renews that shard's maintenance lease,
 and work that waits there without a ring is claimed at that turn (a shard's sweep that puts batches
 back rings the model's doorbell: workers/shard_maintenance.py). Three commands a period whatever S
-is (0.6 a second at the default TTL). The cost: a worker SIGKILLed while idle counts as live on a
+is (0.6 a second at the default TTL); the first period after a busy spell beats every shard once (the
+heartbeat thread's beats left each a TTL to live, not a round). The cost: a worker SIGKILLed while idle counts as live on a
 shard for up to a round longer than on the model (an idle worker leases nothing there, so nothing
 waits on it; only the fleet a shard counts for its fair shares is one too large meanwhile).
 
@@ -67,7 +68,10 @@ class IdleBeat:
         self.period_s = BEAT_SHARE * worker.opts.heartbeat_ttl_s
         self._busy_sent: int | None = None
         self._beat_at = 0.0  # monotonic time of the last beat sent
-        self._turn = 0  # the next shard's place in the round (a sharded model)
+        # a sharded model: until when each shard's heartbeat lives, as far as this worker knows (the
+        # heartbeat thread's beats shorten it to the TTL), and until when the thread is put off
+        self._lives: dict[str, float] = {}
+        self._thread_off_until = 0.0
         self.beats = 0  # tests, metrics
         self.shard_beats = 0
 
@@ -84,8 +88,10 @@ class IdleBeat:
         ).run(self.w.c.scripts)
         self._busy_sent = busy
         self._beat_at = sent
+        self._thread_off_until = 0.0
         if not self.w.leased_ids():  # else the heartbeat thread's beat must still extend their leases
             self.w.hb_due = max(self.w.hb_due, sent + self.period_s * (1 + GRACE))
+            self._thread_off_until = self.w.hb_due
         self.beats += 1
         self.maint.told(got.held)
         if not got.registered:
@@ -93,19 +99,50 @@ class IdleBeat:
         return got
 
     def beat_shard(self, name: str, round_of: int) -> calls.IdleBeat:
-        """Shard ``name``'s turn in a round of ``round_of`` shards: its heartbeat until the next turn
+        """Shard ``name``'s turn in a round of ``round_of`` shards: its heartbeat until the turn after
         (the TTL's own while the worker leases batches: a shard's reclaim must not wait a round for a
         dead worker's), its lease, whether work waits there. The busy time is left as the heartbeat
         thread last wrote it there (it does not change while idle)."""
         ttl = self.ttl_ms
         if not self.w.leased_ids():
             ttl = max(ttl, int(1000 * round_of * self.period_s * (1 + GRACE)))
+        sent = time.monotonic()
         got = calls.idle_beat(
             K.ModelKeys(name), self.w.name, int(time.time() * 1000), ttl, self.maint.lease_ms(name), None
         ).run(self.w.c.scripts)
+        self._lives[name] = sent + ttl / 1000
         self.shard_beats += 1
         self.maint.told(got.held, name)
         return got
+
+    def _turns(self, shards: list[str], now: float, thread_beat: bool) -> list[str]:
+        """The shards to beat this period: the one whose heartbeat runs out first (a round, in turn),
+        and any other that would run out before the next period. After the heartbeat thread has
+        beaten (a busy spell), each shard's heartbeat lives only the TTL: every shard is beaten within
+        the period, once, before the turns spread them over the round again."""
+        if thread_beat:  # it beats every third of the TTL: each heartbeat lives half the TTL at least
+            floor = now + self.ttl_ms / 2000
+            for name in shards:
+                self._lives[name] = min(self._lives.get(name, floor), floor)
+        order = sorted(shards, key=lambda n: self._lives.get(n, 0.0))
+        if self.w.leased_ids():  # the thread keeps these heartbeats: a turn for the lease and the work
+            return order[:1]
+        horizon = now + self.period_s * (1 + GRACE)
+        return [n for n in order if self._lives.get(n, 0.0) < horizon] or order[:1]
+
+    def _beat_shards(self, shards: list[str], now: float, thread_beat: bool) -> bool:
+        """This period's shard turns; True when work waits on one of them. A shard whose
+        registration is gone is joined again, or, an old layout forgotten, dropped from ``shards``."""
+        for name in self._turns(shards, now, thread_beat):
+            on = self.beat_shard(name, len(shards))
+            if not on.registered:
+                if self.w.members.rejoin(name):  # a sweep there took it for dead: join, and beat again
+                    on = self.beat_shard(name, len(shards))  # (registering set the TTL's own)
+                else:
+                    shards.remove(name)
+            if on.waits:
+                return True
+        return False
 
     def wait(
         self,
@@ -131,17 +168,12 @@ class IdleBeat:
             if idle_exit_s is not None and now - idle_since > idle_exit_s:
                 return False
             if now >= self._beat_at + self.period_s:
+                thread_beat = now >= self._thread_off_until  # read before this beat puts it off again
                 got = self.beat()
                 if got.waits or not got.registered:
                     return False
-                if shards:
-                    name = shards[self._turn % len(shards)]
-                    self._turn += 1
-                    on = self.beat_shard(name, len(shards))
-                    if not on.registered and not self.w.members.rejoin(name):
-                        shards = [n for n in shards if n != name]  # an old layout, forgotten
-                    if on.waits:
-                        return False
+                if shards and self._beat_shards(shards, now, thread_beat):
+                    return False
             if self.maint.holds() and self.maint.held_due_in() <= 0:
                 res = self.maint.tick(held_only=True)
                 if res and res.get("batches"):
