@@ -204,6 +204,12 @@ def test_idle_goal_quick_form_runs():
     assert "sent/s per worker (not the holder)" in out and "Marginal Redis CPU" in out
 
 
+def test_idle_sharded_quick_form_runs():
+    out = _bench("bench/broker/idle_fleet.py", "--sharded", "--masters", "3", "--fleets", "1,2", "--seconds", "0.5",
+                 "--repeats", "1", "--wakes", "2")
+    assert "sent/s per worker (not a holder)" in out and "us/s per idle worker" in out
+
+
 def test_input_rss_quick_form_runs():
     out = _bench("-m", "bench.intake.input_rss", "--rows", "1500", "--no-write")
     assert "| 1,500 | JSONL |" in out and "| 1,500 | Parquet |" in out

@@ -1,5 +1,5 @@
 """An idle worker's wait (issue 36): one blocking read on the model's doorbell and one
-lua/idle_beat.lua call a beat, nothing else.
+lua/idle_beat.lua call a beat (two on a sharded model), nothing else.
 
 A worker whose claim answered 'idle' (nothing waits) used to renew the maintenance lease every
 second, claim again every second, BLPOP between the two and beat its heartbeat every third of its
@@ -16,9 +16,23 @@ late past the TTL costs nothing but a moment of looking dead (the thread steps i
 than ``GRACE``); a worker that holds batches (a host agent whose GPU processes run while its claim
 found nothing) leaves its heartbeat to the thread, which extends their leases.
 
+A sharded model (conductor/redis_contract/shards.py): the worker is registered and judged alive on
+every shard (each shard's sweep reads its own heartbeat keys), and one BLPOP cannot span the shards'
+slots. So it blocks on the model's own doorbell, which a submit or a seal on any shard rings
+(conductor/client/shard_route.py ``ring_model_bell``), beats the model's keys each period as above,
+and one shard more each period, in turn: its heartbeat there lives a round of the shards (S periods)
+and ``GRACE`` more, its registration stays, its turn takes or renews that shard's maintenance lease,
+and work that waits there without a ring is claimed at that turn (a shard's sweep that puts batches
+back rings the model's doorbell: workers/shard_maintenance.py). Three commands a period whatever S
+is (0.6 a second at the default TTL); the first period after a busy spell beats every shard once (the
+heartbeat thread's beats left each a TTL to live, not a round). The cost: a worker SIGKILLed while idle counts as live on a
+shard for up to a round longer than on the model (an idle worker leases nothing there, so nothing
+waits on it; only the fleet a shard counts for its fair shares is one too large meanwhile).
+
 The lease holder still sweeps every second (workers/maintenance.py: reclaim, trim, expiry, its
 own commands), so it costs more than the others; a beat's lease answer stands for the sweep's
-lease.lua call until the next beat.
+lease.lua call until the next beat. An idle worker ticks only the parts (the model, each shard)
+whose lease it holds.
 """
 
 from __future__ import annotations
@@ -27,6 +41,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls
 
 from .doorbell import Doorbell, ride_out
@@ -53,55 +68,120 @@ class IdleBeat:
         self.period_s = BEAT_SHARE * worker.opts.heartbeat_ttl_s
         self._busy_sent: int | None = None
         self._beat_at = 0.0  # monotonic time of the last beat sent
+        # a sharded model: until when each shard's heartbeat lives, as far as this worker knows (the
+        # heartbeat thread's beats shorten it to the TTL), and until when the thread is put off
+        self._lives: dict[str, float] = {}
+        self._thread_off_until = 0.0
         self.beats = 0  # tests, metrics
+        self.shard_beats = 0
 
     def beat(self) -> calls.IdleBeat:
         busy = int(self.w.metrics.busy_s * 1000)
         sent = time.monotonic()
-        got = calls.idle_beat(self.w.keys, self.w.name, int(time.time() * 1000), self.ttl_ms,
-                              self.maint.lease_ms, None if busy == self._busy_sent else busy).run(self.w.c.scripts)
+        got = calls.idle_beat(
+            self.w.keys,
+            self.w.name,
+            int(time.time() * 1000),
+            self.ttl_ms,
+            self.maint.lease_ms(),
+            None if busy == self._busy_sent else busy,
+        ).run(self.w.c.scripts)
         self._busy_sent = busy
         self._beat_at = sent
+        self._thread_off_until = 0.0
         if not self.w.leased_ids():  # else the heartbeat thread's beat must still extend their leases
             self.w.hb_due = max(self.w.hb_due, sent + self.period_s * (1 + GRACE))
+            self._thread_off_until = self.w.hb_due
         self.beats += 1
         self.maint.told(got.held)
         if not got.registered:
             self.w._rejoin_needed.set()  # the worker's loop joins again (workers/outage.py)
         return got
 
-    def wait(self, last_claim: str, idle_exit_s: float | None, idle_since: float,
-             on_error: Callable[[BaseException], object] | None = None) -> bool | None:
+    def beat_shard(self, name: str, round_of: int) -> calls.IdleBeat:
+        """Shard ``name``'s turn in a round of ``round_of`` shards: its heartbeat until the turn after
+        (the TTL's own while the worker leases batches: a shard's reclaim must not wait a round for a
+        dead worker's), its lease, whether work waits there. The busy time is left as the heartbeat
+        thread last wrote it there (it does not change while idle)."""
+        ttl = self.ttl_ms
+        if not self.w.leased_ids():
+            ttl = max(ttl, int(1000 * round_of * self.period_s * (1 + GRACE)))
+        sent = time.monotonic()
+        got = calls.idle_beat(
+            K.ModelKeys(name), self.w.name, int(time.time() * 1000), ttl, self.maint.lease_ms(name), None
+        ).run(self.w.c.scripts)
+        self._lives[name] = sent + ttl / 1000
+        self.shard_beats += 1
+        self.maint.told(got.held, name)
+        return got
+
+    def _turns(self, shards: list[str], now: float, thread_beat: bool) -> list[str]:
+        """The shards to beat this period: the one whose heartbeat runs out first (a round, in turn),
+        and any other that would run out before the next period. After the heartbeat thread has
+        beaten (a busy spell), each shard's heartbeat lives only the TTL: every shard is beaten within
+        the period, once, before the turns spread them over the round again."""
+        if thread_beat:  # it beats every third of the TTL: each heartbeat lives half the TTL at least
+            floor = now + self.ttl_ms / 2000
+            for name in shards:
+                self._lives[name] = min(self._lives.get(name, floor), floor)
+        order = sorted(shards, key=lambda n: self._lives.get(n, 0.0))
+        if self.w.leased_ids():  # the thread keeps these heartbeats: a turn for the lease and the work
+            return order[:1]
+        horizon = now + self.period_s * (1 + GRACE)
+        return [n for n in order if self._lives.get(n, 0.0) < horizon] or order[:1]
+
+    def _beat_shards(self, shards: list[str], now: float, thread_beat: bool) -> bool:
+        """This period's shard turns; True when work waits on one of them. A shard whose
+        registration is gone is joined again, or, an old layout forgotten, dropped from ``shards``."""
+        for name in self._turns(shards, now, thread_beat):
+            on = self.beat_shard(name, len(shards))
+            if not on.registered:
+                if self.w.members.rejoin(name):  # a sweep there took it for dead: join, and beat again
+                    on = self.beat_shard(name, len(shards))  # (registering set the TTL's own)
+                else:
+                    shards.remove(name)
+            if on.waits:
+                return True
+        return False
+
+    def wait(
+        self,
+        last_claim: str,
+        idle_exit_s: float | None,
+        idle_since: float,
+        on_error: Callable[[BaseException], object] | None = None,
+    ) -> bool | None:
         """After a claim that found nothing at all ('idle'): block until a ring (True), work a beat or
         the sweep found, the idle exit or a stop (False), or a transient Redis error (None:
         ``on_error`` hears of it, the caller backs off). After any other answer, the doorbell's
         wait bounded by the next timed duty (Doorbell.wait_idle)."""
-        # a sharded model's beat would see only the model's own keys: its idle workers keep the
-        # doorbell's wait (work on any shard rings the bell they wait on) until the beat spans shards
-        if last_claim != "idle" or self.w.members.others():
+        if last_claim != "idle":
             return self.bell.wait_idle(self.maint.due_in(), idle_exit_s, idle_since, last_claim, on_error)
-        return ride_out(lambda: self._wait(idle_exit_s, idle_since), on_error)
+        # the shards as the claim just saw them (a change of the count rings the model's doorbell
+        # with its first submit, and the claim then reads the new layout)
+        shards = self.w.members.others()
+        return ride_out(lambda: self._wait(shards, idle_exit_s, idle_since), on_error)
 
-    def _wait(self, idle_exit_s: float | None, idle_since: float) -> bool:
+    def _wait(self, shards: list[str], idle_exit_s: float | None, idle_since: float) -> bool:
         while not self.w.stopping.is_set():
             now = time.monotonic()
             if idle_exit_s is not None and now - idle_since > idle_exit_s:
                 return False
             if now >= self._beat_at + self.period_s:
+                thread_beat = now >= self._thread_off_until  # read before this beat puts it off again
                 got = self.beat()
                 if got.waits or not got.registered:
                     return False
-            if self.maint.holds() and self.maint.due_in() <= 0:
-                res = self.maint.tick()
+                if shards and self._beat_shards(shards, now, thread_beat):
+                    return False
+            if self.maint.holds() and self.maint.held_due_in() <= 0:
+                res = self.maint.tick(held_only=True)
                 if res and res.get("batches"):
                     return False  # the sweep put a dead worker's batches back: claim them
-            limit = self._beat_at + self.period_s - time.monotonic()
-            if self.maint.holds():
-                limit = min(limit, self.maint.due_in())
+            limit = min(self._beat_at + self.period_s - time.monotonic(), self.maint.held_due_in())
             if idle_exit_s is not None:
                 limit = min(limit, idle_exit_s - (time.monotonic() - idle_since) + 0.01)
             if self.bell.wait(min(MAX_BLOCK_S, max(0.0, limit)), "idle"):
-                if not self.maint.holds():
-                    self.maint.put_off()  # its lease is its beat's business while idle; new work first
+                self.maint.put_off()  # the leases it does not hold are its beats' business; new work first
                 return True
         return False

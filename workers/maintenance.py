@@ -128,6 +128,11 @@ class Maintenance:
         """Whether this worker held the lease at its last take or renewal, well inside its TTL."""
         return time.monotonic() < self._held_until
 
+    def lease_alive(self) -> bool:
+        """Whether the lease this worker last took or renewed has not run out yet (``holds`` says so
+        for its first half only): an idle worker keeps ticking such a part, and the tick renews it."""
+        return time.monotonic() < self._held_until + self.lease_ms / 2000
+
     def tick(self) -> dict[str, int] | None:
         now = time.monotonic()
         self._feed(now)

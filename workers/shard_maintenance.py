@@ -59,6 +59,16 @@ class ShardMembers:
                            ttl_ms).run(self.c.scripts)
             self._registered.add(name)
 
+    def rejoin(self, name: str) -> bool:
+        """Register on shard ``name`` again (an idle beat found the registration gone: a sweep there
+        took the worker for dead, or the shard's keys were emptied); False when ``name`` is no longer
+        a shard of the model (an old layout forgotten), which then needs no registration."""
+        if name not in self.others():
+            return False
+        self._registered.discard(name)
+        self._join_new()
+        return True
+
     def beat(self, worker: str, ttl_ms: int, held: Iterable[Batch], busy_ms: int) -> None:
         others = self.others()
         if not others:
@@ -134,26 +144,40 @@ class ShardMaintenance:
         once for all of them (their periods drift apart by the time each tick takes), not once each."""
         return min(max(m.due_in() for m in self.parts.values()), SHARD_SWEEP_S)
 
-    # What an idle worker's beat (workers/idle.py) asks of its maintenance: the model's own part's
-    # lease, since lua/idle_beat.lua takes that lease on the model's keys. A sharded model's idle
-    # worker keeps the doorbell wait of before (IdleBeat.wait), so the shards' parts tick as they did.
-    @property
-    def lease_ms(self) -> int:
-        return self.parts[self.shards.model].lease_ms
+    # What an idle worker's wait (workers/idle.py) asks of its maintenance. Its beats take or renew
+    # each part's lease (lua/idle_beat.lua on the model, and on each shard in turn), so it ticks only
+    # the parts whose lease it holds: a tick of any other would be a lease.lua call of its own.
+    def lease_ms(self, name: str | None = None) -> int:
+        part = self.parts.get(name or self.shards.model)
+        return (part or self.parts[self.shards.model]).lease_ms
 
-    def told(self, held: bool) -> None:
-        self.parts[self.shards.model].told(held)
+    def told(self, held: bool, name: str | None = None) -> None:
+        part = self.parts.get(name or self.shards.model)
+        if part is not None:  # a shard the layout dropped meanwhile: no part to tell
+            part.told(held)
 
     def put_off(self) -> None:
-        self.parts[self.shards.model].put_off()
+        """Every part whose lease this worker does not hold: its next sweep (a lease call first) a
+        period from now, so that a worker a ring woke claims first."""
+        for m in self.parts.values():
+            if not m.lease_alive():
+                m.put_off()
 
     def holds(self) -> bool:
-        return self.parts[self.shards.model].holds()
+        """Whether this worker holds any part's lease (the model's or a shard's)."""
+        return any(m.lease_alive() for m in self.parts.values())
 
-    def tick(self) -> dict[str, int] | None:
+    def held_due_in(self) -> float:
+        """Seconds until the next duty of a part whose lease this worker holds (inf: none held)."""
+        return min((m.due_in() for m in self.parts.values() if m.lease_alive()), default=float("inf"))
+
+    def tick(self, held_only: bool = False) -> dict[str, int] | None:
+        """Each part's tick; ``held_only``: only the parts whose lease this worker holds (an idle wait)."""
         self._refresh()
         out: dict[str, int] | None = None
-        for name, m in self.parts.items():
+        for name, m in list(self.parts.items()):
+            if held_only and not m.lease_alive():
+                continue
             m.on_error = self.on_error
             got = m.tick()
             if got is not None:
@@ -162,7 +186,18 @@ class ShardMaintenance:
                     self._migrate()
                     self._forget_drained()
                     self._fair()
+                elif name != self.shards.model and got.get("batches"):
+                    self._ring(name)
         return out
+
+    def _ring(self, name: str) -> None:
+        """A shard's sweep put a dead worker's batches back: ring the model's doorbell, on which idle
+        workers block (a shard's own doorbell has none waiting on it)."""
+        try:
+            self.c.ring_model_bell([name])
+        except RIDE_OUT as e:  # a hint only: the shard's next beats find the work anyway
+            if self.on_error is None or not self.on_error(e):
+                event("bell_failed", model=self.shards.model, error=str(e))
 
     def _migrate(self) -> None:
         """Waiting shapes of an old layout to their new shards, one bounded step a tick (shard_migrate.py)."""

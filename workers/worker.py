@@ -43,6 +43,8 @@ WORK_WAITS = ("wait", "gate")
 
 
 class Worker(WorkerStart, OutageHandling):
+    idle: IdleBeat | None = None  # the idle wait once serving (tests read its beats and rings)
+
     # ------------------------------------------------------------------ results
     def _result(self, fin: Finished) -> Result:
         b, it = fin.batch, fin.item
@@ -226,6 +228,7 @@ class Worker(WorkerStart, OutageHandling):
         maint.on_error = self._outage  # an outage is said once, by the link
         bell = Doorbell(self.c, self.shards.bell_model()) if self.opts.wake == "bell" else None
         idle = IdleBeat(self, maint, bell) if bell is not None else None  # the wait on the bell
+        self.idle = idle
         rung = False
         # From here on the worker rides outages out itself (workers/outage.py): the client's own
         # retries end once it knows Redis is away, or once it is told to stop.

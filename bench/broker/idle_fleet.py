@@ -10,6 +10,13 @@ holder apart), the server's CPU over an empty baseline, and the wake-up, ``--rep
     .venv/bin/python bench/broker/idle_fleet.py --idle-goal --fleets 2,16,32 --seconds 10 --repeats 3 \
         --wakes 15 --write-results
 
+``--sharded`` (issue 36: the same goal on a sharded model) does it on a Redis Cluster of each
+``--masters`` count this process starts, for a model of ``shards`` = 1 and = the masters, each worker
+a consumer on every shard; the wake-up's item is placed on the last shard:
+
+    .venv/bin/python bench/broker/idle_fleet.py --sharded --masters 3 6 --fleets 8,32 --seconds 10 \
+        --repeats 2 --wakes 15 --write-results
+
 Idle workers run as threads of this process (one Conductor and connection each, sim engine),
 so 200 of them fit on a small machine; Redis's side (INFO commandstats, used_cpu_sys+user) is
 what is measured. The request figures use one `conductor worker` process (sim, time scale 0).
@@ -29,13 +36,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+import redis  # noqa: E402
+
 from bench.common import sent  # noqa: E402
 from bench.common.report import command_line, git_rev, machine, median, now_utc, pct, table, write_section  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.client.request import RequestClient  # noqa: E402
-from conductor.embedded import EmbeddedRedis  # noqa: E402
+from conductor.embedded import EmbeddedCluster, EmbeddedRedis  # noqa: E402
 from conductor.formats.native import from_native  # noqa: E402
 from conductor.redis_contract import keys as K  # noqa: E402
+from conductor.redis_contract import shards as S  # noqa: E402
 from conductor.workers.engines.sim import SimEngine  # noqa: E402
 from conductor.workers.worker import Worker, WorkerOptions  # noqa: E402
 
@@ -129,6 +139,146 @@ def idle_goal(url: str, n: int, seconds: float, wakes: int, settle_s: float) -> 
             "evalsha_per_worker": stats.get("cmdstat_evalsha", {}).get("calls", 0) / took / n,
             "cpu_us_s": 1e6 * used / took, "base_us_s": 1e6 * base_cpu / base_took, "wake_ms": median(lat),
             "wake_max_ms": max(lat)}
+
+
+def _nodes(cl: EmbeddedCluster) -> list[redis.Redis]:
+    return [redis.Redis(port=n.port) for n in cl.nodes]
+
+
+def cluster_window(nodes: list[redis.Redis], seconds: float) -> tuple[float, dict[str, int], float]:
+    """The cluster's CPU seconds (every node's together) and its commandstats calls by command over
+    ``seconds``, and the window's length."""
+    for r in nodes:
+        r.config_resetstat()
+    c0, t0 = sum(cpu(r) for r in nodes), time.monotonic()
+    time.sleep(seconds)
+    calls: dict[str, int] = {}
+    for r in nodes:
+        for k, v in r.info("commandstats").items():
+            calls[k] = calls.get(k, 0) + int(v["calls"])
+    return sum(cpu(r) for r in nodes) - c0, calls, time.monotonic() - t0
+
+
+def idle_goal_sharded(cl: EmbeddedCluster, shards: int, n: int, seconds: float, wakes: int) -> dict:
+    """``n`` idle workers on one model of ``shards`` shards over the cluster ``cl``: what each sends,
+    what the masters spend, how fast one wakes for an item placed on the last shard."""
+    nodes = _nodes(cl)
+    for r in nodes:
+        r.flushall()
+    c = Conductor(connect(cl.url))
+    c.set_config("m", {**QUICK, "shards": shards})
+    names = ["m", *[x for x in c.shards("m") if x != "m"]]
+    base_cpu, _, base_took = cluster_window(nodes, min(seconds, 3.0))
+    workers = [Worker(Conductor(connect(cl.url)), SimEngine("m", max_batch_size=8, max_batch_tokens=8192),
+                      WorkerOptions(name=f"i{i}")) for i in range(n)]
+    threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60 + n
+    # each through its first idle beat (a shard's too): what follows is the steady idle wait
+    while not all(w.last_claim == "idle" and w.idle is not None and w.idle.beats
+                  and (shards == 1 or w.idle.shard_beats) for w in workers):
+        if time.monotonic() > deadline:
+            raise RuntimeError("the fleet did not go idle")
+        time.sleep(0.1)
+    time.sleep(1.0)
+    for name in names:  # each a consumer of every shard's group, as a worker is once it has claimed there
+        for w in workers:
+            c.r.xgroup_createconsumer(K.ModelKeys(name).batches, K.GROUP, w.name)
+    sent.reset()
+    used, stats, took = cluster_window(nodes, seconds)
+    per = {w.name: sent.of(w.c.r) / took for w in workers}
+    holders = {(c.r.get(K.ModelKeys(x).maint_lease) or b"").decode() for x in names}
+    lat = wake_ups_on(c, "m", shards, wakes)
+    for w in workers:
+        w.request_stop()
+    for t in threads:
+        t.join(15)
+    for r in nodes:
+        r.close()
+    calls = sum(v for k, v in stats.items() if k not in ("cmdstat_config|resetstat", "cmdstat_info"))
+    others = [v for k, v in per.items() if k not in holders]
+    held = [v for k, v in per.items() if k in holders]
+    return {"masters": len(cl.nodes), "shards": shards, "n": n,
+            "sent_per_other": sum(others) / max(1, len(others)), "sent_max_other": max(others, default=0.0),
+            "holders": len(held), "sent_per_holder": sum(held) / max(1, len(held)),
+            "server_cmds_per_worker": calls / took / n,
+            "sent_seen_per_worker": sum(stats.get(f"cmdstat_{k}", 0) for k in ("evalsha", "blpop")) / took / n,
+            "cpu_us_s": 1e6 * used / took, "base_us_s": 1e6 * base_cpu / base_took, "wake_ms": median(lat),
+            "wake_max_ms": max(lat)}
+
+
+def wake_ups_on(c: Conductor, model: str, shards: int, wakes: int, pause_s: float = 0.3) -> list[float]:
+    """As ``wake_ups``, each item placed on the model's last shard (its shape recorded there first)."""
+    lat = []
+    for k in range(wakes):
+        it = from_native({"id": f"x{k}", "model": model, "prompt": "p", "max_tokens": 4})
+        if shards > 1:
+            c.r.hset(K.ModelKeys(model).shard_of, it.sig, shards - 1)
+        s, us = c.r.time()
+        at = s * 1000 + us / 1000
+        c.submit([it], "wake", seal=True)
+        while len(rows := c.read_results("wake")) <= k:
+            time.sleep(0.002)
+        lat.append(rows[k].claimed_at - at)
+        time.sleep(pause_s)
+    if shards > 1:
+        assert c.status("wake")["models"][S.shard_name(model, shards - 1, shards)]["submitted"] == wakes
+    return lat
+
+
+def sharded_main(args: argparse.Namespace) -> None:
+    sent.install()
+    fleets = [int(x) for x in args.fleets.split(",")]
+    runs: dict[tuple[int, int, int], list[dict]] = {}
+    where = machine()
+    for masters in args.masters:
+        with EmbeddedCluster(masters) as cl:
+            for _ in range(args.repeats):
+                for shards in (1, masters):  # the unsharded model on the same cluster: the peer
+                    for n in fleets:
+                        f = idle_goal_sharded(cl, shards, n, args.seconds, args.wakes)
+                        print(f, flush=True)
+                        runs.setdefault((masters, shards, n), []).append(f)
+    rows, slopes = [], []
+    for (masters, shards, n), fs in runs.items():
+        rows.append([masters, shards, n, f"{median([f['sent_per_other'] for f in fs]):.2f}",
+                     f"{median([f['sent_max_other'] for f in fs]):.2f}",
+                     f"{median([f['holders'] for f in fs]):.0f}", f"{median([f['sent_per_holder'] for f in fs]):.1f}",
+                     f"{median([f['sent_seen_per_worker'] for f in fs]):.2f}",
+                     f"{median([f['server_cmds_per_worker'] for f in fs]):.1f}",
+                     f"{median([f['base_us_s'] for f in fs]):.0f}", f"{median([f['cpu_us_s'] for f in fs]):.0f}",
+                     f"{median([f['wake_ms'] for f in fs]):.1f}", f"{max(f['wake_max_ms'] for f in fs):.1f}"])
+    for masters in args.masters:
+        for shards in (1, masters):
+            pts = [(f["n"], f["cpu_us_s"]) for (m, s, _), fs in runs.items() if (m, s) == (masters, shards) for f in fs]
+            slope = least_squares(pts) if len({x for x, _ in pts}) > 1 else float("nan")
+            slopes.append([masters, shards, f"{slope:.1f}", f"{slope * 1000 / 1e4:.1f} %"])
+    body = (f"## Idle workers of a sharded model: commands and Redis CPU per idle worker (issue 36)\n\n"
+            f"Command: `{command_line()}`  \nRun: {now_utc()}, commit {git_rev()}; {where}.  \n"
+            f"A Redis Cluster of each size (conductor/embedded.py, one redis-server per master, slots split "
+            f"evenly) and one model on it, unsharded (shards = 1: the peer) and over every master; idle workers "
+            f"are threads of the benchmark's process (one Conductor and cluster client each, sim engine, heartbeat "
+            f"TTL 10 s), each a consumer of every shard's group; nothing is submitted while they are measured. "
+            f"Sent: commands each worker sent over {args.seconds:g} s, counted on its own connections to every node "
+            f"(bench/common/sent.py), the holders of a maintenance lease (the model's and each shard's) apart; "
+            f"seen: the script calls and BLPOPs the masters counted (INFO commandstats), per worker, holders "
+            f"included; all commands: everything commandstats counted, the commands scripts run inside Redis "
+            f"included. CPU: used_cpu_sys+user of every master together over the window, and over "
+            f"{min(args.seconds, 3.0):g} s before the workers start (the empty cluster's own timers and bus). "
+            f"Wake-up: one sealed item placed on the model's last shard, submit to claim on Redis's clock, "
+            f"{args.wakes} per run. Medians over {args.repeats} runs.\n\n"
+            + table(["masters", "shards", "idle workers", "sent/s per worker (not a holder)", "worst (not a holder)",
+                     "lease holders", "sent/s per holder", "seen/s per worker (scripts, BLPOP)",
+                     "all commands/s per worker", "CPU us/s, empty", "CPU us/s, fleet",
+                     "wake-up ms from the last shard (median)", "wake-up ms (worst)"], rows)
+            + "\n\nMarginal CPU of one more idle worker, all masters together: the slope of a least-squares line "
+            "through every run's (workers, CPU us/s) for the model (the empty cluster's timers and the holders' "
+            "fixed part cancel; their per-consumer part stays in), and 1,000 idle workers as a share of one core.\n\n"
+            + table(["masters", "shards", "us/s per idle worker", "1,000 idle workers"], slopes) + "\n")
+    print(body)
+    if args.write_results:
+        write_section("idle_sharded", body)
 
 
 def least_squares(points: list[tuple[float, float]]) -> float:
@@ -244,8 +394,14 @@ def main() -> None:
     ap.add_argument("--write-results", action="store_true")
     ap.add_argument("--idle-goal", action="store_true",
                     help="issue 36's figures: commands and Redis CPU per idle worker")
-    ap.add_argument("--repeats", type=int, default=3, help="runs per fleet (--idle-goal)")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per fleet (--idle-goal, --sharded)")
+    ap.add_argument("--sharded", action="store_true",
+                    help="issue 36's idle figures on a model sharded over a Redis Cluster of each --masters")
+    ap.add_argument("--masters", type=int, nargs="+", default=[3, 6], help="cluster sizes (--sharded)")
     args = ap.parse_args()
+    if args.sharded:
+        sharded_main(args)
+        return
     if args.idle_goal:
         idle_goal_main(args)
         return

@@ -67,8 +67,13 @@ def reset() -> None:
 
 
 def of(client: redis.Redis) -> int:
-    """Commands sent since ``reset()`` on the connections of ``client``'s pool."""
-    pool = client.connection_pool
-    conns = [*pool._available_connections, *pool._in_use_connections]  # noqa: SLF001 - no public list of a pool's connections
+    """Commands sent since ``reset()`` on the connections of ``client``'s pool (a cluster client's:
+    of each node's pool)."""
+    if isinstance(client, redis.RedisCluster):
+        pools = [n.redis_connection.connection_pool for n in client.get_nodes() if n.redis_connection is not None]
+    else:
+        pools = [client.connection_pool]
+    # no public list of a pool's connections
+    conns = [c for p in pools for c in [*p._available_connections, *p._in_use_connections]]  # noqa: SLF001
     with _lock:
         return sum(_counts[id(c)] for c in conns)

@@ -17,7 +17,6 @@ import msgspec
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.connection import as_str
 from conductor.redis_contract.records import Batch, Contract
-from conductor.redis_contract.shards import shard_name
 
 from .shard_route import WORKER_LAYOUT_TTL_S
 
@@ -53,9 +52,10 @@ class ShardClaims:
         return self.names() != [self.model]
 
     def bell_model(self) -> str:
-        """Whose doorbell an idle worker waits on: the first current shard (submits to the other
-        shards ring it too: conductor/client/shard_route.py)."""
-        return shard_name(self.model, 0, self.c.layout(self.model, max_age_s=WORKER_LAYOUT_TTL_S).count)
+        """Whose doorbell an idle worker waits on: the model's own, whatever its count (a submit to
+        any shard rings it too: conductor/client/shard_route.py), so that a worker started before a
+        change of the count still wakes for work on the new shards."""
+        return self.model
 
     def claim(self, contract: Contract, consumer: str) -> tuple[Batch | None, str]:
         names = self.names()

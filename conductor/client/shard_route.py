@@ -127,17 +127,15 @@ class Sharding(ConductorCore):
             placed[sig] = int(as_str(raw)) if raw is not None else chosen[sig]
         return placed
 
-    def ring_first_shard(self, models: Iterable[str]) -> None:
-        """An idle worker of a sharded model waits on its first shard's doorbell: a submit to another
-        shard rings that one too (submit.lua rang its own)."""
+    def ring_model_bell(self, models: Iterable[str]) -> None:
+        """An idle worker of a sharded model waits on the model's own doorbell (one BLPOP: a cluster
+        refuses one over keys of several slots): a submit or a seal on a shard rings it too
+        (submit.lua and seal.lua rang the shard's own)."""
         pipe: Any = None
-        for name in models:
-            first = S.shard_name(S.fold(name), 0, self.layout(S.fold(name)).count)
-            if first == name or not S.is_shard(name):
-                continue
+        for model in dict.fromkeys(S.fold(name) for name in models if S.is_shard(name)):
             pipe = pipe or self.r.pipeline(transaction=False)
-            pipe.lpush(K.ModelKeys(first).doorbell, 1)
-            pipe.ltrim(K.ModelKeys(first).doorbell, 0, 15)
+            pipe.lpush(K.ModelKeys(model).doorbell, 1)
+            pipe.ltrim(K.ModelKeys(model).doorbell, 0, 15)
         if pipe is not None:
             pipe.execute()
 

@@ -107,7 +107,7 @@ class Submitting(Sharding):
             mk = self._intake_model(model)
             report.models.add(model)
             self._submit_model(mk, job, grouped_by_shape(its), report, progress, idle)
-        self.ring_first_shard(by_model)
+        self.ring_model_bell(by_model)
         if seal:
             for model in by_model:
                 self.seal(model)
@@ -201,7 +201,10 @@ class Submitting(Sharding):
 
     def seal(self, model: str) -> int:
         """Declare the end of this producer's submission to ``model`` (seal.lua), each of its shards."""
-        return max(calls.seal(K.ModelKeys(name)).run(self.scripts) for name in self.shards(model))
+        names = self.shards(model)
+        sealed = max(calls.seal(K.ModelKeys(name)).run(self.scripts) for name in names)
+        self.ring_model_bell(names)
+        return sealed
 
     def _intake_model(self, model: str) -> K.ModelKeys:
         """A model as a producer needs it: in the models set. Its thresholds and consumer group

@@ -1,0 +1,173 @@
+"""An idle worker of a model sharded over a three-master Redis Cluster (issue 36; workers/idle.py):
+at most about one command a second (a BLPOP on the model's doorbell, a beat of the model's keys and
+one of a shard in turn each 5 s), woken at once by work submitted to any shard, and never taken for
+dead on a shard between its turns there. The figures are bench/RESULTS.md's
+(bench/broker/idle_fleet.py --sharded); these tests count, with margins."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from bench.common import sent
+from conductor.client import Conductor, connect
+from conductor.embedded import EmbeddedCluster
+from conductor.redis_contract import keys as K
+from conductor.workers.engines.sim import SimEngine
+from conductor.workers.worker import Worker, WorkerOptions
+from tests.conftest import item
+from tests.helpers import quick
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[EmbeddedCluster]:
+    with EmbeddedCluster(3) as c:
+        yield c
+
+
+def _fleet(url: str, model: str, n: int, ttl_s: float = 10.0) -> tuple[list[Worker], list[threading.Thread]]:
+    workers = [
+        Worker(
+            Conductor(connect(url)),
+            SimEngine(model, max_batch_size=8, max_batch_tokens=8192),
+            WorkerOptions(name=f"i{i}", heartbeat_ttl_s=ttl_s),
+        )
+        for i in range(n)
+    ]
+    threads = [threading.Thread(target=w.run, daemon=True) for w in workers]
+    for t in threads:
+        t.start()
+    return workers, threads
+
+
+def _stop(workers: list[Worker], threads: list[threading.Thread]) -> None:
+    for w in workers:
+        w.request_stop()
+    for t in threads:
+        t.join(20)
+    for w in workers:
+        w.c.r.close()
+
+
+def _node_calls(cluster: EmbeddedCluster, *names: str) -> int:
+    """Calls of these commands (cmdstat_<name>) the cluster's nodes counted since their resetstat."""
+    import redis
+
+    total = 0
+    for node in cluster.nodes:
+        r = redis.Redis(port=node.port)
+        stats = r.info("commandstats")
+        total += sum(int(stats.get(f"cmdstat_{n}", {}).get("calls", 0)) for n in names)
+        r.close()
+    return total
+
+
+def _resetstat(cluster: EmbeddedCluster) -> None:
+    import redis
+
+    for node in cluster.nodes:
+        r = redis.Redis(port=node.port)
+        r.config_resetstat()
+        r.close()
+
+
+def test_an_idle_worker_on_three_shards_sends_under_one_command_a_second_and_wakes_for_shard_2(cluster):
+    url, model = cluster.url, "idly"
+    c = Conductor(connect(url))
+    quick(c, model, shards=3)
+    shards = c.shards(model)
+    assert len(shards) == 3 and model not in shards
+    # every maintenance lease (the model's, each shard's) held elsewhere: each worker is one that
+    # beats and waits, none sweeps (a holder's sweep costs more: bench/RESULTS.md gives it apart)
+    for name in (model, *shards):
+        c.ensure_model(name)
+        c.r.set(K.ModelKeys(name).maint_lease, "elsewhere", px=120_000)
+    workers, threads = _fleet(url, model, 3)
+    try:
+        deadline = time.monotonic() + 30
+        # each through a beat of a shard: its heartbeat there outlives the TTL (a round of the shards)
+        while not all(
+            w.last_claim == "idle" and any((c.r.pttl(K.ModelKeys(n).heartbeat(w.name)) or 0) > 10_500 for n in shards)
+            for w in workers
+        ):
+            assert time.monotonic() < deadline, "the fleet did not go idle"
+            time.sleep(0.1)
+        sent.install()
+        try:
+            sent.reset()
+            _resetstat(cluster)
+            t0 = time.monotonic()
+            time.sleep(8.0)
+            took = time.monotonic() - t0
+            per = {w.name: sent.of(w.c.r) / took for w in workers}
+            # what the nodes counted of what clients send: the beats and the BLPOPs (the claim's and
+            # the sweep's commands would show as XINFO, LRANGE or a third script call a period)
+            node_calls = _node_calls(cluster, "evalsha", "blpop", "lpush", "xinfo", "hget", "hkeys") / took
+        finally:
+            sent.uninstall()
+        assert all(0.1 < v <= 1.0 for v in per.values()), per  # 0.6 a second: 3 commands each 5 s
+        assert node_calls <= 1.0 * len(workers) + 0.5, (node_calls, per)
+        for w in workers:
+            for name in (model, *shards):
+                mk = K.ModelKeys(name)
+                assert c.r.pttl(mk.heartbeat(w.name)) > 0 and c.r.hexists(mk.workers, w.name), (w.name, name)
+
+        # work submitted to the last shard rings the model's doorbell: a worker wakes and serves it
+        # within a few seconds, far under its next turn on that shard (a round: 15 s)
+        it = item("late", 10, model=model, prefix=("shard 2",))
+        c.r.hset(K.ModelKeys(model).shard_of, it.sig, 2)
+        rings = sum(w.idle.bell.rings for w in workers if w.idle is not None)
+        s, us = c.r.time()
+        c.submit([it], "j")
+        deadline = time.monotonic() + 15
+        while not (rows := c.read_results("j")):
+            assert time.monotonic() < deadline, "work on shard 2 did not wake an idle worker"
+            time.sleep(0.02)
+        assert rows[0].model == model and c.status("j")["models"][shards[2]]["submitted"] == 1
+        assert rows[0].claimed_at - (s * 1000 + us / 1000) < 2500, rows[0]
+        assert sum(w.idle.bell.rings for w in workers if w.idle is not None) > rings
+    finally:
+        _stop(workers, threads)
+
+
+def test_idle_workers_stay_alive_and_registered_on_every_shard_between_their_turns(cluster):
+    """A 2 s heartbeat TTL: a beat a second, each shard's turn every 3 s, its heartbeat there 3.9 s.
+    The shards' lease holders sweep meanwhile (each worker a consumer of each shard's group, as one
+    is once it has claimed there): a heartbeat that lapsed would cost the worker its registration."""
+    url, model = cluster.url, "lively"
+    c = Conductor(connect(url))
+    quick(c, model, shards=3)
+    names = [model, *c.shards(model)]
+    workers, threads = _fleet(url, model, 3, ttl_s=2.0)
+    try:
+        deadline = time.monotonic() + 30
+        # from each one's first idle beat on (it follows the heartbeat thread's, which left each shard's
+        # heartbeat the TTL to live): every shard beaten in that period, then one a period
+        while not all(w.last_claim == "idle" and w.idle is not None and w.idle.beats >= 1 for w in workers):
+            assert time.monotonic() < deadline, "the fleet did not go idle"
+            time.sleep(0.1)
+        for name in names:
+            for w in workers:
+                c.r.xgroup_createconsumer(K.ModelKeys(name).batches, K.GROUP, w.name)
+        beats = {w.name: w.idle.shard_beats for w in workers if w.idle is not None}
+        end = time.monotonic() + 8.0
+        while time.monotonic() < end:
+            for name in names:
+                mk = K.ModelKeys(name)
+                pipe = c.r.pipeline(transaction=False)
+                for w in workers:
+                    pipe.exists(mk.heartbeat(w.name))
+                    pipe.hexists(mk.workers, w.name)
+                got = pipe.execute()
+                assert all(got), (name, got)
+            time.sleep(0.1)
+        # the turns went on (two rounds of the shards or more), and every lease has a holder of the fleet
+        assert all(w.idle is not None and w.idle.shard_beats - beats[w.name] >= 6 for w in workers), beats
+        holders = {(c.r.get(K.ModelKeys(n).maint_lease) or b"").decode() for n in names}
+        assert holders <= {w.name for w in workers}, holders
+        assert all(w.last_claim == "idle" for w in workers)
+    finally:
+        _stop(workers, threads)
