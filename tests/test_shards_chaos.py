@@ -351,3 +351,40 @@ def test_a_primary_killed_while_its_replica_lagged_every_id_once_or_the_loss_sho
         _once(rows, n)
         assert (doc["status"], doc["completed"]) == ("completed", n), doc
     _verified(url, model)
+
+
+@pytest.mark.chaos
+def test_items_a_killed_shard_primary_never_replicated_are_shown_lost_then_resubmitted(replicated_once, tmp_path):
+    # `conductor submit` declares the file's count on the model's own keys (another slot) before
+    # its items go to the shards: a shard's primary that dies with items its replica never got
+    # leaves them counted as lost (exit 3), as on one Redis (tests/test_failover_loss.py); the
+    # same file again with --resume brings them back, and the job ends with every id once.
+    from tests.conftest import follow_with_workers
+
+    cluster, n = replicated_once, 600
+    url, model = cluster.url, "lossy"
+    cli("config", model, "--create", "quiet_ms=200", "shards=3", url=url)
+    c = Conductor(connect(url))
+    names = c.shards(model)
+    s = next(k for k in (1, 2) if _owner(cluster, names[k]) not in (0, _owner(cluster, model)))
+    primary = _owner(cluster, names[s])
+    src = tmp_path / "in.jsonl"
+    _lines(src, n, model)
+    cluster.cut_replication(primary)
+    cli("submit", str(src), "--job", model, url=url)
+    on_shard = c.status(model)["models"][names[s]]["submitted"]
+    assert 0 < on_shard < n
+    cluster.nodes[primary].kill()
+    cluster.failover(primary, "TAKEOVER")
+    p = cli("status", model, url=url, check=False)
+    assert p.returncode == 3 and f"lost {on_shard}" in p.stdout.decode(), p.stdout.decode() + p.stderr.decode()
+    doc = json.loads(cli("status", model, "--json", url=url, check=False).stdout)
+    assert (doc["lost"], doc["declared"], doc["submitted"]) == (on_shard, n, n - on_shard), doc
+    cli("submit", str(src), "--job", model, "--resume", url=url)
+    assert cli("status", model, url=url, check=False).returncode == 0
+    rows = follow_with_workers(
+        url, model, tmp_path / "out.jsonl", [(model, "w1"), (model, "w2")], batch_size=32, batch_tokens=4096
+    )
+    _once(rows, n)
+    _verified(url, model)
+    c.r.close()
