@@ -397,3 +397,26 @@ def test_items_a_killed_shard_primary_never_replicated_are_shown_lost_then_resub
     _once(rows, n)
     _verified(url, model)
     c.r.close()
+
+
+def test_a_workers_link_finds_the_replica_that_took_over_from_its_dead_primary(replicated):
+    # A worker that lost Redis probes until it answers (workers/outage.py). On a cluster the
+    # probe follows the keys to the replica that took over, rather than ping the dead primary
+    # for ever (a worker stuck "away" with its model served by the new primary).
+    from workers.outage import Link
+
+    model = "probey"  # its keys in the last third of the slots: nodes[2], which no other test here kills
+    r = connect(replicated.url)
+    key = K.ModelKeys(model).batches
+    assert _owner(replicated, model) == 2
+    link = Link(r, key, "w", model)
+    replicated.nodes[2].kill()
+    assert link.lost(redis.ConnectionError("Connection refused"))
+    replicated.failover(2, "TAKEOVER")
+    deadline = time.monotonic() + 15
+    while not link.probe():
+        assert time.monotonic() < deadline, "the probe never found the promoted replica"
+        time.sleep(0.05)
+    link.up()
+    assert r.get_node_from_key(key).port == replicated.nodes[2].port
+    r.close()
