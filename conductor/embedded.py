@@ -161,6 +161,9 @@ class EmbeddedRedis:
         self.close()
 
 
+_REPL_USER, _REPL_PASS = "repl", "replpw"  # a test cluster's replication user (EmbeddedCluster)
+
+
 class EmbeddedCluster:
     """A Redis Cluster of ``nodes`` primaries on free ports, slots split evenly, joined with CLUSTER
     MEET: for tests of a model's keys living on one node among several. ``replicas``: that many
@@ -192,6 +195,12 @@ class EmbeddedCluster:
                 c.execute_command("CLUSTER", "MEET", "127.0.0.1", self.nodes[0].port, self.nodes[0].bus_port)
             self._wait(clients, deadline, lambda i: f"cluster_known_nodes:{len(every)}".encode() in i)
             replicas = [(p, r) for p, rs in zip(self.nodes, self.replicas_of, strict=True) for r in rs]
+            if replicas:
+                for c in clients:  # replication as a user of its own, which cut_replication switches off
+                    c.acl_setuser(_REPL_USER, enabled=True, passwords=[f"+{_REPL_PASS}"], keys=["*"],
+                                  channels=["*"], commands=["+@all"])
+                    c.config_set("masteruser", _REPL_USER)
+                    c.config_set("masterauth", _REPL_PASS)
             for primary, replica in replicas:
                 primary_id = redis.Redis(port=primary.port).execute_command("CLUSTER", "MYID").decode()
                 redis.Redis(port=replica.port).execute_command("CLUSTER", "REPLICATE", primary_id)
@@ -214,6 +223,27 @@ class EmbeddedCluster:
                 return
             time.sleep(0.05)
         raise RedisUnavailable("embedded cluster never reached state ok")
+
+    def cut_replication(self, primary: int, timeout: float = 10.0) -> None:
+        """The replicas of ``nodes[primary]`` lose their link and cannot make it again: what the
+        primary writes from now on, it alone has (a failover then loses it), while every client
+        of the primary goes on as before."""
+        c = redis.Redis(port=self.nodes[primary].port)
+        try:
+            c.acl_setuser(_REPL_USER, enabled=False)
+            c.client_kill_filter(user=_REPL_USER)
+        finally:
+            c.close()
+        deadline = time.monotonic() + timeout
+        for r in self.replicas_of[primary]:
+            rc = redis.Redis(port=r.port)
+            try:
+                while rc.info("replication").get("master_link_status") != "down":
+                    if time.monotonic() > deadline:
+                        raise RedisUnavailable(f"replica on port {r.port} kept its link")
+                    time.sleep(0.02)
+            finally:
+                rc.close()
 
     def failover(self, primary: int, how: str = "", timeout: float = 20.0) -> float:
         """Promote the first replica of ``nodes[primary]``: CLUSTER FAILOVER on it (``how`` empty:

@@ -3,9 +3,10 @@ tag's slot. Through the command line with a cluster URL (`?cluster=1`): one job 
 models on three nodes, a worker process per model, results read back across the nodes; and a
 model's slot resharded to another node while batches are in flight.
 
-Not covered: replicas and failover. A script running while its slot's keys migrate is not
-atomic (Redis aborts it at the first key that moved, keeping what it wrote before), so a live
-model's slot moves under `conductor pause`, which the last test does with a worker running."""
+Replicas and failover, and slots moved under running workers: tests/test_shards_chaos.py (the
+scripts that build key names declare cdr:{model}, never a key, so Redis refuses them, ASK then
+TRYAGAIN, while their slot's keys are half moved, and the client retries). Pausing the model
+(the last test) is still the gentler way to move a live model's slot."""
 
 from __future__ import annotations
 

@@ -92,6 +92,7 @@ class Link:
 
     def __init__(self, r: Any, key: str, worker: str, model: str, *, first_s: float = 0.1, cap_s: float = PROBE_CAP_S,
                  probe_timeout_s: float = 1.0) -> None:
+        self._r, self._key = r, key
         self._pool = pool_for(r, key)  # the server that holds the model's keys
         self.worker, self.model = worker, model
         self.first_s, self.cap_s, self.probe_timeout_s = first_s, cap_s, probe_timeout_s
@@ -150,6 +151,19 @@ class Link:
             self._say("redis_back", down_s=round(down_s, 3), probes=self.probes, **fields)
 
     def _ping(self, timeout: float) -> bool:
+        if isinstance(self._r, redis.RedisCluster):
+            # On a Redis Cluster the node that holds the keys changes when a replica takes over from
+            # a dead primary: each probe asks the cluster client, whose map a failed probe refreshes.
+            self._pool = pool_for(self._r, self._key)  # type: ignore[arg-type]  # pool_for takes either
+        ok = self._ping_pool(timeout)
+        if not ok and isinstance(self._r, redis.RedisCluster):
+            try:
+                self._r.nodes_manager.initialize()
+            except (redis.RedisError, OSError):
+                pass  # no node answered: the next probe asks again
+        return ok
+
+    def _ping_pool(self, timeout: float) -> bool:
         kw = dict(self._pool.connection_kwargs)
         kw.update(retry=Retry(NoBackoff(), 0), socket_connect_timeout=timeout, socket_timeout=timeout)
         conn = self._pool.connection_class(**kw)
