@@ -189,9 +189,11 @@ def idle_goal_sharded(cl: EmbeddedCluster, shards: int, n: int, seconds: float, 
         for w in workers:
             c.r.xgroup_createconsumer(K.ModelKeys(name).batches, K.GROUP, w.name)
     sent.reset()
+    # a holder at the window's start or end is one (a lease that passed on meanwhile: both)
+    holders = {(c.r.get(K.ModelKeys(x).maint_lease) or b"").decode() for x in names}
     used, stats, usec, took = cluster_window(nodes, seconds)
     per = {w.name: sent.of(w.c.r) / took for w in workers}
-    holders = {(c.r.get(K.ModelKeys(x).maint_lease) or b"").decode() for x in names}
+    holders |= {(c.r.get(K.ModelKeys(x).maint_lease) or b"").decode() for x in names}
     lat = wake_ups_on(c, "m", shards, wakes)
     for w in workers:
         w.request_stop()
@@ -267,7 +269,8 @@ def sharded_main(args: argparse.Namespace) -> None:
             f"are threads of the benchmark's process (one Conductor and cluster client each, sim engine, heartbeat "
             f"TTL 10 s), each a consumer of every shard's group; nothing is submitted while they are measured. "
             f"Sent: commands each worker sent over {args.seconds:g} s, counted on its own connections to every node "
-            f"(bench/common/sent.py), the holders of a maintenance lease (the model's and each shard's) apart; "
+            f"(bench/common/sent.py), the holders of a maintenance lease (the model's and each shard's, at the "
+            f"window's start or end) apart; "
             f"seen: the script calls and BLPOPs the masters counted (INFO commandstats), per worker, holders "
             f"included; all commands: everything commandstats counted, the commands scripts run inside Redis "
             f"included; commands' time: their INFO commandstats usec, all masters, per worker. CPU: "
