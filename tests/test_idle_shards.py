@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -28,11 +28,13 @@ def cluster() -> Iterator[EmbeddedCluster]:
         yield c
 
 
-def _fleet(url: str, model: str, n: int, ttl_s: float = 10.0) -> tuple[list[Worker], list[threading.Thread]]:
+def _fleet(
+    url: str, model: str, n: int, ttl_s: float = 10.0, time_scale: float = 0.0
+) -> tuple[list[Worker], list[threading.Thread]]:
     workers = [
         Worker(
             Conductor(connect(url)),
-            SimEngine(model, max_batch_size=8, max_batch_tokens=8192),
+            SimEngine(model, max_batch_size=8, max_batch_tokens=8192, time_scale=time_scale),
             WorkerOptions(name=f"i{i}", heartbeat_ttl_s=ttl_s),
         )
         for i in range(n)
@@ -133,19 +135,38 @@ def test_an_idle_worker_on_three_shards_sends_under_one_command_a_second_and_wak
         _stop(workers, threads)
 
 
-def test_idle_workers_stay_alive_and_registered_on_every_shard_between_their_turns(cluster):
+def _watch(
+    c: Conductor, names: list[str], workers: list[Worker], seconds: float, until: Callable[[], bool] = lambda: True
+) -> None:
+    """For ``seconds`` (and then until ``until()``): every worker's heartbeat and registration on the
+    model and every shard, read every 0.1 s."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end or not until():
+        assert time.monotonic() < end + 60, "gave up waiting"
+        for name in names:
+            mk = K.ModelKeys(name)
+            pipe = c.r.pipeline(transaction=False)
+            for w in workers:
+                pipe.exists(mk.heartbeat(w.name))
+                pipe.hexists(mk.workers, w.name)
+            got = pipe.execute()
+            assert all(got), (name, [w.name for w in workers], got)
+        time.sleep(0.1)
+
+
+def test_idle_workers_stay_alive_and_registered_on_every_shard_idle_busy_and_idle_again(cluster):
     """A 2 s heartbeat TTL: a beat a second, each shard's turn every 3 s, its heartbeat there 3.9 s.
     The shards' lease holders sweep meanwhile (each worker a consumer of each shard's group, as one
-    is once it has claimed there): a heartbeat that lapsed would cost the worker its registration."""
+    is once it has claimed there): a heartbeat that lapsed would cost the worker its registration.
+    From the first idle beat (the heartbeat thread's beats before it left each shard the TTL to live),
+    through a busy spell longer than a beat (the thread beats again) and idle again."""
     url, model = cluster.url, "lively"
     c = Conductor(connect(url))
     quick(c, model, shards=3)
     names = [model, *c.shards(model)]
-    workers, threads = _fleet(url, model, 3, ttl_s=2.0)
+    workers, threads = _fleet(url, model, 3, ttl_s=2.0, time_scale=4.0)
     try:
         deadline = time.monotonic() + 30
-        # from each one's first idle beat on (it follows the heartbeat thread's, which left each shard's
-        # heartbeat the TTL to live): every shard beaten in that period, then one a period
         while not all(w.last_claim == "idle" and w.idle is not None and w.idle.beats >= 1 for w in workers):
             assert time.monotonic() < deadline, "the fleet did not go idle"
             time.sleep(0.1)
@@ -153,21 +174,21 @@ def test_idle_workers_stay_alive_and_registered_on_every_shard_between_their_tur
             for w in workers:
                 c.r.xgroup_createconsumer(K.ModelKeys(name).batches, K.GROUP, w.name)
         beats = {w.name: w.idle.shard_beats for w in workers if w.idle is not None}
-        end = time.monotonic() + 8.0
-        while time.monotonic() < end:
-            for name in names:
-                mk = K.ModelKeys(name)
-                pipe = c.r.pipeline(transaction=False)
-                for w in workers:
-                    pipe.exists(mk.heartbeat(w.name))
-                    pipe.hexists(mk.workers, w.name)
-                got = pipe.execute()
-                assert all(got), (name, got)
-            time.sleep(0.1)
-        # the turns went on (two rounds of the shards or more), and every lease has a holder of the fleet
-        assert all(w.idle is not None and w.idle.shard_beats - beats[w.name] >= 6 for w in workers), beats
+        _watch(c, names, workers, 4.0)
+        # work on every shard: each batch runs 0.8 to 3 s (sim, time scale 4), past a beat period
+        its = [
+            item(f"b{s}.{k}", 10, model=model, prefix=(f"shard {s}",), max_tokens=128)
+            for s in range(3)
+            for k in range(3)
+        ]
+        c.r.hset(K.ModelKeys(model).shard_of, mapping={it.sig: int(it.id[1]) for it in its})
+        c.submit(its, "busy", seal=True)
+        _watch(c, names, workers, 0.0, until=lambda: len(c.read_results("busy")) == 9)
+        _watch(c, names, workers, 5.0)
+        assert all(w.idle is not None and w.idle.shard_beats - beats[w.name] >= 4 for w in workers), beats
+        assert all(w.last_claim == "idle" for w in workers)
         holders = {(c.r.get(K.ModelKeys(n).maint_lease) or b"").decode() for n in names}
         assert holders <= {w.name for w in workers}, holders
-        assert all(w.last_claim == "idle" for w in workers)
+        assert {r.worker for r in c.read_results("busy")} and c.status("busy")["done"]
     finally:
         _stop(workers, threads)

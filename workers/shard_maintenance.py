@@ -152,8 +152,11 @@ class ShardMaintenance:
         return (part or self.parts[self.shards.model]).lease_ms
 
     def told(self, held: bool, name: str | None = None) -> None:
-        part = self.parts.get(name or self.shards.model)
-        if part is not None:  # a shard the layout dropped meanwhile: no part to tell
+        name = name or self.shards.model
+        if name not in self.parts and held:
+            self._refresh()  # a shard new to this worker whose lease its beat took: its part sweeps there
+        part = self.parts.get(name)
+        if part is not None:  # else a shard the layout dropped meanwhile: no part to tell
             part.told(held)
 
     def put_off(self) -> None:
