@@ -75,7 +75,8 @@ def result_builder() -> str:
         "local function result_int(r, name)\n"
         "  local key = RESULT_INT[name]\n"
         "  local _, e = string.find(r, key, 1, true)\n"
-        "  return e and tonumber(string.match(r, '^%d+', e + 1))\n"
+        "  local d = e and string.match(r, '^%d+', e + 1)\n"
+        "  return d and d + 0  -- digits: one conversion (tonumber makes two)\n"
         "end\n"
     )
 
