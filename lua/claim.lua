@@ -79,7 +79,8 @@ local st = hmget_named(state_key, STATE)
 -- The waiting counters and intake times live in the producer's hash (M:intake, which
 -- deploy/redis/users.acl lets a producer write; M:state it may only read).
 local intake_key = base .. ':intake'
-local intake = seen.intake or hmget_named(intake_key, INTAKE_FIELDS)
+local intake = seen.intake
+  or hmget_named(intake_key, {'tokens', 'last_intake_ms', 'items', 'sealed_ms', 'stored_tokens'})
 -- The claim context every include takes. Each worker warms its own next instance (M:warming), so
 -- in a fleet the shape a worker prepared is the one it switches to, not one another took first.
 local c = {base = base, state_key = state_key, batches_key = batches_key, reclaimed_key = reclaimed_key,

@@ -24,9 +24,8 @@ end
 -- claim.lua's KEYS and ARGV. Returns the reply ({0, 'idle'}, {0, 'paused'}, or NOGROUP's error), or nil
 -- when a full claim pass must run, and then what it read that the full pass reads too (nil when the call
 -- is malformed): {free = true when neither the batch token's list nor M:hot exists, intake = the model's
--- waiting counters and intake times (hmget_named over INTAKE_FIELDS)}. The waiting counters are the
+-- waiting counters and intake times, named as claim.lua reads them)}. The waiting counters are the
 -- ones a full pass trusts for 'idle'.
-local INTAKE_FIELDS = {'tokens', 'last_intake_ms', 'items', 'sealed_ms', 'stored_tokens'}
 local function claim_idle(base, state_key, batches_key, argv)
   local consumer = argv[1]
   if not (base and state_key and batches_key) or #argv ~= 4 or #consumer < 1 or #consumer > 200
@@ -37,12 +36,16 @@ local function claim_idle(base, state_key, batches_key, argv)
   end
   -- a batch token in use (the full pass refuses it) or interactive work waiting: one EXISTS for both
   if redis.call('EXISTS', base .. ':bat:' .. argv[4], base .. ':hot') ~= 0 then return nil end
-  local it = hmget_named(base .. ':intake', INTAKE_FIELDS)
-  local seen = {free = true, intake = it}
-  if num(it.items) ~= 0 or num(it.tokens) ~= 0 or num(it.stored_tokens) ~= 0 then return nil, seen end
+  local it = redis.call('HMGET', base .. ':intake', 'items', 'tokens', 'stored_tokens', 'last_intake_ms', 'sealed_ms')
+  -- built only for a full pass: an idle answer, the common one here, makes no table
+  local function seen()
+    return {free = true, intake = {items = it[1], tokens = it[2], stored_tokens = it[3], last_intake_ms = it[4],
+      sealed_ms = it[5]}}
+  end
+  if num(it[1]) ~= 0 or num(it[2]) ~= 0 or num(it[3]) ~= 0 then return nil, seen() end
   local st = redis.call('HMGET', state_key, 'reclaimed_items', 'cleanup', 'paused')
-  if num(st[1]) ~= 0 or st[2] == '1' then return nil, seen end
-  if redis.call('HGET', base .. ':affinity', consumer) then return nil, seen end
+  if num(st[1]) ~= 0 or st[2] == '1' then return nil, seen() end
+  if redis.call('HGET', base .. ':affinity', consumer) then return nil, seen() end
   if st[3] == '1' then return {0, 'paused'} end
   return claim_nogroup(batches_key) or {0, 'idle'}
 end

@@ -48,7 +48,7 @@ local function plan_lane(c, inst, lane, acc)
   local toks = redis.call('LRANGE', c.base .. ':lanetok:' .. inst .. ':' .. lane, 0, want - 1)
   local k, sum, mx = acc.k, 0, 0
   for i = 1, #toks do
-    local tok = tonumber(toks[i])
+    local tok = toks[i] + 0  -- submit.lua wrote it as digits; one conversion where tonumber makes two
     if disk and k > 0 and acc.sum + sum + tok > max_tokens then
       acc.full = true
       break

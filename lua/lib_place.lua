@@ -47,12 +47,14 @@ local function place_items(intake, argv, n, call, known, answered, from_store)
       local lane, rep = choose_lane(cfg, ctx, tok)
       local t = ctx.touched[lane]
       if not t then
-        t = {items = 0, tokens = 0, recs = {}, toks = {}}
+        -- num: the reply's lane number, converted once per lane rather than once per item
+        t = {items = 0, tokens = 0, recs = {}, toks = {}, num = tonumber(lane)}
         ctx.touched[lane] = t
         ctx.order[#ctx.order + 1] = lane
       end
       t.recs[#t.recs + 1] = argv[o + 1]
-      t.toks[#t.toks + 1] = tok
+      -- a whole number (check_items): '%d' writes what Redis's own '%.17g' would, at a third of the cost
+      t.toks[#t.toks + 1] = string.format('%d', tok)
       t.items = t.items + 1
       t.tokens = t.tokens + tok
       t.rep = rep
@@ -64,7 +66,7 @@ local function place_items(intake, argv, n, call, known, answered, from_store)
       else
         k.new_items, k.new_tokens = k.new_items + 1, k.new_tokens + tok
       end
-      out[#out + 1] = tonumber(lane)
+      out[#out + 1] = t.num
     end
   end
   return out, k

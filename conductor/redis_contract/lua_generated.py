@@ -29,8 +29,12 @@ def _encode(value: str, t: msgspec.inspect.Type, what: str) -> str:
         return f"string.format('%d', {value} or 0)"
     if isinstance(t, msgspec.inspect.AnyType):  # JSON text kept as its producer sent it
         return f"({value} or 'null')"
-    if isinstance(t, msgspec.inspect.UnionType) and len(t.types) == 2 \
-            and isinstance(t.types[1], msgspec.inspect.NoneType) and isinstance(t.types[0], msgspec.inspect.StructType):
+    if (
+        isinstance(t, msgspec.inspect.UnionType)
+        and len(t.types) == 2
+        and isinstance(t.types[1], msgspec.inspect.NoneType)
+        and isinstance(t.types[0], msgspec.inspect.StructType)
+    ):
         return f"({value} and {_object(value, t.types[0], what)} or 'null')"
     raise TypeError(f"{what}: a field of type {t!r} has no Lua form here")
 
@@ -75,7 +79,8 @@ def result_builder() -> str:
         "local function result_int(r, name)\n"
         "  local key = RESULT_INT[name]\n"
         "  local _, e = string.find(r, key, 1, true)\n"
-        "  return e and tonumber(string.match(r, '^%d+', e + 1))\n"
+        "  local d = e and string.match(r, '^%d+', e + 1)\n"
+        "  return d and d + 0  -- digits: one conversion (tonumber makes two)\n"
         "end\n"
     )
 
@@ -117,6 +122,5 @@ def generated() -> str:
         "-- A request job's name (conductor/client/request.py): its results also go to reply lists.\n"
         "local function is_request(job)\n"
         "  return string.sub(job, 1, #RULES.REQUEST_JOB_PREFIX) == RULES.REQUEST_JOB_PREFIX\n"
-        "end\n"
-        + result_builder()
+        "end\n" + result_builder()
     )
