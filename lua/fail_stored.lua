@@ -26,7 +26,8 @@
 --   mark, one result record and one count in failed (one a cancel answered while it waited only
 --   leaves the stored ids: it has its answer); stored_items goes down by the items that leave
 --   and stored_tokens by their share of the segment's tokens (the file that held each item's
---   tokens is gone).
+--   tokens is gone), and its shape's stored tokens (M:shape:S stored_tokens, S the index record's
+--   'shape') by the same share.
 --@include lib.lua
 --@include lib_packed.lua
 
@@ -59,10 +60,12 @@ local refused = acl_refused(function(ok)
     and ok('DEL', ids_key) and ok('HGET', stored_key) and ok('HMGET', stored_key) and ok('HSET', stored_key)
     and ok('HINCRBY', stored_key)
 end)
+-- The shape's key (M:shape:S, named by the index record) is not checked above: only a worker or an
+-- admin repairs, and both may write every key of the model (deploy/redis/users.acl).
 if refused then return refused end
 refused = paused(state_key)
 if refused then return refused end
-local meta = redis.call('HMGET', seg_key, 'seq', 'items', 'tokens')
+local meta = redis.call('HMGET', seg_key, 'seq', 'items', 'tokens', 'shape')
 if not meta[1] then return {0, 0} end
 local mine = {}
 for _, id in ipairs(redis.call('LRANGE', ids_key, 0, -1)) do mine[id] = true end
@@ -101,7 +104,10 @@ if #leave > 0 then
   hset_pairs(sums_key, plain)
   local items, tokens = num(meta[2]), num(meta[3])
   redis.call('HINCRBY', intake_key, 'stored_items', -#leave)
-  redis.call('HINCRBY', intake_key, 'stored_tokens', -math.floor(tokens * #leave / math.max(items, 1)))
+  local share = math.floor(tokens * #leave / math.max(items, 1))
+  redis.call('HINCRBY', intake_key, 'stored_tokens', -share)
+  -- a segment registered before shapes counted their stored tokens names no shape: nothing counted it
+  if meta[4] then shape_stored_add(string.sub(intake_key, 1, -8), meta[4], -share) end
 end
 if failed > 0 then
   redis.call('HINCRBY', job_key, 'failed', failed)
