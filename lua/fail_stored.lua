@@ -15,6 +15,7 @@
 -- KEYS[8] results  cdr:{model}:job:J:results
 -- KEYS[9] stored   cdr:{model}:in:J:stored       (the job's store-waiting ids, packed: lib_packed.lua)
 -- KEYS[10] ids     cdr:{model}:seg:<name>:ids    (the segment's id list)
+-- (and cdr:{model}:shape:S stored_tokens and cdr:{model}:shape:S:segs, S the index record's shape)
 -- ARGV[1] name     the segment (32 hex digits)
 -- ARGV[2..]        2 per item: id, its error result record (JSON, as complete.lua's 'r' field)
 -- Returns: {failed, skipped}: items answered with their error result; ids given that no longer
@@ -114,5 +115,6 @@ if failed > 0 then
   redis.call('HINCRBY', state_key, 'failed', failed)
 end
 redis.call('ZREM', segs_key, name)
+if meta[4] then redis.call('ZREM', string.sub(intake_key, 1, -8) .. ':shape:' .. meta[4] .. ':segs', name) end
 redis.call('DEL', seg_key, ids_key)
 return {failed, n - failed}

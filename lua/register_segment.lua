@@ -14,7 +14,8 @@
 -- KEYS[6] state   cdr:{model}:state        (read only: paused)
 -- KEYS[7] stored  cdr:{model}:in:J:stored  (the job's store-waiting ids, packed: lib_packed.lua)
 -- KEYS[8] ids     cdr:{model}:seg:<name>:ids (the segment's ids, a list)
--- (and cdr:{model}:shape:<S>, stored_tokens: the shape's, derived from KEYS[1]; the model's hash tag)
+-- (and cdr:{model}:shape:<S> stored_tokens and cdr:{model}:shape:<S>:segs, the shape's count and
+--  its segments, derived from KEYS[1]: the model's hash tag)
 -- ARGV[1] name    32 hex digits (conductor/redis_contract/segment_record.py: derived from the content)
 -- ARGV[2] job     the job every item belongs to (the records name it)
 -- ARGV[3] sig     16 hex digits: the shape signature of every item
@@ -87,6 +88,7 @@ local refused = acl_refused(function(ok)
     and ok('TIME') and ok('HGET', packed_key) and ok('HMGET', packed_key) and ok('HMGET', job_key)
     and ok('HGET', stored_key) and ok('HMGET', stored_key) and ok('HSET', stored_key) and ok('HINCRBY', stored_key)
     and ok('RPUSH', ids_key) and ok('HINCRBY', base .. ':shape:' .. sig) and ok('HSET', base .. ':shape:' .. sig)
+    and ok('ZADD', base .. ':shape:' .. sig .. ':segs')
 end)
 if refused then return refused end
 refused = paused(state_key)
@@ -144,6 +146,7 @@ redis.call('HINCRBY', intake_key, 'stored_items', n)
 shape_stored_add(base, shape, tokens)
 redis.call('HINCRBY', intake_key, 'submitted', n)
 redis.call('ZADD', segs_key, seq, name)
+redis.call('ZADD', base .. ':shape:' .. shape .. ':segs', seq, name)
 redis.call('HSET', seg_key, 'job', job, 'sig', sig, 'path', path, 'sum', fsum, 'items', n, 'tokens', tokens,
   'lmin', lmin, 'lmax', lmax, 'seq', seq, 'created_ms', now_ms(), 'shape', shape)
 return 1

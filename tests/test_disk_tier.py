@@ -149,6 +149,8 @@ def _shape_stored(c: Conductor) -> dict[str, int]:
     """shape -> M:shape:S stored_tokens, for every shape that holds tokens (a count fed to 0 stays)."""
     out = {}
     for k in c.r.scan_iter(match=MK.shape("*")):
+        if k.endswith(b":segs"):
+            continue
         v = c.r.hget(k, "stored_tokens")
         if v is not None and int(v):
             out[k.decode()[len(MK.shape("")) :]] = int(v)
@@ -202,6 +204,26 @@ def test_a_served_shape_waits_for_its_segments_instead_of_draining(redis_url, tm
     assert sorted(got) == sorted(it.id for it in its)
     assert int(c.r.hget(MK.state, "activations")) == 1  # one piece
     assert int(c.r.hget(MK.state, "shapes_finished")) == 1
+
+
+def test_the_feeder_finds_a_served_shapes_segment_behind_hundreds_of_others(redis_url, tmp_path):
+    """A shape's own segment index (M:shape:S:segs): its next segment is found however many older
+    segments of other shapes wait before it (the feeder's general look covers the oldest 256)."""
+    c = _tiered(redis_url, str(tmp_path / "store"), 40)  # segments of 10 tokens: one item each
+    c.submit([item(f"a{i}", 10, prefix=("A",)) for i in range(4)], "j")  # the ceiling's worth, in Redis
+    c.submit([item(f"b{i}", 10, prefix=("B",)) for i in range(300)], "j")
+    c.submit([item(f"a{i}", 10, prefix=("A",)) for i in range(4, 8)], "j")
+    sig_a = item("x", 1, prefix=("A",)).sig
+    assert c.r.zcard(MK.segs) == 304 and c.r.zcard(MK.shape_segs(sig_a)) == 4
+    b, _ = c.claim(contract(size=4, tokens=64), "w")
+    assert b is not None and b.shape == sig_a and len(b.items) == 4
+    c.complete(b, results_for(b))
+    assert c.claim(contract(size=4, tokens=64), "w") == (None, "wait")  # A's segments wait: not finished
+    f = Feeder(c, c.tier.store, "m")
+    f.feed()
+    assert c.r.zcard(MK.shape_segs(sig_a)) == 0 and c.r.zcard(MK.segs) == 300  # A's four, B's none
+    b2, _ = c.claim(contract(size=4, tokens=64), "w")
+    assert b2.shape == sig_a and b2.epoch == b.epoch and len(b2.items) == 4  # the same instance: one piece
 
 
 def test_a_served_shape_whose_segment_is_lost_drains_after_the_bound(redis_url, tmp_path):

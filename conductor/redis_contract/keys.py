@@ -91,6 +91,10 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     M:shape:S                       hash     signature record: current intake epoch, prefix blob;
                                              stored_tokens: its tokens waiting in store segments (disk
                                              tier; absent means 0: lua/lib.lua shape_stored_add)
+    M:shape:S:segs                  zset     the shape's store segments (disk tier): name -> registration
+                                             sequence, so the feeder finds a served shape's next one
+                                             however many segments wait (register_segment.lua adds,
+                                             the feeder and fail_stored.lua remove)
     M:inst:S:E                      hash     one shape instance (an epoch of a signature): state, counters
     M:inst:S:E:lanes                zset     lane id -> representative length (rolling lanes)
     M:inst:S:E:ready                zset     lane id -> lane id, lanes holding a full batch (round-robin)
@@ -440,6 +444,9 @@ class ModelKeys:
 
     def shape(self, sig: str) -> str:
         return f"{self.base}:shape:{sig}"
+
+    def shape_segs(self, sig: str) -> str:
+        return f"{self.base}:shape:{sig}:segs"
 
     def inst(self, inst: str) -> str:
         """``inst`` is ``"S:E"``: a signature and its epoch."""

@@ -73,9 +73,13 @@ class Feeder:
 
     def next_segment(self) -> tuple[str, dict[str, str], bool] | None:
         """The next good segment to load and whether it is a served (active) shape's: the oldest
-        of an active shape, else of a warming one, else of the staged shape holding the most
-        tokens in Redis that has one, else the oldest."""
+        of an active shape (found by the shape's own segment index, however many segments wait),
+        else of a warming one, else of the staged shape holding the most tokens in Redis that has
+        one, else the oldest."""
         mk, r = self.mk, self.c.r
+        served = self._served_segment()
+        if served is not None:
+            return (*served, True)
         names = [as_str(n) for n in r.zrange(mk.segs, 0, 255)]
         if not names:
             return None
@@ -106,6 +110,26 @@ class Feeder:
                 return (*hit, False)
         return (*good[0], False) if good else None
 
+    def _served_segment(self) -> tuple[str, dict[str, str]] | None:
+        """The oldest good segment of an active shape from its index (M:shape:S:segs), or None."""
+        mk, r = self.mk, self.c.r
+        shapes = list(dict.fromkeys(as_str(i).split(":")[0] for i in r.zrange(mk.active, 0, -1)))
+        if not shapes:
+            return None
+        pipe = r.pipeline(transaction=False)
+        for sh in shapes:
+            pipe.zrange(mk.shape_segs(sh), 0, 15)  # the first good one among its oldest (bad ones stay listed)
+        names = [as_str(n) for ns in pipe.execute() for n in ns]
+        if not names:
+            return None
+        pipe = r.pipeline(transaction=False)
+        for n in names:
+            pipe.hgetall(mk.seg(n))
+        for n, rec in zip(names, pipe.execute(), strict=True):
+            if rec and b"bad" not in rec:
+                return n, {as_str(k): as_str(v) for k, v in rec.items()}
+        return None
+
     def load(self, name: str, rec: dict[str, str]) -> int:
         """One segment into its shape's lanes; the items placed, or -1 when it is missing or
         damaged (then marked bad for `inspect --verify`, and left registered). A store that does
@@ -129,6 +153,8 @@ class Feeder:
         placed = sum(1 for lane in calls.load_segment(mk, seg).run(self.c.scripts) if lane >= 0)
         pipe = self.c.r.pipeline(transaction=True)
         pipe.zrem(mk.segs, name)
+        if rec.get("shape"):
+            pipe.zrem(mk.shape_segs(rec["shape"]), name)
         pipe.delete(mk.seg(name), mk.seg_ids(name))
         pipe.execute()
         self.store.delete(rec["path"])

@@ -245,8 +245,10 @@ class _Check:
         self.row(mk.intake, "stored_items", truth.rec_items, truth.items, "state.stored")
         self.row(mk.intake, "stored_tokens", truth.rec_tokens, truth.tokens, "state.stored")
         per_shape = truth.shapes
-        for shape, recorded in sorted(truth.rec_shapes.items()):
-            self.row(mk.shape(shape), "stored_tokens", recorded, per_shape.get(shape, 0), "state.stored")
+        for shape, (tokens, segs) in sorted(truth.rec_shapes.items()):
+            want = per_shape.get(shape, (0, 0))
+            self.row(mk.shape(shape), "stored_tokens", tokens, want[0], "state.stored")
+            self.row(mk.shape_segs(shape), "members", segs, want[1], "state.stored")
         if self.ledger is not None:
             for seq, pairs in truth.stored.items():
                 for job, iid in pairs:

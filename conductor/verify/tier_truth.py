@@ -56,7 +56,8 @@ class StoreTruth:
     rec_tokens: int  # M:intake stored_tokens
     index: list[tuple[str, dict[str, str]]]  # registered segments: name -> index record
     stored: dict[str, list[tuple[str, str]]]  # seq -> [(job, id)] of ids marked as stored
-    rec_shapes: dict[str, int] = field(default_factory=dict)  # shape -> M:shape:S stored_tokens
+    # shape -> (M:shape:S stored_tokens, members of M:shape:S:segs)
+    rec_shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
     bad: list[LostSegment] = field(default_factory=list)
 
     @property
@@ -68,12 +69,13 @@ class StoreTruth:
         return sum(as_int(rec.get("tokens")) for _, rec in self.index)
 
     @property
-    def shapes(self) -> dict[str, int]:
-        """shape -> the tokens of the index records that name it."""
-        out: dict[str, int] = {}
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        """shape -> the tokens and the number of the index records that name it."""
+        out: dict[str, tuple[int, int]] = {}
         for _, rec in self.index:
             if rec.get("shape"):
-                out[rec["shape"]] = out.get(rec["shape"], 0) + as_int(rec.get("tokens"))
+                tok, n = out.get(rec["shape"], (0, 0))
+                out[rec["shape"]] = (tok + as_int(rec.get("tokens")), n + 1)
         return out
 
 
@@ -87,18 +89,24 @@ def _index(r: redis.Redis, mk: K.ModelKeys) -> list[tuple[str, dict[str, str]]]:
     ]
 
 
-def _shape_counts(r: redis.Redis, mk: K.ModelKeys, index: list[tuple[str, dict[str, str]]]) -> dict[str, int]:
-    """shape -> its recorded stored tokens, for every shape an index record names and every shape
-    hash that holds a count above 0 (one left with no segment is drift: the claim would wait for
-    it; a count fed down to 0 stays, as 0)."""
+def _shape_counts(
+    r: redis.Redis, mk: K.ModelKeys, index: list[tuple[str, dict[str, str]]]
+) -> dict[str, tuple[int, int]]:
+    """shape -> its recorded stored tokens and the size of its segment index (M:shape:S:segs), for
+    every shape an index record names and every shape that holds a count above 0 or an index (one
+    left with no segment is drift: the claim would wait for it; a count fed down to 0 stays, as 0)."""
     named = {rec["shape"] for _, rec in index if rec.get("shape")}
     shapes = set(named)
-    shapes |= {as_str(k)[len(mk.shape("")) :] for k in r.scan_iter(match=mk.shape("*"), count=1000)}
+    for k in r.scan_iter(match=mk.shape("*"), count=1000):
+        shapes.add(as_str(k)[len(mk.shape("")) :].removesuffix(":segs"))
     names = sorted(shapes)
     pipe = r.pipeline(transaction=False)
     for s in names:
         pipe.hget(mk.shape(s), "stored_tokens")
-    return {s: as_int(v) for s, v in zip(names, pipe.execute(), strict=True) if as_int(v) or s in named}
+        pipe.zcard(mk.shape_segs(s))
+    got = pipe.execute()
+    out = {s: (as_int(got[2 * i]), int(got[2 * i + 1])) for i, s in enumerate(names)}
+    return {s: v for s, v in out.items() if v[0] or v[1] or s in named}
 
 
 def _stored_ids(
