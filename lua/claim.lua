@@ -64,7 +64,7 @@ local batch_items_key = base .. ':bat:' .. token
 -- Every cfg field this script (and the includes it calls) reads; tests/test_keys.py checks.
 local CLAIM_CFG = {'mode', 'budget_tokens', 'budget_items', 'activate_batches', 'aging_ms', 'decode_weight',
   'drain_batches', 'hygiene_idle_ms', 'hygiene_items', 'lane_quiet_ms', 'prewarm_batches', 'quiet_ms',
-  'release_batches'}
+  'release_batches', 'resident_tokens'}
 local cfg = load_cfg(cfg_key, CLAIM_CFG)
 refused = claim_refused(base, state_key, batches_key, reclaimed_key, batch_items_key)
 if refused then return refused end

@@ -15,6 +15,7 @@
 -- KEYS[8] results  cdr:{model}:job:J:results
 -- KEYS[9] stored   cdr:{model}:in:J:stored       (the job's store-waiting ids, packed: lib_packed.lua)
 -- KEYS[10] ids     cdr:{model}:seg:<name>:ids    (the segment's id list)
+-- (and cdr:{model}:shape:S stored_tokens and cdr:{model}:shape:S:segs, S the index record's shape)
 -- ARGV[1] name     the segment (32 hex digits)
 -- ARGV[2..]        2 per item: id, its error result record (JSON, as complete.lua's 'r' field)
 -- Returns: {failed, skipped}: items answered with their error result; ids given that no longer
@@ -26,7 +27,8 @@
 --   mark, one result record and one count in failed (one a cancel answered while it waited only
 --   leaves the stored ids: it has its answer); stored_items goes down by the items that leave
 --   and stored_tokens by their share of the segment's tokens (the file that held each item's
---   tokens is gone).
+--   tokens is gone), and its shape's stored tokens (M:shape:S stored_tokens, S the index record's
+--   'shape') by the same share.
 --@include lib.lua
 --@include lib_packed.lua
 
@@ -59,10 +61,12 @@ local refused = acl_refused(function(ok)
     and ok('DEL', ids_key) and ok('HGET', stored_key) and ok('HMGET', stored_key) and ok('HSET', stored_key)
     and ok('HINCRBY', stored_key)
 end)
+-- The shape's key (M:shape:S, named by the index record) is not checked above: only a worker or an
+-- admin repairs, and both may write every key of the model (deploy/redis/users.acl).
 if refused then return refused end
 refused = paused(state_key)
 if refused then return refused end
-local meta = redis.call('HMGET', seg_key, 'seq', 'items', 'tokens')
+local meta = redis.call('HMGET', seg_key, 'seq', 'items', 'tokens', 'shape')
 if not meta[1] then return {0, 0} end
 local mine = {}
 for _, id in ipairs(redis.call('LRANGE', ids_key, 0, -1)) do mine[id] = true end
@@ -101,12 +105,16 @@ if #leave > 0 then
   hset_pairs(sums_key, plain)
   local items, tokens = num(meta[2]), num(meta[3])
   redis.call('HINCRBY', intake_key, 'stored_items', -#leave)
-  redis.call('HINCRBY', intake_key, 'stored_tokens', -math.floor(tokens * #leave / math.max(items, 1)))
+  local share = math.floor(tokens * #leave / math.max(items, 1))
+  redis.call('HINCRBY', intake_key, 'stored_tokens', -share)
+  -- a segment registered before shapes counted their stored tokens names no shape: nothing counted it
+  if meta[4] then shape_stored_add(string.sub(intake_key, 1, -8), meta[4], -share) end
 end
 if failed > 0 then
   redis.call('HINCRBY', job_key, 'failed', failed)
   redis.call('HINCRBY', state_key, 'failed', failed)
 end
 redis.call('ZREM', segs_key, name)
+if meta[4] then redis.call('ZREM', string.sub(intake_key, 1, -8) .. ':shape:' .. meta[4] .. ':segs', name) end
 redis.call('DEL', seg_key, ids_key)
 return {failed, n - failed}

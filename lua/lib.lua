@@ -176,3 +176,15 @@ local function id_cmp(a, b)
   end
   return 0
 end
+
+-- The disk tier's store-waiting tokens of one shape (issue 37): field stored_tokens of M:shape:S, S
+-- the signature whose instances its items join (qualified by the job's class). Moved wherever
+-- M:intake stored_tokens moves (register_segment.lua, lib_place.lua, fail_stored.lua); absent
+-- means 0, and a count that would go below 0 (segments registered before the field was kept) stays
+-- at 0, so a shape only ever reads as having stored work when it has. (HSET, not HDEL: a producer
+-- may not delete, deploy/redis/users.acl.)
+local function shape_stored_add(base, shape, delta)
+  if delta == 0 then return end
+  local key = base .. ':shape:' .. shape
+  if redis.call('HINCRBY', key, 'stored_tokens', delta) < 0 then redis.call('HSET', key, 'stored_tokens', 0) end
+end

@@ -1,7 +1,7 @@
 -- lib_place.lua: submit.lua's items placed, one by one, once every check has passed: each new id
 -- joins a lane of its shape (lib_intake.lua choose_lane), a new signature's prefix is stored, and the
 -- job's and the model's intake counters move once per call.
--- Keys: M:shape:S (HSETNX, HGET prefix), M:in:J (HINCRBY), M:intake (HINCRBY, HSET last_intake_ms);
+-- Keys: M:shape:S (HSETNX, HGET prefix; HINCRBY, HSET stored_tokens), M:in:J (HINCRBY), M:intake (HINCRBY, HSET last_intake_ms);
 --   through lib_intake.lua what choose_lane and ring_doorbell touch.
 -- Invariants: an id the job has already (known, or twice in the call) is not placed again (-1); an id
 --   fed from a store segment counts as submitted once, when registered, and moves from stored to
@@ -16,7 +16,8 @@
 local function place_items(intake, argv, n, call, known, answered, from_store)
   local base, cfg, class = intake.base, intake.cfg, intake.class
   local ids, toks, mts, prefixes = call.ids, call.toks, call.mts, call.prefixes
-  local k = {new_items = 0, new_tokens = 0, fed_items = 0, fed_tokens = 0, gone_items = 0, gone_tokens = 0}
+  local k = {new_items = 0, new_tokens = 0, fed_items = 0, fed_tokens = 0, gone_items = 0, gone_tokens = 0,
+    shapes = {}}
   local out, seen = {}, {}
   for i = 0, n - 1 do
     local o = 3 + 3 * i
@@ -28,6 +29,8 @@ local function place_items(intake, argv, n, call, known, answered, from_store)
       seen[id] = true
       out[#out + 1] = -1
       k.gone_items, k.gone_tokens = k.gone_items + 1, k.gone_tokens + tok
+      local qsig = qualified(class, argv[o])
+      k.shapes[qsig] = (k.shapes[qsig] or 0) + tok
     else
       seen[id] = true
       local sig = argv[o]
@@ -63,6 +66,7 @@ local function place_items(intake, argv, n, call, known, answered, from_store)
       ctx.out = ctx.out + mts[i + 1]
       if from_store[i + 1] then
         k.fed_items, k.fed_tokens = k.fed_items + 1, k.fed_tokens + tok
+        k.shapes[qsig] = (k.shapes[qsig] or 0) + tok
       else
         k.new_items, k.new_tokens = k.new_items + 1, k.new_tokens + tok
       end
@@ -91,6 +95,7 @@ local function count_placed(intake, job, intake_key, k)
   if k.fed_items + k.gone_items > 0 then
     redis.call('HINCRBY', intake_key, 'stored_tokens', -(k.fed_tokens + k.gone_tokens))
     redis.call('HINCRBY', intake_key, 'stored_items', -(k.fed_items + k.gone_items))
+    for shape, tok in pairs(k.shapes) do shape_stored_add(base, shape, -tok) end
   end
   if placed_items > 0 then
     -- claim.lua ends cleanup mode when it sees intake newer than the cleanup's start.

@@ -3,7 +3,7 @@
 -- filled from neighbouring lanes, then the drain decision; and interactive work, served before any
 -- of that (serve_hot). Every function takes c, the claim context claim.lua builds (base, state_key,
 -- cfg, now, cleanup, sweep). The fair share between tenants is lib_rebalance.lua's.
--- Keys: M:inst:S:E (read, state -> draining), its ready and touch sets, M:lanemeta:S:E:L, M:hot,
+-- Keys: M:shape:S (read: stored_tokens), M:inst:S:E (read, state -> draining), its ready and touch sets, M:lanemeta:S:E:L, M:hot,
 --   M:state sweep_ms and hygiene_drains; through lib_deliver.lua and lib_pick.lua what they touch.
 -- Invariants: dispatch stays on the instance until it is empty (or an aged shape preempts it);
 --   a small lane nobody assigned to for hygiene_idle_ms is force-drained (flag 4), so no item
@@ -16,8 +16,25 @@
 
 -- The fields of a shape instance every claim reads, once (take_batch uses them too).
 local INST_FIELDS = {'state', 'rr', 'tokens', 'last_intake_ms', 'idx', 'items', 'batches', 'taken', 'tenant',
-  'in_items', 'in_out'}
+  'in_items', 'in_out', 'activated_ms'}
 local function inst_info(c, inst) return hmget_named(inst_key(c.base, inst), INST_FIELDS) end
+
+-- Whether segments of the instance's shape still wait in the disk tier's store (issue 37): then it
+-- is not at its end, and the feeder loads them into it (conductor/tier/feeder.py takes a served
+-- shape's segments first, up to the ceiling, and fills Redis with other work only up to the
+-- ceiling less a reserve), so a lane of it is not force-drained into a padded batch (hygiene),
+-- nor does it drain while the feeder has room for its next segment (room: at most 1/SEGMENT_PARTS
+-- of the ceiling; serve). Bounded: without intake for hygiene_idle_ms (no feeder, a segment it
+-- cannot read) the shape is served as before.
+local function awaits_store(c, inst, info, room)
+  local ceiling = c.cfg.resident_tokens
+  if c.stored <= 0 or ceiling <= 0 or c.now - num(info.last_intake_ms) >= c.cfg.hygiene_idle_ms
+    or (room and num(c.intake.tokens) + math.floor(ceiling / RULES.SEGMENT_PARTS) > ceiling) then
+    return false
+  end
+  local shape = string.match(inst, '^([^:]+):')
+  return num(redis.call('HGET', c.base .. ':shape:' .. shape, 'stored_tokens')) > 0
+end
 
 -- The instance's fill and ready indices follow the config they were derived under (lib.lua
 -- index_version): re-derived here when that changed.
@@ -80,14 +97,17 @@ end
 local function hygiene(c, inst, info)
   local base, cfg, now = c.base, c.cfg, c.now
   local ik = inst_key(base, inst)
-  local stale = redis.call('ZRANGEBYSCORE', ik .. ':touch', '-inf', now - cfg.hygiene_idle_ms, 'LIMIT', 0, 1)[1]
+  -- Idle while served: a lane that waited while its shape was staged (the disk tier's feeder
+  -- loads the next shapes ahead, issue 37) is not behind busier lanes of it yet.
+  local stale = now - num(info.activated_ms) >= cfg.hygiene_idle_ms and
+    redis.call('ZRANGEBYSCORE', ik .. ':touch', '-inf', now - cfg.hygiene_idle_ms, 'LIMIT', 0, 1)[1]
   if not stale then
     swept(c)
     c.sweep = false
     return nil
   end
   local left = num(redis.call('HGET', base .. ':lanemeta:' .. inst .. ':' .. stale, 'items'))
-  if left > 0 and left < cfg.hygiene_items then
+  if left > 0 and left < cfg.hygiene_items and not awaits_store(c, inst, info, false) then
     redis.call('HINCRBY', c.state_key, 'hygiene_drains', 1)
     return take_from(c, inst, stale, (c.cleanup and 1 or 0) + 4, info)
   elseif left == 0 then
@@ -104,7 +124,8 @@ end
 
 -- A batch of the instance: a full one from a ready lane (round-robin from the last lane served),
 -- else one filled from neighbouring lanes, shortest first; an active instance with no full
--- batch drains once low or quiet (or in cleanup), and a draining one sends what it has.
+-- batch drains once low or quiet (or in cleanup) unless its shape awaits the store, and a draining
+-- one sends what it has.
 -- Returns the reply, or nil when the instance is empty (the caller finishes it).
 local function serve(c, inst, info)
   local ik = inst_key(c.base, inst)
@@ -119,7 +140,9 @@ local function serve(c, inst, info)
   if acc.full then return take_batch(c, inst, parts, acc, flags, info) end
   if info.state == 'active' then
     local low = num(info.tokens) < c.cfg.drain_batches * c.cfg.budget_tokens
-    if low or quiet_since(c, num(info.last_intake_ms)) or c.cleanup then
+    if awaits_store(c, inst, info, true) then
+      return {0, 'wait'}
+    elseif low or quiet_since(c, num(info.last_intake_ms)) or c.cleanup then
       redis.call('HSET', ik, 'state', 'draining', 'draining_ms', c.now)
     else
       return {0, 'wait'}

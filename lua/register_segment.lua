@@ -14,6 +14,8 @@
 -- KEYS[6] state   cdr:{model}:state        (read only: paused)
 -- KEYS[7] stored  cdr:{model}:in:J:stored  (the job's store-waiting ids, packed: lib_packed.lua)
 -- KEYS[8] ids     cdr:{model}:seg:<name>:ids (the segment's ids, a list)
+-- (and cdr:{model}:shape:<S> stored_tokens and cdr:{model}:shape:<S>:segs, the shape's count and
+--  its segments, derived from KEYS[1]: the model's hash tag)
 -- ARGV[1] name    32 hex digits (conductor/redis_contract/segment_record.py: derived from the content)
 -- ARGV[2] job     the job every item belongs to (the records name it)
 -- ARGV[3] sig     16 hex digits: the shape signature of every item
@@ -31,9 +33,14 @@
 --   list until submit.lua places it in a lane (fail_stored.lua, until it answers it); stored_tokens
 --   and stored_items count exactly those items; the job's submitted counters count them once,
 --   here (submit.lua does not count them again when it places them).
+-- The segment's tokens count in its shape's stored tokens too (M:shape:S stored_tokens, S the
+--   signature qualified by the job's class, as submit.lua will place its items; recorded in the
+--   index record as 'shape'), so a claim knows a served shape is not at its end while segments of
+--   it wait, and the feeder which segments belong to a served shape (issue 37).
 -- An id the job has in its registry, its stored ids or its answered packed ids counts as known.
 --@include lib.lua
 --@include lib_packed.lua
+--@include lib_intake.lua
 
 local intake_key, job_key, sums_key, segs_key, seg_key, state_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5],
   KEYS[6]
@@ -62,6 +69,7 @@ if not int_in(tokens, n, n * max_tok) or not int_in(lmin, 1, max_tok) or not int
   return redis.error_reply('ERR_ARG tokens: tokens, lmin and lmax must be whole numbers, lmin <= lmax')
 end
 local packed_key = string.sub(sums_key, 1, -#job - 10) .. ':job:' .. job .. ':packed'  -- M:in:J:sums -> M:job:J:packed
+local base = string.sub(intake_key, 1, -8)  -- M:intake -> M
 local ids, sums = {}, {}
 for i = 1, n do
   local id, sum = ARGV[7 + 2 * i], ARGV[8 + 2 * i]
@@ -79,7 +87,8 @@ local refused = acl_refused(function(ok)
     and ok('HINCRBY', job_key) and ok('HINCRBY', intake_key) and ok('ZADD', segs_key) and ok('HSET', seg_key)
     and ok('TIME') and ok('HGET', packed_key) and ok('HMGET', packed_key) and ok('HMGET', job_key)
     and ok('HGET', stored_key) and ok('HMGET', stored_key) and ok('HSET', stored_key) and ok('HINCRBY', stored_key)
-    and ok('RPUSH', ids_key)
+    and ok('RPUSH', ids_key) and ok('HINCRBY', base .. ':shape:' .. sig) and ok('HSET', base .. ':shape:' .. sig)
+    and ok('ZADD', base .. ':shape:' .. sig .. ':segs')
 end)
 if refused then return refused end
 refused = paused(state_key)
@@ -126,6 +135,7 @@ end
 local jc = redis.call('HMGET', job_key, 'declared', 'submitted')
 local k_new = packed_digits(math.max(num(jc[1]), num(jc[2]) + n))
 
+local shape = qualified(job_class(base, job), sig)
 local seq = redis.call('HINCRBY', intake_key, 'seg_seq', 1)
 packed_append(stored, k_new, fresh, sums)
 for s = 1, n, 2000 do redis.call('RPUSH', ids_key, unpack(ids, s, math.min(s + 1999, n))) end
@@ -133,8 +143,10 @@ redis.call('HINCRBY', job_key, 'submitted', n)
 redis.call('HINCRBY', job_key, 'submitted_tokens', tokens)
 redis.call('HINCRBY', intake_key, 'stored_tokens', tokens)
 redis.call('HINCRBY', intake_key, 'stored_items', n)
+shape_stored_add(base, shape, tokens)
 redis.call('HINCRBY', intake_key, 'submitted', n)
 redis.call('ZADD', segs_key, seq, name)
+redis.call('ZADD', base .. ':shape:' .. shape .. ':segs', seq, name)
 redis.call('HSET', seg_key, 'job', job, 'sig', sig, 'path', path, 'sum', fsum, 'items', n, 'tokens', tokens,
-  'lmin', lmin, 'lmax', lmax, 'seq', seq, 'created_ms', now_ms())
+  'lmin', lmin, 'lmax', lmax, 'seq', seq, 'created_ms', now_ms(), 'shape', shape)
 return 1

@@ -47,8 +47,16 @@ def _segments(c: Conductor) -> list[tuple[str, dict[str, str]]]:
     return out
 
 
-def _run_down(c: Conductor, feeder: Feeder, *, size: int = 8, tokens: int = 400, timeout: float = 30,
-              sample: list[int] | None = None, items: list | None = None) -> list[str]:
+def _run_down(
+    c: Conductor,
+    feeder: Feeder,
+    *,
+    size: int = 8,
+    tokens: int = 400,
+    timeout: float = 30,
+    sample: list[int] | None = None,
+    items: list | None = None,
+) -> list[str]:
     """Feed and claim until the model is idle; the ids of every batch, completed. With ``items``,
     every batch must be of one shape (each item's signature)."""
     sig_of = {it.id: it.sig for it in items} if items is not None else None
@@ -137,6 +145,107 @@ def test_feeding_takes_the_active_shapes_segments_first_and_stays_under_the_ceil
     assert left == [False, False, False, False, True, True, True]  # an A segment went first, B's wait
 
 
+def _shape_stored(c: Conductor) -> dict[str, int]:
+    """shape -> M:shape:S stored_tokens, for every shape that holds tokens (a count fed to 0 stays)."""
+    out = {}
+    for k in c.r.scan_iter(match=MK.shape("*")):
+        if k.endswith(b":segs"):
+            continue
+        v = c.r.hget(k, "stored_tokens")
+        if v is not None and int(v):
+            out[k.decode()[len(MK.shape("")) :]] = int(v)
+    return out
+
+
+def test_each_shape_counts_its_stored_tokens_and_feeding_takes_them_down(redis_url, tmp_path):
+    c = _tiered(redis_url, str(tmp_path / "store"), 1000)
+    its = _items(100)  # two shapes, 5,000 tokens: 4,000 of them in segments
+    c.submit(its, "j")
+    by_shape: dict[str, int] = {}
+    for _, rec in _segments(c):
+        assert rec["shape"] == rec["sig"]  # a job of its own tenant in batch priority: the plain signature
+        by_shape[rec["shape"]] = by_shape.get(rec["shape"], 0) + int(rec["tokens"])
+    assert _shape_stored(c) == by_shape and sum(by_shape.values()) == _intake(c)["stored_tokens"] == 4000
+    f = Feeder(c, c.tier.store, "m")
+    for _ in range(3):  # 450 tokens of one shape: room for one of its segments
+        b, _ = c.claim(contract(size=3, tokens=200), "w")
+        c.complete(b, results_for(b))
+    f.feed()  # the served shape's segment first, other shapes' only up to the ceiling less the reserve
+    assert f.loaded_segments == 1
+    after = _shape_stored(c)
+    assert after[b.shape] == by_shape[b.shape] - 250 and sum(after.values()) == _intake(c)["stored_tokens"]
+    _run_down(c, f, items=its)
+    assert _shape_stored(c) == {} and _intake(c)["stored_tokens"] == 0
+
+
+def test_a_served_shape_waits_for_its_segments_instead_of_draining(redis_url, tmp_path):
+    """A shape whose segments wait in the store is not at its end: its instance neither drains into a
+    padded tail nor is finished while the feeder has room for its next segment, so the fed items join
+    the same instance and the shape is served in one piece (issue 37)."""
+    c = _tiered(redis_url, str(tmp_path / "store"), 1000)
+    its = _items(30, shapes=1)  # 1,500 tokens of one shape: 20 items in Redis, 10 in two segments
+    c.submit(its, "j")
+    assert _intake(c)["items"] == 20 and len(_segments(c)) == 2
+    got, epochs = [], set()
+    while True:
+        b, why = c.claim(contract(size=4, tokens=200), "w")
+        if b is None:
+            break
+        got += [i.id for i in b.items]
+        epochs.add(b.epoch)
+        c.complete(b, results_for(b))
+    # full batches of 3 (padded to 56 tokens): the 2 left are no full batch, and the shape's segments
+    # wait: 'wait', not a padded tail, and the instance stays active (not drained, not finished)
+    assert why == "wait" and len(got) == 18
+    inst = f"{its[0].sig}:{epochs.pop()}"
+    assert c.r.hget(MK.inst(inst), "state") == b"active"
+    f = Feeder(c, c.tier.store, "m")
+    got += _run_down(c, f, size=4, tokens=200, items=its)
+    assert sorted(got) == sorted(it.id for it in its)
+    assert int(c.r.hget(MK.state, "activations")) == 1  # one piece
+    assert int(c.r.hget(MK.state, "shapes_finished")) == 1
+
+
+def test_the_feeder_finds_a_served_shapes_segment_behind_hundreds_of_others(redis_url, tmp_path):
+    """A shape's own segment index (M:shape:S:segs): its next segment is found however many older
+    segments of other shapes wait before it (the feeder's general look covers the oldest 256)."""
+    c = _tiered(redis_url, str(tmp_path / "store"), 40)  # segments of 10 tokens: one item each
+    c.submit([item(f"a{i}", 10, prefix=("A",)) for i in range(4)], "j")  # the ceiling's worth, in Redis
+    c.submit([item(f"b{i}", 10, prefix=("B",)) for i in range(300)], "j")
+    c.submit([item(f"a{i}", 10, prefix=("A",)) for i in range(4, 8)], "j")
+    sig_a = item("x", 1, prefix=("A",)).sig
+    assert c.r.zcard(MK.segs) == 304 and c.r.zcard(MK.shape_segs(sig_a)) == 4
+    b, _ = c.claim(contract(size=4, tokens=64), "w")
+    assert b is not None and b.shape == sig_a and len(b.items) == 4
+    c.complete(b, results_for(b))
+    assert c.claim(contract(size=4, tokens=64), "w") == (None, "wait")  # A's segments wait: not finished
+    f = Feeder(c, c.tier.store, "m")
+    f.feed()
+    assert c.r.zcard(MK.shape_segs(sig_a)) == 0 and c.r.zcard(MK.segs) == 300  # A's four, B's none
+    b2, _ = c.claim(contract(size=4, tokens=64), "w")
+    assert b2.shape == sig_a and b2.epoch == b.epoch and len(b2.items) == 4  # the same instance: one piece
+
+
+def test_a_served_shape_whose_segment_is_lost_drains_after_the_bound(redis_url, tmp_path):
+    """A segment the feeder cannot read keeps its shape's stored tokens until a repair: the shape
+    waits for it no longer than hygiene_idle_ms, then drains as before."""
+    store = str(tmp_path / "store")
+    c = _tiered(redis_url, store, 1000)
+    quick(c, resident_tokens=1000, hygiene_idle_ms=300)
+    its = _items(25, shapes=1)
+    c.submit(its, "j")
+    ((name, rec),) = _segments(c)
+    (tmp_path / "store" / rec["path"]).unlink()
+    f = Feeder(c, c.tier.store, "m")
+    t0 = time.monotonic()
+    got = _run_down(c, f, size=4, tokens=200, items=its, timeout=10)
+    assert len(got) == 20 and time.monotonic() - t0 < 5
+    assert c.r.hget(MK.seg(name), "bad") and _shape_stored(c) == {its[0].sig: 250}
+    v = cli("--store", store, "inspect", "m", "--verify", "--repair", url=redis_url, check=False)
+    assert v.returncode == 0, v.stdout.decode() + v.stderr.decode()
+    assert _shape_stored(c) == {} and _intake(c)["stored_tokens"] == 0
+
+
 def test_crash_after_writing_a_segment_before_registering_it(redis_url, tmp_path):
     store = tmp_path / "store"
 
@@ -199,6 +308,7 @@ def test_a_feeder_that_died_after_loading_loads_nothing_twice(redis_url, tmp_pat
     name, rec = _segments(c)[0]
     seg = read_segment(c.tier.store, rec)
     from conductor.redis_contract.script_calls import load_args
+
     first = c.scripts.submit(keys=[MK.base, MK.cfg, MK.state], args=load_args(seg))  # loaded, not dropped
     assert all(x >= 0 for x in first)
     again = c.scripts.submit(keys=[MK.base, MK.cfg, MK.state], args=load_args(seg))
@@ -220,8 +330,12 @@ def test_a_store_that_refuses_writes_is_one_clear_line_and_nothing_is_written(re
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     src = tmp_path / "in.jsonl"
-    src.write_text("".join(json.dumps({"id": f"r{i}", "model": "m", "prompt": "p", "input_tokens": 50,
-                                       "max_tokens": 4}) + "\n" for i in range(20)))
+    src.write_text(
+        "".join(
+            json.dumps({"id": f"r{i}", "model": "m", "prompt": "p", "input_tokens": 50, "max_tokens": 4}) + "\n"
+            for i in range(20)
+        )
+    )
     c = Conductor.from_url(redis_url)
     c.ensure_model("m")
     quick(c, resident_tokens=200)
@@ -239,8 +353,22 @@ def test_a_worker_process_drains_a_backlog_ten_times_the_ceiling(redis_url, tmp_
     monkeypatch.setenv("CONDUCTOR_STORE", str(store))
     n, tokens, ceiling = 1200, 50, 6000  # 60,000 tokens: ten times the ceiling
     src = tmp_path / "in.jsonl"
-    src.write_text("".join(json.dumps({"id": f"r{i}", "model": "m", "prefix": [f"s{i % 3}"], "prompt": f"q{i}",
-                                       "input_tokens": tokens, "max_tokens": 4}) + "\n" for i in range(n)))
+    src.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": f"r{i}",
+                    "model": "m",
+                    "prefix": [f"s{i % 3}"],
+                    "prompt": f"q{i}",
+                    "input_tokens": tokens,
+                    "max_tokens": 4,
+                }
+            )
+            + "\n"
+            for i in range(n)
+        )
+    )
     c = Conductor.from_url(redis_url)
     c.ensure_model("m")
     quick(c, resident_tokens=ceiling, results_window=100)
@@ -257,8 +385,9 @@ def test_a_worker_process_drains_a_backlog_ten_times_the_ceiling(redis_url, tmp_
     t = threading.Thread(target=sample, daemon=True)
     t.start()
     try:
-        rows = follow_with_workers(redis_url, "big", tmp_path / "out.jsonl", [("m", "w1")], batch_size=32,
-                                   batch_tokens=2048)
+        rows = follow_with_workers(
+            redis_url, "big", tmp_path / "out.jsonl", [("m", "w1")], batch_size=32, batch_tokens=2048
+        )
     finally:
         stop.set()
         t.join()
@@ -327,6 +456,12 @@ def test_verify_places_stored_items_in_the_ledger(redis_url, tmp_path):
     c.r.hincrby(MK.intake, "stored_items", 3)  # drift in the tier's counters is found
     v = cli("--store", store, "inspect", "m", "--verify", url=redis_url, check=False)
     assert v.returncode == 1 and "stored_items" in v.stdout.decode()
+    c.r.hincrby(MK.intake, "stored_items", -3)
+    sig = _items(1)[0].sig
+    c.r.hincrby(MK.shape(sig), "stored_tokens", 50)  # and in a shape's
+    v = cli("--store", store, "inspect", "m", "--verify", url=redis_url, check=False)
+    out = v.stdout.decode()
+    assert v.returncode == 1 and MK.shape(sig) in out and "stored_tokens" in out, out
 
 
 def test_a_fresh_worker_drains_a_backlog_larger_than_maxmemory(tmp_path, monkeypatch):
@@ -334,12 +469,20 @@ def test_a_fresh_worker_drains_a_backlog_larger_than_maxmemory(tmp_path, monkeyp
     with it, Redis holds the ceiling's worth and a worker process started afterwards drains it all."""
     from conductor.embedded import EmbeddedRedis
     from conductor.errors import QueueFull
+
     store = tmp_path / "store"
     monkeypatch.setenv("CONDUCTOR_STORE", str(store))
     n = 2400
     src = tmp_path / "in.jsonl"
-    src.write_text("".join(json.dumps({"id": f"r{i}", "model": "m", "prefix": ["sys"], "prompt": f"{i} " + "x" * 2500,
-                                       "max_tokens": 2}) + "\n" for i in range(n)))
+    src.write_text(
+        "".join(
+            json.dumps(
+                {"id": f"r{i}", "model": "m", "prefix": ["sys"], "prompt": f"{i} " + "x" * 2500, "max_tokens": 2}
+            )
+            + "\n"
+            for i in range(n)
+        )
+    )
     extra = ["--maxmemory", "5mb", "--maxmemory-policy", "noeviction"]
     with EmbeddedRedis(extra=extra) as srv:
         plain = Conductor.from_url(srv.url)
@@ -353,8 +496,9 @@ def test_a_fresh_worker_drains_a_backlog_larger_than_maxmemory(tmp_path, monkeyp
         quick(c, resident_tokens=40_000)  # some 64 items of 626 tokens
         cli("submit", "--create", str(src), "--job", "big", url=srv.url)
         assert int(c.r.hget(MK.intake, "stored_items")) > n - 100
-        rows = follow_with_workers(srv.url, "big", tmp_path / "out.jsonl", [("m", "fresh")], batch_size=32,
-                                   batch_tokens=32 * 640)
+        rows = follow_with_workers(
+            srv.url, "big", tmp_path / "out.jsonl", [("m", "fresh")], batch_size=32, batch_tokens=32 * 640
+        )
         ids = [r["id"] for r in rows]
         assert len(ids) == n and len(set(ids)) == n and not any(r["error"] for r in rows)
         assert c.r.info("memory")["used_memory_peak"] < 5 * 2**20
@@ -379,6 +523,7 @@ def test_the_release_gate_counts_stored_tokens_and_stored_work_is_not_idle(redis
 
 def test_results_past_the_window_move_to_the_store_and_are_read_once(redis_url, tmp_path):
     from conductor.tier.result_segments import offload_job, offload_model
+
     store = str(tmp_path / "store")
     c = _tiered(redis_url, store, 0)
     c.set_config("m", {"results_window": 50})
@@ -414,6 +559,7 @@ def test_a_cancel_answers_stored_items_and_feeding_runs_none_of_them(redis_url, 
     fed back: they leave the stored counters, nothing reaches a worker, every id has one result."""
     from conductor.jobs import job_state
     from conductor.verify import verify
+
     c = _tiered(redis_url, str(tmp_path / "store"), 1000)
     its = _items(200)
     c.submit(its, "j")

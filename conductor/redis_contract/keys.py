@@ -88,7 +88,13 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     M:staged                        zset     shape instance "S:E" -> waiting tokens, not yet active
     M:staged_age                    zset     staged instance -> creation time (ms), for aging
     M:finished                      stream   finished instances and their batch counts (thrash alarm)
-    M:shape:S                       hash     signature record: current intake epoch, prefix blob
+    M:shape:S                       hash     signature record: current intake epoch, prefix blob;
+                                             stored_tokens: its tokens waiting in store segments (disk
+                                             tier; absent means 0: lua/lib.lua shape_stored_add)
+    M:shape:S:segs                  zset     the shape's store segments (disk tier): name -> registration
+                                             sequence, so the feeder finds a served shape's next one
+                                             however many segments wait (register_segment.lua adds,
+                                             the feeder and fail_stored.lua remove)
     M:inst:S:E                      hash     one shape instance (an epoch of a signature): state, counters
     M:inst:S:E:lanes                zset     lane id -> representative length (rolling lanes)
     M:inst:S:E:ready                zset     lane id -> lane id, lanes holding a full batch (round-robin)
@@ -135,7 +141,9 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     M:segs                          zset     store segments waiting to be fed (disk tier, conductor/tier/spill.py):
                                              segment name -> registration sequence (oldest first)
     M:seg:N                         hash     one segment's index record: job, sig, path, items, tokens,
-                                             lmin, lmax (input token range), sum (SHA-1 of the file), seq
+                                             lmin, lmax (input token range), sum (SHA-1 of the file), seq,
+                                             shape (the signature its items join, qualified by the job's
+                                             class; absent on segments registered before issue 37)
     M:seg:N:ids                     list     the ids the segment was registered with, in its order
                                              (register_segment.lua): what a cancel answers and a repair
                                              of a lost file fails without reading the store; dropped
@@ -229,10 +237,9 @@ STATE_FIELDS: dict[str, str] = {
     "dead_retried": "dead-lettered items sent back by dead_retry.lua",
     "activations": "shape instances activated",
     "preemptions": "active instances stepped back to staged by aging",
-    "fair_switches": "workers that left their shape for a tenant short of its share "
-                     "(lua/lib_rebalance.lua rebalance)",
+    "fair_switches": "workers that left their shape for a tenant short of its share (lua/lib_rebalance.lua rebalance)",
     "fair_loans": "batches a worker took, keeping its shape, for a tenant behind in service (lua/lib_rebalance.lua "
-                  "lend)",
+    "lend)",
     "shapes_finished": "shape instances emptied and finished",
     "warming": "the shape instance last marked warming (for inspect)",
     "warmings": "instances marked warming (pre-warm signals)",
@@ -244,10 +251,14 @@ STATE_FIELDS: dict[str, str] = {
     "paused": "1 while the model is paused (Conductor.pause): every writing script refuses",
 }
 
+
 def check_name(kind: str, value: str) -> str:
     """``value`` when it is a valid name (rules.py NAME_RE, which the scripts' name_ok applies too)."""
-    if not isinstance(value, str) or not rules.NAME_RE.match(value) or (
-            "~" in value and not (kind == "model" and is_shard(value) and "~" not in fold(value))):
+    if (
+        not isinstance(value, str)
+        or not rules.NAME_RE.match(value)
+        or ("~" in value and not (kind == "model" and is_shard(value) and "~" not in fold(value)))
+    ):
         raise ValueError(
             f"{kind}: {value!r} is not a valid name (1-{rules.NAME_MAX} characters from A-Z a-z 0-9 . _ / @ + = -)"
         )
@@ -433,6 +444,9 @@ class ModelKeys:
 
     def shape(self, sig: str) -> str:
         return f"{self.base}:shape:{sig}"
+
+    def shape_segs(self, sig: str) -> str:
+        return f"{self.base}:shape:{sig}:segs"
 
     def inst(self, inst: str) -> str:
         """``inst`` is ``"S:E"``: a signature and its epoch."""

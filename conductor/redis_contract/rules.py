@@ -51,6 +51,11 @@ SUM_HEX = 16
 SEGMENT_NAME_HEX = 32
 FILE_SUM_HEX = 40
 
+# A store segment holds at most 1/SEGMENT_PARTS of its model's resident_tokens ceiling
+# (conductor/tier/spill.py): the feeder tops the lanes up in steps, and a claim knows the room a
+# served shape's next segment needs (lua/lib_serve.lua awaits_store).
+SEGMENT_PARTS = 4
+
 # The error codes of the answers a job's early end gives its waiting items (cancel, expiry).
 END_CODES = ("cancelled", "expired")
 
@@ -82,6 +87,7 @@ LUA_RULES: dict[str, int | str] = {
     "SUM_HEX": SUM_HEX,
     "SEGMENT_NAME_HEX": SEGMENT_NAME_HEX,
     "FILE_SUM_HEX": FILE_SUM_HEX,
+    "SEGMENT_PARTS": SEGMENT_PARTS,
 }
 
 

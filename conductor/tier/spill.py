@@ -49,7 +49,17 @@ Register = Callable[[calls.Call[bool]], bool]
 def segment_tokens(ceiling: int) -> int:
     """A segment's token size: a quarter of the ceiling, so the feeder tops the lanes up in steps
     and Redis holds at most the ceiling (a single item larger than that travels alone)."""
-    return max(MIN_SEGMENT_TOKENS, ceiling // 4)
+    return max(MIN_SEGMENT_TOKENS, ceiling // rules.SEGMENT_PARTS)
+
+
+def reserve(ceiling: int) -> int:
+    """The part of the ceiling kept for the served shapes' segments (issue 37): the feeder loads
+    other shapes' segments only up to the ceiling less this, so a served shape's next segment finds
+    room when its lanes run low (what it leaves in its lanes, under a batch, plus a segment, fits
+    in two segments' worth) and the shape is served in one piece, not drained into a padded tail
+    and taken up again later. Submit still fills Redis to the ceiling (a first served shape whose
+    segment finds no room drains as before: lua/lib_serve.lua awaits_store)."""
+    return 2 * segment_tokens(ceiling) if ceiling > 0 else 0
 
 
 def ceiling(r: redis.Redis, mk: K.ModelKeys) -> int:
@@ -90,8 +100,14 @@ class Tier:
                 k += 1
         return k
 
-    def write_segments(self, mk: K.ModelKeys, job: str, its: Sequence[PreparedItem], register: Register,
-                       progress: Callable[[int], None] | None = None) -> tuple[int, int]:
+    def write_segments(
+        self,
+        mk: K.ModelKeys,
+        job: str,
+        its: Sequence[PreparedItem],
+        register: Register,
+        progress: Callable[[int], None] | None = None,
+    ) -> tuple[int, int]:
         """``its`` into store segments of at most a quarter of the ceiling each, registered one by
         one; (accepted, duplicates). ``progress(items done)`` after each segment."""
         accepted = duplicates = done = 0
@@ -103,8 +119,9 @@ class Tier:
                 progress(done)
         return accepted, duplicates
 
-    def _write_one(self, mk: K.ModelKeys, job: str, piece: Sequence[PreparedItem],
-                   register: Register) -> tuple[int, int]:
+    def _write_one(
+        self, mk: K.ModelKeys, job: str, piece: Sequence[PreparedItem], register: Register
+    ) -> tuple[int, int]:
         head = record_head(job)
         for _ in range(5):
             # an id the job has (in its registry, a store segment, or answered and packed:
@@ -118,8 +135,9 @@ class Tier:
             seg = S.build(mk.model, job, fresh)
             data = S.encode(seg)
             self.store.put(seg.file_name, data)  # StoreError: nothing registered
-            call = calls.register_segment(mk, seg, S.file_sum(data), [it.id for it in fresh],
-                                          [content_sum(head, it) for it in fresh])
+            call = calls.register_segment(
+                mk, seg, S.file_sum(data), [it.id for it in fresh], [content_sum(head, it) for it in fresh]
+            )
             try:
                 registered = register(call)
             except redis.ResponseError as e:
@@ -135,8 +153,9 @@ def _pieces(its: Sequence[PreparedItem], max_tokens: int) -> list[Sequence[Prepa
     out: list[Sequence[PreparedItem]] = []
     start, tokens = 0, 0
     for i, it in enumerate(its):
-        if i > start and (it.sig != its[start].sig or i - start >= SEGMENT_ITEMS
-                          or tokens + it.input_tokens > max_tokens):
+        if i > start and (
+            it.sig != its[start].sig or i - start >= SEGMENT_ITEMS or tokens + it.input_tokens > max_tokens
+        ):
             out.append(its[start:i])
             start, tokens = i, 0
         tokens += it.input_tokens

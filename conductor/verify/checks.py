@@ -88,9 +88,11 @@ class _Check:
         # claim that serves it (lib.lua reindex): its fill scores and readiness are not drift.
         current = ir.ih.get("idx") == self.cfg.index_version or not ir.ih
         if not current:
-            self.rep.notes.append(f"{mk.inst(inst)}: indices follow config {ir.ih.get('idx') or '(none)'}, not "
-                                  f"{self.cfg.index_version}; re-derived when served: fill scores and readiness "
-                                  "not checked")
+            self.rep.notes.append(
+                f"{mk.inst(inst)}: indices follow config {ir.ih.get('idx') or '(none)'}, not "
+                f"{self.cfg.index_version}; re-derived when served: fill scores and readiness "
+                "not checked"
+            )
         for lane, (t, meta) in ir.lanes.items():
             self.lane(inst, lane, t, meta, ir, current)
         inst_tokens = sum(t.tokens for t, _meta in ir.lanes.values())
@@ -100,8 +102,7 @@ class _Check:
             self.row(mk.inst(inst), "items", as_int(ir.ih.get("items")), inst_items, "inst.items")
         should_stage = ir.ih.get("state", "") in ("staged", "warming")
         if should_stage or ir.staged_score is not None:
-            self.row(mk.staged, f"{inst} member", int(ir.staged_score is not None), int(should_stage),
-                     "staged.member")
+            self.row(mk.staged, f"{inst} member", int(ir.staged_score is not None), int(should_stage), "staged.member")
         if should_stage and ir.staged_score is not None:
             self.row(mk.staged, f"{inst} score", int(ir.staged_score), as_int(ir.ih.get("tokens")), "staged.score")
 
@@ -127,8 +128,13 @@ class _Check:
         if in_fill and t.items and current:
             self.row(mk.inst_fill(inst), f"lane {lane} score", int(ir.fill[lane]), rep_truth, "fill.score")
         if current:
-            self.row(mk.inst_ready(inst), f"lane {lane} member", int(lane in ir.ready),
-                     int(t.items > 0 and self.cfg.ready(t.items, t.tokens, rep_truth)), "ready.member")
+            self.row(
+                mk.inst_ready(inst),
+                f"lane {lane} member",
+                int(lane in ir.ready),
+                int(t.items > 0 and self.cfg.ready(t.items, t.tokens, rep_truth)),
+                "ready.member",
+            )
 
     def token_list(self, inst: str, lane: str, t: LaneTruth) -> None:
         """The token list is the lane's index for claim.lua: as long as the lane, and each token
@@ -140,8 +146,10 @@ class _Check:
         if t.n_bad > len(t.bad):
             self.rep.notes.append(f"{tkey}: {t.n_bad} tokens differ from their records, the first {len(t.bad)} listed")
         if t.unreadable:
-            self.rep.problems.append(f"{self.model}: {self.mk.lane(inst, lane)} holds {t.unreadable} item record(s) "
-                                     "that do not decode as [id, job, input_tokens, ...]")
+            self.rep.problems.append(
+                f"{self.model}: {self.mk.lane(inst, lane)} holds {t.unreadable} item record(s) "
+                "that do not decode as [id, job, input_tokens, ...]"
+            )
 
     def model_waiting(self, insts: list[str]) -> None:
         """The model's waiting counters against the sum of its instances' counters, in one MULTI
@@ -166,8 +174,10 @@ class _Check:
         # Each reclaimed entry carries a token per item record, in order (claim serves from both).
         self.row(mk.reclaimed, "tokens listed", fl["reclaimed_tokens"], fl["reclaimed"], "reclaimed.toklen")
         if fl["unreadable"]:
-            self.rep.problems.append(f"{self.model}: {fl['unreadable']} in-flight or reclaimed item record(s) or "
-                                     "reclaimed entries do not decode")
+            self.rep.problems.append(
+                f"{self.model}: {fl['unreadable']} in-flight or reclaimed item record(s) or "
+                "reclaimed entries do not decode"
+            )
 
     def orphans(self) -> None:
         """Batch item lists that no pending batch names: a claim or reclaim that stopped halfway
@@ -179,8 +189,7 @@ class _Check:
             return
         for token in orphans:
             if ledger_records(list_pages(self.r, mk.batch_items(token)), f"orphan {token}", self.ledger):
-                self.rep.problems.append(f"{self.model}: {mk.batch_items(token)} holds item records that do not "
-                                         "decode")
+                self.rep.problems.append(f"{self.model}: {mk.batch_items(token)} holds item records that do not decode")
 
     def job(self, job: str) -> None:
         """A job's counters against its items hash and its results records."""
@@ -189,8 +198,9 @@ class _Check:
         self.row(mk.job_intake(job), "submitted", truth["rec_submitted"], truth["submitted"], "job.submitted")
         if truth["trimmed"]:
             # Retention dropped old records: only their sum is known (one 'd' per result written).
-            self.row(mk.job(job), "completed+failed", truth["rec_completed"] + truth["rec_failed"], truth["done"],
-                     "job.done")
+            self.row(
+                mk.job(job), "completed+failed", truth["rec_completed"] + truth["rec_failed"], truth["done"], "job.done"
+            )
         else:
             self.row(mk.job(job), "completed", truth["rec_completed"], truth["completed"], "job.completed")
             self.row(mk.job(job), "failed", truth["rec_failed"], truth["failed"], "job.failed")
@@ -203,11 +213,13 @@ class _Check:
         """A job its lifecycle calls ended (completed, cancelled, expired: conductor/jobs/job_state.py)
         must have a result for every item it holds here: its counts add up."""
         from conductor.jobs.job_state import TERMINAL
+
         status = as_str(self.r.hget(K.job_meta_key(job), "status") or b"")
         left = truth["submitted"] - truth["done"]
         if status in TERMINAL and left:
-            self.rep.problems.append(f"{self.model}: job {job} is {status} but {left} of its {truth['submitted']} "
-                                     "items here have no result")
+            self.rep.problems.append(
+                f"{self.model}: job {job} is {status} but {left} of its {truth['submitted']} items here have no result"
+            )
 
     def model_jobs(self, jobs: list[str]) -> None:
         """The model's job totals against the sum of its jobs' counters, in one MULTI."""
@@ -232,6 +244,11 @@ class _Check:
             return
         self.row(mk.intake, "stored_items", truth.rec_items, truth.items, "state.stored")
         self.row(mk.intake, "stored_tokens", truth.rec_tokens, truth.tokens, "state.stored")
+        per_shape = truth.shapes
+        for shape, (tokens, segs) in sorted(truth.rec_shapes.items()):
+            want = per_shape.get(shape, (0, 0))
+            self.row(mk.shape(shape), "stored_tokens", tokens, want[0], "state.stored")
+            self.row(mk.shape_segs(shape), "members", segs, want[1], "state.stored")
         if self.ledger is not None:
             for seq, pairs in truth.stored.items():
                 for job, iid in pairs:
@@ -242,13 +259,16 @@ class _Check:
             shown = ", ".join(b.ids[:STORE_EXAMPLES]) + (" ..." if len(b.ids) > STORE_EXAMPLES else "")
             self.rep.problems.append(
                 f"{self.model}: store segment {b.name} ({b.rec.get('path')}, job {b.rec.get('job')}) is {b.why}: "
-                f"{len(b.ids)} item(s) wait in it: {shown} (--repair answers them with an error result)")
+                f"{len(b.ids)} item(s) wait in it: {shown} (--repair answers them with an error result)"
+            )
 
     def finish(self) -> Report:
         rep = self.rep
         if getattr(oom, "on", False):
-            rep.notes.append("Redis is over maxmemory and refuses MULTI: every read was a plain pipelined read, not "
-                             "a snapshot (against a live system, re-check a differing row)")
+            rep.notes.append(
+                "Redis is over maxmemory and refuses MULTI: every read was a plain pipelined read, not "
+                "a snapshot (against a live system, re-check a differing row)"
+            )
             oom.on = False
         if self.ledger is not None:
             rep.problems.extend(self.ledger.problems(self.model))
@@ -287,7 +307,9 @@ def verify_confirmed(r: redis.Redis, model: str, *, items: bool = False, pause_s
     second = verify(r, model, items=items)
     seen = {(x.key, x.field, x.diff) for x in first.drift}
     confirmed = {(x.key, x.field) for x in second.drift if (x.key, x.field, x.diff) in seen}
-    rows = [x if (x.key, x.field) in confirmed or not x.diff else Row(x.model, x.key, x.field, x.truth, x.truth, x.kind)
-            for x in second.rows]
+    rows = [
+        x if (x.key, x.field) in confirmed or not x.diff else Row(x.model, x.key, x.field, x.truth, x.truth, x.kind)
+        for x in second.rows
+    ]
     problems = [p for p in second.problems if p in first.problems]
     return Report(model, rows, problems, second.notes, second.ledger)

@@ -4,7 +4,9 @@ Checked, for a model with anything in the store: every registered segment's file
 what its index record says (its SHA-1, count, tokens, job and shape: the whole file is read);
 ``M:intake`` stored_items against the ids that wait in the store (each segment's id list,
 ``M:seg:N:ids``, the ones its job's stored ids ``M:in:J:stored`` still hold) and stored_tokens
-against the index records. With the item ledger, each stored
+against the index records, and each shape's stored tokens (``M:shape:S`` stored_tokens, which the
+claim reads to keep a served shape in one piece, issue 37) against its index records (those that
+name their shape: a segment registered before shapes kept the count names none). With the item ledger, each stored
 id is placed in its segment ("store <seq>"), so it is neither lost nor duplicated (the rows,
 findings and ledger places: ``checks.py``, ``_Check.store``).
 
@@ -54,6 +56,8 @@ class StoreTruth:
     rec_tokens: int  # M:intake stored_tokens
     index: list[tuple[str, dict[str, str]]]  # registered segments: name -> index record
     stored: dict[str, list[tuple[str, str]]]  # seq -> [(job, id)] of ids marked as stored
+    # shape -> (M:shape:S stored_tokens, members of M:shape:S:segs)
+    rec_shapes: dict[str, tuple[int, int]] = field(default_factory=dict)
     bad: list[LostSegment] = field(default_factory=list)
 
     @property
@@ -64,18 +68,50 @@ class StoreTruth:
     def tokens(self) -> int:
         return sum(as_int(rec.get("tokens")) for _, rec in self.index)
 
+    @property
+    def shapes(self) -> dict[str, tuple[int, int]]:
+        """shape -> the tokens and the number of the index records that name it."""
+        out: dict[str, tuple[int, int]] = {}
+        for _, rec in self.index:
+            if rec.get("shape"):
+                tok, n = out.get(rec["shape"], (0, 0))
+                out[rec["shape"]] = (tok + as_int(rec.get("tokens")), n + 1)
+        return out
+
 
 def _index(r: redis.Redis, mk: K.ModelKeys) -> list[tuple[str, dict[str, str]]]:
     names = [as_str(n) for n in r.zrange(mk.segs, 0, -1)]
     pipe = r.pipeline(transaction=False)
     for n in names:
         pipe.hgetall(mk.seg(n))
-    return [(n, {as_str(k): as_str(v) for k, v in rec.items()}) for n, rec in zip(names, pipe.execute(), strict=True)
-            if rec]
+    return [
+        (n, {as_str(k): as_str(v) for k, v in rec.items()}) for n, rec in zip(names, pipe.execute(), strict=True) if rec
+    ]
 
 
-def _stored_ids(r: redis.Redis, mk: K.ModelKeys,
-                index: list[tuple[str, dict[str, str]]]) -> dict[str, list[tuple[str, str]]]:
+def _shape_counts(
+    r: redis.Redis, mk: K.ModelKeys, index: list[tuple[str, dict[str, str]]]
+) -> dict[str, tuple[int, int]]:
+    """shape -> its recorded stored tokens and the size of its segment index (M:shape:S:segs), for
+    every shape an index record names and every shape that holds a count above 0 or an index (one
+    left with no segment is drift: the claim would wait for it; a count fed down to 0 stays, as 0)."""
+    named = {rec["shape"] for _, rec in index if rec.get("shape")}
+    shapes = set(named)
+    for k in r.scan_iter(match=mk.shape("*"), count=1000):
+        shapes.add(as_str(k)[len(mk.shape("")) :].removesuffix(":segs"))
+    names = sorted(shapes)
+    pipe = r.pipeline(transaction=False)
+    for s in names:
+        pipe.hget(mk.shape(s), "stored_tokens")
+        pipe.zcard(mk.shape_segs(s))
+    got = pipe.execute()
+    out = {s: (as_int(got[2 * i]), int(got[2 * i + 1])) for i, s in enumerate(names)}
+    return {s: v for s, v in out.items() if v[0] or v[1] or s in named}
+
+
+def _stored_ids(
+    r: redis.Redis, mk: K.ModelKeys, index: list[tuple[str, dict[str, str]]]
+) -> dict[str, list[tuple[str, str]]]:
     """seq -> [(job, id)] of every id that waits in a store segment: named in the segment's id list
     and still held by its job's stored ids (an id placed in a lane has left them; its segment's
     record goes right after). Every registered segment counts, whatever job it holds: the counters
@@ -85,13 +121,13 @@ def _stored_ids(r: redis.Redis, mk: K.ModelKeys,
         job = rec.get("job", "")
         ids = [as_str(i) for i in r.lrange(mk.seg_ids(name), 0, -1)]
         held = stored_sums(r, mk, job, ids)
-        out.setdefault(rec.get("seq", ""), []).extend((job, i) for i, s in zip(ids, held, strict=True)
-                                                      if s is not None)
+        out.setdefault(rec.get("seq", ""), []).extend((job, i) for i, s in zip(ids, held, strict=True) if s is not None)
     return out
 
 
-def store_truth(r: redis.Redis, mk: K.ModelKeys, store: Store | None,
-                notes: list[str] | None = None) -> StoreTruth | None:
+def store_truth(
+    r: redis.Redis, mk: K.ModelKeys, store: Store | None, notes: list[str] | None = None
+) -> StoreTruth | None:
     """The tier's counters and their truth, with the missing or damaged segments (their files are
     read when ``store`` is given); None when nothing of the model is or was counted in the store."""
     # The index, the ids and the counters are separate reads: a segment registered, fed or failed
@@ -101,17 +137,20 @@ def store_truth(r: redis.Redis, mk: K.ModelKeys, store: Store | None,
         counted = r.hmget(mk.intake, "stored_items", "stored_tokens")
         index = _index(r, mk)
         stored = _stored_ids(r, mk, index)
+        shapes = _shape_counts(r, mk, index)
         if r.hmget(mk.intake, "stored_items", "stored_tokens") == counted:
             break
         time.sleep(0.05)
     rec_items, rec_tokens = (as_int(v) for v in counted)
-    if not index and not rec_items and not rec_tokens:
+    if not index and not rec_items and not rec_tokens and not any(shapes.values()):
         return None
-    truth = StoreTruth(rec_items, rec_tokens, index, stored)
+    truth = StoreTruth(rec_items, rec_tokens, index, stored, shapes)
     if store is None:
         if index and notes is not None:
-            notes.append(f"{mk.model}: {len(index)} store segment(s) registered; no store given (--store, "
-                         "CONDUCTOR_STORE): their files were not checked")
+            notes.append(
+                f"{mk.model}: {len(index)} store segment(s) registered; no store given (--store, "
+                "CONDUCTOR_STORE): their files were not checked"
+            )
         return truth
     for name, rec in index:
         why = _damage(store, name, rec, mk, notes)
@@ -148,13 +187,40 @@ def repair_store(r: redis.Redis, model: str, store: Store | None) -> list[str]:
     now = int(time.time() * 1000)
     for b in truth.bad:
         job = b.rec["job"]
-        msg = (f"the store segment that held this item ({b.rec.get('path')}) is {b.why}: the item was not run; "
-               f"submit it again under another job id")
-        answers = [(iid, json_encoder.encode(Result(
-            id=iid, model=model, job=job, output="", output_tokens=0, error=ResultError(ERROR_CODE, msg),
-            shape=b.rec.get("sig", ""), epoch=0, lane=-1, batch="", batch_size=0, batch_padded_len=0, input_tokens=0,
-            worker="repair", claimed_at=0, finished_at=now, deliveries=0))) for iid in b.ids]
+        msg = (
+            f"the store segment that held this item ({b.rec.get('path')}) is {b.why}: the item was not run; "
+            f"submit it again under another job id"
+        )
+        answers = [
+            (
+                iid,
+                json_encoder.encode(
+                    Result(
+                        id=iid,
+                        model=model,
+                        job=job,
+                        output="",
+                        output_tokens=0,
+                        error=ResultError(ERROR_CODE, msg),
+                        shape=b.rec.get("sig", ""),
+                        epoch=0,
+                        lane=-1,
+                        batch="",
+                        batch_size=0,
+                        batch_padded_len=0,
+                        input_tokens=0,
+                        worker="repair",
+                        claimed_at=0,
+                        finished_at=now,
+                        deliveries=0,
+                    )
+                ),
+            )
+            for iid in b.ids
+        ]
         failed, skipped = calls.fail_stored(mk, b.name, job, answers).run(scripts)
-        out.append(f"store segment {b.name} ({b.why}): {failed} item(s) of job {job} answered with error "
-                   f"{ERROR_CODE}" + (f", {skipped} placed meanwhile" if skipped else ""))
+        out.append(
+            f"store segment {b.name} ({b.why}): {failed} item(s) of job {job} answered with error "
+            f"{ERROR_CODE}" + (f", {skipped} placed meanwhile" if skipped else "")
+        )
     return out
