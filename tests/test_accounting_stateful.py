@@ -375,15 +375,22 @@ class ShardedAccounting(Accounting):
         super().teardown()
 
 
-# A few programs in the default run; more with the long form.
-@pytest.mark.parametrize("examples", [5, pytest.param(20, marks=pytest.mark.slow)])
-def test_accounting_over_shards_never_drifts(redis_server, examples, tmp_path) -> None:  # noqa: ANN001
-    ShardedAccounting.url = redis_server.url
+# A few programs on a three-master Redis Cluster in the default run (each shard on its own master);
+# more with the long form, on one Redis too.
+@pytest.mark.parametrize(("where", "examples"), [("cluster", 4), pytest.param("cluster", 20, marks=pytest.mark.slow),
+                                                 pytest.param("redis", 20, marks=pytest.mark.slow)])
+def test_accounting_over_shards_never_drifts(redis_server, where, examples, tmp_path) -> None:  # noqa: ANN001
+    from contextlib import nullcontext
+
+    from conductor.embedded import EmbeddedCluster
+
     ShardedAccounting.dir = tmp_path
     ShardedAccounting.spread = []
-    run_state_machine_as_test(ShardedAccounting, settings=settings(
-        max_examples=examples, stateful_step_count=30, deadline=None, database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+    with EmbeddedCluster(3) if where == "cluster" else nullcontext(redis_server) as server:
+        ShardedAccounting.url = server.url
+        run_state_machine_as_test(ShardedAccounting, settings=settings(
+            max_examples=examples, stateful_step_count=30, deadline=None, database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
     assert max(ShardedAccounting.spread) >= 2, ShardedAccounting.spread  # else not over shards at all
 
 
