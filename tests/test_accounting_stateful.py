@@ -88,6 +88,19 @@ class Accounting(RuleBasedStateMachine):
         self.seq = 0
         self.tmp = tempfile.mkdtemp(prefix="acct-intake-")  # input files of the intake rule
 
+    # The model's shards (issue 36): the model alone here, three in ShardedAccounting below.
+    def names(self) -> list[str]:
+        return [MODEL]
+
+    def _beat(self, consumer: str) -> None:
+        for n in self.names():
+            self.r.set(K.ModelKeys(n).heartbeat(consumer), 1, px=HB_MS)
+
+    def _claim(self, contract: Contract, consumer: str) -> tuple[Batch | None, str]:
+        return self.c.claim(contract, consumer)
+
+    extra_config: dict = {}
+
     # One initialize rule: hypothesis runs several in any order, and a backlog submitted before
     # a mode change would leave fill/ready stale (test_verify_config.py covers that case).
     @initialize(mode=st.sampled_from(["memory", "disk"]), release=st.sampled_from([0, 2]),
@@ -100,7 +113,7 @@ class Accounting(RuleBasedStateMachine):
             "mode": mode, "budget_tokens": 512, "budget_items": 8, "release_batches": release,
             "activate_batches": activate, "drain_batches": 1, "quiet_ms": 15, "lane_quiet_ms": lane_quiet,
             "hygiene_idle_ms": 25, "hygiene_items": 4, "prewarm_batches": prewarm, "aging_ms": aging,
-            "max_deliveries": deliveries, "lane_floor": 8, "lane_cap": 64})
+            "max_deliveries": deliveries, "lane_floor": 8, "lane_cap": 64, **self.extra_config})
         self.submit(job, specs, 0)
 
     # ------------------------------------------------------------------ rules
@@ -169,9 +182,9 @@ class Accounting(RuleBasedStateMachine):
 
     @rule(contract=st.sampled_from(CONTRACTS), consumer=st.sampled_from(CONSUMERS), times=st.integers(1, 3))
     def claim(self, contract: Contract, consumer: str, times: int) -> None:
-        self.r.set(MK.heartbeat(consumer), 1, px=HB_MS)
+        self._beat(consumer)
         for _ in range(times):
-            batch, _why = self.c.claim(contract, consumer)
+            batch, _why = self._claim(contract, consumer)
             if batch is None:
                 return
             assert 1 <= len(batch.items) <= contract.max_batch_size
@@ -207,9 +220,9 @@ class Accounting(RuleBasedStateMachine):
     @rule(contract=st.sampled_from(CONTRACTS), times=st.integers(1, 4))
     def poison_loop(self, contract: Contract, times: int) -> None:
         """A worker whose engine fails every batch: reclaimed work comes back until dead-lettered."""
-        self.r.set(MK.heartbeat("c2"), 1, px=HB_MS)
+        self._beat("c2")
         for _ in range(times):
-            batch, _why = self.c.claim(contract, "c2")
+            batch, _why = self._claim(contract, "c2")
             if batch is None:
                 return
             self.c.fail(batch, "c2", "poison")
@@ -217,8 +230,9 @@ class Accounting(RuleBasedStateMachine):
 
     @rule(consumer=st.sampled_from(CONSUMERS))
     def worker_dies(self, consumer: str) -> None:
-        self.r.delete(MK.heartbeat(consumer))
-        self.c.reclaim_consumer(MODEL, consumer)
+        for n in self.names():
+            self.r.delete(K.ModelKeys(n).heartbeat(consumer))
+            self.c.reclaim_consumer(n, consumer)
         gone = [(b, w) for b, w in self.open if w == consumer]
         for x in gone:
             self.open.remove(x)
@@ -227,8 +241,11 @@ class Accounting(RuleBasedStateMachine):
     @rule(min_idle_ms=st.sampled_from([1, 5]))
     def leases_lost(self, min_idle_ms: int) -> None:
         time.sleep(min_idle_ms / 1000)
-        self.c.reclaim_dead(MODEL, min_idle_ms=min_idle_ms)
-        pending = {p["message_id"].decode() for p in self.r.xpending_range(MK.batches, K.GROUP, "-", "+", 10_000)}
+        pending = set()
+        for n in self.names():
+            self.c.reclaim_dead(n, min_idle_ms=min_idle_ms)
+            got = self.r.xpending_range(K.ModelKeys(n).batches, K.GROUP, "-", "+", 10_000)
+            pending |= {p["message_id"].decode() for p in got}
         for x in [x for x in self.open if x[0].batch_id not in pending]:
             self.open.remove(x)
             self.stale.append(x)
@@ -236,7 +253,8 @@ class Accounting(RuleBasedStateMachine):
     @rule(job=st.sampled_from((None, *JOBS)))
     def dead_letter_retried(self, job: str | None) -> None:
         from conductor.jobs.deadletter import DeadLetter
-        DeadLetter(self.c).retry(model=MODEL, job=job)
+        for n in self.names():
+            DeadLetter(self.c).retry(model=n, job=job)
 
     @rule(job=st.sampled_from(JOBS))
     def cancel(self, job: str) -> None:
@@ -271,35 +289,42 @@ class Accounting(RuleBasedStateMachine):
     # ------------------------------------------------------------------ invariants
     @invariant()
     def counters_equal_the_truth(self) -> None:
-        rep = verify(self.r, MODEL, items=True)
-        assert rep.ok, _describe(rep)
-        n = rep.ledger
-        assert n["submitted"] == n["waiting"] + n["inflight"] + n["reclaimed"] + n["done"], n
-        assert n["submitted"] == sum(len(v) for v in self.ids.values())
+        total = 0
+        for name in self.names():
+            rep = verify(self.r, name, items=True)
+            assert rep.ok, _describe(rep)
+            n = rep.ledger
+            assert n["submitted"] == n["waiting"] + n["inflight"] + n["reclaimed"] + n["done"], n
+            total += n["submitted"]
+        assert total == sum(len(v) for v in self.ids.values())
         for job, ids in self.ids.items():
-            stored = {k.decode() for k in self.r.hkeys(MK.job_sums(job))}
+            stored = set()
+            for name in self.names():
+                stored |= {k.decode() for k in self.r.hkeys(K.ModelKeys(name).job_sums(job))}
             assert stored == ids, job
 
     def teardown(self) -> None:
         """Drain: every worker revives, stale leases are swept, and every job completes."""
         try:
             for w in CONSUMERS:
-                self.r.set(MK.heartbeat(w), 1, px=HB_MS)
+                self._beat(w)
             for b, w in self.open:
                 self.c.complete(b, results_for(b, w))
             deadline = time.monotonic() + 20
             contract = CONTRACTS[3]
             while time.monotonic() < deadline:
-                b, why = self.c.claim(contract, "drainer")
+                b, why = self._claim(contract, "drainer")
                 if b is not None:
                     self.c.complete(b, results_for(b, "drainer"))
                     continue
                 # A gate that never opened answers 'gate' rather than 'idle' while nothing waits.
-                if why == "idle" or (why == "gate" and int(self.r.hget(MK.intake, "items") or 0) == 0):
+                waiting = sum(int(self.r.hget(K.ModelKeys(n).intake, "items") or 0) for n in self.names())
+                if why == "idle" or (why == "gate" and waiting == 0):
                     break
                 time.sleep(0.01)
-            rep = verify(self.r, MODEL, items=True)
-            assert rep.ok, _describe(rep)
+            for name in self.names():
+                rep = verify(self.r, name, items=True)
+                assert rep.ok, _describe(rep)
             for job, ids in self.ids.items():
                 if ids:
                     s = self.c.status(job)
@@ -321,6 +346,52 @@ def test_accounting_never_drifts(redis_server, examples, tmp_path) -> None:  # n
     run_state_machine_as_test(Accounting, settings=settings(
         max_examples=examples, stateful_step_count=30, deadline=None, database=None,
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+
+
+class ShardedAccounting(Accounting):
+    """The same machine on a model of three shards (issue 36; on one Redis, where shards work
+    too): claims over the shards as a worker makes them (conductor/client/shard_claims.py),
+    heartbeats, reclaims and dead-letter retries on every shard, each shard verified."""
+
+    extra_config = {"shards": 3}
+
+    def __init__(self) -> None:
+        super().__init__()
+        from conductor.client.shard_claims import ShardClaims
+
+        self.claims = ShardClaims(self.c, MODEL)
+
+    def names(self) -> list[str]:
+        return self.c.shards(MODEL)
+
+    def _claim(self, contract: Contract, consumer: str) -> tuple[Batch | None, str]:
+        return self.claims.claim(contract, consumer)
+
+    spread: list[int] = []  # per program: the shards that took items (the test asserts they were several)
+
+    def teardown(self) -> None:
+        used = [n for n in self.names() if any(self.r.exists(K.ModelKeys(n).job_sums(j)) for j in self.ids)]
+        type(self).spread.append(len(used))
+        super().teardown()
+
+
+# A few programs on a three-master Redis Cluster in the default run (each shard on its own master);
+# more with the long form, on one Redis too.
+@pytest.mark.parametrize(("where", "examples"), [("cluster", 4), pytest.param("cluster", 20, marks=pytest.mark.slow),
+                                                 pytest.param("redis", 20, marks=pytest.mark.slow)])
+def test_accounting_over_shards_never_drifts(redis_server, where, examples, tmp_path) -> None:  # noqa: ANN001
+    from contextlib import nullcontext
+
+    from conductor.embedded import EmbeddedCluster
+
+    ShardedAccounting.dir = tmp_path
+    ShardedAccounting.spread = []
+    with EmbeddedCluster(3) if where == "cluster" else nullcontext(redis_server) as server:
+        ShardedAccounting.url = server.url
+        run_state_machine_as_test(ShardedAccounting, settings=settings(
+            max_examples=examples, stateful_step_count=30, deadline=None, database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
+    assert max(ShardedAccounting.spread) >= 2, ShardedAccounting.spread  # else not over shards at all
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -327,7 +327,7 @@ def job_truth(r: redis.Redis, mk: K.ModelKeys, job: str, ledger: Ledger | None) 
         pipe.hget(mk.job_stored(job), "n")
         rec_sub, rec, registry, marks, records, raw_packed, raw_stored = pipe.execute()
         marks = pairs(marks)
-        # redis-py's cluster pipeline in a transaction leaves XRANGE's fields a flat list
+        # fields as a dict on either client (Snapshot parses a cluster MULTI's replies); pairs() takes a flat list too
         records = [(eid, dict(pairs(f))) for eid, f in records]
     else:
         registry = (k for k, _v in r.hscan_iter(mk.job_sums(job), count=PAGE))
