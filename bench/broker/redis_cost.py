@@ -15,7 +15,9 @@ the commands a script runs too, each inside its script's time; logging every com
 profiled run's CPU is kept out of the medians). ``--before DIR`` runs this same
 file in a child process against DIR's ``conductor`` package, Lua scripts and benchmark machinery (DIR: a checkout
 of another commit, e.g. ``git archive main | tar -x -C DIR``), one run before each run of this tree, so both
-columns share the machine's load run by run.
+columns share the machine's load run by run; this tree's runs then go through a child process too, each on a
+fresh redis-server as the before runs are (a server kept across runs, the profiled run's and the peers'
+included, had cost this tree's runs up to a tenth more).
 Medians over ``--reps`` runs; the machine is shared and noisy.
 """
 
@@ -29,6 +31,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +51,7 @@ def _use_tree(tree: str) -> None:
         if isinstance(mapping, dict) and "conductor" in mapping:
             home = str(Path(mapping["conductor"]).parent)
             for k, v in list(mapping.items()):
-                mapping[k] = tree + v[len(home):] if v.startswith(home) else v
+                mapping[k] = tree + v[len(home) :] if v.startswith(home) else v
 
 
 if _TREE:
@@ -78,14 +81,21 @@ class CostPoint:
 _BASE: dict[str, Any] = {"zipf_s": 1.1, "prefix_min": 200, "prefix_max": 3000, "suffix_sigma": 0.7}
 # The workloads of the last landing's figures: bench/packing/sweep.py's ref-2w, bench/fleet/fleet.py's f16, f32.
 POINTS = [
-    CostPoint("w2", "2 workers, 12k items, 30 shapes (sweep ref-2w)", WorkloadSpec(seed=11, items=12_000,
-                                                                                  shapes=30, **_BASE), 2),
-    CostPoint("w16", "16 workers, 24k items, 120 shapes (fleet f16)", WorkloadSpec(seed=103, items=24_000,
-                                                                                  shapes=120), 16),
-    CostPoint("w32", "32 workers, 48k items, 120 shapes (fleet f32)", WorkloadSpec(seed=104, items=48_000,
-                                                                                  shapes=120), 32),
-    CostPoint("q2", "quick: 2 workers, 1,500 items, 6 shapes", WorkloadSpec(seed=5, items=1500, shapes=6), 2,
-              quick=True),
+    CostPoint(
+        "w2",
+        "2 workers, 12k items, 30 shapes (sweep ref-2w)",
+        WorkloadSpec(seed=11, items=12_000, shapes=30, **_BASE),
+        2,
+    ),
+    CostPoint(
+        "w16", "16 workers, 24k items, 120 shapes (fleet f16)", WorkloadSpec(seed=103, items=24_000, shapes=120), 16
+    ),
+    CostPoint(
+        "w32", "32 workers, 48k items, 120 shapes (fleet f32)", WorkloadSpec(seed=104, items=48_000, shapes=120), 32
+    ),
+    CostPoint(
+        "q2", "quick: 2 workers, 1,500 items, 6 shapes", WorkloadSpec(seed=5, items=1500, shapes=6), 2, quick=True
+    ),
 ]
 BY_NAME = {p.name: p for p in POINTS}
 # The last landing's figures (bench/RESULTS.md, fleet section, 2026-12-02, commit 9a3a061).
@@ -140,9 +150,15 @@ def run_conductor(r: redis.Redis, url: str, wl: Any, cfg: suite.SuiteConfig, pro
     n = len(wl.items)
     cmds = {k: ((c - cs0.get(k, (0, 0))[0]), (u - cs0.get(k, (0, 0))[1])) for k, (c, u) in cs1.items()}
     cmds = {k: v for k, v in cmds.items() if v[0] > 0}
-    return {"cpu": rec.redis_cpu_us_per_item, "complete": rec.complete, "items": n,
-            "batches": len(rec.batches), "claim_calls": rec.claim_calls,
-            "scripts": {k: [v[0], v[1]] for k, v in scripts.items()}, "cmds": {k: list(v) for k, v in cmds.items()}}
+    return {
+        "cpu": rec.redis_cpu_us_per_item,
+        "complete": rec.complete,
+        "items": n,
+        "batches": len(rec.batches),
+        "claim_calls": rec.claim_calls,
+        "scripts": {k: [v[0], v[1]] for k, v in scripts.items()},
+        "cmds": {k: list(v) for k, v in cmds.items()},
+    }
 
 
 def run_peer(system: str, r: redis.Redis, wl: Any, cfg: suite.SuiteConfig) -> dict[str, Any]:
@@ -150,8 +166,15 @@ def run_peer(system: str, r: redis.Redis, wl: Any, cfg: suite.SuiteConfig) -> di
     return {"cpu": rec.redis_cpu_us_per_item, "items": len(wl.items)}
 
 
-def measure(points: list[CostPoint], reps: int, peers: bool, *, profile: bool = True, before: str | None = None,
-            log: Any = print) -> dict[str, Any]:
+def measure(
+    points: list[CostPoint],
+    reps: int,
+    peers: bool,
+    *,
+    profile: bool = True,
+    before: str | None = None,
+    log: Any = print,
+) -> dict[str, Any]:
     """Each point: one profiled run, then ``reps`` runs (with the peers where asked). With ``before``, each
     run of this tree follows one of the before tree's (a child process, its own redis-server), so that
     both columns share the machine's load run by run. Returns {rev, machine, points, before?}."""
@@ -166,16 +189,22 @@ def measure(points: list[CostPoint], reps: int, peers: bool, *, profile: bool = 
             cfg = suite.SuiteConfig(workers=pt.workers, max_wall_s=1800.0)
             runs: dict[str, list[dict[str, Any]]] = {"conductor": [], "stream": [], "rq": [], "profile": []}
             bruns: dict[str, list[dict[str, Any]]] = {"conductor": [], "profile": []}
-            if profile:
+            if profile and not before:
                 gc.collect()
                 runs["profile"].append(run_conductor(r, srv.url, wl, cfg, True))
             for k in range(reps):
                 if before:
+                    # Both trees alike: each run in a child process on a fresh redis-server (a server kept
+                    # across runs, the profiled one and the peers' included, cost this tree's runs more).
                     got = _child(before, pt, profile=profile and k == 0)
                     for key in bruns:
                         bruns[key] += got["points"][pt.name][key]
-                gc.collect()
-                runs["conductor"].append(run_conductor(r, srv.url, wl, cfg, False))
+                    got = _child(str(ROOT), pt, profile=profile and k == 0)
+                    for key in ("conductor", "profile"):
+                        runs[key] += got["points"][pt.name][key]
+                else:
+                    gc.collect()
+                    runs["conductor"].append(run_conductor(r, srv.url, wl, cfg, False))
                 if peers:
                     for s in ("stream", "rq"):
                         gc.collect()
@@ -192,11 +221,12 @@ def measure(points: list[CostPoint], reps: int, peers: bool, *, profile: bool = 
 
 def _child(tree: str, pt: CostPoint, profile: bool) -> dict[str, Any]:
     """One run of point ``pt`` (and a profiled one where asked) on ``tree``'s code, in a child process."""
-    res = Path(tree) / ".cost_before.json"
     env = {**os.environ, "CONDUCTOR_COST_TREE": str(Path(tree).resolve())}
-    cmd = [sys.executable, __file__, "--points", pt.name, "--reps", "1", "--child-json", str(res)]
-    subprocess.run(cmd + ([] if profile else ["--no-profile"]), env=env, check=True)
-    got: dict[str, Any] = json.loads(res.read_text())
+    with tempfile.TemporaryDirectory() as tmp:
+        res = Path(tmp) / "run.json"
+        cmd = [sys.executable, __file__, "--points", pt.name, "--reps", "1", "--child-json", str(res)]
+        subprocess.run(cmd + ([] if profile else ["--no-profile"]), env=env, check=True)
+        got: dict[str, Any] = json.loads(res.read_text())
     return got
 
 
@@ -205,8 +235,9 @@ def _rev(tree: str) -> str:
     if p.exists():
         return p.read_text().strip()
     try:
-        return subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "?"
 
@@ -236,8 +267,13 @@ def _scripts(runs: list[dict[str, Any]]) -> dict[str, tuple[float, float, float]
 def _cmds(runs: list[dict[str, Any]]) -> dict[str, tuple[float, float]]:
     """Per command (those scripts run included), medians: (calls per item, us per item)."""
     names = {k for x in runs for k in x["cmds"]}
-    return {k: (statistics.median(x["cmds"].get(k, [0, 0])[0] / x["items"] for x in runs),
-                statistics.median(x["cmds"].get(k, [0, 0])[1] / x["items"] for x in runs)) for k in names}
+    return {
+        k: (
+            statistics.median(x["cmds"].get(k, [0, 0])[0] / x["items"] for x in runs),
+            statistics.median(x["cmds"].get(k, [0, 0])[1] / x["items"] for x in runs),
+        )
+        for k in names
+    }
 
 
 # The benchmark's own commands (a run starts with FLUSHALL, before its CPU is read; SLOWLOG and INFO read it).
@@ -266,8 +302,12 @@ def report(after: dict[str, Any], before: dict[str, Any] | None, reps: int, wall
             row.append(f"{statistics.median(ratios):.2f}x" if ratios else "-")
         # each run's conductor against the limit run beside it, as the machine's load moves run to run
         lim = [a["cpu"] / x["cpu"] for a, x in zip(c, runs["stream"], strict=False)]
-        row += [f"{_med(runs['stream']):.1f}", f"{_med(runs['rq']):.1f}",
-                f"{statistics.median(lim):.1f}x" if lim else "-", "met" if _med(c) <= 30 else "missed"]
+        row += [
+            f"{_med(runs['stream']):.1f}",
+            f"{_med(runs['rq']):.1f}",
+            f"{statistics.median(lim):.1f}x" if lim else "-",
+            "met" if _med(c) <= 30 else "missed",
+        ]
         rows.append(row)
     parts = [
         "## Redis cost of an item: server CPU per item over a whole job (issue 36)",
@@ -304,13 +344,22 @@ def report(after: dict[str, Any], before: dict[str, Any] | None, reps: int, wall
                 row += [f"{b[0]:.4f}", f"{b[1]:.2f}", f"{b[2]:.0f}"]
             srows.append(row)
         cm = _cmds(c)
-        top = sorted((k for k in cm if k not in ("evalsha", "eval") and k.split("|")[0] not in _MACHINERY),
-                     key=lambda k: -cm[k][1])[:14]
-        parts += [f"### {name}: where the server time goes (batches {_med(c, 'batches'):,.0f}, claim calls "
-                  f"{_med(c, 'claim_calls'):,.0f}, items {c[0]['items']:,})", "", table(sh, srows), "",
-                  "Commands (INFO commandstats deltas, those run inside the scripts included; their time is "
-                  "inside the scripts' own): " + "; ".join(f"{k} {cm[k][0]:.2f}/item {cm[k][1]:.2f} us/item"
-                                                          for k in top) + ".", ""]
+        top = sorted(
+            (k for k in cm if k not in ("evalsha", "eval") and k.split("|")[0] not in _MACHINERY),
+            key=lambda k: -cm[k][1],
+        )[:14]
+        parts += [
+            f"### {name}: where the server time goes (batches {_med(c, 'batches'):,.0f}, claim calls "
+            f"{_med(c, 'claim_calls'):,.0f}, items {c[0]['items']:,})",
+            "",
+            table(sh, srows),
+            "",
+            "Commands (INFO commandstats deltas, those run inside the scripts included; their time is "
+            "inside the scripts' own): "
+            + "; ".join(f"{k} {cm[k][0]:.2f}/item {cm[k][1]:.2f} us/item" for k in top)
+            + ".",
+            "",
+        ]
     return "\n".join(parts)
 
 
@@ -334,8 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         points = [pt for pt in POINTS if pt.quick == args.quick]
     if args.child_json:  # one --before run: measure this tree, hand the figures back
-        Path(args.child_json).write_text(json.dumps(measure(points, args.reps, False, profile=not args.no_profile,
-                                                            log=lambda _m: None)))
+        Path(args.child_json).write_text(
+            json.dumps(measure(points, args.reps, False, profile=not args.no_profile, log=lambda _m: None))
+        )
         return 0
     t0 = time.monotonic()
     after = measure(points, args.reps, not args.no_peers, before=args.before)
@@ -344,8 +394,13 @@ def main(argv: list[str] | None = None) -> int:
     text = report(after, before, args.reps, time.monotonic() - t0)
     if bad:
         text += "\n**INCOMPLETE** at " + ", ".join(bad) + "."
-    publish(text, "redis_cost_quick" if args.quick else "redis_cost", write=not args.no_write,
-            json_path=args.json, data={"after": after, "before": before})
+    publish(
+        text,
+        "redis_cost_quick" if args.quick else "redis_cost",
+        write=not args.no_write,
+        json_path=args.json,
+        data={"after": after, "before": before},
+    )
     return 1 if bad else 0
 
 
