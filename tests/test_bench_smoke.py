@@ -205,8 +205,8 @@ def test_idle_goal_quick_form_runs():
 
 
 def test_idle_sharded_quick_form_runs():
-    out = _bench("bench/broker/idle_fleet.py", "--sharded", "--masters", "3", "--fleets", "1,2", "--seconds", "0.5",
-                 "--repeats", "1", "--wakes", "2")
+    out = _bench("bench/broker/idle_fleet.py", "--sharded", "--masters", "3", "--fleets", "1", "--seconds", "0.3",
+                 "--repeats", "1", "--wakes", "1")
     assert "sent/s per worker (not a holder)" in out and "us/s per idle worker" in out
 
 

@@ -1,5 +1,6 @@
 """An idle worker's wait (issue 36): one blocking read on the model's doorbell and one
-lua/idle_beat.lua call a beat (two on a sharded model), nothing else.
+lua/idle_beat.lua call a beat (on a sharded model, on the model's keys or a shard's in turn), nothing
+else.
 
 A worker whose claim answered 'idle' (nothing waits) used to renew the maintenance lease every
 second, claim again every second, BLPOP between the two and beat its heartbeat every third of its
@@ -17,17 +18,19 @@ than ``GRACE``); a worker that holds batches (a host agent whose GPU processes r
 found nothing) leaves its heartbeat to the thread, which extends their leases.
 
 A sharded model (conductor/redis_contract/shards.py): the worker is registered and judged alive on
-every shard (each shard's sweep reads its own heartbeat keys), and one BLPOP cannot span the shards'
-slots. So it blocks on the model's own doorbell, which a submit or a seal on any shard rings
-(conductor/client/shard_route.py ``ring_model_bell``), beats the model's keys each period as above,
-and one shard more each period, in turn: its heartbeat there lives a round of the shards (S periods)
-and ``GRACE`` more, its registration stays, its turn takes or renews that shard's maintenance lease,
+the model's keys and every shard's (each shard's sweep reads its own heartbeat keys), and one BLPOP
+cannot span their slots. So it blocks on the model's own doorbell, which a submit or a seal on any
+shard rings (conductor/client/shard_route.py ``ring_model_bell``), and beats one keyspace a period in
+turn, the model's and then each shard's: each heartbeat lives a round of them (S + 1 periods) and
+``GRACE`` more, each registration stays, each turn takes or renews that keyspace's maintenance lease,
 and work that waits there without a ring is claimed at that turn (a shard's sweep that puts batches
-back rings the model's doorbell: workers/shard_maintenance.py). Three commands a period whatever S
-is (0.6 a second at the default TTL); the first period after a busy spell beats every shard once (the
-heartbeat thread's beats left each a TTL to live, not a round). The cost: a worker SIGKILLed while idle counts as live on a
-shard for up to a round longer than on the model (an idle worker leases nothing there, so nothing
-waits on it; only the fleet a shard counts for its fair shares is one too large meanwhile).
+back rings the model's doorbell: workers/shard_maintenance.py). Two commands a period whatever S is,
+as unsharded (0.4 a second at the default TTL); the first period after a busy spell beats every
+keyspace once (the heartbeat thread's beats left each a TTL to live, not a round). The cost: a worker
+SIGKILLed while idle counts as live for up to a round (26 s at S = 3, 46 s at S = 6), not a TTL: it
+leases nothing, so nothing waits on it; meanwhile the fleet a keyspace counts for its fair shares is
+one too large, the name stays taken and ``conductor workers`` lists it. Work that comes without any
+ring (a dead letter retried) waits for its keyspace's turn, a round at most, not a period.
 
 The lease holder still sweeps every second (workers/maintenance.py: reclaim, trim, expiry, its
 own commands), so it costs more than the others; a beat's lease answer stands for the sweep's
@@ -75,23 +78,29 @@ class IdleBeat:
         self.beats = 0  # tests, metrics
         self.shard_beats = 0
 
-    def beat(self) -> calls.IdleBeat:
+    def _ttl_ms(self, round_of: int) -> int:
+        """A beat's heartbeat TTL: until the turn after the next, a round of ``round_of`` keyspaces away
+        (the TTL's own while the worker leases batches: a reclaim must not wait a round for a dead
+        worker's)."""
+        if self.w.leased_ids():
+            return self.ttl_ms
+        return max(self.ttl_ms, int(1000 * round_of * self.period_s * (1 + GRACE)))
+
+    def beat(self, round_of: int = 1) -> calls.IdleBeat:
+        """The model's own keys: heartbeat, busy time, its maintenance lease, whether work waits."""
         busy = int(self.w.metrics.busy_s * 1000)
+        ttl = self._ttl_ms(round_of)
         sent = time.monotonic()
         got = calls.idle_beat(
             self.w.keys,
             self.w.name,
             int(time.time() * 1000),
-            self.ttl_ms,
+            ttl,
             self.maint.lease_ms(),
             None if busy == self._busy_sent else busy,
         ).run(self.w.c.scripts)
         self._busy_sent = busy
-        self._beat_at = sent
-        self._thread_off_until = 0.0
-        if not self.w.leased_ids():  # else the heartbeat thread's beat must still extend their leases
-            self.w.hb_due = max(self.w.hb_due, sent + self.period_s * (1 + GRACE))
-            self._thread_off_until = self.w.hb_due
+        self._lives[self.w.shards.model] = sent + ttl / 1000
         self.beats += 1
         self.maint.told(got.held)
         if not got.registered:
@@ -99,13 +108,9 @@ class IdleBeat:
         return got
 
     def beat_shard(self, name: str, round_of: int) -> calls.IdleBeat:
-        """Shard ``name``'s turn in a round of ``round_of`` shards: its heartbeat until the turn after
-        (the TTL's own while the worker leases batches: a shard's reclaim must not wait a round for a
-        dead worker's), its lease, whether work waits there. The busy time is left as the heartbeat
-        thread last wrote it there (it does not change while idle)."""
-        ttl = self.ttl_ms
-        if not self.w.leased_ids():
-            ttl = max(ttl, int(1000 * round_of * self.period_s * (1 + GRACE)))
+        """Shard ``name``'s turn: its heartbeat, its lease, whether work waits there. The busy time is
+        left as the heartbeat thread last wrote it there (it does not change while idle)."""
+        ttl = self._ttl_ms(round_of)
         sent = time.monotonic()
         got = calls.idle_beat(
             K.ModelKeys(name), self.w.name, int(time.time() * 1000), ttl, self.maint.lease_ms(name), None
@@ -115,29 +120,43 @@ class IdleBeat:
         self.maint.told(got.held, name)
         return got
 
-    def _turns(self, shards: list[str], now: float, thread_beat: bool) -> list[str]:
-        """The shards to beat this period: the one whose heartbeat runs out first (a round, in turn),
+    def _turns(self, spaces: list[str], now: float, thread_beat: bool) -> list[str]:
+        """The keyspaces to beat this period: the one whose heartbeat runs out first (a round, in turn),
         and any other that would run out before the next period. After the heartbeat thread has
-        beaten (a busy spell), each shard's heartbeat lives only the TTL: every shard is beaten within
-        the period, once, before the turns spread them over the round again."""
+        beaten (a busy spell), each heartbeat lives only the TTL: every keyspace is beaten within the
+        period, once, before the turns spread them over the round again."""
         if thread_beat:  # it beats every third of the TTL: each heartbeat lives half the TTL at least
             floor = now + self.ttl_ms / 2000
-            for name in shards:
+            for name in spaces:
                 self._lives[name] = min(self._lives.get(name, floor), floor)
-        order = sorted(shards, key=lambda n: self._lives.get(n, 0.0))
+        order = sorted(spaces, key=lambda n: self._lives.get(n, 0.0))
         if self.w.leased_ids():  # the thread keeps these heartbeats: a turn for the lease and the work
             return order[:1]
         horizon = now + self.period_s * (1 + GRACE)
         return [n for n in order if self._lives.get(n, 0.0) < horizon] or order[:1]
 
-    def _beat_shards(self, shards: list[str], now: float, thread_beat: bool) -> bool:
-        """This period's shard turns; True when work waits on one of them. A shard whose
-        registration is gone is joined again, or, an old layout forgotten, dropped from ``shards``."""
-        for name in self._turns(shards, now, thread_beat):
-            on = self.beat_shard(name, len(shards))
+    def _beat_round(self, shards: list[str], now: float) -> bool:
+        """This period's turns (the model's keys and its shards'); True when work waits on one of them
+        or the worker must join again. A shard whose registration is gone is joined again, or, an old
+        layout forgotten, dropped from ``shards``."""
+        thread_beat = now >= self._thread_off_until  # read before this period puts it off again
+        self._beat_at = now
+        self._thread_off_until = 0.0
+        if not self.w.leased_ids():  # else the heartbeat thread's beat must still extend their leases
+            self.w.hb_due = max(self.w.hb_due, now + self.period_s * (1 + GRACE))
+            self._thread_off_until = self.w.hb_due
+        model = self.w.shards.model
+        spaces = [model, *shards]
+        for name in self._turns(spaces, now, thread_beat):
+            if name == model:
+                got = self.beat(len(spaces))
+                if got.waits or not got.registered:
+                    return True
+                continue
+            on = self.beat_shard(name, len(spaces))
             if not on.registered:
                 if self.w.members.rejoin(name):  # a sweep there took it for dead: join, and beat again
-                    on = self.beat_shard(name, len(shards))  # (registering set the TTL's own)
+                    on = self.beat_shard(name, len(spaces))  # (registering set the TTL's own)
                 else:
                     shards.remove(name)
             if on.waits:
@@ -167,13 +186,8 @@ class IdleBeat:
             now = time.monotonic()
             if idle_exit_s is not None and now - idle_since > idle_exit_s:
                 return False
-            if now >= self._beat_at + self.period_s:
-                thread_beat = now >= self._thread_off_until  # read before this beat puts it off again
-                got = self.beat()
-                if got.waits or not got.registered:
-                    return False
-                if shards and self._beat_shards(shards, now, thread_beat):
-                    return False
+            if now >= self._beat_at + self.period_s and self._beat_round(shards, now):
+                return False
             if self.maint.holds() and self.maint.held_due_in() <= 0:
                 res = self.maint.tick(held_only=True)
                 if res and res.get("batches"):
