@@ -136,11 +136,15 @@ local function serve(c, inst, info)
     local r = take_from(c, inst, lane, flags, info)
     if r then return r end
   end
+  -- A batch filled across lanes pads to the longest lane taken: while the shape's next segment
+  -- can come, its items are waited for, which make lanes ready (full from one lane) as they do
+  -- when the whole shape is in Redis.
+  local awaits = info.state == 'active' and awaits_store(c, inst, info, true)
   local parts, acc = plan_batch(c, inst, nil)
-  if acc.full then return take_batch(c, inst, parts, acc, flags, info) end
+  if acc.full and not awaits then return take_batch(c, inst, parts, acc, flags, info) end
   if info.state == 'active' then
     local low = num(info.tokens) < c.cfg.drain_batches * c.cfg.budget_tokens
-    if awaits_store(c, inst, info, true) then
+    if awaits then
       return {0, 'wait'}
     elseif low or quiet_since(c, num(info.last_intake_ms)) or c.cleanup then
       redis.call('HSET', ik, 'state', 'draining', 'draining_ms', c.now)
