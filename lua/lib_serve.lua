@@ -3,11 +3,13 @@
 -- filled from neighbouring lanes, then the drain decision; and interactive work, served before any
 -- of that (serve_hot). Every function takes c, the claim context claim.lua builds (base, state_key,
 -- cfg, now, cleanup, sweep). The fair share between tenants is lib_rebalance.lua's.
--- Keys: M:shape:S (read: stored_tokens), M:inst:S:E (read, state -> draining), its ready and touch sets, M:lanemeta:S:E:L, M:hot,
---   M:state sweep_ms and hygiene_drains; through lib_deliver.lua and lib_pick.lua what they touch.
+-- Keys: M:shape:S (read: stored_tokens), M:inst:S:E (read, state -> draining), its ready and touch
+--   sets, M:lanemeta:S:E:L, M:hot, M:state sweep_ms and hygiene_drains; through lib_deliver.lua and
+--   lib_pick.lua what they touch.
 -- Invariants: dispatch stays on the instance until it is empty (or an aged shape preempts it);
---   a small lane nobody assigned to for hygiene_idle_ms is force-drained (flag 4), so no item
---   waits for ever behind busier lanes; the work grows with the batch, never with the queue.
+--   a small lane nobody assigned to for hygiene_idle_ms while it is served is force-drained (flag 4),
+--   so no item waits for ever behind busier lanes; a shape whose segments wait in the disk tier's
+--   store is not at its end (awaits_store); the work grows with the batch, never with the queue.
 --@include lib.lua
 --@include lib_gate.lua
 --@include lib_lifecycle.lua
