@@ -1,8 +1,8 @@
 -- lib_place.lua: submit.lua's items placed, one by one, once every check has passed: each new id
 -- joins a lane of its shape (lib_intake.lua choose_lane), a new signature's prefix is stored, and the
 -- job's and the model's intake counters move once per call.
--- Keys: M:shape:S (HSETNX, HGET prefix; HINCRBY, HSET stored_tokens), M:in:J (HINCRBY), M:intake (HINCRBY, HSET last_intake_ms);
---   through lib_intake.lua what choose_lane and ring_doorbell touch.
+-- Keys: M:shape:S (HSETNX, HGET prefix; HINCRBY, HSET stored_tokens), M:in:J (HINCRBY), M:intake
+--   (HINCRBY, HSET last_intake_ms); through lib_intake.lua what choose_lane and ring_doorbell touch.
 -- Invariants: an id the job has already (known, or twice in the call) is not placed again (-1); an id
 --   fed from a store segment counts as submitted once, when registered, and moves from stored to
 --   waiting when placed (or leaves stored, unplaced, when it was answered meanwhile).

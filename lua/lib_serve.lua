@@ -3,11 +3,13 @@
 -- filled from neighbouring lanes, then the drain decision; and interactive work, served before any
 -- of that (serve_hot). Every function takes c, the claim context claim.lua builds (base, state_key,
 -- cfg, now, cleanup, sweep). The fair share between tenants is lib_rebalance.lua's.
--- Keys: M:shape:S (read: stored_tokens), M:inst:S:E (read, state -> draining), its ready and touch sets, M:lanemeta:S:E:L, M:hot,
---   M:state sweep_ms and hygiene_drains; through lib_deliver.lua and lib_pick.lua what they touch.
+-- Keys: M:shape:S (read: stored_tokens), M:inst:S:E (read, state -> draining), its ready and touch
+--   sets, M:lanemeta:S:E:L, M:hot, M:state sweep_ms and hygiene_drains; through lib_deliver.lua and
+--   lib_pick.lua what they touch.
 -- Invariants: dispatch stays on the instance until it is empty (or an aged shape preempts it);
---   a small lane nobody assigned to for hygiene_idle_ms is force-drained (flag 4), so no item
---   waits for ever behind busier lanes; the work grows with the batch, never with the queue.
+--   a small lane nobody assigned to for hygiene_idle_ms while it is served is force-drained (flag 4),
+--   so no item waits for ever behind busier lanes; a shape whose segments wait in the disk tier's
+--   store is not at its end (awaits_store); the work grows with the batch, never with the queue.
 --@include lib.lua
 --@include lib_gate.lua
 --@include lib_lifecycle.lua
@@ -136,11 +138,15 @@ local function serve(c, inst, info)
     local r = take_from(c, inst, lane, flags, info)
     if r then return r end
   end
+  -- A batch filled across lanes pads to the longest lane taken: while the shape's next segment
+  -- can come, its items are waited for, which make lanes ready (full from one lane) as they do
+  -- when the whole shape is in Redis.
+  local awaits = info.state == 'active' and awaits_store(c, inst, info, true)
   local parts, acc = plan_batch(c, inst, nil)
-  if acc.full then return take_batch(c, inst, parts, acc, flags, info) end
+  if acc.full and not awaits then return take_batch(c, inst, parts, acc, flags, info) end
   if info.state == 'active' then
     local low = num(info.tokens) < c.cfg.drain_batches * c.cfg.budget_tokens
-    if awaits_store(c, inst, info, true) then
+    if awaits then
       return {0, 'wait'}
     elseif low or quiet_since(c, num(info.last_intake_ms)) or c.cleanup then
       redis.call('HSET', ik, 'state', 'draining', 'draining_ms', c.now)

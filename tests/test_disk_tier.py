@@ -167,9 +167,15 @@ def test_each_shape_counts_its_stored_tokens_and_feeding_takes_them_down(redis_u
         by_shape[rec["shape"]] = by_shape.get(rec["shape"], 0) + int(rec["tokens"])
     assert _shape_stored(c) == by_shape and sum(by_shape.values()) == _intake(c)["stored_tokens"] == 4000
     f = Feeder(c, c.tier.store, "m")
-    for _ in range(3):  # 450 tokens of one shape: room for one of its segments
-        b, _ = c.claim(contract(size=3, tokens=200), "w")
+    served = None
+    while True:  # batches of 3 (168 padded tokens) until the shape waits for its segments, with room for one
+        b, why = c.claim(contract(size=3, tokens=200), "w")
+        if b is None:
+            break
+        served = b
         c.complete(b, results_for(b))
+    assert why == "wait" and served is not None
+    b = served
     f.feed()  # the served shape's segment first, other shapes' only up to the ceiling less the reserve
     assert f.loaded_segments == 1
     after = _shape_stored(c)
@@ -183,6 +189,7 @@ def test_a_served_shape_waits_for_its_segments_instead_of_draining(redis_url, tm
     padded tail nor is finished while the feeder has room for its next segment, so the fed items join
     the same instance and the shape is served in one piece (issue 37)."""
     c = _tiered(redis_url, str(tmp_path / "store"), 1000)
+    quick(c, resident_tokens=1000, budget_tokens=168, budget_items=3)  # the claimer's contract, as a worker's
     its = _items(30, shapes=1)  # 1,500 tokens of one shape: 20 items in Redis, 10 in two segments
     c.submit(its, "j")
     assert _intake(c)["items"] == 20 and len(_segments(c)) == 2

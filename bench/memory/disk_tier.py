@@ -56,14 +56,31 @@ TIER_CEILING = 200_000
 RESULTS_WINDOW = 10_000  # result records kept in Redis for the backlog run; older ones move to the store
 
 
-
 def _results(b: Batch) -> list[Result]:
     """One-token answers for every item of ``b``, as a worker writes them (the claimer of both drains)."""
     now = int(time.time() * 1000)
-    return [Result(id=i.id, model=MODEL, job=i.job, output="o", output_tokens=1, error=None, shape=b.shape,
-                   epoch=b.epoch, lane=b.lane, batch=b.batch_id, batch_size=len(b.items),
-                   batch_padded_len=b.padded_len, input_tokens=i.input_tokens, worker="w",
-                   claimed_at=b.claimed_at, finished_at=now) for i in b.items]
+    return [
+        Result(
+            id=i.id,
+            model=MODEL,
+            job=i.job,
+            output="o",
+            output_tokens=1,
+            error=None,
+            shape=b.shape,
+            epoch=b.epoch,
+            lane=b.lane,
+            batch=b.batch_id,
+            batch_size=len(b.items),
+            batch_padded_len=b.padded_len,
+            input_tokens=i.input_tokens,
+            worker="w",
+            claimed_at=b.claimed_at,
+            finished_at=now,
+        )
+        for i in b.items
+    ]
+
 
 def _quick_cfg(c: Conductor, **extra: int) -> None:
     c.ensure_model(MODEL)
@@ -109,8 +126,20 @@ def backlog_items(total_tokens: int, item_tokens: int, shapes: int) -> list[Prep
         i = len(out)
         tok = max(1, int(item_tokens * rng.uniform(0.5, 1.5)))
         total += tok
-        out.append(parse_line(json.dumps({"id": f"b{i:08d}", "model": MODEL, "prefix": [f"shape {i % shapes}"],
-                                          "prompt": f"item {i}", "input_tokens": tok, "max_tokens": 8})))
+        out.append(
+            parse_line(
+                json.dumps(
+                    {
+                        "id": f"b{i:08d}",
+                        "model": MODEL,
+                        "prefix": [f"shape {i % shapes}"],
+                        "prompt": f"item {i}",
+                        "input_tokens": tok,
+                        "max_tokens": 8,
+                    }
+                )
+            )
+        )
     return out
 
 
@@ -126,7 +155,7 @@ def backlog(total_tokens: int, item_tokens: int, ceiling: int, store_dir: Path) 
         mk = K.ModelKeys(MODEL)
         t0 = time.perf_counter()
         for s in range(0, len(items), 5000):
-            c.submit(items[s:s + 5000], "big")
+            c.submit(items[s : s + 5000], "big")
         res["submit_s"] = time.perf_counter() - t0
         res["peak_after_submit"] = c.r.info("memory")["used_memory_peak"]
         res["store_bytes"] = sum(p.stat().st_size for p in (store_dir / "backlog").rglob("*.parquet"))
@@ -147,8 +176,9 @@ def backlog(total_tokens: int, item_tokens: int, ceiling: int, store_dir: Path) 
 
         th = threading.Thread(target=feed, daemon=True)
         th.start()
-        contract = Contract(model=MODEL, max_batch_size=64, max_batch_tokens=64 * 2 * item_tokens,
-                            max_input_len=16_777_216)
+        contract = Contract(
+            model=MODEL, max_batch_size=64, max_batch_tokens=64 * 2 * item_tokens, max_input_len=16_777_216
+        )
         seen: set[str] = set()
         dup = impure = starved = 0
         starved_s = 0.0
@@ -179,12 +209,20 @@ def backlog(total_tokens: int, item_tokens: int, ceiling: int, store_dir: Path) 
         drain_s = time.perf_counter() - t0
         done.set()
         th.join()
-        res.update(drain_s=drain_s, claim_rate=len(seen) / drain_s,
-                   feed_rate=feeder.loaded_items / max(feeder.load_s, 1e-9),
-                   fed_items=feeder.loaded_items, fed_segments=feeder.loaded_segments, starved=starved,
-                   starved_s=starved_s, dup=dup, impure=impure, missing=len(items) - len(seen),
-                   peak_after_drain=c.r.info("memory")["used_memory_peak"],
-                   used_after_drain=c.r.info("memory")["used_memory"])
+        res.update(
+            drain_s=drain_s,
+            claim_rate=len(seen) / drain_s,
+            feed_rate=feeder.loaded_items / max(feeder.load_s, 1e-9),
+            fed_items=feeder.loaded_items,
+            fed_segments=feeder.loaded_segments,
+            starved=starved,
+            starved_s=starved_s,
+            dup=dup,
+            impure=impure,
+            missing=len(items) - len(seen),
+            peak_after_drain=c.r.info("memory")["used_memory_peak"],
+            used_after_drain=c.r.info("memory")["used_memory"],
+        )
         st = c.status("big")
         res["status"] = (st["completed"], st["failed"], st["pending"])
         res["result_segments"] = c.r.llen(mk.job_rsegs("big"))
@@ -251,14 +289,22 @@ def _drain_packing(c: Conductor, feeder: Feeder, items: list[PreparedItem], size
     th.join()
     fields = ("activations", "hygiene_drains", "shapes_finished", "neighbour_fills")
     out = {k: float(int(v or 0)) for k, v in zip(fields, c.r.hmget(mk.state, *fields), strict=True)}
-    out.update(waste=(pad - act) / pad if pad else float("nan"), batches=nb, not_full=partial,
-               not_full_tokens=part_pad / max(1, pad), not_full_waste_share=(part_pad - part_act) / max(1, pad - act),
-               items=len(seen), fed_segments=feeder.loaded_segments, drain_s=drain_s)
+    out.update(
+        waste=(pad - act) / pad if pad else float("nan"),
+        batches=nb,
+        not_full=partial,
+        not_full_tokens=part_pad / max(1, pad),
+        not_full_waste_share=(part_pad - part_act) / max(1, pad - act),
+        items=len(seen),
+        fed_segments=feeder.loaded_segments,
+        drain_s=drain_s,
+    )
     return out
 
 
-def packing(n: int, ceiling: int, store_dir: Path, maxmemory: str = "64mb", seed: int = 7,
-            cfg: dict[str, str] | None = None) -> dict[str, dict[str, float]]:
+def packing(
+    n: int, ceiling: int, store_dir: Path, maxmemory: str = "64mb", seed: int = 7, cfg: dict[str, str] | None = None
+) -> dict[str, dict[str, float]]:
     """Issue 37's figure: padding waste of the batches one claimer gets, the same ``n`` items (the
     packing suite's workload: 50 Zipf shapes, lognormal suffixes) submitted with the tier (``ceiling``:
     most of them through store segments, fed back by a feeder thread) and without it (all in lanes),
@@ -272,9 +318,12 @@ def packing(n: int, ceiling: int, store_dir: Path, maxmemory: str = "64mb", seed
             store = Store(str(store_dir / f"pack-{name}"))
             c = Conductor.from_url(srv.url, store=store)
             c.ensure_model(MODEL)
-            c.set_config(MODEL, {"resident_tokens": ceil, **(cfg or {})})
+            # the claimer's contract as the model's reference budget, as a worker's registration makes
+            # it (lua/register.lua); the claimer here registers no worker, and readiness under the
+            # default 8,192 tokens cuts streamed lanes short (bench/RESULTS.md, issue 37)
+            c.set_config(MODEL, {"resident_tokens": ceil, "budget_tokens": budget, "budget_items": size, **(cfg or {})})
             for s in range(0, len(wl.items), 5000):
-                c.submit(wl.items[s:s + 5000], "pack")
+                c.submit(wl.items[s : s + 5000], "pack")
             fc = Conductor.from_url(srv.url, store=store)
             out[name] = _drain_packing(c, Feeder(fc, store, MODEL), wl.items, size, budget)
         print(name, out[name], flush=True)
@@ -288,9 +337,14 @@ def main() -> None:
     ap.add_argument("--item-tokens", type=int, default=10_000)
     ap.add_argument("--ceiling", type=int, default=4_000_000)
     ap.add_argument("--per-item", type=int, default=20_000)
-    ap.add_argument("--packing", type=int, default=0, metavar="N",
-                    help="only issue 37's figure: padding waste of N items with the tier (--ceiling) and without, "
-                         "against the oracle; prints only")
+    ap.add_argument(
+        "--packing",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only issue 37's figure: padding waste of N items with the tier (--ceiling) and without, "
+        "against the oracle; prints only",
+    )
     ap.add_argument("--cfg", default="", metavar="K=V,...", help="--packing: model config fields set before submitting")
     a = ap.parse_args()
     if a.packing:
@@ -302,10 +356,12 @@ def main() -> None:
         o = res["oracle"]["waste"]
         for name in ("tier", "resident"):
             w = res[name]["waste"]
-            print(f"{name:9s} waste {w:.3%}  oracle {o:.3%}  goal <= {1.1 * o + 0.001:.3%}  "
-                  f"batches {res[name]['batches']:.0f} ({res[name]['not_full']:.0f} not full)  "
-                  f"activations {res[name]['activations']:.0f}  hygiene drains {res[name]['hygiene_drains']:.0f}  "
-                  f"ids {res[name]['items']:.0f}  segments fed {res[name]['fed_segments']:.0f}")
+            print(
+                f"{name:9s} waste {w:.3%}  oracle {o:.3%}  goal <= {1.1 * o + 0.001:.3%}  "
+                f"batches {res[name]['batches']:.0f} ({res[name]['not_full']:.0f} not full)  "
+                f"activations {res[name]['activations']:.0f}  hygiene drains {res[name]['hygiene_drains']:.0f}  "
+                f"ids {res[name]['items']:.0f}  segments fed {res[name]['fed_segments']:.0f}"
+            )
         return
     if a.quick:
         a.tokens, a.per_item = 20_000_000, 2000
@@ -320,42 +376,58 @@ def main() -> None:
     finally:
         shutil.rmtree(d, ignore_errors=True)
     mib = 2**20
-    body = (f"## Disk tier: a backlog beyond Redis memory (issue 18)\n\n{now_utc()}, commit {git_rev()}, "
-            f"{machine()}.\n\n`{command_line()}`\n\n"
-            f"**Backlog**: {big['items']:,} items declaring {big['tokens']:,} input tokens (about "
-            f"{a.item_tokens:,} each, short texts), 4 shapes, resident_tokens {a.ceiling:,}, a Redis with "
-            f"maxmemory 256mb, a local directory as the store, results_window {RESULTS_WINDOW:,}; drained by one "
-            f"claimer (claim and complete, no engine) while a feeder thread feeds and moves results past the window "
-            f"(as the maintenance lease holder does).\n\n"
-            + table(["figure", "value"], [
+    body = (
+        f"## Disk tier: a backlog beyond Redis memory (issue 18)\n\n{now_utc()}, commit {git_rev()}, "
+        f"{machine()}.\n\n`{command_line()}`\n\n"
+        f"**Backlog**: {big['items']:,} items declaring {big['tokens']:,} input tokens (about "
+        f"{a.item_tokens:,} each, short texts), 4 shapes, resident_tokens {a.ceiling:,}, a Redis with "
+        f"maxmemory 256mb, a local directory as the store, results_window {RESULTS_WINDOW:,}; drained by one "
+        f"claimer (claim and complete, no engine) while a feeder thread feeds and moves results past the window "
+        f"(as the maintenance lease holder does).\n\n"
+        + table(
+            ["figure", "value"],
+            [
                 ("used_memory_peak through submit", f"{big['peak_after_submit'] / mib:.1f} MiB"),
                 ("used_memory_peak through submit and drain", f"{big['peak_after_drain'] / mib:.1f} MiB"),
-                ("used_memory after the drain (done marks, id registry, the results window)",
-                 f"{big['used_after_drain'] / mib:.1f} MiB"),
-                ("results: in Redis (results_window), in store segments",
-                 f"{big['results_in_redis']:,}, {big['result_segments']:,} segments"),
-                ("`Conductor.results` over store and Redis: records, time",
-                 f"{big['read_results']:,} ({big['read_distinct']:,} distinct ids), {big['read_s']:.1f} s"),
+                (
+                    "used_memory after the drain (done marks, id registry, the results window)",
+                    f"{big['used_after_drain'] / mib:.1f} MiB",
+                ),
+                (
+                    "results: in Redis (results_window), in store segments",
+                    f"{big['results_in_redis']:,}, {big['result_segments']:,} segments",
+                ),
+                (
+                    "`Conductor.results` over store and Redis: records, time",
+                    f"{big['read_results']:,} ({big['read_distinct']:,} distinct ids), {big['read_s']:.1f} s",
+                ),
                 ("store: segments, bytes", f"{big['segments']:,}, {big['store_bytes'] / mib:.1f} MiB"),
-                ("submit (to Redis up to the ceiling, the rest to segments)",
-                 f"{big['submit_s']:.1f} s, {big['items'] / big['submit_s']:,.0f} items/s"),
+                (
+                    "submit (to Redis up to the ceiling, the rest to segments)",
+                    f"{big['submit_s']:.1f} s, {big['items'] / big['submit_s']:,.0f} items/s",
+                ),
                 ("drain", f"{big['drain_s']:.1f} s"),
                 ("claim rate (items/s)", f"{big['claim_rate']:,.0f}"),
                 ("feed rate: items loaded per second spent loading", f"{big['feed_rate']:,.0f}"),
                 ("items fed from segments", f"{big['fed_items']:,} in {big['fed_segments']:,} segments"),
-                ("claims that found no batch while segments waited (starved)",
-                 f"{big['starved']:,} ({big['starved_s']:.2f} s of {big['drain_s']:.1f} s)"),
+                (
+                    "claims that found no batch while segments waited (starved)",
+                    f"{big['starved']:,} ({big['starved_s']:.2f} s of {big['drain_s']:.1f} s)",
+                ),
                 ("ids missing, duplicated; impure batches", f"{big['missing']}, {big['dup']}; {big['impure']}"),
                 ("status: completed, failed, pending", ", ".join(str(x) for x in big["status"])),  # type: ignore[attr-defined]
-            ])
-            + f"\n\n**Redis memory per waiting item** ({a.per_item:,} items of ~300 bytes, 4 shapes):\n\n"
-            + table(["", "bytes per item"], [(k, f"{v:,.0f}") for k, v in mem.items()])
-            + f"\n\n(with the tier: resident_tokens {TIER_CEILING:,}.) With the tier a waiting item costs Redis its "
-              "16-byte record in the job's stored ids (`M:in:J:stored`, kept for idempotent re-submits; schema 5 "
-              "kept a registry entry `id -> 's<seq>:<sum>'` of about 80 bytes), its name in its segment's id list "
-              "(`M:seg:N:ids`) and a share of one index record per segment.\n\n"
-            + f"**Submit rate** ({a.per_item:,} items of ~300 bytes, items/s):\n\n"
-            + table(["into", "items/s"], [(k, f"{v:,.0f}") for k, v in rates.items()]) + "\n")
+            ],
+        )
+        + f"\n\n**Redis memory per waiting item** ({a.per_item:,} items of ~300 bytes, 4 shapes):\n\n"
+        + table(["", "bytes per item"], [(k, f"{v:,.0f}") for k, v in mem.items()])
+        + f"\n\n(with the tier: resident_tokens {TIER_CEILING:,}.) With the tier a waiting item costs Redis its "
+        "16-byte record in the job's stored ids (`M:in:J:stored`, kept for idempotent re-submits; schema 5 "
+        "kept a registry entry `id -> 's<seq>:<sum>'` of about 80 bytes), its name in its segment's id list "
+        "(`M:seg:N:ids`) and a share of one index record per segment.\n\n"
+        + f"**Submit rate** ({a.per_item:,} items of ~300 bytes, items/s):\n\n"
+        + table(["into", "items/s"], [(k, f"{v:,.0f}") for k, v in rates.items()])
+        + "\n"
+    )
     print(body)
     if not a.quick:
         write_section("disk-tier", body)
