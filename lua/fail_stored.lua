@@ -15,6 +15,8 @@
 -- KEYS[8] results  cdr:{model}:job:J:results
 -- KEYS[9] stored   cdr:{model}:in:J:stored       (the job's store-waiting ids, packed: lib_packed.lua)
 -- KEYS[10] ids     cdr:{model}:seg:<name>:ids    (the segment's id list)
+-- KEYS[11] base    cdr:{model}                   (never a key: declared so that Redis refuses this call
+--                                                 while the slot is half moved, as it names the shape's keys)
 -- (and cdr:{model}:shape:S stored_tokens and cdr:{model}:shape:S:segs, S the index record's shape)
 -- ARGV[1] name     the segment (32 hex digits)
 -- ARGV[2..]        2 per item: id, its error result record (JSON, as complete.lua's 'r' field)
@@ -34,7 +36,7 @@
 
 local intake_key, state_key, segs_key, seg_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local sums_key, job_key, items_key, results_key = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
-local stored_key, ids_key = KEYS[9], KEYS[10]
+local stored_key, ids_key, base = KEYS[9], KEYS[10], KEYS[11]
 local name = ARGV[1]
 if not hex_ok(name, RULES.SEGMENT_NAME_HEX) then
   return redis.error_reply('ERR_ARG name: must be 32 lowercase hex digits')
@@ -108,13 +110,13 @@ if #leave > 0 then
   local share = math.floor(tokens * #leave / math.max(items, 1))
   redis.call('HINCRBY', intake_key, 'stored_tokens', -share)
   -- a segment registered before shapes counted their stored tokens names no shape: nothing counted it
-  if meta[4] then shape_stored_add(string.sub(intake_key, 1, -8), meta[4], -share) end
+  if meta[4] then shape_stored_add(base, meta[4], -share) end
 end
 if failed > 0 then
   redis.call('HINCRBY', job_key, 'failed', failed)
   redis.call('HINCRBY', state_key, 'failed', failed)
 end
 redis.call('ZREM', segs_key, name)
-if meta[4] then redis.call('ZREM', string.sub(intake_key, 1, -8) .. ':shape:' .. meta[4] .. ':segs', name) end
+if meta[4] then redis.call('ZREM', base .. ':shape:' .. meta[4] .. ':segs', name) end
 redis.call('DEL', seg_key, ids_key)
 return {failed, n - failed}

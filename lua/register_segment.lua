@@ -14,8 +14,10 @@
 -- KEYS[6] state   cdr:{model}:state        (read only: paused)
 -- KEYS[7] stored  cdr:{model}:in:J:stored  (the job's store-waiting ids, packed: lib_packed.lua)
 -- KEYS[8] ids     cdr:{model}:seg:<name>:ids (the segment's ids, a list)
+-- KEYS[9] base    cdr:{model}              (never a key: declared so that Redis refuses this call while
+--                                           the slot is half moved, as it builds key names of its own)
 -- (and cdr:{model}:shape:<S> stored_tokens and cdr:{model}:shape:<S>:segs, the shape's count and
---  its segments, derived from KEYS[1]: the model's hash tag)
+--  its segments, and the job's answered packed ids, named from KEYS[9])
 -- ARGV[1] name    32 hex digits (conductor/redis_contract/segment_record.py: derived from the content)
 -- ARGV[2] job     the job every item belongs to (the records name it)
 -- ARGV[3] sig     16 hex digits: the shape signature of every item
@@ -42,9 +44,8 @@
 --@include lib_packed.lua
 --@include lib_intake.lua
 
-local intake_key, job_key, sums_key, segs_key, seg_key, state_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5],
-  KEYS[6]
-local stored_key, ids_key = KEYS[7], KEYS[8]
+local intake_key, job_key, sums_key, segs_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local seg_key, state_key, stored_key, ids_key, base = KEYS[5], KEYS[6], KEYS[7], KEYS[8], KEYS[9]
 local name, job, sig, path, fsum = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local tokens, lmin, lmax = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
 local n = (#ARGV - 8) / 2
@@ -68,8 +69,7 @@ local max_tok = RULES.MAX_INPUT_TOKENS
 if not int_in(tokens, n, n * max_tok) or not int_in(lmin, 1, max_tok) or not int_in(lmax, lmin, max_tok) then
   return redis.error_reply('ERR_ARG tokens: tokens, lmin and lmax must be whole numbers, lmin <= lmax')
 end
-local packed_key = string.sub(sums_key, 1, -#job - 10) .. ':job:' .. job .. ':packed'  -- M:in:J:sums -> M:job:J:packed
-local base = string.sub(intake_key, 1, -8)  -- M:intake -> M
+local packed_key = base .. ':job:' .. job .. ':packed'
 local ids, sums = {}, {}
 for i = 1, n do
   local id, sum = ARGV[7 + 2 * i], ARGV[8 + 2 * i]

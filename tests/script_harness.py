@@ -343,7 +343,8 @@ def fail_stored(c: Conductor) -> Call:
                      worker="repair", claimed_at=0, finished_at=0)
         out += [f"s{i}", json_encoder.encode(res)]
     return Call("fail_stored", [MK.intake, MK.state, MK.segs, MK.seg(seg.name), MK.job_sums("j"), MK.job("j"),
-                                MK.job_items("j"), MK.job_results("j"), MK.job_stored("j"), MK.seg_ids(seg.name)], out,
+                                MK.job_items("j"), MK.job_results("j"), MK.job_stored("j"), MK.seg_ids(seg.name),
+                                MK.base], out,
                 check=lambda r: r.xlen(MK.job_results("j")) == 3)
 
 

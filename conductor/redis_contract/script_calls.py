@@ -455,7 +455,7 @@ def register_segment(mk: K.ModelKeys, seg: Segment, file_sum: str, ids: Sequence
         args += [iid, sm]
     return Call("register_segment",
                 [mk.intake, mk.job_intake(seg.job), mk.job_sums(seg.job), mk.segs, mk.seg(seg.name), mk.state,
-                 mk.job_stored(seg.job), mk.seg_ids(seg.name)], args,
+                 mk.job_stored(seg.job), mk.seg_ids(seg.name), mk.base], args,
                 lambda raw: int(raw) == 1)
 
 
@@ -488,7 +488,8 @@ def fail_stored(mk: K.ModelKeys, name: str, job: str, answers: Sequence[tuple[st
     for iid, rec in answers:
         args += [iid, rec]
     return Call("fail_stored", [mk.intake, mk.state, mk.segs, mk.seg(name), mk.job_sums(job), mk.job(job),
-                                mk.job_items(job), mk.job_results(job), mk.job_stored(job), mk.seg_ids(name)], args,
+                                mk.job_items(job), mk.job_results(job), mk.job_stored(job), mk.seg_ids(name), mk.base],
+                args,
                 lambda raw: FailStoredReply(int(raw[0]), int(raw[1])))
 
 
