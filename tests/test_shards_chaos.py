@@ -19,6 +19,7 @@ from conductor.embedded import EmbeddedCluster
 from conductor.redis_contract import keys as K
 from conductor.redis_contract import shards as S
 from conductor.verify import verify
+from conductor.workers.outage import Link
 from tests.conftest import ROOT, cli
 
 
@@ -403,8 +404,6 @@ def test_a_workers_link_finds_the_replica_that_took_over_from_its_dead_primary(r
     # A worker that lost Redis probes until it answers (workers/outage.py). On a cluster the
     # probe follows the keys to the replica that took over, rather than ping the dead primary
     # for ever (a worker stuck "away" with its model served by the new primary).
-    from workers.outage import Link
-
     model = "probey"  # its keys in the last third of the slots: nodes[2], which no other test here kills
     r = connect(replicated.url)
     key = K.ModelKeys(model).batches
