@@ -131,6 +131,12 @@ def test_an_idle_worker_on_three_shards_sends_under_one_command_a_second_and_wak
         assert rows[0].model == model and c.status("j")["models"][shards[2]]["submitted"] == 1
         assert rows[0].claimed_at - (s * 1000 + us / 1000) < 2500, rows[0]
         assert sum(w.idle.bell.rings for w in workers if w.idle is not None) > rings
+        # woken for work, its heartbeats are back to the TTL's own on every keyspace: had it died with
+        # the batch, the batch would come back a TTL after, not a round after (IdleBeat._unstretch)
+        served = next(w for w in workers if w.name == rows[0].worker)
+        assert served.idle is not None
+        for name in (model, *shards):
+            assert c.r.pttl(K.ModelKeys(name).heartbeat(served.name)) <= served.idle.ttl_ms, name
     finally:
         _stop(workers, threads)
 

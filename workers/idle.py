@@ -181,12 +181,25 @@ class IdleBeat:
         shards = self.w.members.others()
         return ride_out(lambda: self._wait(shards, idle_exit_s, idle_since), on_error)
 
+    def _unstretch(self, shards: list[str]) -> None:
+        """Work is here: on a sharded model, every heartbeat back to the TTL's own before the claim (one
+        heartbeat call a keyspace, once a wake-up), so that a worker that dies holding a batch it is
+        about to claim is reclaimed a TTL after, not a round of the keyspaces after."""
+        if not shards:
+            return  # unsharded, a beat's heartbeat lives the TTL's own already
+        self.w._beat()
+        now = time.monotonic()
+        self.w.hb_due = now + self.w.opts.heartbeat_ttl_s / 3
+        for name in self._lives:
+            self._lives[name] = min(self._lives[name], now + self.ttl_ms / 1000)
+
     def _wait(self, shards: list[str], idle_exit_s: float | None, idle_since: float) -> bool:
         while not self.w.stopping.is_set():
             now = time.monotonic()
             if idle_exit_s is not None and now - idle_since > idle_exit_s:
                 return False
             if now >= self._beat_at + self.period_s and self._beat_round(shards, now):
+                self._unstretch(shards)
                 return False
             if self.maint.holds() and self.maint.held_due_in() <= 0:
                 res = self.maint.tick(held_only=True)
@@ -197,5 +210,6 @@ class IdleBeat:
                 limit = min(limit, idle_exit_s - (time.monotonic() - idle_since) + 0.01)
             if self.bell.wait(min(MAX_BLOCK_S, max(0.0, limit)), "idle"):
                 self.maint.put_off()  # the leases it does not hold are its beats' business; new work first
+                self._unstretch(shards)
                 return True
         return False
