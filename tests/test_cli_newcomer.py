@@ -32,6 +32,9 @@ def no_url_env() -> dict[str, str]:
 
 # ---------------------------------------------------------------- an interrupted run (findings 3 and 7)
 
+BIG = 120  # batches of 16: a SIGINT after the first result leaves most of them not done
+
+
 def test_a_stopped_run_keeps_the_earlier_output_and_its_resume_hint_runs_as_printed(redis_url, tmp_path):
     small = lines(tmp_path / "c.jsonl", 40)
     out = tmp_path / "full.jsonl"
@@ -39,7 +42,7 @@ def test_a_stopped_run_keeps_the_earlier_output_and_its_resume_hint_runs_as_prin
     earlier = out.read_bytes()
     assert len(earlier.splitlines()) == 40
 
-    big = lines(tmp_path / "big.jsonl", 300)
+    big = lines(tmp_path / "big.jsonl", BIG)
     env = dict(no_url_env(), CONDUCTOR_PROGRESS_S="0")
     p = subprocess.Popen([sys.executable, "-m", "conductor", "run", str(big), "--job", "big", "--workers", "1",
                           "--max-batch-size", "16", "--sim-time-scale", "5", "-o", str(out), "--redis", redis_url],
@@ -50,7 +53,7 @@ def test_a_stopped_run_keeps_the_earlier_output_and_its_resume_hint_runs_as_prin
         while True:
             line = p.stderr.readline()
             assert line and time.monotonic() < deadline, "the run did not get going"
-            if (m := re.search(rb": (\d+)/300 results", line)) and int(m.group(1)) > 0:
+            if (m := re.search(rb": (\d+)/%d results" % BIG, line)) and int(m.group(1)) > 0:
                 break
         os.killpg(p.pid, signal.SIGINT)
         assert p.wait(60) == 130
@@ -65,7 +68,7 @@ def test_a_stopped_run_keeps_the_earlier_output_and_its_resume_hint_runs_as_prin
     part = tmp_path / "full.partial.jsonl"
     stop_line = err.strip().splitlines()[-1]
     m = re.search(rf"stopped by SIGINT: (\d+) results written to {re.escape(str(part))} "
-                  rf"\({re.escape(str(out))} kept as it was\), (\d+) of 300 items not done; to finish it: (.*)$",
+                  rf"\({re.escape(str(out))} kept as it was\), (\d+) of {BIG} items not done; to finish it: (.*)$",
                   stop_line)
     assert m, err
     assert int(m.group(1)) == len(part.read_text().splitlines()) > 0
@@ -76,7 +79,7 @@ def test_a_stopped_run_keeps_the_earlier_output_and_its_resume_hint_runs_as_prin
     done = subprocess.run(shlex.split(hint), cwd=str(ROOT), capture_output=True, env=no_url_env(), timeout=300)
     assert done.returncode == 0, done.stderr.decode()
     ids = [json.loads(x)["id"] for x in out.read_text().splitlines()]
-    assert sorted(ids) == sorted(f"i{k}" for k in range(300))
+    assert sorted(ids) == sorted(f"i{k}" for k in range(BIG))
 
 
 # ---------------------------------------------------------------- a port that is not Redis (finding 4)

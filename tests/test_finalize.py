@@ -14,6 +14,7 @@ from collections import Counter
 import redis
 from openai import OpenAI
 
+from conductor.api.finalize import LEASE_MS
 from conductor.redis_contract import keys as K
 from tests.test_durable_intake import kill, start_serve, wait_paused
 from tests.test_serve import KEY, follow, jsonl, lines_of, request, stop, worker
@@ -74,6 +75,10 @@ def test_finalizing_is_recorded_survives_a_killed_serve_and_yields_to_cancel_and
     assert r.hget(K.job_meta_key(held), "status") == b"finalizing"
     assert list(data.glob(f".file-out-{held}.*.part"))  # the temporary file it left
     assert not (data / f"file-out-{held}.jsonl").exists()
+    # the killed serve still holds the finalize lease; a restarted serve takes over once it lapses. The
+    # lapse is brought forward (it would come LEASE_MS after the last renewal) instead of waited out.
+    assert 0 < r.pttl(K.FINALIZE_LEASE_KEY) <= LEASE_MS
+    r.pexpire(K.FINALIZE_LEASE_KEY, 100)
 
     p, base = start_serve(redis_url, data)
     client = OpenAI(base_url=base + "/v1", api_key=KEY)
