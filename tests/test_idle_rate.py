@@ -23,6 +23,7 @@ from conductor.workers.engines.sim import SimEngine
 from conductor.workers.worker import Worker, WorkerOptions
 from tests.conftest import ROOT, item
 from tests.helpers import MK, contract, quick
+from tests.worker_kit import stop_fleet
 
 
 def beat(c: Conductor, worker: str = "w", busy: int | None = 5, lease_ms: int = 5000) -> calls.IdleBeat:
@@ -71,12 +72,7 @@ def fleet(redis_url: str) -> Iterator[list[Worker]]:
     quick(Conductor(r))
     workers, threads = _fleet(redis_url, 4)
     yield workers
-    for w in workers:
-        w.request_stop()
-    for t in threads:
-        t.join(20)
-    for w in workers:
-        w.c.r.close()
+    stop_fleet(workers, threads)
     r.close()
 
 

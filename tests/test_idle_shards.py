@@ -20,6 +20,7 @@ from conductor.workers.engines.sim import SimEngine
 from conductor.workers.worker import Worker, WorkerOptions
 from tests.conftest import item
 from tests.helpers import quick
+from tests.worker_kit import stop_fleet
 
 
 @pytest.fixture(scope="module")
@@ -43,15 +44,6 @@ def _fleet(
     for t in threads:
         t.start()
     return workers, threads
-
-
-def _stop(workers: list[Worker], threads: list[threading.Thread]) -> None:
-    for w in workers:
-        w.request_stop()
-    for t in threads:
-        t.join(20)
-    for w in workers:
-        w.c.r.close()
 
 
 def _node_calls(cluster: EmbeddedCluster, *names: str) -> int:
@@ -138,7 +130,7 @@ def test_an_idle_worker_on_three_shards_sends_under_one_command_a_second_and_wak
         for name in (model, *shards):
             assert c.r.pttl(K.ModelKeys(name).heartbeat(served.name)) <= served.idle.ttl_ms, name
     finally:
-        _stop(workers, threads)
+        stop_fleet(workers, threads)
 
 
 def _watch(
@@ -197,4 +189,4 @@ def test_idle_workers_stay_alive_and_registered_on_every_shard_idle_busy_and_idl
         assert holders <= {w.name for w in workers}, holders
         assert {r.worker for r in c.read_results("busy")} and c.status("busy")["done"]
     finally:
-        _stop(workers, threads)
+        stop_fleet(workers, threads)

@@ -78,6 +78,17 @@ def cluster():
         yield c
 
 
+def _sharded_job(url: str, tmp_path, model: str, n: int) -> tuple[Conductor, list[str]]:
+    """A 3-shard model with a job of ``n`` items (its name the model's) submitted through the CLI;
+    a client and the shards' names."""
+    cli("config", model, "--create", "quiet_ms=200", "shards=3", url=url)
+    src = tmp_path / "in.jsonl"
+    _lines(src, n, model)
+    cli("submit", str(src), "--job", model, url=url)
+    c = Conductor(connect(url))
+    return c, c.shards(model)
+
+
 def _run_with_slot_moves(
     cluster: EmbeddedCluster, tmp_path, model: str, n: int, moves: int, page_pause_s: float
 ) -> list[float]:
@@ -86,12 +97,7 @@ def _run_with_slot_moves(
     answered once, each worker alive to the end and exiting 0, every shard verified with its ledger.
     The seconds each move took."""
     url = cluster.url
-    cli("config", model, "--create", "quiet_ms=200", "shards=3", url=url)
-    src = tmp_path / "in.jsonl"
-    _lines(src, n, model)
-    cli("submit", str(src), "--job", model, url=url)
-    c = Conductor(connect(url))
-    names = c.shards(model)
+    c, names = _sharded_job(url, tmp_path, model, n)
     procs = [_worker(url, model, f"w{i}", "--sim-time-scale", "2") for i in range(2)]
     took = []
     try:
@@ -230,12 +236,7 @@ def _run_with_failover(
     that the primary's last writes never reach it). Waits for the job's end; (seconds until the replica served,
     seconds from the failover to the job's end, the job's status)."""
     url = cluster.url
-    cli("config", model, "--create", "quiet_ms=200", "shards=3", url=url)
-    src = tmp_path / "in.jsonl"
-    _lines(src, n, model)
-    cli("submit", str(src), "--job", model, url=url)
-    c = Conductor(connect(url))
-    names = c.shards(model)
+    c, names = _sharded_job(url, tmp_path, model, n)
     # a short heartbeat: a batch whose claim a lost write left pending is reclaimed within 10 s
     procs = [
         _worker(url, model, f"w{i}", "--sim-time-scale", "2", "--heartbeat-ttl", "1", log=tmp_path) for i in range(2)

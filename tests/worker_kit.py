@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 from conductor.client import Conductor
 from conductor.workers.engines.sim import SimEngine
 from conductor.workers.worker import Worker, WorkerOptions
@@ -38,3 +40,13 @@ def run_until_done(w: Worker, job: str = "j", turns: int = 10_000) -> int:
         if w.c.status(job)["done"] and not w.engine.active() and not w.retry:
             return t
     raise AssertionError(f"job {job} not done after {turns} turns: {w.c.status(job)}")
+
+
+def stop_fleet(workers: list[Worker], threads: list[threading.Thread]) -> None:
+    """Worker loops run in threads: each asked to stop, joined, its connection closed."""
+    for w in workers:
+        w.request_stop()
+    for t in threads:
+        t.join(20)
+    for w in workers:
+        w.c.r.close()
