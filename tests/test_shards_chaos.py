@@ -89,6 +89,15 @@ def _sharded_job(url: str, tmp_path, model: str, n: int) -> tuple[Conductor, lis
     return c, c.shards(model)
 
 
+def _until_a_fifth_answered(c: Conductor, model: str, n: int, procs: list[subprocess.Popen]) -> None:
+    """Wait (60 s at most) until a fifth of the job's ``n`` items are answered, every worker alive."""
+    deadline = time.monotonic() + 60
+    while c.status(model)["completed"] < n // 5:
+        assert time.monotonic() < deadline, c.status(model)
+        assert all(p.poll() is None for p in procs)
+        time.sleep(0.05)
+
+
 def _run_with_slot_moves(
     cluster: EmbeddedCluster, tmp_path, model: str, n: int, moves: int, page_pause_s: float
 ) -> list[float]:
@@ -101,11 +110,7 @@ def _run_with_slot_moves(
     procs = [_worker(url, model, f"w{i}", "--sim-time-scale", "2") for i in range(2)]
     took = []
     try:
-        deadline = time.monotonic() + 60
-        while c.status(model)["completed"] < n // 5:
-            assert time.monotonic() < deadline, c.status(model)
-            assert all(p.poll() is None for p in procs)
-            time.sleep(0.05)
+        _until_a_fifth_answered(c, model, n, procs)
         wall0 = time.time()
         for k in range(moves):
             name = names[k % 3]
@@ -242,11 +247,7 @@ def _run_with_failover(
         _worker(url, model, f"w{i}", "--sim-time-scale", "2", "--heartbeat-ttl", "1", log=tmp_path) for i in range(2)
     ]
     try:
-        deadline = time.monotonic() + 60
-        while c.status(model)["completed"] < n // 5:
-            assert time.monotonic() < deadline, c.status(model)
-            assert all(p.poll() is None for p in procs)
-            time.sleep(0.05)
+        _until_a_fifth_answered(c, model, n, procs)
         primary = _owner(cluster, names[1])
         assert primary != 0  # the seed node of the URL stays up
         if lag_s:
