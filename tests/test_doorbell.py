@@ -87,6 +87,34 @@ def test_idle_workers_block_and_wake_on_a_submit(redis_url):
         stop(procs)
 
 
+def test_a_sigterm_ends_idle_workers_blocked_on_the_bell_at_once(redis_url):
+    """systemd's stop of an idle worker: the SIGTERM cuts the BLPOP (workers/doorbell.py interrupt),
+    where it used to wait out the block, up to 5 s (Python retries a read a signal interrupts).
+    Three workers, so that the ones not holding the maintenance lease (whose block is its 1 s sweep)
+    are all caught mid-block; each exits 0, deregistered."""
+    r = connect(redis_url)
+    quick(Conductor(r))
+    names = {f"w{i}" for i in range(3)}
+    procs = [start_worker(redis_url, n) for n in sorted(names)]
+    try:
+        wait_live(r, names)
+        time.sleep(1.0)  # past start-up: each blocked on the bell
+        for p in procs:
+            p.terminate()
+        t0 = time.monotonic()
+        took = []
+        for p in procs:
+            assert p.wait(10) == 0
+            took.append(round(time.monotonic() - t0, 2))
+        assert max(took) < 1.0, took  # 0.07 to 0.1 s here; 4.1 s before the interrupt
+        assert not set(live_workers(r, "m")) & names
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 @pytest.mark.parametrize("reason", ["gate"])
 def test_a_gated_worker_waits_quiet_ms_not_the_full_period(cdr: Conductor, reason):
     """After a claim that answered 'gate' the wait is bounded by quiet_ms (the moment the gate may

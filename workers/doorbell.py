@@ -17,6 +17,7 @@ with no timed claim (issue 36).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -32,6 +33,10 @@ _TIMED = ("gate", "wait")
 _CFG_REFRESH_S = 5.0
 
 
+class StopWaiting(Exception):
+    """A stop signal's handler raises this into the BLPOP it interrupts (Doorbell.interrupt)."""
+
+
 class Doorbell:
     def __init__(self, conductor: Conductor, model: str) -> None:
         self.r = conductor.r
@@ -39,6 +44,8 @@ class Doorbell:
         self._quiet_s = float(DEFAULTS.get("quiet_ms", 1000)) / 1000
         self._quiet_read = 0.0
         self.rings = 0  # wake-ups by a ring, not by the timeout (tests, metrics)
+        # the thread blocked in BLPOP right now, if any: a stop signal cuts that wait (interrupt)
+        self._blocked_in: int | None = None
 
     def quiet_s(self) -> float:
         """The model's quiet_ms in seconds, read at most every few seconds (one HGET)."""
@@ -60,11 +67,29 @@ class Doorbell:
             timeout = min(timeout, self.quiet_s())
         # BLPOP takes a decimal timeout in seconds (Redis 6+); 0 would block for ever
         timeout = max(0.001, round(timeout, 3))
-        got = self.r.blpop([self.keys.doorbell], timeout=timeout)
+        try:
+            try:
+                self._blocked_in = threading.get_ident()
+                got = self.r.blpop([self.keys.doorbell], timeout=timeout)
+            finally:
+                self._blocked_in = None
+        except StopWaiting:
+            # redis-py dropped the connection the reply was owed on; the next command opens another
+            self._blocked_in = None
+            return False
         if got is not None:
             self.rings += 1
             return True
         return False
+
+    def interrupt(self) -> None:
+        """Called by a stop signal's handler: if this thread is blocked in the BLPOP (a signal handler
+        runs in the main thread, between two of its bytecodes), raise StopWaiting there, so that
+        systemd's or a test's SIGTERM ends an idle worker at once, not after its block (up to
+        MAX_BLOCK_S, 5 s). Python retries a read that a signal cut (PEP 475): without this the
+        stop waits for the BLPOP's timeout."""
+        if self._blocked_in == threading.get_ident():
+            raise StopWaiting
 
     def wait_idle(self, due_in_s: float, idle_exit_s: float | None, idle_since: float,
                   last_claim: str, on_error: Callable[[BaseException], object] | None = None) -> bool | None:

@@ -321,6 +321,7 @@ class HostAgent(Worker):
         from .shard_maintenance import for_worker
         maint = for_worker(self.c, self.shards, self.name, self.opts.heartbeat_ttl_s)  # each shard's too
         bell = Doorbell(self.c, self.shards.bell_model())
+        self.bell = bell
         idle = IdleBeat(self, maint, bell)  # nothing waiting: one BLPOP and one beat a beat (issue 36)
         idle_since, rung = time.monotonic(), False
         while not self.stopping.is_set():

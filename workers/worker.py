@@ -229,6 +229,7 @@ class Worker(WorkerStart, OutageHandling):
         bell = Doorbell(self.c, self.shards.bell_model()) if self.opts.wake == "bell" else None
         idle = IdleBeat(self, maint, bell) if bell is not None else None  # the wait on the bell
         self.idle = idle
+        self.bell = bell
         rung = False
         # From here on the worker rides outages out itself (workers/outage.py): the client's own
         # retries end once it knows Redis is away, or once it is told to stop.

@@ -25,6 +25,7 @@ from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.records import Batch, Contract, Result
 
+from .doorbell import Doorbell
 from .engines.base import Engine
 from .held import InFlight, event
 from .identity import host_name, owner, owner_gone, stable_worker_name
@@ -93,6 +94,7 @@ class WorkerStart:
         # own (the host agent) keeps reporting each failure as before.
         self._rides_out = False
         self.engine_dead = ""  # why the engine died, when it did: run() gives its batches back and raises
+        self.bell: Doorbell | None = None  # the loop's doorbell, once it runs: a stop signal cuts its wait
 
     # ------------------------------------------------------------------ lifecycle
     def register(self, say: bool = True) -> None:
@@ -236,9 +238,14 @@ class WorkerStart:
     def request_stop(self, *_: object) -> None:
         self.stopping.set()
 
+    def _stop_signal(self, *_: object) -> None:
+        self.stopping.set()
+        if self.bell is not None:
+            self.bell.interrupt()  # an idle wait ends now, not at its BLPOP's timeout
+
     def install_signals(self) -> None:
-        signal.signal(signal.SIGTERM, self.request_stop)
-        signal.signal(signal.SIGINT, self.request_stop)
+        signal.signal(signal.SIGTERM, self._stop_signal)
+        signal.signal(signal.SIGINT, self._stop_signal)
 
     def _start(self) -> None:
         self.c.ensure_model(self.contract.model)
