@@ -91,7 +91,9 @@ class EmbeddedRedis:
     def args(self) -> list[str]:
         args = [find_server(), "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir),
                 "--save", "", "--daemonize", "no", "--logfile", str(self.dir / "redis.log"),
-                "--appendonly", "yes" if self.appendonly else "no"]
+                "--appendonly", "yes" if self.appendonly else "no",
+                # a replica's first sync starts at once: the default waits 5 s for more replicas to join
+                "--repl-diskless-sync-delay", "0"]
         if self.appendonly:
             args += ["--appendfsync", self.appendfsync]
         if self.cluster:
@@ -164,6 +166,16 @@ class EmbeddedRedis:
 _REPL_USER, _REPL_PASS = "repl", "replpw"  # a test cluster's replication user (EmbeddedCluster)
 
 
+def _replicas_known(nodes: bytes, wanted: set[tuple[str, str]]) -> bool:
+    """CLUSTER NODES lists each (address, primary id) of ``wanted`` as a replica of that primary."""
+    seen = set()
+    for line in nodes.decode().splitlines():
+        f = line.split()
+        if len(f) > 3 and "slave" in f[2].split(","):
+            seen.add((f[1].split("@")[0] + "@", f[3]))
+    return wanted <= seen
+
+
 class EmbeddedCluster:
     """A Redis Cluster of ``nodes`` primaries on free ports, slots split evenly, joined with CLUSTER
     MEET: for tests of a model's keys living on one node among several. ``replicas``: that many
@@ -201,25 +213,31 @@ class EmbeddedCluster:
                                   channels=["*"], commands=["+@all"])
                     c.config_set("masteruser", _REPL_USER)
                     c.config_set("masterauth", _REPL_PASS)
+            wanted: set[tuple[str, str]] = set()  # (replica's address, its primary's id)
             for primary, replica in replicas:
                 primary_id = redis.Redis(port=primary.port).execute_command("CLUSTER", "MYID").decode()
                 redis.Redis(port=replica.port).execute_command("CLUSTER", "REPLICATE", primary_id)
+                wanted.add((f"127.0.0.1:{replica.port}@", primary_id))
             while replicas and time.monotonic() < deadline:
                 if all(redis.Redis(port=r.port).info("replication").get("master_link_status") == "up"
                        for _p, r in replicas):
                     break
                 time.sleep(0.05)
-            self._wait(clients, deadline, lambda i: True)
+            # Every node must know each replica as one before a planned failover can win its vote: the
+            # sync itself is done in milliseconds (no diskless delay), the gossip about it later.
+            self._wait(clients, deadline, lambda i: True,
+                       lambda c: _replicas_known(c.execute_command("CLUSTER", "NODES"), wanted))
             return self
         finally:
             for c in clients:
                 c.close()
 
     @staticmethod
-    def _wait(clients: list[redis.Redis], deadline: float, also: Callable[[bytes], bool]) -> None:
+    def _wait(clients: list[redis.Redis], deadline: float, also: Callable[[bytes], bool],
+              node_ok: Callable[[redis.Redis], bool] = lambda _c: True) -> None:
         while time.monotonic() < deadline:
             infos = [c.execute_command("CLUSTER", "INFO") for c in clients]
-            if all(b"cluster_state:ok" in i and also(i) for i in infos):
+            if all(b"cluster_state:ok" in i and also(i) for i in infos) and all(node_ok(c) for c in clients):
                 return
             time.sleep(0.05)
         raise RedisUnavailable("embedded cluster never reached state ok")
