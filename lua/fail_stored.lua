@@ -63,13 +63,21 @@ local refused = acl_refused(function(ok)
     and ok('DEL', ids_key) and ok('HGET', stored_key) and ok('HMGET', stored_key) and ok('HSET', stored_key)
     and ok('HINCRBY', stored_key)
 end)
--- The shape's key (M:shape:S, named by the index record) is not checked above: only a worker or an
--- admin repairs, and both may write every key of the model (deploy/redis/users.acl).
 if refused then return refused end
 refused = paused(state_key)
 if refused then return refused end
 local meta = redis.call('HMGET', seg_key, 'seq', 'items', 'tokens', 'shape')
 if not meta[1] then return {0, 0} end
+-- the shape's keys, named by the index record: checked once it is read, still before any write (a
+-- role that may repair a segment but not touch its shape is refused whole, not halfway)
+if meta[4] then
+  local shape_key = base .. ':shape:' .. meta[4]
+  refused = acl_refused(function(ok)
+    return ok('HINCRBY', shape_key) and ok('HSET', shape_key)
+      and ok('ZREM', shape_key .. ':segs')
+  end)
+  if refused then return refused end
+end
 local mine = {}
 for _, id in ipairs(redis.call('LRANGE', ids_key, 0, -1)) do mine[id] = true end
 -- each id given once, and only one of this segment's: then where it is now

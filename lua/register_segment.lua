@@ -82,13 +82,18 @@ for i = 1, n do
   ids[i], sums[i] = id, sum
 end
 
-local refused = acl_refused(function(ok)
+-- the job's class names the shape key the items will count in (submit.lua places them there): read
+-- first, so that the check below names that key, not the plain signature's
+local refused = acl_refused(function(ok) return ok('HMGET', job_key) end)
+if refused then return refused end
+local shape = qualified(job_class(base, job), sig)
+refused = acl_refused(function(ok)
   return ok('HGET', state_key) and ok('ZSCORE', segs_key) and ok('HMGET', sums_key)
     and ok('HINCRBY', job_key) and ok('HINCRBY', intake_key) and ok('ZADD', segs_key) and ok('HSET', seg_key)
     and ok('TIME') and ok('HGET', packed_key) and ok('HMGET', packed_key) and ok('HMGET', job_key)
     and ok('HGET', stored_key) and ok('HMGET', stored_key) and ok('HSET', stored_key) and ok('HINCRBY', stored_key)
-    and ok('RPUSH', ids_key) and ok('HINCRBY', base .. ':shape:' .. sig) and ok('HSET', base .. ':shape:' .. sig)
-    and ok('ZADD', base .. ':shape:' .. sig .. ':segs')
+    and ok('RPUSH', ids_key) and ok('HINCRBY', base .. ':shape:' .. shape) and ok('HSET', base .. ':shape:' .. shape)
+    and ok('ZADD', base .. ':shape:' .. shape .. ':segs')
 end)
 if refused then return refused end
 refused = paused(state_key)
@@ -135,7 +140,6 @@ end
 local jc = redis.call('HMGET', job_key, 'declared', 'submitted')
 local k_new = packed_digits(math.max(num(jc[1]), num(jc[2]) + n))
 
-local shape = qualified(job_class(base, job), sig)
 local seq = redis.call('HINCRBY', intake_key, 'seg_seq', 1)
 packed_append(stored, k_new, fresh, sums)
 for s = 1, n, 2000 do redis.call('RPUSH', ids_key, unpack(ids, s, math.min(s + 1999, n))) end

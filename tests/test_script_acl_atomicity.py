@@ -61,6 +61,65 @@ def test_a_refused_command_leaves_nothing_written(script, server, admin):
     assert H.script_commands(script) <= seen, sorted(H.script_commands(script) - seen)
 
 
+def _family(key: bytes) -> str:
+    """The key's family as deploy/redis/users.acl grants keys: its first three parts
+    (cdr:{m}:inst for cdr:{m}:inst:<sig>:<epoch>:fill)."""
+    return ":".join(key.decode().split(":")[:3])
+
+
+def _all_but(family: str) -> list[str]:
+    """ACL key patterns that match every key name but ``family`` and ``family:*`` (Redis has no
+    negative pattern): the names that leave it at some position, its proper prefixes, and the longer
+    ones that go on with anything but a colon."""
+    def esc(ch: str) -> str:
+        return "\\" + ch if ch in "*?[]\\^" else ch
+    pats, prefix = [], ""
+    for ch in family:
+        pats.append(f"~{prefix}[^{esc(ch)}]*")
+        if prefix:
+            pats.append(f"~{prefix}")
+        prefix += esc(ch)
+    return [*pats, f"~{prefix}[^:]*"]
+
+
+def test_all_but_matches_every_key_but_a_family(admin):
+    admin.acl_setuser("deny", enabled=True, reset=True, passwords=["+pw"], keys=_all_but("cdr:{m}:in?[c]"),
+                      channels=["*"], commands=["+@all"])
+    for k, allowed in ((b"cdr:{m}:in?[c]", False), (b"cdr:{m}:in?[c]:x", False), (b"cdr:{m}:in?[c]x", True),
+                       (b"cdr:{m}:in?[", True), (b"cdr:{m}:inX[c]", True), (b"other", True), (b"c", True)):
+        assert (admin.acl_dryrun("deny", "GET", k) == b"OK") is allowed, k
+
+
+@pytest.mark.parametrize("script", sorted(H.SCENARIOS))
+def test_a_refused_key_family_leaves_nothing_written(script, server, admin):
+    """Each family of keys a scenario's call writes (cdr:{m}:inst, cdr:{m}:job, ...: the grain of
+    deploy/redis/users.acl's producer role), refused to an ACL user allowed every other key and every
+    command: the call is refused (its ACL pre-check covers every family it writes, those of key names
+    it builds itself included) and nothing is written. A family it only reads, refused: if the call is
+    refused, nothing is written either."""
+    deny = redis.Redis.from_url(server.url.replace("redis://", "redis://deny:pw@"))
+    for scenario in H.SCENARIOS[script]:
+        admin.flushall()
+        call = scenario(Conductor(admin))
+        snap = H.snapshot(admin)
+        dumps = {k: blob for k, _ttl, blob in snap}
+        reply = H.run(admin, call)
+        assert not isinstance(reply, redis.ResponseError), f"{scenario.__name__}: {reply}"
+        after = {k: admin.dump(k) for k in admin.scan_iter(count=1000)}
+        written = {_family(k) for k in dumps.keys() | after.keys() if dumps.get(k) != after.get(k)}
+        for family in sorted({_family(k) for k in dumps.keys() | after.keys()}):
+            H.restore(admin, snap)
+            admin.acl_setuser("deny", enabled=True, reset=True, passwords=["+pw"], keys=_all_but(family),
+                              channels=["*"], commands=["+@all"])
+            before = H.fingerprint(admin)
+            got = H.run(deny, call)
+            if family in written:
+                assert isinstance(got, redis.ResponseError), f"{scenario.__name__} without {family}: ran: {got}"
+            if isinstance(got, redis.ResponseError):
+                assert H.fingerprint(admin) == before, f"{scenario.__name__} without {family}: {got}, and wrote"
+    deny.close()
+
+
 JUNK: list[object] = ["", "0", "-1", "1.5", "1e308", "-1e308", "nan", "inf", "0x10", " 1", "5001", "65537",
                       str(2**63), str(2**64), "99999999999999999999999-0", "18446744073709551616-0",
                       "1-18446744073709551616", "0-0", "1-0", "-", "+", "x" * 600, "{\"a\":1}",
