@@ -52,9 +52,7 @@ local n = (#ARGV - 8) / 2
 if not hex_ok(name, RULES.SEGMENT_NAME_HEX) then
   return redis.error_reply('ERR_ARG name: must be 32 lowercase hex digits')
 end
-if not name_ok(job) then
-  return redis.error_reply('ERR_ARG job: invalid job name')
-end
+if not name_ok(job) then return redis.error_reply('ERR_ARG job: invalid job name') end
 if not hex_ok(sig, RULES.SIG_HEX) then
   return redis.error_reply('ERR_ARG sig: must be 16 lowercase hex digits')
 end
