@@ -2,7 +2,9 @@
 counts what redis-server runs inside each EVALSHA, for submit.lua, claim.lua (with a batch, and idle) and
 complete.lua, on a fixed job.
 
-    .venv/bin/python bench/profiles/script_instructions.py [--items 3000] [--workers 2] [--out DIR]
+    .venv/bin/python bench/profiles/script_instructions.py [--items 4000] [--workers 2] [--out DIR]
+    .venv/bin/python bench/profiles/script_instructions.py --copy no-acl     # the ACL pre-check's share
+    .venv/bin/python bench/profiles/script_instructions.py --definitions    # defining the includes' functions
 
 How: ``valgrind --tool=callgrind --collect-atstart=no --toggle-collect=evalShaCommand
 --dump-after=evalShaCommand redis-server --port P --save '' --appendonly no`` counts only inside
@@ -19,13 +21,21 @@ registers (Redis's TIME would make the sweeps, quiet lanes and aging of claim.lu
 valgrind runs). Each frozen read saves the TIME call (about 1k instructions) and keeps every call
 after the first sweep off the clock-driven paths; before/after comparisons of a change are exact
 (same items, same order, same replies), the absolute figures a little under a real run's.
-Runs in about a minute (the server under callgrind is 30-60 times slower).
+Runs in about half a minute (the server under callgrind is 30-60 times slower).
+
+``--copy NAME`` runs the same job on copies of the scripts with one part taken out (COPIES; the files are
+never changed): the difference to the run as is is that part's cost. ``--definitions``: what defining
+the includes' functions costs a call (which every EVALSHA does again): claim.lua, complete.lua and
+submit.lua cut right after their last top-level function (claim.lua's idle answer taken out, so every
+include is defined), against the same scripts cut at their first line, each called a few times with no
+keys (median; Redis's Lua GC steps every 50 calls move a call by a few thousand).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -50,16 +60,28 @@ from conductor.workers.worker import Worker, WorkerOptions  # noqa: E402
 
 VALGRIND = shutil.which("valgrind") or "/usr/bin/valgrind"
 # bench/broker/redis_cost.py's w2 point (sweep ref-2w), fewer items
+# name -> (file, anchor, replacement): copies of the scripts with one part taken out (``--copy``)
+COPIES = {
+    # lib.lua acl_refused answers 'allowed' without a check: what the ACL pre-checks cost
+    "no-acl": ("lib.lua", "local function acl_refused(checks)\n",
+               "local function acl_refused(checks)\n  if checks then return nil end\n"),
+}
 SPEC = {"seed": 11, "shapes": 30, "zipf_s": 1.1, "prefix_min": 200, "prefix_max": 3000, "suffix_sigma": 0.7}
 
 
-def freeze_clock(now_s: int) -> Callable[[], None]:
-    """Every script registered from here on reads ``now_s`` for Redis's TIME (module docstring), until
-    the function returned is called."""
+def freeze_clock(now_s: int, copy: str | None = None) -> Callable[[], None]:
+    """Every script registered from here on reads ``now_s`` for Redis's TIME (module docstring), and
+    has COPIES[copy]'s part taken out, until the function returned is called."""
     read = S._read
 
     def frozen(file: str) -> str:
-        return read(file).replace("redis.call('TIME')", f"({{'{now_s}', '0'}})")
+        text = read(file)
+        if copy is not None and file == COPIES[copy][0]:
+            _, anchor, repl = COPIES[copy]
+            if text.count(anchor) != 1:
+                raise ValueError(f"copy {copy}: its anchor is not once in {file}")
+            text = text.replace(anchor, repl)
+        return text.replace("redis.call('TIME')", f"({{'{now_s}', '0'}})")
 
     def thaw() -> None:
         S._read = read  # type: ignore[assignment]
@@ -145,9 +167,11 @@ def _wrap(c: Conductor, srv: Server, log: list[tuple[str, int, int]]) -> None:
     c.complete = completed  # type: ignore[method-assign]
 
 
-def measure(items: int, workers: int, out: Path, say: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run the job on a fresh server under callgrind; per call kind, instructions a call and an item."""
-    thaw = freeze_clock(int(time.time()))
+def measure(items: int, workers: int, out: Path, say: Callable[[str], None] = print,
+            copy: str | None = None) -> dict[str, Any]:
+    """Run the job on a fresh server under callgrind; per call kind, instructions a call and an item.
+    ``copy``: on the scripts with COPIES[copy]'s part taken out."""
+    thaw = freeze_clock(int(time.time()), copy)
     srv = Server(out)
     try:
         wl = generate(WorkloadSpec(items=items, **SPEC))
@@ -189,6 +213,41 @@ def measure(items: int, workers: int, out: Path, say: Callable[[str], None] = pr
     return res
 
 
+def _cut_after_functions(src: str) -> str:
+    """``src`` up to the end of its last top-level function, then ``return 1``; claim.lua's idle answer
+    (given before the rest is defined) taken out, so that every include is defined."""
+    lines = src.split("\n")
+    last = max(i for i, line in enumerate(lines) if line.startswith("local function"))
+    end = next(i for i in range(last, len(lines)) if lines[i].startswith("end"))
+    out = "\n".join(lines[:end + 1]) + "\nreturn 1\n"
+    return re.sub(r"local idle_reply, seen = claim_idle\(.*\)\nif idle_reply then return idle_reply end\n",
+                  "local seen = {}\n", out)
+
+
+def definitions(out: Path, calls: int = 5) -> dict[str, tuple[int, int, int]]:
+    """Per script: (top-level functions, instructions of a call that defines them all and returns, of a
+    call that returns at once); medians of ``calls`` calls."""
+    srv = Server(out)
+    res = {}
+    try:
+        for name in ("claim", "complete", "submit"):
+            src = S.source(name)
+            first = src.split("\n", 1)[0] + "\n" if src.startswith("#!") else ""
+            got = []
+            for body in (_cut_after_functions(src), first + "return 1\n"):
+                sha = srv.r.script_load(body)
+                srv.take()
+                runs = []
+                for _ in range(calls):
+                    srv.r.evalsha(sha, 0)
+                    runs.append(sum(srv.take()))
+                got.append(int(statistics.median(runs)))
+            res[name] = (len(re.findall(r"^local function ", src, re.M)), got[0], got[1])
+    finally:
+        srv.stop()
+    return res
+
+
 def report(res: dict[str, Any]) -> str:
     items = res["items"]
     lines = [f"{items} items, {res['workers']} workers (instructions inside EVALSHA, callgrind):",
@@ -204,17 +263,21 @@ def report(res: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--items", type=int, default=3000)
+    p.add_argument("--items", type=int, default=4000)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--out", help="keep callgrind's files here (default: a temporary folder, removed)")
+    p.add_argument("--copy", choices=sorted(COPIES), help="the scripts with this part taken out")
+    p.add_argument("--definitions", action="store_true", help="what defining the includes' functions costs a call")
     args = p.parse_args(argv)
-    if args.out:
-        out = Path(args.out)
+    with tempfile.TemporaryDirectory(prefix="cg-") as d:
+        out = Path(args.out or d)
         out.mkdir(parents=True, exist_ok=True)
-        res = measure(args.items, args.workers, out)
-    else:
-        with tempfile.TemporaryDirectory(prefix="cg-") as d:
-            res = measure(args.items, args.workers, Path(d))
+        if args.definitions:
+            for name, (n, defined, bare) in definitions(out).items():
+                print(f"  {name}.lua: {n} top-level functions, defining them {(defined - bare) / 1000:.1f}k "
+                      f"instructions a call ({defined / 1000:.1f}k against {bare / 1000:.1f}k for a bare return)")
+            return 0
+        res = measure(args.items, args.workers, out, copy=args.copy)
     print(report(res))
     return 0
 
