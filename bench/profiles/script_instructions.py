@@ -146,21 +146,24 @@ class Server:
             self.proc.kill()
 
 
-def _wrap(c: Conductor, srv: Server, log: list[tuple[str, int, int]]) -> None:
-    """Note each claim (idle or with its batch's items) and complete (its results) with its instructions."""
+def _wrap(w: Worker, srv: Server, log: list[tuple[str, int, int, bool]]) -> None:
+    """Note each claim (idle or with its batch's items; whether the worker's engine was busy) and complete
+    (its results) with its instructions."""
+    c = w.c
     claim, complete = c.claim, c.complete
 
     def claimed(contract: Any, consumer: str) -> Any:
         srv.take()
+        busy = w.engine.active() > 0
         batch, why = claim(contract, consumer)
-        log.append(("claim" if batch is not None else f"claim:{why}", len(batch.items) if batch else 0,
-                    sum(srv.take())))
+        kind = "claim" if batch is not None else f"claim:{why}" + (" (engine busy)" if busy else " (engine empty)")
+        log.append((kind, len(batch.items) if batch else 0, sum(srv.take()), busy))
         return batch, why
 
     def completed(batch: Any, results: Any, **kw: Any) -> Any:
         srv.take()
         out = complete(batch, results, **kw)
-        log.append(("complete", len(results), sum(srv.take())))
+        log.append(("complete", len(results), sum(srv.take()), True))
         return out
 
     c.claim = claimed  # type: ignore[method-assign]
@@ -168,25 +171,26 @@ def _wrap(c: Conductor, srv: Server, log: list[tuple[str, int, int]]) -> None:
 
 
 def measure(items: int, workers: int, out: Path, say: Callable[[str], None] = print,
-            copy: str | None = None) -> dict[str, Any]:
+            copy: str | None = None, wake: str = "bell") -> dict[str, Any]:
     """Run the job on a fresh server under callgrind; per call kind, instructions a call and an item.
-    ``copy``: on the scripts with COPIES[copy]'s part taken out."""
+    ``copy``: on the scripts with COPIES[copy]'s part taken out; ``wake``: the drive's idle wait
+    (bench/packing/suite.py SuiteConfig.wake)."""
     thaw = freeze_clock(int(time.time()), copy)
     srv = Server(out)
     try:
         wl = generate(WorkloadSpec(items=items, **SPEC))
-        cfg = suite.SuiteConfig(workers=workers)
+        cfg = suite.SuiteConfig(workers=workers, wake=wake)
         producer = Conductor(connect(srv.url()))
         producer.ensure_model(wl.spec.model)
         engines = suite._engines(cfg, wl.spec.model)
-        log: list[tuple[str, int, int]] = []
+        log: list[tuple[str, int, int, bool]] = []
         ws = []
         for i, eng in enumerate(engines):
             c = Conductor(connect(srv.url()))
             w = Worker(c, eng, WorkerOptions(name=f"cg-w{i}", high_water=cfg.high_water, low_water=cfg.low_water,
                                              heartbeat_ttl_s=3600.0))
             w.register()
-            _wrap(c, srv, log)
+            _wrap(w, srv, log)
             ws.append(w)
         srv.take()
         producer.submit(wl.items, "cost", seal=True)
@@ -201,9 +205,9 @@ def measure(items: int, workers: int, out: Path, say: Callable[[str], None] = pr
         srv.stop()
         thaw()
     kinds: dict[str, list[tuple[int, int]]] = {}
-    for kind, n, ir in log:
+    for kind, n, ir, _busy in log:
         kinds.setdefault(kind, []).append((n, ir))
-    res: dict[str, Any] = {"items": items, "workers": workers, "submit": sum(sub), "kinds": {}}
+    res: dict[str, Any] = {"items": items, "workers": workers, "wake": wake, "submit": sum(sub), "kinds": {}}
     for kind, rows in sorted(kinds.items()):
         n = sum(k for k, _ in rows)
         ir = sum(v for _, v in rows)
@@ -250,14 +254,15 @@ def definitions(out: Path, calls: int = 5) -> dict[str, tuple[int, int, int]]:
 
 def report(res: dict[str, Any]) -> str:
     items = res["items"]
-    lines = [f"{items} items, {res['workers']} workers (instructions inside EVALSHA, callgrind):",
-             f"  submit.lua (+ the seal)      {res['submit'] / items / 1000:8.1f}k an item"]
+    lines = [f"{items} items, {res['workers']} workers, idle wait {res['wake']} (instructions inside EVALSHA, "
+             "callgrind):",
+             f"  submit.lua (+ the seal)              {res['submit'] / items / 1000:8.1f}k an item"]
     for kind, v in res["kinds"].items():
         per_item = v["instructions"] / items / 1000
         extra = f", {v['instructions'] / v['items'] / 1000:.1f}k an item of its own" if v["items"] else ""
-        lines.append(f"  {kind:28s} {per_item:8.1f}k an item of the job; {v['calls']} calls, median "
+        lines.append(f"  {kind:36s} {per_item:8.1f}k an item of the job; {v['calls']} calls, median "
                      f"{v['median_call'] / 1000:.1f}k a call{extra}")
-    lines.append(f"  together                     {res['per_item'] / 1000:8.1f}k an item")
+    lines.append(f"  together                             {res['per_item'] / 1000:8.1f}k an item")
     return "\n".join(lines)
 
 
@@ -266,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--items", type=int, default=4000)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--out", help="keep callgrind's files here (default: a temporary folder, removed)")
+    p.add_argument("--wake", choices=("bell", "poll"), default="bell",
+                   help="the drive's idle wait (bench/packing/suite.py SuiteConfig.wake)")
     p.add_argument("--copy", choices=sorted(COPIES), help="the scripts with this part taken out")
     p.add_argument("--definitions", action="store_true", help="what defining the includes' functions costs a call")
     args = p.parse_args(argv)
@@ -277,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name}.lua: {n} top-level functions, defining them {(defined - bare) / 1000:.1f}k "
                       f"instructions a call ({defined / 1000:.1f}k against {bare / 1000:.1f}k for a bare return)")
             return 0
-        res = measure(args.items, args.workers, out, copy=args.copy)
+        res = measure(args.items, args.workers, out, copy=args.copy, wake=args.wake)
     print(report(res))
     return 0
 
