@@ -7,6 +7,8 @@ import subprocess
 import sys
 from collections import Counter
 
+import pytest
+
 from bench.common.workload import WorkloadSpec, generate
 from bench.packing import suite
 from tests.conftest import ROOT
@@ -292,3 +294,47 @@ def test_redis_cost_quick_form_runs_with_a_before_tree(tmp_path):
     assert "| q2 |" in out and "plain FIFO stream (limit)" in out and "INCOMPLETE" not in out
     for script in ("| claim |", "| complete |", "| submit |"):
         assert script in out
+
+
+def test_drive_idle_conductor_worker_waits_on_the_doorbell_instead_of_polling():
+    # issue 36: an idle Worker.run blocks on the doorbell (workers/idle.py); the drive's "bell" wait
+    # models that, so an idle worker's claims (engine empty, answer 'idle') are a few, not one every
+    # 2 ms of simulated time; the batches and the results are the same work either way.
+    from conductor.client import connect
+    from conductor.embedded import EmbeddedRedis
+    from conductor.workers.worker import Worker
+
+    wl = generate(WorkloadSpec(items=1500, shapes=6, seed=5))
+    counts: dict[str, Counter] = {}
+    pull = Worker._pull
+
+    def counted(self):  # noqa: ANN001, ANN202
+        idle = self.engine.active() == 0
+        got = pull(self)
+        if idle and self.last_claim == "idle":
+            counts[wake]["idle"] += 1
+        return got
+
+    Worker._pull = counted
+    try:
+        with EmbeddedRedis() as srv:
+            for wake in ("poll", "bell"):
+                counts[wake] = Counter()
+                rec = suite.run_conductor(connect(srv.url), srv.url, wl,
+                                          suite.SuiteConfig(workers=2, max_wall_s=60.0, wake=wake))
+                assert rec.complete.startswith("ok"), (wake, rec.complete)
+                counts[wake]["batches"] = len(rec.batches)
+    finally:
+        Worker._pull = pull
+    assert counts["bell"]["idle"] * 3 < counts["poll"]["idle"], counts
+    assert counts["bell"]["batches"] == counts["poll"]["batches"], counts
+
+
+@pytest.mark.slow  # about 8 s: redis-server under valgrind
+def test_script_instructions_counts_each_script_call_under_callgrind(tmp_path):
+    from bench.profiles import script_instructions
+    res = script_instructions.measure(300, 2, tmp_path, say=lambda _line: None)
+    kinds = res["kinds"]
+    assert res["submit"] > 0 and kinds["claim"]["items"] == 300 and kinds["complete"]["items"] == 300
+    assert all(v["instructions"] > 0 and v["calls"] > 0 for v in kinds.values()), kinds
+    assert "together" in script_instructions.report(res)

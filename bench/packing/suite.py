@@ -25,7 +25,11 @@ All workers of a system run in this process, scheduled in simulated time: the wo
 simulated clock is lowest takes the next turn (a turn: one decode step, then a pull when the
 latch admits), so the fleet behaves as parallel GPUs. A worker that finds nothing to do waits
 ``IDLE_QUANTUM`` simulated seconds (while items are still arriving, with ``idle_max_s`` set, it
-backs off, doubling up to ``idle_max_s``, as ``Worker.run`` does up to ``poll_max_s``). FIFO peers
+backs off, doubling up to ``idle_max_s``, as ``Worker.run`` does up to ``poll_max_s``), except a
+conductor worker whose claim answered 'idle' (``SuiteConfig.wake`` "bell", as ``Worker.run``'s
+default): it blocks on the model's doorbell as workers/idle.py does, woken by a ring (a submit,
+a seal, or a woken worker that found work passing the ring on) or at its next beat, ``BEAT_S``
+later, and makes no claim meanwhile. FIFO peers
 hand the engine batches that mix shapes: the engine admits them as one sub-batch per shape, every
 item padded to the batch's longest.
 """
@@ -63,10 +67,15 @@ from conductor.redis_contract.records import (  # noqa: E402
     result_decoder,
 )
 from conductor.workers.engines.sim import SimEngine  # noqa: E402
+from conductor.workers.idle import BEAT_SHARE  # noqa: E402
 from conductor.workers.latch import AdmissionLatch  # noqa: E402
 from conductor.workers.worker import Worker, WorkerOptions  # noqa: E402
 
 IDLE_QUANTUM = 0.002  # simulated seconds an idle worker waits before it looks again
+# An idle conductor worker's beat period in simulated seconds: workers/idle.py's BEAT_SHARE of the
+# default heartbeat TTL (WorkerOptions.heartbeat_ttl_s, 10 s), not of the suite's own TTL (an hour, so
+# that no simulated worker looks dead on the wall clock).
+BEAT_S = BEAT_SHARE * WorkerOptions.heartbeat_ttl_s
 SYSTEMS = ("rq", "stream", "oracle", "conductor", "conductor-tuned")
 CONDUCTORS = ("conductor", "conductor-tuned")
 # Tighter lanes than the defaults (conductor/redis_contract/config.py: lane_floor 0, lane_thr_min 0.003): less padding,
@@ -86,6 +95,9 @@ class SuiteConfig:
     # An idle worker's wait doubles up to this while items are still arriving (trickle), as
     # Worker.run backs off up to WorkerOptions.poll_max_s; IDLE_QUANTUM: no backoff.
     idle_max_s: float = IDLE_QUANTUM
+    # A conductor worker whose claim answered 'idle': "bell" blocks on the doorbell until a ring or its
+    # next beat (Worker.run's default, WorkerOptions.wake); "poll" looks again after IDLE_QUANTUM.
+    wake: str = "bell"
     conductor_cfg: dict[str, Any] = field(default_factory=dict)  # cfg fields set before submitting
     # Fleet changes during a conductor run (bench/fleet/fleet.py): (fraction of items finished, worker index,
     # 'join' | 'drain' | 'kill'); a worker with a 'join' event is not there before it. late_fleet: the
@@ -210,9 +222,74 @@ class PeerWorker:
 
 
 # ------------------------------------------------------------------------------------ driver
+class BellWait:
+    """The doorbell wait of workers/idle.py in simulated time, for the drive: a conductor worker whose
+    claim answered 'idle' (nothing waits at all) takes one entry off the model's doorbell if there is
+    one (rung: it claims at once, and passes the ring on when that claim gets a batch, as Worker.run
+    does), else blocks until a ring or its next beat, ``BEAT_S`` later. Rings come from submit.lua and
+    seal.lua (the drive looks after each release of items) and from passed-on rings; a blocked worker
+    is woken by them longest-blocked first, as BLPOP serves its clients. Work that comes without a ring
+    (a killed worker's batches put back) waits for the beat, as it does for a real worker. After any
+    other answer ('wait', 'gate', ...) the worker looks again after the drive's quantum, as before: the
+    real wait then is bounded by the model's quiet time and the maintenance tick, which this does not
+    model."""
+
+    def __init__(self, workers: list[Any]) -> None:
+        self.inner = [getattr(w, "w", w) for w in workers]  # Member.w, or a Worker driven directly
+        self.blocked: dict[int, float] = {}  # worker -> simulated time it blocked at
+        self.rung: set[int] = set()  # woken by a ring: pass it on if the next claim gets a batch
+        self.claims: dict[int, int] = {}
+
+    def _bell(self, i: int) -> str | None:
+        w = self.inner[i]
+        return w.keys.doorbell if isinstance(w, Worker) else None
+
+    def blocks(self, i: int) -> bool:
+        """After an idle turn of worker ``i``: True when it now blocks on the bell (False: rung, or it
+        would not wait on the bell: it claims again after the quantum)."""
+        w = self.inner[i]
+        if self._bell(i) is None or w.last_claim != "idle" or w.retry or w.engine.room() == 0:
+            return False
+        if w.c.r.lpop(w.keys.doorbell) is not None:
+            self.rung.add(i)
+            self.claims[i] = w.batches_claimed
+            return False
+        self.rung.discard(i)
+        return True
+
+    def after_turn(self, i: int) -> None:
+        """A rung worker that got a batch rings once more (Doorbell.pass_on): the next blocked one wakes."""
+        if i in self.rung:
+            w = self.inner[i]
+            if w.batches_claimed > self.claims.get(i, w.batches_claimed):
+                self.rung.discard(i)
+                w.c.r.lpush(w.keys.doorbell, 1)
+                w.c.r.ltrim(w.keys.doorbell, 0, 15)
+
+    def wake(self, idle: list[float], engines: list[RecordingSim], now: float) -> None:
+        """Wake the blocked workers the doorbell's entries ring for, at simulated time ``now``: their
+        clocks come back from their next beat."""
+        for i in self.woken():
+            idle[i] = max(0.0, now - engines[i].counters.sim_seconds)
+
+    def woken(self) -> list[int]:
+        """The blocked workers a ring wakes now: one per doorbell entry, longest blocked first."""
+        out: list[int] = []
+        for i in sorted(self.blocked, key=self.blocked.__getitem__):
+            bell = self._bell(i)
+            if bell is None or self.inner[i].c.r.lpop(bell) is None:
+                break
+            out.append(i)
+            self.rung.add(i)
+            self.claims[i] = self.inner[i].batches_claimed
+        for i in out:
+            del self.blocked[i]
+        return out
+
+
 def drive(workers: list[Any], engines: list[RecordingSim], total: int, finished: Callable[[], int],
           release: Releaser | OracleClock | None, max_wall_s: float, nap: bool = True,
-          idle_max: float = IDLE_QUANTUM) -> tuple[float, float]:
+          idle_max: float = IDLE_QUANTUM, wake: str = "poll") -> tuple[float, float]:
     """Run turns in simulated-time order until ``total`` sequences finished: (makespan, wall).
 
     With arrivals (``release``) the simulated clock is paced to the wall clock while items are
@@ -220,11 +297,14 @@ def drive(workers: list[Any], engines: list[RecordingSim], total: int, finished:
     Redis's clock, so simulated time must not run ahead of it while items trickle in. ``nap``:
     sleep a little when every worker is idle (a broker may be waiting on wall-clock time).
     ``idle_max``: while items are still to arrive, an idle worker's wait doubles up to this.
+    ``wake``: "bell", a conductor worker whose claim answered 'idle' waits on the doorbell
+    (BellWait); "poll", every idle worker looks again after the quantum.
     """
     n = len(workers)
     idle = [0.0] * n
     quantum = [IDLE_QUANTUM] * n
     last_finish = [0.0] * n
+    bells = BellWait(workers) if wake == "bell" else None
     t0 = time.monotonic()
     idle_run = 0
     while finished() < total:
@@ -234,12 +314,24 @@ def drive(workers: list[Any], engines: list[RecordingSim], total: int, finished:
             while release.pending and (ahead := clocks[w] - (time.monotonic() - t0)) > 0:
                 time.sleep(min(ahead, 0.01))
             release(clocks[w])
+        if bells is not None and bells.blocked:
+            if release is not None:  # a submit or the seal may have rung
+                bells.wake(idle, engines, clocks[w])
+                clocks = [engines[i].counters.sim_seconds + idle[i] for i in range(n)]
+                w = min(range(n), key=clocks.__getitem__)
+            bells.blocked.pop(w, None)  # its beat (or a ring): it looks again
         before = engines[w].counters.finished
         if workers[w].turn():
             idle_run = 0
             quantum[w] = IDLE_QUANTUM
             if engines[w].counters.finished != before:
                 last_finish[w] = engines[w].counters.sim_seconds + idle[w]
+            if bells is not None and bells.rung:
+                bells.after_turn(w)
+                bells.wake(idle, engines, clocks[w])
+        elif bells is not None and bells.blocks(w):
+            bells.blocked[w] = clocks[w]
+            idle[w] += BEAT_S
         else:
             idle[w] += quantum[w]
             quantum[w] = min(2 * quantum[w], idle_max) if release is not None and release.pending else IDLE_QUANTUM
@@ -493,7 +585,8 @@ def run_conductor(r: redis.Redis, url: str, wl: Workload, cfg: SuiteConfig, job:
         rec.submit_s = rel.spent
         rec.mem_per_item = (int(r.info("memory")["used_memory"]) - mem0) / len(wl.items)
     rec.makespan, rec.wall_s = drive(members, engines, len(wl.items), finished,
-                                     None if backlog else rel, cfg.max_wall_s, idle_max=cfg.idle_max_s)
+                                     None if backlog else rel, cfg.max_wall_s, idle_max=cfg.idle_max_s,
+                                     wake=cfg.wake)
     if not backlog:
         rec.submit_s = rel.spent
     for m in members:  # results of the last batches are written on the turn after they finish
