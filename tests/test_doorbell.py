@@ -90,11 +90,12 @@ def test_idle_workers_block_and_wake_on_a_submit(redis_url):
 def test_a_sigterm_ends_idle_workers_blocked_on_the_bell_at_once(redis_url):
     """systemd's stop of an idle worker: the SIGTERM cuts the BLPOP (workers/doorbell.py interrupt),
     where it used to wait out the block, up to 5 s (Python retries a read a signal interrupts).
-    Three workers, so that the ones not holding the maintenance lease (whose block is its 1 s sweep)
-    are all caught mid-block; each exits 0, deregistered."""
+    Four workers: the three not holding the maintenance lease (whose block is its 1 s sweep) are
+    caught mid-block, each with up to 5 s of it left; each exits 0, deregistered. The bound leaves
+    room for a loaded machine: 0.07 to 0.1 s here, 4.1 s for the slowest before the interrupt."""
     r = connect(redis_url)
     quick(Conductor(r))
-    names = {f"w{i}" for i in range(3)}
+    names = {f"w{i}" for i in range(4)}
     procs = [start_worker(redis_url, n) for n in sorted(names)]
     try:
         wait_live(r, names)
@@ -104,9 +105,10 @@ def test_a_sigterm_ends_idle_workers_blocked_on_the_bell_at_once(redis_url):
         t0 = time.monotonic()
         took = []
         for p in procs:
-            assert p.wait(10) == 0
+            rc = p.wait(10)
             took.append(round(time.monotonic() - t0, 2))
-        assert max(took) < 1.0, took  # 0.07 to 0.1 s here; 4.1 s before the interrupt
+            assert rc == 0, (rc, took)
+        assert max(took) < 2.5, took
         assert not set(live_workers(r, "m")) & names
     finally:
         for p in procs:
@@ -131,3 +133,37 @@ def test_a_gated_worker_waits_quiet_ms_not_the_full_period(cdr: Conductor, reaso
     cdr.r.lpush(MK.doorbell, 1)
     t = time.monotonic()
     assert bell.wait(1.0, "idle") is True and time.monotonic() - t < 0.1
+
+
+def test_a_busy_worker_that_found_nothing_claims_again_on_a_ring_not_every_step(cdr: Conductor):
+    """A job's tail: the engine runs the last batch and a claim answered 'idle'. The worker used to claim
+    after every engine step (about 60 empty claims a second on this sim, 1,204 in a 16-worker job of
+    8,000 items); now it claims again on a ring it takes off the doorbell (workers/pacing.py BusyIdle),
+    so a submit meanwhile is still claimed while the engine runs, and the ring is passed on."""
+    from tests.worker_kit import sim, submit, worker
+    submit(cdr, 4, max_tokens=400)  # one batch: the sim runs it 0.6 to 2.4 s at time scale 1
+    w = worker(cdr, sim(time_scale=1.0))
+    answers: list[str] = []
+    claim = w.shards.claim
+
+    def counted(contract, consumer):
+        got = claim(contract, consumer)
+        answers.append(got[1])
+        return got
+    w.shards.claim = counted  # the real claim, counted
+    while "idle" not in answers:
+        w.turn()
+    assert w.batches_claimed == 1 and w.engine.active()
+    cdr.r.delete(MK.doorbell)  # the first submit's ring, which no idle worker took (it lets one claim by)
+    before, turns, t0 = len(answers), 0, time.monotonic()
+    while time.monotonic() - t0 < 0.4 and w.engine.active():
+        w.turn()
+        turns += 1
+    assert turns >= 10 and len(answers) == before, (turns, answers)  # no claim while only the engine changed
+    submit(cdr, 4, max_tokens=400, start=4)  # rings once: a full batch
+    t0 = time.monotonic()
+    while w.batches_claimed < 2:
+        assert time.monotonic() - t0 < 0.5, answers
+        w.turn()
+    assert w.engine.active() > 0 and w.busy_idle.skipped >= 10
+    assert cdr.r.llen(MK.doorbell) == 1  # passed on: an idle worker wakes, in case more is left

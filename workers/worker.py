@@ -44,6 +44,19 @@ WORK_WAITS = ("wait", "gate")
 
 class Worker(WorkerStart, OutageHandling):
     idle: IdleBeat | None = None  # the idle wait once serving (tests read its beats and rings)
+    _bell_for_busy: Doorbell | None = None
+    _rang = False  # the next claim was let through by a ring this worker took off the doorbell
+
+    def _busy_bell(self) -> Doorbell:
+        if self._bell_for_busy is None:
+            self._bell_for_busy = Doorbell(self.c, self.shards.bell_model())
+        return self._bell_for_busy
+
+    def _take_ring(self) -> bool:
+        """One entry off the doorbell, if there is one: a ring (new work, or one nobody took) lets a
+        claim through while the engine runs (pacing.BusyIdle)."""
+        self._rang = self.c.r.lpop(self._busy_bell().keys.doorbell) is not None
+        return self._rang
 
     # ------------------------------------------------------------------ results
     def _result(self, fin: Finished) -> Result:
@@ -111,9 +124,16 @@ class Worker(WorkerStart, OutageHandling):
         contract = pacing.claim_contract(self.contract, self.free_slots())
         if contract is None:
             return False
+        if self.opts.wake == "bell" and not self.busy_idle.due(self.engine.active() > 0, self.clock(),
+                                                               self._take_ring):
+            return False
+        rang, self._rang = self._rang, False
         t = time.perf_counter()
         batch, self.last_claim = self.shards.claim(contract, self.name)
         self.metrics.claim_took(time.perf_counter() - t)
+        self.busy_idle.answered(self.last_claim, self.engine.active() > 0, self.clock())
+        if rang and batch is not None:
+            self._busy_bell().pass_on()  # as a rung idle worker does: the next one wakes if work is left
         if batch is None:
             if self.last_claim == "nogroup" and self._rides_out:
                 self._rejoin_needed.set()  # the claim made the group again; the registration is gone too

@@ -14,6 +14,7 @@ import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
@@ -31,6 +32,7 @@ from .held import InFlight, event
 from .identity import host_name, owner, owner_gone, stable_worker_name
 from .latch import AdmissionLatch
 from .outage import Link
+from .pacing import BusyIdle
 from .prewarm import Prewarm
 from .sdnotify import Notifier
 from .shard_maintenance import ShardMembers
@@ -95,6 +97,9 @@ class WorkerStart:
         self._rides_out = False
         self.engine_dead = ""  # why the engine died, when it did: run() gives its batches back and raises
         self.bell: Doorbell | None = None  # the loop's doorbell, once it runs: a stop signal cuts its wait
+        # the clock of the claim pacing (pacing.BusyIdle); the benches' simulated-time drive sets its own
+        self.clock: Callable[[], float] = time.monotonic
+        self.busy_idle = BusyIdle()
 
     # ------------------------------------------------------------------ lifecycle
     def register(self, say: bool = True) -> None:

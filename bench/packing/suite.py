@@ -287,6 +287,14 @@ class BellWait:
         return out
 
 
+def _sim_clocks(workers: list[Any], engines: list[RecordingSim], idle: list[float]) -> None:
+    """Each conductor worker's claim pacing (workers/pacing.py BusyIdle) runs on its simulated clock."""
+    for i, wk in enumerate(workers):
+        inner = getattr(wk, "w", wk)
+        if isinstance(inner, Worker):
+            inner.clock = lambda i=i: engines[i].counters.sim_seconds + idle[i]
+
+
 def drive(workers: list[Any], engines: list[RecordingSim], total: int, finished: Callable[[], int],
           release: Releaser | OracleClock | None, max_wall_s: float, nap: bool = True,
           idle_max: float = IDLE_QUANTUM, wake: str = "poll") -> tuple[float, float]:
@@ -305,6 +313,7 @@ def drive(workers: list[Any], engines: list[RecordingSim], total: int, finished:
     quantum = [IDLE_QUANTUM] * n
     last_finish = [0.0] * n
     bells = BellWait(workers) if wake == "bell" else None
+    _sim_clocks(workers, engines, idle)
     t0 = time.monotonic()
     idle_run = 0
     while finished() < total:
