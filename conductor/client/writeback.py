@@ -9,6 +9,7 @@ from typing import Any
 import redis
 
 from conductor.client.core import ConductorCore
+from conductor.client.fleet import model_alive
 from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.connection import as_str
@@ -56,7 +57,11 @@ class Writeback(ConductorCore):
         for row in out:
             pipe.exists(mk.heartbeat(row["name"]))
         for row, alive in zip(out, pipe.execute() if out else [], strict=True):
-            row["alive"] = bool(alive)
+            row["alive"] = row["heartbeat"] = bool(alive)
+        # on a shard, alive only while the model's own heartbeat lives too (client/fleet.py model_alive)
+        beating = [row for row in out if row["alive"]]
+        for row, alive in zip(beating, model_alive(self.r, model, [row["name"] for row in beating]), strict=True):
+            row["alive"] = alive
         return out
 
     def reclaim_dead(self, model: str, *, min_idle_ms: int = 0, pending_only: bool = False) -> dict[str, int]:
@@ -76,6 +81,10 @@ class Writeback(ConductorCore):
             # idle worker of the fleet every second
             if row["alive"] and (not min_idle_ms or not row.get("pending")):
                 continue
+            if not row["alive"] and row["heartbeat"]:
+                # dead on the model's own keys, its shard heartbeat still running (an idle worker's lives
+                # a round of the shards, workers/idle.py): gone, so that reclaim.lua takes it for dead
+                self.r.delete(K.ModelKeys(model).heartbeat(row["name"]))
             res = self.reclaim_consumer(model, row["name"], min_idle_ms=min_idle_ms)
             if res["batches"] or res["deleted"]:
                 total["consumers"] += 1
