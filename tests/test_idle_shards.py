@@ -241,3 +241,46 @@ def test_a_worker_killed_while_idle_is_dead_on_every_shard_a_ttl_after(cluster):
         if w.poll() is None:
             w.kill()
             w.wait(10)
+
+
+def test_a_shards_sweep_reads_one_xpending_while_nothing_is_in_flight_there(cluster):
+    """S + 1 maintenance parts (the model's, each shard's), each with its own lease holder: a shard's
+    tick with nothing in flight renews its lease and reads one XPENDING; its trim and finished shapes
+    wait for the full sweep, and the global duties (expiry, intake tasks) are the model's part's. With
+    a batch in flight there, it sweeps it all (the dead consumer's batch comes back)."""
+    from conductor.client.shard_claims import ShardClaims
+    from conductor.redis_contract.records import Contract
+    from conductor.workers import shard_maintenance
+
+    url, model = cluster.url, "sweepy"
+    c = Conductor(connect(url))
+    quick(c, model, shards=3)
+    shards = c.shards(model)
+    for name in (model, *shards):
+        c.ensure_model(name)
+    sm = shard_maintenance.for_worker(c, ShardClaims(c, model), "holder", 10.0)
+    for m in sm.parts.values():
+        m.verify_interval_s = 0
+    sm.tick()  # the first: every part's lease and full sweep
+
+    def one_tick(name: str) -> tuple[int, dict[str, int] | None]:
+        part = sm.parts[name]
+        part._next = 0.0  # due now (a shard's period is 2.5 s)
+        sent.install()
+        try:
+            sent.reset()
+            got = part.tick()
+            return sent.of(c.r), got
+        finally:
+            sent.uninstall()
+
+    for name in shards:
+        assert one_tick(name)[0] <= 2, name  # lease.lua and XPENDING (it was 7: trim, XRANGE, expiry...)
+    it = item("fly", 10, model=model, prefix=("shard 0",))
+    c.r.hset(K.ModelKeys(model).shard_of, it.sig, 0)
+    c.submit([it], "j", seal=True)
+    batch, why = c.claim(Contract(model=shards[0], max_batch_size=8, max_batch_tokens=4096, max_input_len=4096),
+                         "gone")
+    assert batch is not None, why
+    n, got = one_tick(shards[0])
+    assert got is not None and got["batches"] == 1 and n > 4, (n, got)  # reclaimed, trimmed, alarm read

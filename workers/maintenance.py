@@ -56,6 +56,9 @@ class Maintenance:
         self.thrash_batches = thrash_batches
         self._next = 0.0
         self._full_next = 0.0  # the next sweep that also forgets dead consumers holding nothing
+        # a shard of a sharded model (workers/shard_maintenance.py): its tick leaves the global duties
+        # to the model's own part and reads less while nothing is in flight there
+        self.shard = False
         self._finished_cursor = "$"
         self.batches_per_shape: list[int] = []
         # Counter drift check (conductor/verify/): reads every waiting entry in bounded steps,
@@ -158,13 +161,21 @@ class Maintenance:
             res = self.c.reclaim_dead(self.model, min_idle_ms=self.stale_idle_ms, pending_only=not full)
             if res["batches"]:
                 log.info(json.dumps({"event": "reclaimed", "model": self.model, **res}))
-            self._thrash_alarm()
+            # A shard with nothing in flight (issue 36: S + 1 lease holders each swept every part): its
+            # finished shapes and its stream's trim wait for the next full sweep (FULL_SWEEP_S), so an
+            # idle shard's holder reads one XPENDING (and renews its lease) a sweep. Both only defer
+            # (the alarm reads on from its cursor, the trim takes what was acknowledged meanwhile).
+            if not (self.shard and not full and not res.get("in_flight")):
+                self._thrash_alarm()
+                trim_model(self.c, self.model)
             self._drift_check()
-            trim_model(self.c, self.model)
-            # Jobs past their completion window end expired (issue 17): one sweeper at a time among
-            # the lease holders of every model and the serve replicas (conductor/jobs/job_state.py).
-            expire_due_leased(self.c, self.owner)
-            self.intake.tick()
+            if not self.shard:
+                # Jobs past their completion window end expired (issue 17): one sweeper at a time among
+                # the lease holders of every model and the serve replicas (conductor/jobs/job_state.py);
+                # and intake tasks resumed (cdr:intake:tasks). Both are global: a shard's tick leaves
+                # them to its model's own part, which every worker of the model ticks too.
+                expire_due_leased(self.c, self.owner)
+                self.intake.tick()
             if self.feeder is not None:  # the disk tier: results past the window go to the store,
                 offload_model(self.c, self.feeder.store, self.model)
                 # and answered ids to their packed form (conductor/tier/compact_ids.py): a job of any

@@ -136,6 +136,7 @@ class ShardMaintenance:
                     # a shard's sweep less often than the model's: each costs a lease, a reclaim
                     # sweep and a trim, and a dead worker's batches wait for its heartbeat's TTL anyway
                     m.interval_s = SHARD_SWEEP_S
+                    m.shard = True
                 m.on_error = self.on_error
                 self.parts[name] = m
 

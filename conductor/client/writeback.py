@@ -65,18 +65,23 @@ class Writeback(ConductorCore):
         return out
 
     def reclaim_dead(self, model: str, *, min_idle_ms: int = 0, pending_only: bool = False) -> dict[str, int]:
-        """One reclaim sweep over every consumer of ``model`` without a live heartbeat. ``pending_only``:
+        """One reclaim sweep over every consumer of ``model`` without a live heartbeat (``in_flight``: the
+        batches pending when it looked, what each consumer held). ``pending_only``:
         only consumers that hold batches (a dead one holding none is only forgotten), and nothing read
         past one XPENDING while no batch is in flight: the lease holder of an idle fleet sweeps every
         second, and XINFO CONSUMERS with a heartbeat read per consumer grew with the fleet (issue 36)."""
-        total = {"consumers": 0, "batches": 0, "items": 0, "dead": 0}
+        total = {"consumers": 0, "batches": 0, "items": 0, "dead": 0, "in_flight": 0}
         if pending_only:
             try:
-                if not int(self.r.xpending(K.ModelKeys(model).batches, K.GROUP)["pending"]):
-                    return total
+                total["in_flight"] = int(self.r.xpending(K.ModelKeys(model).batches, K.GROUP)["pending"])
             except redis.ResponseError:  # no stream or group yet: nothing in flight
                 return total
-        for row in self.consumers(model, pending_only=pending_only):
+            if not total["in_flight"]:
+                return total
+        rows = self.consumers(model, pending_only=pending_only)
+        if not pending_only:
+            total["in_flight"] = sum(int(row.get("pending") or 0) for row in rows)
+        for row in rows:
             # a live consumer with nothing pending has nothing to lose: no reclaim.lua call for each
             # idle worker of the fleet every second
             if row["alive"] and (not min_idle_ms or not row.get("pending")):
