@@ -292,3 +292,8 @@ def test_redis_cost_quick_form_runs_with_a_before_tree(tmp_path):
     assert "| q2 |" in out and "plain FIFO stream (limit)" in out and "INCOMPLETE" not in out
     for script in ("| claim |", "| complete |", "| submit |"):
         assert script in out
+
+
+def test_holder_sweep_quick_form_runs():
+    out = _bench("bench/broker/holder_sweep.py", "--shards", "3", "--consumers", "2", "--seconds", "1.5")
+    assert "commands/s, the holder of every part" in out and "lua:lease" in out
