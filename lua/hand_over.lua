@@ -87,7 +87,8 @@ redis.call('HINCRBY', state_key, 'inflight_batches', -1)
 redis.call('HINCRBY', state_key, 'inflight_items', -#recs)
 if #recs > 0 then
   redis.call('RENAME', items_key, moving_key)
-  redis.call('HSET', base .. ':moving', token, sig)
+  local d = tonumber(dv) or 1
+  redis.call('HSET', base .. ':moving', token, d > 1 and (sig .. ':' .. string.format('%d', d)) or sig)
 end
 for _, job in ipairs(order) do
   local ids = by_job[job]

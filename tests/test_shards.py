@@ -437,6 +437,14 @@ def test_an_item_moved_by_a_change_of_count_keeps_its_delivery_count(redis_url):
 
     assert [die_holding_one(model, f"gone{i}") for i in range(2)] == [1, 2]
     c.set_config(model, {"shards": 3})
+    # a migration that died after handing the batch over: its moving list names the count, the next
+    # step submits it from there
+    mk = K.ModelKeys(model)
+    batch, why = c.claim(Contract(model=model, max_batch_size=8, max_batch_tokens=4096, max_input_len=4096), "mv")
+    assert batch is not None, why
+    token = c.r.xrange(mk.batches, batch.batch_id, batch.batch_id)[0][1][b"k"].decode()
+    assert calls.hand_over(mk, batch.batch_id, "mv", token).run(c.scripts) == 1
+    assert c.r.hget(mk.moving, token).endswith(b":3")
     deadline = time.monotonic() + 10
     while not c.drained([model]):
         assert time.monotonic() < deadline, c.status("dj")
