@@ -5,7 +5,10 @@ model's lease holder (workers/shard_maintenance.py) claims batches there under i
 any worker does (claim.lua takes the items out of the lanes with every count kept), hands each
 batch over (lua/hand_over.lua: out of the shard's in-flight counts, registries and submitted
 counts, into M:moving:<token> of the same slot), submits its items to the model, which routes them
-to their new shards (submit.lua, idempotent on id there), and then deletes the moving list. An item
+to their new shards (submit.lua, idempotent on id there), and then deletes the moving list. A batch
+delivered before (taken from the old shard's reclaimed queue) keeps its delivery count: its items
+join the new shard's reclaimed queue with it (lua/hand_in.lua, idempotent on id too), so a change of
+the count never resets what the dead letter is judged on. An item
 is claimable in one place at any time; a migration that dies between the steps leaves either a
 batch pending under its name (a reclaim hands it back to the old shard: run there, or moved later)
 or a moving list, which the next step submits again (the ids already there are skipped).
