@@ -4,7 +4,10 @@
 -- conductor/client/shard_migrate.py) taken out of that shard whole: its items leave the shard's
 -- in-flight counts, its jobs' id registries and submitted counts, and wait in a moving list of
 -- the same slot until the client has submitted them to their new shard and deleted the list
--- (cdr:{shard}:moving names each such list with the batch's shape signature).
+-- (cdr:{shard}:moving names each such list with the batch's shape signature and, for a batch
+-- delivered before (taken from the reclaimed queue, its entry's dv above 1), 'sig:dv': the items'
+-- next delivery count, which lua/hand_in.lua carries to the new shard so that a change of S never
+-- resets the count the dead letter is judged on).
 --
 -- KEYS[1] base     cdr:{shard}
 -- KEYS[2] state    cdr:{shard}:state
@@ -35,11 +38,11 @@ if stop then return stop end
 local p = redis.call('XPENDING', batches_key, GROUP, bid, bid, 1, consumer)
 if #p == 0 then return 0 end
 local entry = redis.call('XRANGE', batches_key, bid, bid)
-local k, sig
+local k, sig, dv
 if entry[1] then
   local f = entry[1][2]
   for i = 1, #f, 2 do
-    if f[i] == 'k' then k = f[i + 1] elseif f[i] == 'sig' then sig = f[i + 1] end
+    if f[i] == 'k' then k = f[i + 1] elseif f[i] == 'sig' then sig = f[i + 1] elseif f[i] == 'dv' then dv = f[i + 1] end
   end
 end
 if k ~= token or not sig then
@@ -84,7 +87,8 @@ redis.call('HINCRBY', state_key, 'inflight_batches', -1)
 redis.call('HINCRBY', state_key, 'inflight_items', -#recs)
 if #recs > 0 then
   redis.call('RENAME', items_key, moving_key)
-  redis.call('HSET', base .. ':moving', token, sig)
+  local d = tonumber(dv) or 1
+  redis.call('HSET', base .. ':moving', token, d > 1 and (sig .. ':' .. string.format('%d', d)) or sig)
 end
 for _, job in ipairs(order) do
   local ids = by_job[job]

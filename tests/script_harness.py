@@ -437,6 +437,20 @@ def hand_over(c: Conductor) -> Call:
                 check=lambda r: r.llen(MK.moving_items(token)) == 4 and r.hget(MK.job_intake("j"), "submitted") == b"0")
 
 
+def hand_in(c: Conductor) -> Call:
+    # items delivered twice on an old shard, taken in by their new one with that count (a moved
+    # batch is one shape; one id the job has already here is skipped)
+    from conductor.redis_contract.script_calls import submit_args as _submit_args
+    quick(c)
+    its = [item(i, 10, prefix=("A",)) for i in range(4)]
+    c.submit(its[:1], "j")
+    args = [*_submit_args("j", its), 3]
+    args[4] = b""  # the shape's prefix is stored here already (read back, not sent)
+    return Call("hand_in", [MK.base, MK.cfg, MK.state, MK.reclaimed], args,
+                check=lambda r: r.llen(MK.reclaimed) == 3 and r.hget(MK.state, "reclaimed_items") == b"3"
+                and r.hget(MK.job_intake("j"), "submitted") == b"4")
+
+
 def dead_retry(c: Conductor) -> Call:
     quick(c, max_deliveries=1)
     c.submit([item(i, 10) for i in range(3)], "j")
@@ -839,6 +853,7 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "batch_finalize": [batch_finalize_start, batch_finalize_done],
     "tenant_admit": [tenant_admit_under, tenant_admit_over],
     "hand_over": [hand_over],
+    "hand_in": [hand_in],
 }
 
 

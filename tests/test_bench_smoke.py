@@ -338,3 +338,8 @@ def test_script_instructions_counts_each_script_call_under_callgrind(tmp_path):
     assert res["submit"] > 0 and kinds["claim"]["items"] == 300 and kinds["complete"]["items"] == 300
     assert all(v["instructions"] > 0 and v["calls"] > 0 for v in kinds.values()), kinds
     assert "together" in script_instructions.report(res)
+
+
+def test_holder_sweep_quick_form_runs():
+    out = _bench("bench/broker/holder_sweep.py", "--shards", "3", "--consumers", "2", "--seconds", "1.5")
+    assert "commands/s, the holder of every part" in out and "lua:lease" in out

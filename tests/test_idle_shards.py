@@ -1,6 +1,6 @@
 """An idle worker of a model sharded over a three-master Redis Cluster (issue 36; workers/idle.py):
-at most about one command a second (a BLPOP on the model's doorbell and a beat of the model's keys or
-a shard's, in turn, each 5 s), woken at once by work submitted to any shard, and never taken for
+at most about one command a second (a BLPOP on the model's doorbell, a beat of the model's keys and
+one of a shard's, in turn, each 5 s), woken at once by work submitted to any shard, and never taken for
 dead on a shard between its turns there. The figures are bench/RESULTS.md's
 (bench/broker/idle_fleet.py --sharded); these tests count, with margins."""
 
@@ -102,7 +102,7 @@ def test_an_idle_worker_on_three_shards_sends_under_one_command_a_second_and_wak
             node_calls = _node_calls(cluster, "evalsha", "blpop", "lpush", "xinfo", "hget", "hkeys") / took
         finally:
             sent.uninstall()
-        assert all(0.1 < v <= 1.0 for v in per.values()), per  # 0.4 a second: 2 commands each 5 s
+        assert all(0.1 < v <= 1.0 for v in per.values()), per  # 0.6 a second: 3 commands each 5 s
         assert node_calls <= 1.0 * len(workers) + 0.5, (node_calls, per)
         for w in workers:
             for name in (model, *shards):
@@ -153,7 +153,8 @@ def _watch(
 
 
 def test_idle_workers_stay_alive_and_registered_on_every_shard_idle_busy_and_idle_again(cluster):
-    """A 2 s heartbeat TTL: a beat a second, each keyspace's turn every 4 s, its heartbeat there 5.2 s.
+    """A 2 s heartbeat TTL: a beat a second (the model's keys each time), each shard's turn every 3 s, its
+    heartbeat there 3.9 s.
     The shards' lease holders sweep meanwhile (each worker a consumer of each shard's group, as one
     is once it has claimed there): a heartbeat that lapsed would cost the worker its registration.
     From the first idle beat (the heartbeat thread's beats before it left each shard the TTL to live),
@@ -190,3 +191,96 @@ def test_idle_workers_stay_alive_and_registered_on_every_shard_idle_busy_and_idl
         assert {r.worker for r in c.read_results("busy")} and c.status("busy")["done"]
     finally:
         stop_fleet(workers, threads)
+
+
+def test_a_worker_killed_while_idle_is_dead_on_every_shard_a_ttl_after(cluster):
+    """A 2 s TTL, three shards: an idle worker's shard heartbeats live a round of the shards (3.9 s),
+    but it counts as alive on a shard only while its heartbeat on the model's own keys, beaten every
+    period with the TTL's own, lives too: SIGKILLed while idle, it is dead everywhere within the TTL
+    (plus the reads' margin), not a round (it was up to 5.2 s here, 26 s at S = 3 and the default TTL).
+    A shard's sweep then takes it for dead there at once: its registration and consumer forgotten."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from conductor.client.fleet import live_workers
+    from tests.conftest import ROOT
+
+    url, model, ttl = cluster.url, "lapsy", 2.0
+    c = Conductor(connect(url))
+    quick(c, model, shards=3)
+    names = [model, *c.shards(model)]
+    w = subprocess.Popen([sys.executable, "-m", "conductor", "--log-level", "warning", "worker", "--engine", "sim",
+                          "--model", model, "--name", "lap", "--heartbeat-ttl", str(ttl)],
+                         env=dict(os.environ, CONDUCTOR_REDIS_URL=url), cwd=str(ROOT))
+    try:
+        deadline = time.monotonic() + 30
+        # idle, through its turns: a shard heartbeat that outlives the TTL by over half of it
+        while max((c.r.pttl(K.ModelKeys(n).heartbeat("lap")) or 0) for n in names[1:]) < 1500 * ttl:
+            assert time.monotonic() < deadline and w.poll() is None, "the worker did not go idle"
+            time.sleep(0.05)
+        for n in names[1:]:
+            c.r.xgroup_createconsumer(K.ModelKeys(n).batches, K.GROUP, "lap")
+        w.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        w.wait(10)
+        while any("lap" in live_workers(c.r, n) for n in names):
+            assert time.monotonic() - killed < 10, {n: live_workers(c.r, n) for n in names}
+            time.sleep(0.02)
+        lapse = time.monotonic() - killed
+        longest = max((c.r.pttl(K.ModelKeys(n).heartbeat("lap")) or 0) for n in names[1:])
+        assert lapse <= ttl + 0.7 and longest > 0, (lapse, longest)  # a shard heartbeat still runs
+        for n in names[1:]:
+            c.reclaim_dead(n)
+            mk = K.ModelKeys(n)
+            assert not c.r.hexists(mk.workers, "lap") and not c.r.exists(mk.heartbeat("lap")), n
+            assert "lap" not in {row["name"] for row in c.consumers(n)}, n
+        print(f"lapse {lapse:.2f} s after SIGKILL (TTL {ttl} s, 3 shards)")
+    finally:
+        if w.poll() is None:
+            w.kill()
+            w.wait(10)
+
+
+def test_a_shards_sweep_reads_one_xpending_while_nothing_is_in_flight_there(cluster):
+    """S + 1 maintenance parts (the model's, each shard's), each with its own lease holder: a shard's
+    tick with nothing in flight renews its lease and reads one XPENDING; its trim and finished shapes
+    wait for the full sweep, and the global duties (expiry, intake tasks) are the model's part's. With
+    a batch in flight there, it sweeps it all (the dead consumer's batch comes back)."""
+    from conductor.client.shard_claims import ShardClaims
+    from conductor.redis_contract.records import Contract
+    from conductor.workers import shard_maintenance
+
+    url, model = cluster.url, "sweepy"
+    c = Conductor(connect(url))
+    quick(c, model, shards=3)
+    shards = c.shards(model)
+    for name in (model, *shards):
+        c.ensure_model(name)
+    sm = shard_maintenance.for_worker(c, ShardClaims(c, model), "holder", 10.0)
+    for m in sm.parts.values():
+        m.verify_interval_s = 0
+    sm.tick()  # the first: every part's lease and full sweep
+
+    def one_tick(name: str) -> tuple[int, dict[str, int] | None]:
+        part = sm.parts[name]
+        part._next = 0.0  # due now (a shard's period is 2.5 s)
+        sent.install()
+        try:
+            sent.reset()
+            got = part.tick()
+            return sent.of(c.r), got
+        finally:
+            sent.uninstall()
+
+    for name in shards:
+        assert one_tick(name)[0] <= 2, name  # lease.lua and XPENDING (it was 7: trim, XRANGE, expiry...)
+    it = item("fly", 10, model=model, prefix=("shard 0",))
+    c.r.hset(K.ModelKeys(model).shard_of, it.sig, 0)
+    c.submit([it], "j", seal=True)
+    batch, why = c.claim(Contract(model=shards[0], max_batch_size=8, max_batch_tokens=4096, max_input_len=4096),
+                         "gone")
+    assert batch is not None, why
+    n, got = one_tick(shards[0])
+    assert got is not None and got["batches"] == 1 and n > 4, (n, got)  # reclaimed, trimmed, alarm read

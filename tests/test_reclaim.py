@@ -22,7 +22,7 @@ def test_dead_consumer_batches_are_served_before_lanes(cdr):
     dead, _ = cdr.claim(contract(size=8), "dead")  # no heartbeat key: a dead consumer
     cdr.submit([item(f"b{i}", 10) for i in range(8)], "j")
     res = cdr.reclaim_dead("m")
-    assert res == {"consumers": 1, "batches": 1, "items": 8, "dead": 0}
+    assert res == {"consumers": 1, "batches": 1, "items": 8, "dead": 0, "in_flight": 1}
     assert cdr.r.llen(MK.reclaimed) == 1
     assert "dead" not in consumer_names(cdr)  # its pending list was emptied, then it was deleted
     b, _ = cdr.claim(contract(), "live")

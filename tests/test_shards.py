@@ -411,3 +411,50 @@ def test_verify_of_a_sharded_model_with_batches_in_flight_on_every_shard(cluster
         for b in held[n][:1 if n == names[1] else 2]:
             c.complete(b, results_for(b))
     assert cli("inspect", model, "--verify", url=url, check=False).returncode == 0
+
+
+def test_an_item_moved_by_a_change_of_count_keeps_its_delivery_count(redis_url):
+    # delivered twice to consumers that died (no heartbeat: reclaimed, each time the blamed batch),
+    # then S 1 -> 3: on its new shard the next delivery is its third, and with max_deliveries=3 the
+    # third death dead-letters it there, as it would have without the move (lua/hand_in.lua)
+    from conductor.client import shard_migrate
+    from conductor.redis_contract import script_calls as calls
+    from conductor.redis_contract.records import Contract
+    from tests.helpers import quick
+    c, model = Conductor(connect(redis_url)), "dvy"
+    quick(c, model, max_deliveries=3)
+    c.submit([item("d0", 12, model=model, prefix=("sys",), max_tokens=8)], "dj", seal=True)
+
+    def die_holding_one(name: str, consumer: str) -> int:
+        mk = K.ModelKeys(name)
+        batch, why = c.claim(Contract(model=name, max_batch_size=8, max_batch_tokens=4096, max_input_len=4096),
+                             consumer)
+        assert batch is not None and [it.id for it in batch.items] == ["d0"], why
+        dv = int(c.r.xrange(mk.batches, batch.batch_id, batch.batch_id)[0][1][b"dv"])
+        rep = calls.reclaim(mk, consumer, force=False, min_idle_ms=0, count=10).run(c.scripts)
+        assert rep.batches == 1, rep
+        return dv
+
+    assert [die_holding_one(model, f"gone{i}") for i in range(2)] == [1, 2]
+    c.set_config(model, {"shards": 3})
+    # a migration that died after handing the batch over: its moving list names the count, the next
+    # step submits it from there
+    mk = K.ModelKeys(model)
+    batch, why = c.claim(Contract(model=model, max_batch_size=8, max_batch_tokens=4096, max_input_len=4096), "mv")
+    assert batch is not None, why
+    token = c.r.xrange(mk.batches, batch.batch_id, batch.batch_id)[0][1][b"k"].decode()
+    assert calls.hand_over(mk, batch.batch_id, "mv", token).run(c.scripts) == 1
+    assert c.r.hget(mk.moving, token).endswith(b":3")
+    deadline = time.monotonic() + 10
+    while not c.drained([model]):
+        assert time.monotonic() < deadline, c.status("dj")
+        shard_migrate.step(c, model, "mv")
+    [new] = [n for n in S.shard_names(model, 3) if c.status("dj")["models"].get(n, {}).get("submitted")]
+    assert die_holding_one(new, "gone2") == 3
+    dead = c.r.xrange(K.ModelKeys(new).dead)
+    assert [(e[b"id"], e[b"deliveries"]) for _, e in dead] == [(b"d0", b"3")]
+    st = c.status("dj")
+    assert st["submitted"] == 1 and st["failed"] == 1 and st["done"], st
+    for n in [model, *S.shard_names(model, 3)]:
+        rep = verify(c.r, n, items=True)
+        assert rep.ok, (n, rep.drift)

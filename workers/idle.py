@@ -1,6 +1,6 @@
 """An idle worker's wait (issue 36): one blocking read on the model's doorbell and one
-lua/idle_beat.lua call a beat (on a sharded model, on the model's keys or a shard's in turn), nothing
-else.
+lua/idle_beat.lua call a beat (on a sharded model, one on the model's keys and one on a shard's in
+turn), nothing else.
 
 A worker whose claim answered 'idle' (nothing waits) used to renew the maintenance lease every
 second, claim again every second, BLPOP between the two and beat its heartbeat every third of its
@@ -17,20 +17,26 @@ late past the TTL costs nothing but a moment of looking dead (the thread steps i
 than ``GRACE``); a worker that holds batches (a host agent whose GPU processes run while its claim
 found nothing) leaves its heartbeat to the thread, which extends their leases.
 
-A sharded model (conductor/redis_contract/shards.py): the worker is registered and judged alive on
-the model's keys and every shard's (each shard's sweep reads its own heartbeat keys), and one BLPOP
-cannot span their slots. So it blocks on the model's own doorbell, which a submit or a seal on any
-shard rings (conductor/client/shard_route.py ``ring_model_bell``), and beats one keyspace a period in
-turn, the model's and then each shard's: each heartbeat lives a round of them (S + 1 periods) and
-``GRACE`` more, each registration stays, each turn takes or renews that keyspace's maintenance lease,
-and work that waits there without a ring is claimed at that turn (a shard's sweep that puts batches
-back rings the model's doorbell: workers/shard_maintenance.py). Two commands a period whatever S is,
-as unsharded (0.4 a second at the default TTL); the first period after a busy spell beats every
-keyspace once (the heartbeat thread's beats left each a TTL to live, not a round). The cost: a worker
-SIGKILLed while idle counts as live for up to a round (26 s at S = 3, 46 s at S = 6), not a TTL: it
-leases nothing, so nothing waits on it; meanwhile the fleet a keyspace counts for its fair shares is
-one too large, the name stays taken and ``conductor workers`` lists it. Work that comes without any
-ring (a dead letter retried) waits for its keyspace's turn, a round at most, not a period.
+A sharded model (conductor/redis_contract/shards.py): the worker is registered on the model's keys
+and every shard's, and one BLPOP cannot span their slots. So it blocks on the model's own doorbell,
+which a submit or a seal on any shard rings (conductor/client/shard_route.py ``ring_model_bell``),
+beats the model's own keys every period (its heartbeat lives the TTL's own, as unsharded) and one
+shard a period in turn: each shard heartbeat lives a round of the shards (S periods) and ``GRACE``
+more, each registration stays, each turn takes or renews that shard's maintenance lease, and work
+that waits there without a ring is claimed at that turn (a shard's sweep that puts batches back
+rings the model's doorbell: workers/shard_maintenance.py). A worker counts as alive on a shard while
+its heartbeat there and its heartbeat on the model's keys both live (conductor/client/fleet.py
+``live_workers``; a shard's sweep, conductor/client/writeback.py, deletes the shard heartbeat of
+one whose model heartbeat is gone, then reclaims as for any dead consumer): a worker killed while
+idle lapses a TTL after its last beat (10 s), not a round (it was 26 s at S = 3, 46 s at S = 6); one
+that holds batches has every heartbeat beaten by the heartbeat thread, the TTL's own, as before.
+Three commands a period whatever S is (a BLPOP and two beats: 0.6 a second at the default TTL; 0.4
+unsharded); the first period after a busy spell beats every shard once (the heartbeat thread's
+beats left each a TTL to live, not a round). What the shards' scripts read (claim.lua's fleet size
+and affinities, lua/lib_workers.lua) cannot read the model's slot: there a dead idle worker counts
+until its shard's next full sweep deletes that heartbeat (``FULL_SWEEP_S`` after its model heartbeat
+lapsed, workers/maintenance.py) or it runs out. Work that comes without any ring (a dead letter
+retried) waits for its shard's turn, a round at most, not a period.
 
 The lease holder still sweeps every second (workers/maintenance.py: reclaim, trim, expiry, its
 own commands), so it costs more than the others; a beat's lease answer stands for the sweep's
@@ -121,7 +127,7 @@ class IdleBeat:
         return got
 
     def _turns(self, spaces: list[str], now: float, thread_beat: bool) -> list[str]:
-        """The keyspaces to beat this period: the one whose heartbeat runs out first (a round, in turn),
+        """The shards to beat this period: the one whose heartbeat runs out first (a round, in turn),
         and any other that would run out before the next period. After the heartbeat thread has
         beaten (a busy spell), each heartbeat lives only the TTL: every keyspace is beaten within the
         period, once, before the turns spread them over the round again."""
@@ -136,27 +142,28 @@ class IdleBeat:
         return [n for n in order if self._lives.get(n, 0.0) < horizon] or order[:1]
 
     def _beat_round(self, shards: list[str], now: float) -> bool:
-        """This period's turns (the model's keys and its shards'); True when work waits on one of them
-        or the worker must join again. A shard whose registration is gone is joined again, or, an old
-        layout forgotten, dropped from ``shards``."""
+        """This period's beats: the model's own keys, then the shards' turns; True when work waits on one
+        of them or the worker must join again. The model's heartbeat lives the TTL's own, as unsharded:
+        a shard's readers judge the worker by it too (alive there: both heartbeats), so a worker killed
+        while idle lapses everywhere a TTL after its last beat, however long its shard heartbeats live.
+        A shard whose registration is gone is joined again, or, an old layout forgotten, dropped from
+        ``shards``."""
         thread_beat = now >= self._thread_off_until  # read before this period puts it off again
         self._beat_at = now
         self._thread_off_until = 0.0
         if not self.w.leased_ids():  # else the heartbeat thread's beat must still extend their leases
             self.w.hb_due = max(self.w.hb_due, now + self.period_s * (1 + GRACE))
             self._thread_off_until = self.w.hb_due
-        model = self.w.shards.model
-        spaces = [model, *shards]
-        for name in self._turns(spaces, now, thread_beat):
-            if name == model:
-                got = self.beat(len(spaces))
-                if got.waits or not got.registered:
-                    return True
-                continue
-            on = self.beat_shard(name, len(spaces))
+        got = self.beat(1)
+        if got.waits or not got.registered:
+            return True
+        if not shards:
+            return False
+        for name in self._turns(shards, now, thread_beat):
+            on = self.beat_shard(name, len(shards))
             if not on.registered:
                 if self.w.members.rejoin(name):  # a sweep there took it for dead: join, and beat again
-                    on = self.beat_shard(name, len(spaces))  # (registering set the TTL's own)
+                    on = self.beat_shard(name, len(shards))  # (registering set the TTL's own)
                 else:
                     shards.remove(name)
             if on.waits:

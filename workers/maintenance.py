@@ -39,6 +39,8 @@ log = logging.getLogger("conductor.maintenance")
 RIDE_OUT_OR_STORE: tuple[type[BaseException], ...] = (*RIDE_OUT, StoreError)
 
 
+# Every this many seconds a sweep also reads what an idle one skips (dead consumers holding nothing;
+# on a shard, its trim and finished shapes; the model's tenants' service over its shards).
 FULL_SWEEP_S = 10.0
 
 
@@ -56,6 +58,12 @@ class Maintenance:
         self.thrash_batches = thrash_batches
         self._next = 0.0
         self._full_next = 0.0  # the next sweep that also forgets dead consumers holding nothing
+        # a shard of a sharded model (workers/shard_maintenance.py): its tick leaves the global duties
+        # to the model's own part; and a part of a sharded model (a shard, the model's own keys) reads
+        # less while nothing is in flight there (defer_when_idle)
+        self.shard = False
+        self.defer_when_idle = False
+        self.in_flight = 0  # batches pending at the last sweep (reclaim_dead's in_flight)
         self._finished_cursor = "$"
         self.batches_per_shape: list[int] = []
         # Counter drift check (conductor/verify/): reads every waiting entry in bounded steps,
@@ -156,15 +164,25 @@ class Maintenance:
             if full:
                 self._full_next = now + FULL_SWEEP_S
             res = self.c.reclaim_dead(self.model, min_idle_ms=self.stale_idle_ms, pending_only=not full)
+            self.in_flight = res.get("in_flight", 0)
             if res["batches"]:
                 log.info(json.dumps({"event": "reclaimed", "model": self.model, **res}))
-            self._thrash_alarm()
+            # A part of a sharded model with nothing in flight (issue 36: S + 1 lease holders each swept
+            # every part): its finished shapes and its stream's trim wait for the next full sweep
+            # (FULL_SWEEP_S), so an idle shard's holder reads one XPENDING (and renews its lease) a
+            # sweep. Both only defer (the alarm reads on from its cursor, the trim takes what was
+            # acknowledged meanwhile).
+            if not (self.defer_when_idle and not full and not self.in_flight):
+                self._thrash_alarm()
+                trim_model(self.c, self.model)
             self._drift_check()
-            trim_model(self.c, self.model)
-            # Jobs past their completion window end expired (issue 17): one sweeper at a time among
-            # the lease holders of every model and the serve replicas (conductor/jobs/job_state.py).
-            expire_due_leased(self.c, self.owner)
-            self.intake.tick()
+            if not self.shard:
+                # Jobs past their completion window end expired (issue 17): one sweeper at a time among
+                # the lease holders of every model and the serve replicas (conductor/jobs/job_state.py);
+                # and intake tasks resumed (cdr:intake:tasks). Both are global: a shard's tick leaves
+                # them to its model's own part, which every worker of the model ticks too.
+                expire_due_leased(self.c, self.owner)
+                self.intake.tick()
             if self.feeder is not None:  # the disk tier: results past the window go to the store,
                 offload_model(self.c, self.feeder.store, self.model)
                 # and answered ids to their packed form (conductor/tier/compact_ids.py): a job of any

@@ -20,7 +20,7 @@ from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.records import Batch, Contract
 
 from .held import event
-from .maintenance import Maintenance
+from .maintenance import FULL_SWEEP_S, Maintenance
 from .transient import RIDE_OUT
 
 FORGET_EVERY_S = 10.0
@@ -125,6 +125,7 @@ class ShardMaintenance:
         self.parts: dict[str, Maintenance] = {}
         self._forget_next = 0.0
         self.fair = ShardFair(c.r)
+        self._fair_next = 0.0
         self.on_error: Callable[[BaseException], bool] | None = None
         self._refresh()
 
@@ -136,6 +137,7 @@ class ShardMaintenance:
                     # a shard's sweep less often than the model's: each costs a lease, a reclaim
                     # sweep and a trim, and a dead worker's batches wait for its heartbeat's TTL anyway
                     m.interval_s = SHARD_SWEEP_S
+                    m.shard = m.defer_when_idle = True
                 m.on_error = self.on_error
                 self.parts[name] = m
 
@@ -177,6 +179,7 @@ class ShardMaintenance:
     def tick(self, held_only: bool = False) -> dict[str, int] | None:
         """Each part's tick; ``held_only``: only the parts whose lease this worker holds (an idle wait)."""
         self._refresh()
+        self.parts[self.shards.model].defer_when_idle = len(self.parts) > 1
         out: dict[str, int] | None = None
         for name, m in list(self.parts.items()):
             if held_only and not m.lease_alive():
@@ -203,8 +206,12 @@ class ShardMaintenance:
                 event("bell_failed", model=self.shards.model, error=str(e))
 
     def _migrate(self) -> None:
-        """Waiting shapes of an old layout to their new shards, one bounded step a tick (shard_migrate.py)."""
+        """Waiting shapes of an old layout to their new shards, one bounded step a tick (shard_migrate.py).
+        Nothing to move without an old layout: the layout as cached (LAYOUT_TTL_S) says so, not a read
+        of it a tick; a change of the count is seen that much later."""
         try:
+            if not self.c.layout(self.shards.model).old:
+                return
             moved = shard_migrate.step(self.c, self.shards.model, self.owner)
         except RIDE_OUT as e:
             if self.on_error is None or not self.on_error(e):
@@ -217,7 +224,14 @@ class ShardMaintenance:
             event("shard_migrated", model=self.shards.model, items=moved)
 
     def _fair(self) -> None:
-        """Tenants' service over the shards combined (conductor/jobs/shard_fair.py), by the model's lease holder."""
+        """Tenants' service over the shards combined (conductor/jobs/shard_fair.py), by the model's lease
+        holder: each tick while a shard's last sweep saw a batch in flight, else every ``FULL_SWEEP_S``
+        (a shard's service grows only with its claims; a top-up skipped is taken at the next one, as
+        each sums the growth since the last)."""
+        now = time.monotonic()
+        if now < self._fair_next and not any(m.in_flight for m in self.parts.values()):
+            return
+        self._fair_next = now + FULL_SWEEP_S
         try:
             self.fair.sync(self.shards.names())
         except RIDE_OUT as e:

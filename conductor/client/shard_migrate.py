@@ -5,7 +5,10 @@ model's lease holder (workers/shard_maintenance.py) claims batches there under i
 any worker does (claim.lua takes the items out of the lanes with every count kept), hands each
 batch over (lua/hand_over.lua: out of the shard's in-flight counts, registries and submitted
 counts, into M:moving:<token> of the same slot), submits its items to the model, which routes them
-to their new shards (submit.lua, idempotent on id there), and then deletes the moving list. An item
+to their new shards (submit.lua, idempotent on id there), and then deletes the moving list. A batch
+delivered before (taken from the old shard's reclaimed queue) keeps its delivery count: its items
+join the new shard's reclaimed queue with it (lua/hand_in.lua, idempotent on id too), so a change of
+the count never resets what the dead letter is judged on. An item
 is claimable in one place at any time; a migration that dies between the steps leaves either a
 batch pending under its name (a reclaim hands it back to the old shard: run there, or moved later)
 or a moving list, which the next step submits again (the ids already there are skipped).
@@ -16,6 +19,7 @@ to the workers for this step."""
 
 from __future__ import annotations
 
+import time
 from typing import Any, Protocol
 
 import msgspec
@@ -61,6 +65,10 @@ class MigrateClient(Protocol):
 
     def prefix(self, model: str, sig: str) -> list[str]: ...
 
+    def route(self, by_model: dict[str, list[PreparedItem]]) -> dict[str, list[PreparedItem]]: ...
+
+    def ring_model_bell(self, models: Any) -> None: ...
+
 
 def old_shards(c: MigrateClient, model: str) -> list[str]:
     """The shards of the old layouts that are not shards of the current one."""
@@ -86,33 +94,39 @@ def step(c: MigrateClient, model: str, consumer: str, *, batches: int = 8) -> in
             if any(it.job.startswith(K.REQUEST_JOB_PREFIX) for it in batch.items):
                 c.fail(batch, consumer, "a request item stays on the model's own keys (shard migration)")
                 break
-            token = _token(c, shard, batch.batch_id)
-            if token is None:
+            found = _token(c, shard, batch.batch_id)
+            if found is None:
                 break
+            token, dv = found
             if calls.hand_over(K.ModelKeys(shard), batch.batch_id, consumer, token).run(c.scripts):
-                moved += _submit_moving(c, model, shard, token, batch.shape)
+                moved += _submit_moving(c, model, shard, token, batch.shape, dv)
     return moved
 
 
-def _token(c: MigrateClient, shard: str, batch_id: str) -> str | None:
+def _token(c: MigrateClient, shard: str, batch_id: str) -> tuple[str, int] | None:
+    """The batch's token and delivery count (its entry's k and dv), or None when it is gone."""
     rows = c.r.xrange(K.ModelKeys(shard).batches, batch_id, batch_id)
     if not rows:
         return None
-    k = rows[0][1].get(b"k")
-    return as_str(k) if k is not None else None
+    k, dv = rows[0][1].get(b"k"), rows[0][1].get(b"dv")
+    return (as_str(k), int(as_str(dv or b"1"))) if k is not None else None
 
 
 def _resume(c: MigrateClient, model: str, shard: str) -> int:
     """Moving lists an earlier step left (it died before deleting them): their items submitted again."""
     mk = K.ModelKeys(shard)
     moved = 0
-    for token, sig in c.r.hgetall(mk.moving).items():
-        moved += _submit_moving(c, model, shard, as_str(token), as_str(sig))
+    for token, val in c.r.hgetall(mk.moving).items():
+        sig, _, dv = as_str(val).partition(":")  # 'sig:dv' for a batch delivered before (hand_over.lua)
+        moved += _submit_moving(c, model, shard, as_str(token), sig, int(dv or 1))
     return moved
 
 
-def _submit_moving(c: MigrateClient, model: str, shard: str, token: str, sig: str) -> int:
-    """One moving list's items submitted to the model (their new shard), then the list deleted."""
+def _submit_moving(c: MigrateClient, model: str, shard: str, token: str, sig: str, dv: int = 1) -> int:
+    """One moving list's items submitted to the model (their new shard), then the list deleted.
+    ``dv``: the delivery count the items' next claim gives them; above 1 (they were delivered and
+    given back on the old shard) they join their new shard's reclaimed queue with it
+    (lua/hand_in.lua), so that a change of S does not reset the count the dead letter is judged on."""
     mk = K.ModelKeys(shard)
     prefix = c.prefix(shard, sig)  # the shape's record stays on the old shard (M:shape:S)
     recs = c.r.lrange(mk.moving_items(token), 0, -1)
@@ -127,9 +141,26 @@ def _submit_moving(c: MigrateClient, model: str, shard: str, token: str, sig: st
         if cls[0] is not None or cls[1] is not None:
             c.set_job_class(job, [model], JobClass(as_str(cls[0] or b""), as_str(cls[1] or b"batch"),
                                                    int(as_str(cls[2] or b"0"))))
-        c.submit(its, job, checked=True)
+        if dv > 1:
+            _hand_in(c, model, job, its, dv)
+        else:
+            c.submit(its, job, checked=True)
     pipe = c.r.pipeline(transaction=False)
     pipe.delete(mk.moving_items(token))
     pipe.hdel(mk.moving, token)
     pipe.execute()
     return len(recs)
+
+
+def _hand_in(c: MigrateClient, model: str, job: str, its: list[PreparedItem], dv: int) -> None:
+    """Items delivered before, to their new shard's reclaimed queue with their count (lua/hand_in.lua):
+    the shard registered for the job and the model as submit registers it first."""
+    routed = c.route({model: its})
+    for name, part in routed.items():
+        pipe = c.r.pipeline(transaction=False)
+        pipe.sadd(K.MODELS_KEY, name)
+        pipe.zadd(K.JOBS_KEY, {job: int(time.time() * 1000)}, nx=True)
+        pipe.sadd(K.job_models_key(job), name)
+        pipe.execute()
+        calls.hand_in(K.ModelKeys(name), job, part, dv).run(c.scripts)
+    c.ring_model_bell(routed)

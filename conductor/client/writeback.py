@@ -9,6 +9,7 @@ from typing import Any
 import redis
 
 from conductor.client.core import ConductorCore
+from conductor.client.fleet import model_alive
 from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls
 from conductor.redis_contract.connection import as_str
@@ -56,26 +57,39 @@ class Writeback(ConductorCore):
         for row in out:
             pipe.exists(mk.heartbeat(row["name"]))
         for row, alive in zip(out, pipe.execute() if out else [], strict=True):
-            row["alive"] = bool(alive)
+            row["alive"] = row["heartbeat"] = bool(alive)
+        # on a shard, alive only while the model's own heartbeat lives too (client/fleet.py model_alive)
+        beating = [row for row in out if row["alive"]]
+        for row, alive in zip(beating, model_alive(self.r, model, [row["name"] for row in beating]), strict=True):
+            row["alive"] = alive
         return out
 
     def reclaim_dead(self, model: str, *, min_idle_ms: int = 0, pending_only: bool = False) -> dict[str, int]:
-        """One reclaim sweep over every consumer of ``model`` without a live heartbeat. ``pending_only``:
+        """One reclaim sweep over every consumer of ``model`` without a live heartbeat (``in_flight``: the
+        batches pending when it looked, what each consumer held). ``pending_only``:
         only consumers that hold batches (a dead one holding none is only forgotten), and nothing read
         past one XPENDING while no batch is in flight: the lease holder of an idle fleet sweeps every
         second, and XINFO CONSUMERS with a heartbeat read per consumer grew with the fleet (issue 36)."""
-        total = {"consumers": 0, "batches": 0, "items": 0, "dead": 0}
+        total = {"consumers": 0, "batches": 0, "items": 0, "dead": 0, "in_flight": 0}
         if pending_only:
             try:
-                if not int(self.r.xpending(K.ModelKeys(model).batches, K.GROUP)["pending"]):
-                    return total
+                total["in_flight"] = int(self.r.xpending(K.ModelKeys(model).batches, K.GROUP)["pending"])
             except redis.ResponseError:  # no stream or group yet: nothing in flight
                 return total
-        for row in self.consumers(model, pending_only=pending_only):
+            if not total["in_flight"]:
+                return total
+        rows = self.consumers(model, pending_only=pending_only)
+        if not pending_only:
+            total["in_flight"] = sum(int(row.get("pending") or 0) for row in rows)
+        for row in rows:
             # a live consumer with nothing pending has nothing to lose: no reclaim.lua call for each
             # idle worker of the fleet every second
             if row["alive"] and (not min_idle_ms or not row.get("pending")):
                 continue
+            if not row["alive"] and row["heartbeat"]:
+                # dead on the model's own keys, its shard heartbeat still running (an idle worker's lives
+                # a round of the shards, workers/idle.py): gone, so that reclaim.lua takes it for dead
+                self.r.delete(K.ModelKeys(model).heartbeat(row["name"]))
             res = self.reclaim_consumer(model, row["name"], min_idle_ms=min_idle_ms)
             if res["batches"] or res["deleted"]:
                 total["consumers"] += 1

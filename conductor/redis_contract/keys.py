@@ -73,7 +73,8 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
                                              first submit (the least loaded shard, then stable)
     M:moving                        hash     token -> shape signature: batches an old shard handed over
                                              (lua/hand_over.lua) whose items the migration has yet to submit
-                                             to their new shard
+                                             to their new shard; 'sig:dv' for a batch delivered before (dv:
+                                             its items' next delivery count, carried by lua/hand_in.lua)
     M:moving:T                      list     the item records of one of them (conductor/client/shard_migrate.py)
     M:state                         hash     the fleet's model state: gate, cleanup, in-flight and finished
                                              counters, pause (workers write it; producers only read it;

@@ -318,6 +318,12 @@ def hand_over(mk: K.ModelKeys, batch_id: str, consumer: str, token: str) -> Call
     return Call("hand_over", [mk.base, mk.state, mk.batches], [batch_id, consumer, token], _int)
 
 
+def hand_in(mk: K.ModelKeys, job: str, chunk: Sequence[PreparedItem], deliveries: int) -> Call[int]:
+    """lua/hand_in.lua: items of one shape moved from an old shard after ``deliveries - 1``
+    deliveries there, into this shard's reclaimed queue with their count; the number taken in."""
+    return Call("hand_in", [mk.base, mk.cfg, mk.state, mk.reclaimed], [*submit_args(job, chunk), deliveries], _int)
+
+
 class ReclaimReply(NamedTuple):
     batches: int
     items: int  # requeued

@@ -30,7 +30,7 @@ NAMES = ("submit", "claim", "complete", "reclaim", "fail", "repair", "reindex", 
          "trim", "trim_results", "lease", "cancel_registry", "cancel_lane", "cancel_segment",
          "register_segment", "fail_stored", "offload_results",
          "take_name", "job_class", "intake_create", "intake_lease", "intake_cursor", "compact_ids", "batch_finalize",
-         "schema_init", "tenant_admit", "hand_over")
+         "schema_init", "tenant_admit", "hand_over", "hand_in")
 
 
 def expand(name: str, read: Callable[[str], str]) -> str:
@@ -112,6 +112,7 @@ class Scripts:
     schema_init: redis.commands.core.Script
     tenant_admit: redis.commands.core.Script
     hand_over: redis.commands.core.Script
+    hand_in: redis.commands.core.Script
 
 
 class ScriptClient(Protocol):

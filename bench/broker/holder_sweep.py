@@ -1,0 +1,109 @@
+"""What one maintenance lease holder of a sharded model sends, by command (issue 36): a worker that
+holds every part's lease (the model's own keys and each shard's) ticks workers/shard_maintenance.py
+as its loop does, with nothing in flight and no idle beat standing for its lease calls, for
+``--seconds``; the commands its connections send are counted by name (a script call by its
+script's name, each command of a pipeline apart). Command counts do not depend on the machine's load.
+
+    .venv/bin/python bench/broker/holder_sweep.py --shards 3 --consumers 8 --seconds 20
+
+One Redis (a sharded model's layout works on one server too); ``--consumers`` idle consumers are
+registered on every part with a live heartbeat on each (the full sweep reads one per consumer)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from redis.connection import AbstractConnection  # noqa: E402
+
+from bench.common.report import command_line, git_rev, machine, now_utc, table  # noqa: E402
+from conductor.client import Conductor, connect  # noqa: E402
+from conductor.client.shard_claims import ShardClaims  # noqa: E402
+from conductor.embedded import EmbeddedRedis  # noqa: E402
+from conductor.redis_contract import keys as K  # noqa: E402
+from conductor.redis_contract import script_calls as calls  # noqa: E402
+from conductor.redis_contract.records import Contract  # noqa: E402
+from conductor.workers import shard_maintenance  # noqa: E402
+
+
+def _names(packed: bytes, shas: dict[str, str]) -> list[str]:
+    """The command names in ``packed`` (RESP arrays), a script call as lua:<script>."""
+    out, pos = [], 0
+    while pos < len(packed):
+        eol = packed.index(b"\r\n", pos)
+        n = int(packed[pos + 1:eol])
+        pos = eol + 2
+        args = []
+        for _ in range(n):
+            eol = packed.index(b"\r\n", pos)
+            ln = int(packed[pos + 1:eol])
+            args.append(packed[eol + 2:eol + 2 + ln])
+            pos = eol + 2 + ln + 2
+        name = args[0].decode().upper()
+        out.append(shas.get(args[1].decode(), name) if name == "EVALSHA" else name)
+    return out
+
+
+def measure(shards: int, consumers: int, seconds: float) -> tuple[float, Counter[str]]:
+    """Commands a second the holder of every part sent, in all and by name."""
+    seen: Counter[str] = Counter()
+    with EmbeddedRedis() as srv:
+        c = Conductor(connect(srv.url))
+        model = "holdy"
+        c.set_config(model, {"shards": shards})
+        names = [model, *c.ensure_shards(model)]
+        now = int(time.time() * 1000)
+        for name in names:
+            c.ensure_model(name)
+            mk = K.ModelKeys(name)
+            for i in range(consumers):
+                contract = Contract(model=name, max_batch_size=8, max_batch_tokens=4096, max_input_len=4096)
+                calls.register(mk, f"w{i}", "{}", contract, now, 600_000).run(c.scripts)
+                c.r.xgroup_createconsumer(mk.batches, K.GROUP, f"w{i}")
+        shas = {getattr(c.scripts, k).sha: f"lua:{k}" for k in c.scripts.__annotations__}
+        sm = shard_maintenance.for_worker(c, ShardClaims(c, model), "holder", 10.0)
+        for m in sm.parts.values():
+            m.verify_interval_s = 0  # the drift check runs in a thread of its own, every 60 s
+        sm.tick()  # every lease taken, every part's first (full) sweep
+        orig: Any = AbstractConnection.send_packed_command
+
+        def counted(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
+            data = command if isinstance(command, (bytes, bytearray, memoryview)) else b"".join(command)
+            seen.update(_names(bytes(data), shas))
+            orig(self, command, check_health)
+
+        AbstractConnection.send_packed_command = counted  # type: ignore[method-assign]
+        try:
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < seconds:
+                sm.tick()
+                time.sleep(max(0.0, min(0.05, sm.due_in())))
+            took = time.monotonic() - t0
+        finally:
+            AbstractConnection.send_packed_command = orig  # type: ignore[method-assign]
+    return sum(seen.values()) / took, Counter({k: v / took for k, v in seen.items()})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shards", type=int, default=3)
+    ap.add_argument("--consumers", type=int, default=8)
+    ap.add_argument("--seconds", type=float, default=20.0)
+    args = ap.parse_args()
+    total, by = measure(args.shards, args.consumers, args.seconds)
+    print(f"Command: `{command_line()}`  \nRun: {now_utc()}, commit {git_rev()}; {machine()}\n")
+    print(table(["shards", "consumers", "commands/s, the holder of every part"],
+                [[args.shards, args.consumers, f"{total:.2f}"]]))
+    print()
+    print(table(["command", "per second"], [[k, f"{v:.2f}"] for k, v in by.most_common()]))
+
+
+if __name__ == "__main__":
+    main()
