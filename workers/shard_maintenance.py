@@ -179,7 +179,9 @@ class ShardMaintenance:
     def tick(self, held_only: bool = False) -> dict[str, int] | None:
         """Each part's tick; ``held_only``: only the parts whose lease this worker holds (an idle wait)."""
         self._refresh()
-        self.parts[self.shards.model].defer_when_idle = len(self.parts) > 1
+        # with nothing in flight, the model's own part (the whole model when unsharded) leaves its trim
+        # and thrash alarm to the full sweep: an idle holder's tick is its lease and one XPENDING more
+        self.parts[self.shards.model].defer_when_idle = True
         out: dict[str, int] | None = None
         for name, m in list(self.parts.items()):
             if held_only and not m.lease_alive():
