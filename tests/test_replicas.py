@@ -82,3 +82,37 @@ def test_a_worker_keeps_its_results_until_a_replica_confirms_them(pair):
     run_until_done(w)
     assert c.status("j")["completed"] == 12
     assert sorted(r.id for r in c.read_results("j")) == [f"i{k:04d}" for k in range(12)]
+
+
+def test_a_moved_item_handed_in_to_its_new_shard_is_confirmed_as_a_submit_is(pair):
+    """A change of S hands an item delivered before to its new shard with its count (lua/hand_in.lua):
+    under wait_replicas that write is confirmed as a submit is, and without a replica the migration
+    step stops with NotReplicated and the next step (the list still there) hands it in once."""
+    from conductor.client import shard_migrate
+    from conductor.redis_contract import keys as K
+    from conductor.redis_contract import script_calls as calls
+    from conductor.redis_contract.records import Contract
+    primary, replica = pair
+    c = Conductor(connect(primary.url), wait_replicas=1, wait_timeout_ms=200)
+    quick(c, "dvy", max_deliveries=3)
+    c.submit([item("d0", 12, model="dvy", max_tokens=8)], "dj", seal=True)
+    contract = Contract(model="dvy", max_batch_size=8, max_batch_tokens=4096, max_input_len=4096)
+    batch, why = c.claim(contract, "gone")
+    assert batch is not None, why
+    assert calls.reclaim(K.ModelKeys("dvy"), "gone", force=False, min_idle_ms=0, count=10).run(c.scripts).batches == 1
+    c.set_config("dvy", {"shards": 3})
+    replica.stop()
+    with pytest.raises(NotReplicated):
+        for _ in range(20):
+            shard_migrate.step(c, "dvy", "mv")
+    replica.start()
+    _link_up(replica)
+    for _ in range(20):
+        if c.drained(["dvy"]):
+            break
+        shard_migrate.step(c, "dvy", "mv")
+    st = c.status("dj")
+    assert st["submitted"] == 1 and st["pending"] == 1, st
+    [new] = [n for n in c.shards("dvy") if c.r.llen(K.ModelKeys(n).reclaimed)]
+    on_replica = connect(replica.url)
+    assert on_replica.llen(K.ModelKeys(new).reclaimed) == 1

@@ -63,6 +63,8 @@ class MigrateClient(Protocol):
 
     def set_job_class(self, job: str, models: Any, job_class: JobClass) -> None: ...
 
+    def _confirmed(self, call: Any) -> Any: ...
+
     def prefix(self, model: str, sig: str) -> list[str]: ...
 
     def route(self, by_model: dict[str, list[PreparedItem]]) -> dict[str, list[PreparedItem]]: ...
@@ -162,5 +164,5 @@ def _hand_in(c: MigrateClient, model: str, job: str, its: list[PreparedItem], dv
         pipe.zadd(K.JOBS_KEY, {job: int(time.time() * 1000)}, nx=True)
         pipe.sadd(K.job_models_key(job), name)
         pipe.execute()
-        calls.hand_in(K.ModelKeys(name), job, part, dv).run(c.scripts)
+        c._confirmed(calls.hand_in(K.ModelKeys(name), job, part, dv))  # on the replicas as a submit is
     c.ring_model_bell(routed)
