@@ -154,12 +154,15 @@ def test_expiry_has_one_owner_at_a_time(cdr):
     """Serve replicas and maintenance lease holders all call expire_due_leased: whoever holds the
     expiry lease sweeps, the others skip until it lapses."""
     submitted(cdr, 10, window_s=1, window="1s")
-    assert job_state.expire_due_leased(cdr, "serve-a", lease_ms=60_000) == []  # nothing due yet; a holds it
+    assert job_state.expire_due_leased(cdr, "serve-a", lease_ms=60_000) == []  # nothing due yet:
+    assert not cdr.r.exists(K.EXPIRY_LEASE_KEY)  # one read, no lease taken
     cdr.r.zadd(K.JOB_DEADLINES_KEY, {"j": 1})  # due now
     cdr.r.hset(K.job_meta_key("j"), "expires_at", 1)
-    assert job_state.expire_due_leased(cdr, "worker-b", lease_ms=60_000) is None
-    assert job_state.describe(cdr, "j", advance=False)["status"] == "in_progress"
-    assert job_state.expire_due_leased(cdr, "serve-a", lease_ms=60_000) == ["j"]
+    assert job_state.expire_due_leased(cdr, "serve-a", lease_ms=60_000) == ["j"]  # takes the lease
     assert job_state.describe(cdr, "j", advance=False)["status"] == "expired"
+    cdr.r.zadd(K.JOB_DEADLINES_KEY, {"j": 1})  # due again (its end is idempotent)
+    assert job_state.expire_due_leased(cdr, "worker-b", lease_ms=60_000) is None  # a holds it
+    assert cdr.r.zscore(K.JOB_DEADLINES_KEY, "j") is not None  # untouched by b
     cdr.r.delete(K.EXPIRY_LEASE_KEY)  # the holder's lease lapsed: the next caller takes over
-    assert job_state.expire_due_leased(cdr, "worker-b", lease_ms=60_000) == []
+    assert job_state.expire_due_leased(cdr, "worker-b", lease_ms=60_000) == ["j"]
+    assert cdr.r.zscore(K.JOB_DEADLINES_KEY, "j") is None  # ended already: only taken off the list

@@ -345,7 +345,11 @@ EXPIRY_LEASE_MS = 15_000  # a few of the slowest caller's periods (serve: 5 s)
 
 
 def expire_due_leased(c: Conductor, owner: str, lease_ms: int = EXPIRY_LEASE_MS) -> list[str] | None:
-    """``expire_due`` if ``owner`` holds (or now takes) the expiry lease; None when another does."""
+    """``expire_due`` if ``owner`` holds (or now takes) the expiry lease; None when another does. With
+    nothing due, one read and no lease call: every maintenance lease holder and serve replica asks each
+    second, and an idle fleet's holder is to send about one command a second (issue 36)."""
+    if not c.r.zrangebyscore(K.JOB_DEADLINES_KEY, "-inf", time.time(), start=0, num=1):
+        return []
     if not calls.lease(K.EXPIRY_LEASE_KEY, owner, lease_ms).run(c.scripts):
         return None
     return expire_due(c)
