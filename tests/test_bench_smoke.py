@@ -194,6 +194,24 @@ def test_disk_tier_quick_form_runs():
     assert "store segments (tier)" in out
 
 
+def test_disk_tier_packing_oracle_per_ceiling_sized_run():
+    """The bound issue 37's packing figure prints beside the oracle: a shape seen a ceiling's worth
+    at a time is cut run by run, in arrival order."""
+    from bench.memory.disk_tier import MODEL, oracle_waste
+    from conductor.formats.lines import parse_line
+    from conductor.redis_contract.records import PreparedItem
+
+    def item(i: int, tok: int) -> PreparedItem:
+        return parse_line(json.dumps({"id": f"i{i}", "model": MODEL, "prefix": ["p"], "prompt": "x",
+                                      "input_tokens": tok, "max_tokens": 1}))
+    # arrival order long, short, long, short: the whole shape cuts {96, 96} and {200, 200};
+    # runs of 300 tokens see {200, 96} twice, each padded to 200
+    its = [item(0, 200), item(1, 96), item(2, 200), item(3, 96)]
+    assert oracle_waste(its, 2, 10_000) == 0.0
+    assert oracle_waste(its, 2, 10_000, window=300) == 208 / 800
+    assert oracle_waste(its, 2, 10_000, window=10_000) == 0.0
+
+
 def test_idle_fleet_quick_form_runs():
     out = _bench("bench/broker/idle_fleet.py", "--fleets", "2", "--seconds", "0.3", "--requests", "10", "--wakes", "2",
                  "--settle-s", "0.5")
