@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from conductor.errors import RedisUnavailable
 
@@ -69,6 +71,10 @@ class EmbeddedRedis:
                  extra: list[str] | None = None, dir: str | None = None, cluster: bool = False,
                  own_all_slots: bool = True, die_with_parent: bool = False) -> None:
         self.port = port or free_port()
+        # A port free_port() found can be taken before redis-server binds it (any outgoing connection
+        # may get it from the same ephemeral range): a first start on ports chosen here tries new ones.
+        self._ports_chosen = port is None
+        self._started = False
         # cluster: a Redis Cluster node; with own_all_slots a one-node cluster owning every slot,
         # so that Redis itself refuses a command or script touching keys of two slots
         # (tests/test_cluster_slots.py); without, a member EmbeddedCluster assigns slots to.
@@ -102,6 +108,22 @@ class EmbeddedRedis:
         return args + self.extra
 
     def start(self, timeout: float = 10.0) -> EmbeddedRedis:
+        for attempt in range(3):
+            try:
+                self._start(timeout)
+                self._started = True
+                return self
+            except RedisUnavailable as e:
+                if self._started or not self._ports_chosen or attempt == 2 or "Address already in use" not in str(e):
+                    raise
+                (self.dir / "redis.log").unlink(missing_ok=True)
+                self.port = free_port()
+                if self.cluster:
+                    (self.dir / "nodes.conf").unlink(missing_ok=True)  # it would name the old ports
+                    self.bus_port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> None:
         self.proc = subprocess.Popen(self.args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True,
                                      preexec_fn=tie_to_parent(own_group=False) if self.die_with_parent else None)
@@ -112,15 +134,18 @@ class EmbeddedRedis:
                     if (self.dir / "redis.log").exists() else ""
                 raise RedisUnavailable(f"embedded redis-server exited at start: {log}")
             try:
-                c = redis.Redis(port=self.port, socket_connect_timeout=0.2)
+                # one try each: the loop is the retry, and looks at the process between two
+                c = redis.Redis(port=self.port, socket_connect_timeout=0.2, socket_timeout=0.5,
+                                retry=Retry(NoBackoff(), 0))
                 if c.ping():
                     # AOF loading answers LOADING until done; wait for a usable server.
                     c.dbsize()
                     if self.cluster and self.own_all_slots:
                         self._own_all_slots(c, deadline)
                     c.close()
-                    return self
-            except (redis.ConnectionError, redis.BusyLoadingError, OSError):
+                    return
+            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, OSError):
+                # TimeoutError: something else listens on the port (the loop then sees the server exit)
                 time.sleep(0.05)
         raise RedisUnavailable(f"embedded redis-server did not answer on port {self.port} in {timeout}s")
 
