@@ -132,8 +132,8 @@ class Worker(WorkerStart, OutageHandling):
         batch, self.last_claim = self.shards.claim(contract, self.name)
         self.metrics.claim_took(time.perf_counter() - t)
         self.busy_idle.answered(self.last_claim, self.engine.active() > 0, self.clock())
-        if rang and batch is not None:
-            self._busy_bell().pass_on()  # as a rung idle worker does: the next one wakes if work is left
+        if rang and batch is not None:  # as a rung idle worker does: the next one wakes if work is left
+            self._pass_on(self._busy_bell())  # a hint: a Redis error here must not lose the batch just claimed
         if batch is None:
             if self.last_claim == "nogroup" and self._rides_out:
                 self._rejoin_needed.set()  # the claim made the group again; the registration is gone too
