@@ -218,6 +218,13 @@ class EmbeddedCluster:
         return f"redis://127.0.0.1:{self.nodes[0].port}/0?cluster=1"
 
     def start(self, timeout: float = 20.0) -> EmbeddedCluster:
+        try:
+            return self._start(timeout)
+        except BaseException:
+            self.close()  # a start that failed halfway leaves no node running (nothing else would stop it)
+            raise
+
+    def _start(self, timeout: float) -> EmbeddedCluster:
         every = [*self.nodes, *(r for rs in self.replicas_of for r in rs)]
         for n in every:
             n.start(timeout)

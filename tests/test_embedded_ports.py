@@ -44,3 +44,16 @@ def test_a_port_the_caller_chose_is_not_replaced():
             EmbeddedRedis(port=port).start()
     finally:
         holder.close()
+
+
+def test_a_cluster_whose_start_fails_leaves_no_node_running():
+    from conductor.embedded import EmbeddedCluster
+    cl = EmbeddedCluster(nodes=2)
+    cl.nodes[1]._ports_chosen = False  # its port, taken below, is then the caller's: no retry
+    holder = _hold(cl.nodes[1].port)
+    try:
+        with pytest.raises(RedisUnavailable):
+            cl.start()
+    finally:
+        holder.close()
+    assert cl.nodes[0].proc is not None and cl.nodes[0].proc.poll() is not None  # started, then stopped
