@@ -197,7 +197,7 @@ def _replicas_known(nodes: bytes, wanted: set[tuple[str, str]]) -> bool:
     for line in nodes.decode().splitlines():
         f = line.split()
         if len(f) > 3 and "slave" in f[2].split(","):
-            seen.add((f[1].split("@")[0] + "@", f[3]))
+            seen.add((f[1].split("@")[0], f[3]))  # ip:port@bus: the address without the bus port
     return wanted <= seen
 
 
@@ -249,7 +249,7 @@ class EmbeddedCluster:
             for primary, replica in replicas:
                 primary_id = redis.Redis(port=primary.port).execute_command("CLUSTER", "MYID").decode()
                 redis.Redis(port=replica.port).execute_command("CLUSTER", "REPLICATE", primary_id)
-                wanted.add((f"127.0.0.1:{replica.port}@", primary_id))
+                wanted.add((f"127.0.0.1:{replica.port}", primary_id))
             while replicas and time.monotonic() < deadline:
                 if all(redis.Redis(port=r.port).info("replication").get("master_link_status") == "up"
                        for _p, r in replicas):

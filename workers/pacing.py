@@ -57,16 +57,19 @@ class BusyIdle:
         self.since: float | None = None  # when a claim answered 'idle' with the engine running
         self._looked = 0.0
         self.skipped = 0  # turns that did not claim (tests, metrics)
+        self.rang = False  # the last claim let through was let through by a ring (pass it on if it finds work)
 
     def answered(self, answer: str, running: bool, now: float) -> None:
         self.since = now if answer == "idle" and running else None
 
     def due(self, running: bool, now: float, take_ring: Callable[[], bool]) -> bool:
+        self.rang = False
         if self.since is None or not running or now - self.since >= IDLE_RECHECK_S:
             return True
         if now - self._looked >= RING_LOOK_S:
             self._looked = now
             if take_ring():
+                self.rang = True
                 return True
         self.skipped += 1
         return False

@@ -44,19 +44,17 @@ WORK_WAITS = ("wait", "gate")
 
 class Worker(WorkerStart, OutageHandling):
     idle: IdleBeat | None = None  # the idle wait once serving (tests read its beats and rings)
-    _bell_for_busy: Doorbell | None = None
-    _rang = False  # the next claim was let through by a ring this worker took off the doorbell
 
     def _busy_bell(self) -> Doorbell:
-        if self._bell_for_busy is None:
-            self._bell_for_busy = Doorbell(self.c, self.shards.bell_model())
-        return self._bell_for_busy
+        """The loop's doorbell; one of its own for a worker driven turn by turn (the benches' drive)."""
+        if self.bell is None:
+            self.bell = Doorbell(self.c, self.shards.bell_model())
+        return self.bell
 
     def _take_ring(self) -> bool:
         """One entry off the doorbell, if there is one: a ring (new work, or one nobody took) lets a
         claim through while the engine runs (pacing.BusyIdle)."""
-        self._rang = self.c.r.lpop(self._busy_bell().keys.doorbell) is not None
-        return self._rang
+        return self.c.r.lpop(self._busy_bell().keys.doorbell) is not None
 
     # ------------------------------------------------------------------ results
     def _result(self, fin: Finished) -> Result:
@@ -127,12 +125,11 @@ class Worker(WorkerStart, OutageHandling):
         if self.opts.wake == "bell" and not self.busy_idle.due(self.engine.active() > 0, self.clock(),
                                                                self._take_ring):
             return False
-        rang, self._rang = self._rang, False
         t = time.perf_counter()
         batch, self.last_claim = self.shards.claim(contract, self.name)
         self.metrics.claim_took(time.perf_counter() - t)
         self.busy_idle.answered(self.last_claim, self.engine.active() > 0, self.clock())
-        if rang and batch is not None:  # as a rung idle worker does: the next one wakes if work is left
+        if self.busy_idle.rang and batch is not None:  # as a rung idle worker does: the next one wakes if work is left
             self._pass_on(self._busy_bell())  # a hint: a Redis error here must not lose the batch just claimed
         if batch is None:
             if self.last_claim == "nogroup" and self._rides_out:

@@ -19,7 +19,6 @@ to the workers for this step."""
 
 from __future__ import annotations
 
-import time
 from typing import Any, Protocol
 
 import msgspec
@@ -64,6 +63,10 @@ class MigrateClient(Protocol):
     def set_job_class(self, job: str, models: Any, job_class: JobClass) -> None: ...
 
     def _confirmed(self, call: Any) -> Any: ...
+
+    def _intake_model(self, model: str) -> K.ModelKeys: ...
+
+    def _register_job(self, job: str, model: str) -> None: ...
 
     def prefix(self, model: str, sig: str) -> list[str]: ...
 
@@ -159,10 +162,7 @@ def _hand_in(c: MigrateClient, model: str, job: str, its: list[PreparedItem], dv
     the shard registered for the job and the model as submit registers it first."""
     routed = c.route({model: its})
     for name, part in routed.items():
-        pipe = c.r.pipeline(transaction=False)
-        pipe.sadd(K.MODELS_KEY, name)
-        pipe.zadd(K.JOBS_KEY, {job: int(time.time() * 1000)}, nx=True)
-        pipe.sadd(K.job_models_key(job), name)
-        pipe.execute()
-        c._confirmed(calls.hand_in(K.ModelKeys(name), job, part, dv))  # on the replicas as a submit is
+        mk = c._intake_model(name)
+        c._register_job(job, name)
+        c._confirmed(calls.hand_in(mk, job, part, dv))  # on the replicas as a submit is
     c.ring_model_bell(routed)
