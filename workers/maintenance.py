@@ -59,7 +59,7 @@ class Maintenance:
         self._next = 0.0
         self._full_next = 0.0  # the next sweep that also forgets dead consumers holding nothing
         # a shard of a sharded model (workers/shard_maintenance.py): its tick leaves the global duties
-        # to the model's own part; and a part of a sharded model (a shard, the model's own keys) reads
+        # to the model's own part; and every part a worker ticks (a shard, the model's own keys) reads
         # less while nothing is in flight there (defer_when_idle)
         self.shard = False
         self.defer_when_idle = False
@@ -167,10 +167,10 @@ class Maintenance:
             self.in_flight = res.get("in_flight", 0)
             if res["batches"]:
                 log.info(json.dumps({"event": "reclaimed", "model": self.model, **res}))
-            # A part of a sharded model with nothing in flight (issue 36: S + 1 lease holders each swept
-            # every part): its finished shapes and its stream's trim wait for the next full sweep
-            # (FULL_SWEEP_S), so an idle shard's holder reads one XPENDING (and renews its lease) a
-            # sweep. Both only defer (the alarm reads on from its cursor, the trim takes what was
+            # A worker's part with nothing in flight (issue 36: S + 1 lease holders each swept every
+            # part; an unsharded model's one): its finished shapes and its stream's trim wait for the
+            # next full sweep (FULL_SWEEP_S), so an idle holder reads one XPENDING (and renews its
+            # lease) a sweep. Both only defer (the alarm reads on from its cursor, the trim takes what was
             # acknowledged meanwhile).
             if not (self.defer_when_idle and not full and not self.in_flight):
                 self._thrash_alarm()

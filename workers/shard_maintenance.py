@@ -133,11 +133,14 @@ class ShardMaintenance:
         for name in dict.fromkeys([self.shards.model, *self.shards.names()]):
             if name not in self.parts:
                 m = Maintenance.for_worker(self.c, name, self.owner, self.ttl_s)
+                # with nothing in flight, a part (the whole model when unsharded) leaves its trim and
+                # thrash alarm to the full sweep: an idle holder's tick is its lease and one XPENDING more
+                m.defer_when_idle = True
                 if name != self.shards.model:
                     # a shard's sweep less often than the model's: each costs a lease, a reclaim
                     # sweep and a trim, and a dead worker's batches wait for its heartbeat's TTL anyway
                     m.interval_s = SHARD_SWEEP_S
-                    m.shard = m.defer_when_idle = True
+                    m.shard = True
                 m.on_error = self.on_error
                 self.parts[name] = m
 
@@ -179,9 +182,6 @@ class ShardMaintenance:
     def tick(self, held_only: bool = False) -> dict[str, int] | None:
         """Each part's tick; ``held_only``: only the parts whose lease this worker holds (an idle wait)."""
         self._refresh()
-        # with nothing in flight, the model's own part (the whole model when unsharded) leaves its trim
-        # and thrash alarm to the full sweep: an idle holder's tick is its lease and one XPENDING more
-        self.parts[self.shards.model].defer_when_idle = True
         out: dict[str, int] | None = None
         for name, m in list(self.parts.items()):
             if held_only and not m.lease_alive():
