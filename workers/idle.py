@@ -38,8 +38,10 @@ until its shard's next full sweep deletes that heartbeat (``FULL_SWEEP_S`` after
 lapsed, workers/maintenance.py) or it runs out. Work that comes without any ring (a dead letter
 retried) waits for its shard's turn, a round at most, not a period.
 
-The lease holder still sweeps every second (workers/maintenance.py: reclaim, trim, expiry, its
-own commands), so it costs more than the others; a beat's lease answer stands for the sweep's
+The lease holder still sweeps every second (workers/maintenance.py: one XPENDING while nothing is in
+flight, the deadlines and intake tasks read; trim and the thrash alarm every 10 s then), so it costs
+more than the others (3.8 commands a second in bench/broker/holder_sweep.py); a beat's lease answer
+stands for the sweep's
 lease.lua call until the next beat. An idle worker ticks only the parts (the model, each shard)
 whose lease it holds.
 """
