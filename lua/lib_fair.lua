@@ -7,8 +7,9 @@
 -- Sheng et al., OSDI 2024). Every function takes c, the claim context claim.lua builds.
 -- Keys: M:tenants (read), M:vtc (tenant -> virtual tokens; HINCRBYFLOAT, HSET), M:vtc_seen
 --   (tenant -> the number of the last fair check that saw its work waiting; '#': checks so far).
--- Invariants: a counter only grows (a charge, or a lift to another waiting tenant's counter); a
---   tenant's weight is at least a thousandth (0 or garbage reads as 1).
+-- Invariants: a counter grows by a charge or a lift to another waiting tenant's counter, and moves by
+--   a completed batch's true-up (its output tokens against the limits charged for them; complete.lua),
+--   once per result written; a tenant's weight is at least a thousandth (0 or garbage reads as 1).
 --@include lib.lua
 
 -- A tenant's weight, read once per claim.
@@ -23,12 +24,19 @@ local function tenant_weight(c, tenant)
   return w
 end
 
--- What one batch costs its tenant's counter: padded input tokens plus decode_weight times its
--- items' output limits (the instance's mean limit), over the tenant's weight.
+-- What one batch costs its tenant's counter at claim: padded input tokens plus decode_weight times
+-- its items' output limits (the instance's mean limit), over the tenant's weight. The output is
+-- only known once it ran: c.vtc_entry carries the tenant, decode_weight over weight and the limit
+-- charged per item into the batch's stream entry (lib_deliver.lua deliver), and complete.lua trues
+-- the counter up to the output tokens each result reports (vtc_true_up). Charged by limits alone,
+-- a tenant whose items stop well short of max_tokens paid for tokens it never got: on the fairness
+-- bench's shares-1:1 the service gap drifted to 7 batches while the counters saw 1.
 local function charge(c, tenant, padded, items, mean_out)
   if not tenant or tenant == '' then return end
-  local cost = (padded + c.cfg.decode_weight * items * mean_out) / tenant_weight(c, tenant)
+  local w = tenant_weight(c, tenant)
+  local cost = (padded + c.cfg.decode_weight * items * mean_out) / w
   redis.call('HINCRBYFLOAT', c.base .. ':vtc', tenant, cost)
+  c.vtc_entry = {'tn', tenant, 'vd', c.cfg.decode_weight / w, 'vo', mean_out}
 end
 
 -- The counters of these tenants: {tenant -> virtual tokens}.

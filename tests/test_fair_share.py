@@ -209,3 +209,27 @@ def test_tenant_weights_through_the_cli(redis_url, cdr):
     assert bad.returncode == 2 and b"weight" in bad.stderr and b"Traceback" not in bad.stderr
     listed = json.loads(cli("tenants", "m", "--json", url=redis_url).stdout)
     assert [(r["tenant"], r["weight"]) for r in listed] == [("team-a", 3.0)]
+
+
+def test_a_tenants_counter_is_trued_up_to_the_output_its_results_report(cdr):
+    """Claim charges a batch's output limits (max_tokens 16); its results report 1 token each: once they
+    are written, the counter holds padded input plus decode_weight times the output reported, over the
+    weight, each result counted once (a result sent twice, a batch completed in two calls)."""
+    _setup(cdr)
+    set_weight(cdr, "B", 2)
+    _job(cdr, "a", 10, "A", tenant="A", tokens=50)
+    _job(cdr, "b", 7, "B", tenant="B", tokens=70)
+    first = True
+    while (b := cdr.claim(C, "w")[0]) is not None:
+        rs = results_for(b)
+        if first:  # two calls, the second one repeating the first's results
+            cdr.complete(b, rs[:2], final=False)
+            first = False
+        cdr.complete(b, rs)
+    want = {"A": 0.0, "B": 0.0}
+    for job, tenant, w in (("a", "A", 1), ("b", "B", 2)):
+        for raw in cdr.results(job):
+            r = json.loads(raw)
+            want[tenant] += (r["batch_padded_len"] + 64 * r["output_tokens"]) / w
+    got = {k.decode(): float(v) for k, v in cdr.r.hgetall(MK.vtc).items()}
+    assert got == pytest.approx(want)
