@@ -28,8 +28,8 @@ end
 -- the reclaimed queue. Returns claim.lua's reply.
 local function deliver(c, sig, ep, lane, maxlen, flags, dv, n, waiting_tok, waiting_items, reclaimed)
   local st, state_key = c.st, c.state_key
-  -- a batch charged to a tenant carries what it was charged per item (lib_fair.lua charge), for
-  -- complete.lua's true-up; a reclaimed batch was charged at its first claim and carries nothing.
+  -- a batch charged to a tenant carries its tenant and the limit charged per item (lib_fair.lua
+  -- charge) for complete.lua's output ratio; a reclaimed batch was counted at its first claim.
   local vtc = c.vtc_entry or {}
   c.vtc_entry = nil
   local bid = redis.call('XADD', c.batches_key, '*', 'sig', sig, 'ep', ep, 'lane', lane,
