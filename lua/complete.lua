@@ -11,6 +11,8 @@
 -- ARGV[3] n          number of results that follow
 -- ARGV[4..]          4 fields per result: job, item id, status ('ok' | 'err'), result JSON
 -- Retiring a batch acks and deletes its entry and deletes its items list (cdr:{model}:bat:<k>).
+-- A batch its claim charged to a tenant (entry fields tn, vl) counts its new results' output tokens
+--   against their limits in cdr:{model}:vtc_ratio (lib_service.lua, lib_fair.lua out_ratio).
 -- Returns: {written, acked}: results written now (a result already written before is skipped)
 --   and 1 when this call retired the batch. {0, 0}, with nothing written, when the batch was
 --   retired before (by this consumer, or by a reclaim that put its items back in the queue):
@@ -44,14 +46,16 @@ local refused = complete_refused(base, state_key, batches_key, ARGV, n) or pause
 if refused then return refused end
 
 -- The batch and its items, read before any write.
-local count, items_key = complete_batch(base, batches_key, bid, ARGV, n)
+local count, items_key, charged = complete_batch(base, batches_key, bid, ARGV, n)
 if not count then return items_key end
 -- XACK below refuses a stream without the group (NOGROUP): that refusal comes here, before any write.
 if final == '1' then redis.call('XPENDING', batches_key, GROUP, bid, bid, 1) end
 -- Which results are new, read before any write.
 local jobs, order = results_by_job(base, ARGV, n)
 
-local written = write_results(base, state_key, jobs, order, ARGV)
+local written, out_tokens = write_results(base, state_key, jobs, order, ARGV)
+-- The output these results report against the limits their claim charged (lib_service.lua).
+count_output_ratio(base, charged, written, out_tokens)
 local acked = 0
 if final == '1' then
   acked = redis.call('XACK', batches_key, GROUP, bid)

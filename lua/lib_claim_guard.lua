@@ -43,6 +43,7 @@ local function claim_refused(base, state_key, batches_key, reclaimed_key, batch_
       and ok('ZADD', ac) and ok('ZREM', ac) and ok('ZRANGE', ac) and ok('HSET', af) and ok('HDEL', af)
       and ok('HGET', af) and ok('HGETALL', af) and ok('EXISTS', base .. ':hb:0')
       and ok('HKEYS', base .. ':workers') and ok('HGET', base .. ':tenants') and ok('HMGET', base .. ':vtc')
+      and ok('HMGET', base .. ':vtc_ratio')
       and ok('HINCRBYFLOAT', base .. ':vtc') and ok('HSET', base .. ':vtc') and ok('HMGET', base .. ':vtc_seen')
       and ok('HSET', base .. ':vtc_seen') and ok('HINCRBY', base .. ':vtc_seen') and ok('HGETALL', base .. ':vtc_seen')
       and ok('EXISTS', base .. ':hot') and ok('ZRANGE', base .. ':hot')

@@ -53,6 +53,7 @@ end
 local function complete_refused(base, state_key, batches_key, argv, n)
   return acl_refused(function(ok)
     if not (ok('HGET', state_key) and ok('HINCRBY', state_key) and ok('XRANGE', batches_key) and service_ok(ok, base)
+        and output_ratio_ok(ok, base)
         and ok('XPENDING', batches_key) and ok('XACK', batches_key) and ok('XDEL', batches_key)
         and ok('XINFO', 'STREAM', batches_key) and ok('LRANGE', base .. ':bat:0') and ok('DEL', base .. ':bat:0')) then
       return false
@@ -79,7 +80,8 @@ local function complete_refused(base, state_key, batches_key, argv, n)
 end
 
 -- The batch bid as the batches stream holds it: its item count and items list, and which (job, id)
--- the list holds; every result's item must be one of them. Returns count, items_key; or nil and the
+-- the list holds; every result's item must be one of them. Returns count, items_key and what its claim
+-- charged (fields tn and vl: lib_fair.lua charge; empty for a reclaimed batch); or nil and the
 -- reply to return ({0, 0} for a batch retired before, an error reply otherwise).
 local function complete_batch(base, batches_key, bid, argv, n)
   local entry = redis.call('XRANGE', batches_key, bid, bid)[1]
@@ -96,11 +98,12 @@ local function complete_batch(base, batches_key, bid, argv, n)
     end
     return nil, {0, 0}  -- retired before: nothing of a retired batch is written
   end
-  local count, token = 0, nil
+  local count, token, charged = 0, nil, {}
   local f = entry[2]
   for j = 1, #f, 2 do
     if f[j] == 'n' then count = tonumber(f[j + 1]) or 0
-    elseif f[j] == 'k' then token = f[j + 1] end
+    elseif f[j] == 'k' then token = f[j + 1]
+    elseif f[j] == 'tn' or f[j] == 'vl' then charged[f[j]] = f[j + 1] end
   end
   local items_key = token and (base .. ':bat:' .. token)
   -- Which (job, id) the batch holds (lib_batch_members.lua).
@@ -113,5 +116,5 @@ local function complete_batch(base, batches_key, bid, argv, n)
         ' is not in batch ' .. bid .. ' (result ' .. i .. '): nothing written')
     end
   end
-  return count, items_key
+  return count, items_key, charged
 end

@@ -28,8 +28,12 @@ end
 -- the reclaimed queue. Returns claim.lua's reply.
 local function deliver(c, sig, ep, lane, maxlen, flags, dv, n, waiting_tok, waiting_items, reclaimed)
   local st, state_key = c.st, c.state_key
+  -- a batch charged to a tenant carries its tenant and the limit charged per item (lib_fair.lua
+  -- charge) for complete.lua's output ratio; a reclaimed batch was counted at its first claim.
+  local vtc = c.vtc_entry or {}
+  c.vtc_entry = nil
   local bid = redis.call('XADD', c.batches_key, '*', 'sig', sig, 'ep', ep, 'lane', lane,
-    'n', n, 'plen', pad8(maxlen), 'w', c.consumer, 'ts', c.now, 'k', c.token, 'dv', dv, 'fl', flags)
+    'n', n, 'plen', pad8(maxlen), 'w', c.consumer, 'ts', c.now, 'k', c.token, 'dv', dv, 'fl', flags, unpack(vtc))
   -- XCLAIM FORCE puts the entry straight into the consumer's pending list (delivery count 1,
   -- the consumer created if new) without reading it back; nothing reads the group with '>'.
   redis.call('XCLAIM', c.batches_key, GROUP, c.consumer, 0, bid, 'FORCE', 'JUSTID')

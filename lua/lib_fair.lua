@@ -1,11 +1,12 @@
 -- lib_fair.lua: fair share between the tenants whose work waits on a model (issue 26), as claim.lua
 -- uses it. A tenant's share of the fleet is its weight (M:tenants, `conductor tenant T --weight W`,
 -- default 1) over the weights of every tenant with work waiting; a tenant's service is a virtual
--- token counter (M:vtc: what its batches cost, padded input tokens plus decode_weight times their
--- output limits, over its weight, charged at claim), lifted on its return to the smallest counter
+-- token counter (M:vtc: what its batches cost, padded input tokens plus decode_weight times the
+-- output expected of their limits, over its weight, charged at claim), lifted on its return to the smallest counter
 -- of the tenants already waiting, so that idle time earns no credit (the Virtual Token Counter of
 -- Sheng et al., OSDI 2024). Every function takes c, the claim context claim.lua builds.
--- Keys: M:tenants (read), M:vtc (tenant -> virtual tokens; HINCRBYFLOAT, HSET), M:vtc_seen
+-- Keys: M:tenants (read), M:vtc (tenant -> virtual tokens; HINCRBYFLOAT, HSET), M:vtc_ratio ("T:lim",
+--   "T:out": limits charged and output reported, recent; HMGET, HINCRBYFLOAT, HSET), M:vtc_seen
 --   (tenant -> the number of the last fair check that saw its work waiting; '#': checks so far).
 -- Invariants: a counter only grows (a charge, or a lift to another waiting tenant's counter); a
 --   tenant's weight is at least a thousandth (0 or garbage reads as 1).
@@ -23,12 +24,32 @@ local function tenant_weight(c, tenant)
   return w
 end
 
--- What one batch costs its tenant's counter: padded input tokens plus decode_weight times its
--- items' output limits (the instance's mean limit), over the tenant's weight.
+-- What a tenant's items produced of the output limits charged for them (M:vtc_ratio "T:out" over
+-- "T:lim", counted by complete.lua (lib_service.lua count_output_ratio), halved as they grow so that the ratio
+-- follows recent work). Until the tenant has RATIO_MIN_LIMITS of its own, the model's ("#": every
+-- tenant's), so that a tenant whose first results have not come back is priced as the others are,
+-- not at its full limits; 1 before any result. Clamped: a limit is a mean.
+local RATIO_MIN_LIMITS = 4096
+local function out_ratio(c, tenant)
+  local v = redis.call('HMGET', c.base .. ':vtc_ratio', tenant .. ':lim', tenant .. ':out', '#:lim', '#:out')
+  local lim, out = tonumber(v[1] or '') or 0, tonumber(v[2] or '') or 0
+  if lim < RATIO_MIN_LIMITS then lim, out = tonumber(v[3] or '') or 0, tonumber(v[4] or '') or 0 end
+  if lim < 1 then return 1 end
+  return math.min(2, math.max(0.05, out / lim))
+end
+
+-- What one batch costs its tenant's counter at claim: padded input tokens plus decode_weight times
+-- the output its items are expected to produce (the instance's mean limit times the tenant's
+-- out_ratio), over the tenant's weight. The batch's stream entry carries the tenant and the limit
+-- charged (c.vtc_entry, lib_deliver.lua deliver) for complete.lua to count the output against.
+-- Priced by limits alone, a tenant whose items stop shorter of max_tokens than another's paid for
+-- tokens it never got; trued up at complete instead, a counter moved late by the batches in flight
+-- (both measured: bench/RESULTS.md, fairness notes).
 local function charge(c, tenant, padded, items, mean_out)
   if not tenant or tenant == '' then return end
-  local cost = (padded + c.cfg.decode_weight * items * mean_out) / tenant_weight(c, tenant)
+  local cost = (padded + c.cfg.decode_weight * items * mean_out * out_ratio(c, tenant)) / tenant_weight(c, tenant)
   redis.call('HINCRBYFLOAT', c.base .. ':vtc', tenant, cost)
+  c.vtc_entry = {'tn', tenant, 'vl', mean_out}
 end
 
 -- The counters of these tenants: {tenant -> virtual tokens}.

@@ -26,10 +26,12 @@ local function fair_gap(c, info)
   local placed, items = num(info.in_items), num(info.items)
   local mean_out = placed > 0 and num(info.in_out) / placed or 0
   -- a batch of this instance as claim charges it (lib_fair.lua charge): its items' padded tokens
-  -- under this worker's contract, and their output limits
+  -- under this worker's contract, and the output expected of their limits
   local per_item = items > 0 and pad8(math.ceil(num(info.tokens) / items)) or c.max_tokens
   local n = math.max(1, math.min(c.max_items, math.floor(c.max_tokens / per_item)))
-  return FAIR_GAP_BATCHES * n * (per_item + c.cfg.decode_weight * mean_out) / tenant_weight(c, info.tenant or '')
+  local tenant = info.tenant or ''
+  local expect = mean_out * (tenant ~= '' and out_ratio(c, tenant) or 1)
+  return FAIR_GAP_BATCHES * n * (per_item + c.cfg.decode_weight * expect) / tenant_weight(c, tenant)
 end
 
 -- A fair loan (rebalance): one full batch of an active instance of tenant record x (the one whose

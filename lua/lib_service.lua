@@ -3,7 +3,8 @@
 -- result, to its job (M:job:J served_in, served_out) and to its job's tenant (M:in:J tenant, else
 -- the job) in M:served and in the ten-second bucket M:served10:N (N = seconds // 10, expiring after
 -- 120 s), as fields "T:in" and "T:out". `conductor tenants` and the exporter read them.
--- Keys: M:job:J (HINCRBY), M:in:J (HGET tenant), M:served and M:served10:N (HINCRBY, EXPIRE).
+-- Keys: M:job:J (HINCRBY), M:in:J (HGET tenant), M:served and M:served10:N (HINCRBY, EXPIRE),
+--   M:vtc_ratio (HINCRBYFLOAT, HSET).
 -- Invariant: counted once per result written (complete.lua calls it for results it writes now).
 --@include lib.lua
 
@@ -32,5 +33,26 @@ local function service_counter(base)
       redis.call('HINCRBY', key, tenant .. ':out', pout)
     end
     redis.call('EXPIRE', bucket, 120)
+  end
+end
+
+-- A tenant's output against its limits (lib_fair.lua out_ratio): a batch its claim charged (its stream
+-- entry's fields tn and vl, the tenant and the mean limit charged per item) adds the limits of its
+-- `written` new results and the output tokens they report to the tenant's sums and to the model's
+-- ('#', no tenant's name) in M:vtc_ratio, once per result. What it may run: output_ratio_ok (lib.lua
+-- acl_refused's ok). Past RATIO_WINDOW limit tokens both sums are halved: the ratio follows recent work.
+local RATIO_WINDOW = 1048576
+local function output_ratio_ok(ok, base)
+  return ok('HINCRBYFLOAT', base .. ':vtc_ratio') and ok('HSET', base .. ':vtc_ratio')
+end
+
+local function count_output_ratio(base, charged, written, out_tokens)
+  local limit = tonumber(charged.vl or '')
+  if written <= 0 or not charged.tn or not limit then return end
+  local rk = base .. ':vtc_ratio'
+  for _, who in ipairs({charged.tn, '#'}) do
+    local lim = tonumber(redis.call('HINCRBYFLOAT', rk, who .. ':lim', limit * written))
+    local out = tonumber(redis.call('HINCRBYFLOAT', rk, who .. ':out', out_tokens))
+    if lim > RATIO_WINDOW then redis.call('HSET', rk, who .. ':lim', lim / 2, who .. ':out', out / 2) end
   end
 end

@@ -40,10 +40,10 @@ local function results_by_job(base, argv, n)
 end
 
 -- The new results written: per job one HSET of done marks and one HINCRBY per status, not a command
--- per result. Returns how many were written.
+-- per result. Returns how many were written and the output tokens they report.
 local function write_results(base, state_key, jobs, order, argv)
   local served = service_counter(base)  -- lib_service.lua
-  local written, done_ok, done_err = 0, 0, 0
+  local written, done_ok, done_err, out_tokens = 0, 0, 0, 0
   for _, job in ipairs(order) do
     local g, jk = jobs[job], base .. ':job:' .. job
     local marks, seen, ok_n, err_n, last = {}, {}, 0, 0, nil
@@ -69,10 +69,11 @@ local function write_results(base, state_key, jobs, order, argv)
     if ok_n > 0 then redis.call('HINCRBY', jk, 'completed', ok_n) end
     if err_n > 0 then redis.call('HINCRBY', jk, 'failed', err_n) end
     if ok_n + err_n > 0 then served(job, g.pin or 0, g.pout or 0) end
+    out_tokens = out_tokens + (g.pout or 0)
     if last and g.ends then job_end_stamp(base, job, g.ends, ok_n + err_n, string.match(last, '^%d+')) end
     written, done_ok, done_err = written + ok_n + err_n, done_ok + ok_n, done_err + err_n
   end
   if done_ok > 0 then redis.call('HINCRBY', state_key, 'completed', done_ok) end
   if done_err > 0 then redis.call('HINCRBY', state_key, 'failed', done_err) end
-  return written
+  return written, out_tokens
 end

@@ -209,3 +209,43 @@ def test_tenant_weights_through_the_cli(redis_url, cdr):
     assert bad.returncode == 2 and b"weight" in bad.stderr and b"Traceback" not in bad.stderr
     listed = json.loads(cli("tenants", "m", "--json", url=redis_url).stdout)
     assert [(r["tenant"], r["weight"]) for r in listed] == [("team-a", 3.0)]
+
+
+def test_the_output_a_tenants_results_report_is_counted_against_their_limits_once(cdr):
+    """Claim charged each batch's mean limit (max_tokens 16); its results report 1 token each: the
+    tenant's sums and the model's ('#') count them once per result (a result sent twice, a batch
+    completed in two calls)."""
+    _setup(cdr)
+    _job(cdr, "a", 10, "A", tenant="A", tokens=50)
+    _job(cdr, "b", 7, "B", tenant="B", tokens=70)
+    first = True
+    while (b := cdr.claim(C, "w")[0]) is not None:
+        rs = results_for(b)
+        if first:  # two calls, the second one repeating the first's results
+            cdr.complete(b, rs[:2], final=False)
+            first = False
+        cdr.complete(b, rs)
+    done = {t: len(list(cdr.results(job))) for job, t in (("a", "A"), ("b", "B"))}
+    assert done["A"] >= 4 and done["B"] > 0
+    got = {k.decode(): float(v) for k, v in cdr.r.hgetall(MK.vtc_ratio).items()}
+    n = done["A"] + done["B"]
+    assert got == {"A:lim": 16 * done["A"], "A:out": done["A"], "B:lim": 16 * done["B"], "B:out": done["B"],
+                   "#:lim": 16 * n, "#:out": n}
+
+
+def test_a_claim_charges_the_output_the_results_showed_of_the_limits(cdr):
+    """A's first batch came back with 1 token of 16: A's next batch, and B's first (priced as the model's
+    results showed until B has results of its own), are charged 1/16 of their limits, not 16/16."""
+    _setup(cdr)
+    _job(cdr, "a", 8, "A", tenant="A", tokens=50)
+    b = cdr.claim(C, "w")[0]
+    cdr.complete(b, results_for(b))
+    for tenant in ("A", "B"):
+        if tenant == "B":  # A has nothing left waiting
+            _job(cdr, "b", 8, "B", tenant="B", tokens=50)
+        before = float(cdr.r.hget(MK.vtc, tenant) or 0)
+        b, why = cdr.claim(C, "w")
+        assert b is not None, why
+        assert _tenant_of(cdr, b) == tenant
+        charged = float(cdr.r.hget(MK.vtc, tenant)) - before
+        assert charged == pytest.approx(len(b.items) * (b.padded_len + 64 * 1))

@@ -128,8 +128,13 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     M:tenants                       hash     tenant -> weight (`conductor tenant T --weight W`; default 1): its
                                              share of the fleet among the tenants with work waiting (issue 26)
     M:vtc                           hash     tenant -> virtual token counter: the service its batches cost
-                                             (padded input tokens + decode_weight x output limits) over its
-                                             weight, charged at claim, lifted on return (lua/lib_fair.lua)
+                                             (padded input tokens + decode_weight x the output expected of
+                                             its limits) over its weight, charged at claim, lifted on return
+                                             (lua/lib_fair.lua)
+    M:vtc_ratio                     hash     "T:lim" / "T:out" -> output limits charged and output tokens
+                                             reported of tenant T's recent results ("#:": every tenant's;
+                                             halved as they grow): the output a claim expects of a limit
+                                             (lua/lib_service.lua, lua/lib_fair.lua)
     M:vtc_seen                      hash     tenant -> when a claim's sweep last saw its work waiting (ms)
     M:served                        hash     "T:in" / "T:out" -> padded input tokens and output tokens of
                                              tenant T's completed items (complete.lua; verify checks them)
@@ -427,6 +432,10 @@ class ModelKeys:
     @property
     def vtc(self) -> str:
         return f"{self.base}:vtc"
+
+    @property
+    def vtc_ratio(self) -> str:
+        return f"{self.base}:vtc_ratio"
 
     @property
     def vtc_seen(self) -> str:
