@@ -87,6 +87,8 @@ local c = {base = base, state_key = state_key, batches_key = batches_key, reclai
   batch_items_key = batch_items_key, consumer = consumer, token = token, max_items = max_items,
   max_tokens = max_tokens, cfg = cfg, now = now, disk = cfg.mode == 'disk', st = st, intake_key = intake_key,
   intake = intake, active_key = base .. ':active', affinity_key = base .. ':affinity',
+  -- staged instances' fields read in this call (lib_survey.lua staged_fields)
+  work = {},
   warming_key = base .. ':warming', sealed = num(intake.sealed_ms), sweep = now >= num(st.sweep_ms),
   -- the disk tier's store segments (conductor/tier/segments.py) wait too: the gate counts them, and a
   -- model whose lanes are empty while they wait is not idle (the feeder is loading them)

@@ -131,6 +131,7 @@ local function take_batch(c, inst, parts, acc, flags, info)
   local inst_tokens = num(info.tokens) - acc.sum
   redis.call('HSET', ik, 'tokens', inst_tokens, 'items', num(info.items) - acc.k, 'batches', num(info.batches) + 1,
     'rr', first, 'taken', num(info.taken) + acc.sum, 'claimed_ms', now)
+  inst_written(c, inst)
   if #parts > 1 then redis.call('HINCRBY', c.state_key, 'neighbour_fills', 1) end
   if info.state ~= 'staged' and not c.hot and not c.lent then maybe_warm(c, inst_tokens, info.tenant) end
   -- the tenant's service (lib_fair.lua): padded input tokens and the items' output limits

@@ -14,12 +14,18 @@
 
 local function inst_key(base, inst) return base .. ':inst:' .. inst end
 
+-- Every write to an instance's hash in claim.lua's includes is followed by this: the staged fields
+-- read earlier in the call (c.work, lib_survey.lua staged_fields) are then read again, so a claim
+-- never weighs an instance by fields it has since changed.
+local function inst_written(c, inst) c.work[inst] = nil end
+
 -- detached: activated without becoming this worker's shape (interactive work, serve_hot).
 local function activate(c, inst, reason, detached)
   local ik = inst_key(c.base, inst)
   redis.call('ZREM', c.base .. ':staged', inst)
   redis.call('ZREM', c.base .. ':staged_age', inst)
   redis.call('HSET', ik, 'state', 'active', 'activated_ms', c.now, 'activated_by', reason)
+  inst_written(c, inst)
   redis.call('ZADD', c.active_key, c.now, inst)
   if not detached then attach(c, inst) end
   redis.call('HINCRBY', c.state_key, 'activations', 1)
@@ -49,6 +55,7 @@ local function finish(c, inst)
     gone[#gone + 1] = base .. ':lanemeta:' .. l
   end
   for s = 1, #gone, 3000 do redis.call('DEL', unpack(gone, s, math.min(s + 2999, #gone))) end
+  inst_written(c, inst)
   redis.call('ZREM', c.active_key, inst)
   redis.call('HDEL', c.affinity_key, c.consumer)
   redis.call('HINCRBY', c.state_key, 'shapes_finished', 1)
@@ -66,6 +73,7 @@ local function preempt(c, inst)
   if (attachments(c)[inst] or 0) > 0 then return end
   local ik = inst_key(c.base, inst)
   redis.call('HSET', ik, 'state', 'staged', 'preempted_ms', c.now)
+  inst_written(c, inst)
   redis.call('ZADD', c.base .. ':staged', num(redis.call('HGET', ik, 'tokens')), inst)
   redis.call('ZADD', c.base .. ':staged_age', c.now, inst)
   redis.call('ZREM', c.active_key, inst)

@@ -43,6 +43,7 @@ local function pick_next(c, cleanup, only)
     -- An aged shape is served whatever its fill: it drains at once (late arrivals stage anew).
     activate(c, old, 'aging')
     redis.call('HSET', inst_key(c.base, old), 'state', 'draining', 'draining_ms', now)
+    inst_written(c, old)
     return old
   end
   local budget = cfg.budget_tokens
@@ -115,6 +116,7 @@ local function maybe_warm(c, inst_tokens, tenant)
   local top = top_staged(c, activation_need(c, c.cleanup), tenant)
   if not top then return end
   redis.call('HSET', inst_key(c.base, top), 'state', 'warming', 'warming_ms', c.now, 'warming_for', c.consumer)
+  inst_written(c, top)
   redis.call('HSET', c.warming_key, c.consumer, top)
   redis.call('HSET', c.state_key, 'warming', top)  -- the latest, for inspect
   c.warming_now = top

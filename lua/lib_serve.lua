@@ -41,7 +41,10 @@ end
 -- The instance's fill and ready indices follow the config they were derived under (lib.lua
 -- index_version): re-derived here when that changed.
 local function indexed(c, inst, info)
-  if info.idx ~= index_version(c.cfg) then reindex(c.base, c.state_key, c.cfg, inst) end
+  if info.idx ~= index_version(c.cfg) then
+    reindex(c.base, c.state_key, c.cfg, inst)
+    inst_written(c, inst)
+  end
 end
 
 -- Aging preemption (sweep only): an active instance gives way to an aged staged one, which is
@@ -150,6 +153,7 @@ local function serve(c, inst, info)
       return {0, 'wait'}
     elseif low or quiet_since(c, num(info.last_intake_ms)) or c.cleanup then
       redis.call('HSET', ik, 'state', 'draining', 'draining_ms', c.now)
+      inst_written(c, inst)
     else
       return {0, 'wait'}
     end

@@ -16,11 +16,34 @@
 -- A staged instance's fields, and an active one's: only those present on such an instance, since a
 -- missing field costs HMGET a scan of the whole hash (survey reads up to STAGED_LOOK of them per
 -- call); warming_for is read by free_for, only for a warming instance.
-local WORK_FIELDS = {'tokens', 'items', 'in_items', 'in_out', 'state', 'tenant', 'prio', 'deadline'}
 local ACTIVE_FIELDS = {'tokens', 'items', 'in_items', 'in_out', 'state', 'tenant', 'prio', 'claimed_ms', 'activated_ms'}
+
+-- A staged instance's fields, read once a call: a claim that switches shape weighs the same
+-- STAGED_LOOK staged instances in survey and again in the pre-warm pick (top_staged), and each read
+-- costs the server a command and its reply made Lua strings (bench/RESULTS.md, the Redis cost notes'
+-- fifth pass). c.work holds them by instance; every write to an instance's hash in claim.lua's
+-- includes calls inst_written (lib_lifecycle.lua), which drops it, so a later read is fresh. The
+-- table is built whole (a constructor sizes it once; naming fields one by one grows it four times).
+local function staged_fields(c, inst)
+  local h = c.work[inst]
+  if h then return h end
+  local r = redis.call('HMGET', inst_key(c.base, inst), 'tokens', 'items', 'in_items', 'in_out', 'state', 'tenant',
+    'prio', 'deadline')
+  h = {tokens = r[1], items = r[2], in_items = r[3], in_out = r[4], state = r[5], tenant = r[6], prio = r[7],
+    deadline = r[8], inst = inst}
+  c.work[inst] = h
+  return h
+end
+
+-- fields: ACTIVE_FIELDS for an active instance; nil for a staged one (staged_fields)
 local function inst_work(c, inst, fields)
-  local h = hmget_named(inst_key(c.base, inst), fields or WORK_FIELDS)
-  h.inst = inst
+  local h
+  if fields then
+    h = hmget_named(inst_key(c.base, inst), fields)
+    h.inst = inst
+  else
+    h = staged_fields(c, inst)
+  end
   local tokens, placed = num(h.tokens), num(h.in_items)
   local mean_out = placed > 0 and num(h.in_out) / placed or 0
   return tokens, tokens + c.cfg.decode_weight * num(h.items) * mean_out, mean_out, h
@@ -39,11 +62,15 @@ local function before(a, b)
 end
 
 -- Whether a staged instance is free for this worker to start: not another live worker's next
--- (each worker warms one at a time, so at most a fleet's worth are skipped).
+-- (each worker warms one at a time, so at most a fleet's worth are skipped). Kept in h (staged_fields'
+-- table, dropped with it by inst_written): survey and top_staged ask it of the same instances.
 local function free_for(c, h)
   if h.state ~= 'warming' then return true end
-  local by = redis.call('HGET', inst_key(c.base, h.inst), 'warming_for')
-  return by == c.consumer or not by or not alive(c.base, by)
+  if h.free == nil then
+    local by = redis.call('HGET', inst_key(c.base, h.inst), 'warming_for')
+    h.free = by == c.consumer or not by or not alive(c.base, by)
+  end
+  return h.free
 end
 
 -- The staged instance that goes first (before()) of `tenant`'s (any tenant's when nil) that no

@@ -167,3 +167,38 @@ def test_a_busy_worker_that_found_nothing_claims_again_on_a_ring_not_every_step(
         w.turn()
     assert w.engine.active() > 0 and w.busy_idle.skipped >= 10
     assert cdr.r.llen(MK.doorbell) == 1  # passed on: an idle worker wakes, in case more is left
+
+
+def test_a_busy_worker_told_to_wait_claims_again_after_the_quiet_time_not_every_step(cdr: Conductor):
+    """A claim that answered 'wait' (here: the active shape holds less than a full batch and intake is not
+    quiet yet) while the engine runs: the worker used to claim again after every engine step, each a
+    full claim pass (39 in a 16-worker job of 8,000 items, about 0.8M instructions each); now it claims
+    again on a ring, its engine's end, or once the model's quiet time has passed (workers/pacing.py
+    BusyIdle), when the held-back items may go: that claim drains them."""
+    from tests.worker_kit import sim, submit, worker
+    submit(cdr, 6, max_tokens=1000)  # a batch of 4 runs 1.5 to 6 s on the sim at time scale 1; 2 are left
+    quick(cdr, quiet_ms=1000, drain_batches=0)  # the 2 left wait for a full batch or quiet intake
+    w = worker(cdr, sim(time_scale=1.0))
+    answers: list[str] = []
+    claim = w.shards.claim
+
+    def counted(contract, consumer):
+        got = claim(contract, consumer)
+        answers.append(got[1])
+        return got
+    w.shards.claim = counted  # the real claim, counted
+    while "wait" not in answers:
+        w.turn()
+    t_wait = time.monotonic()
+    assert w.batches_claimed == 1 and w.engine.active()
+    cdr.r.delete(MK.doorbell)  # the submit's ring, which no idle worker took (it lets one claim by)
+    before, turns = len(answers), 0
+    while time.monotonic() - t_wait < 0.5 and w.engine.active():
+        w.turn()
+        turns += 1
+    assert turns >= 10 and len(answers) == before, (turns, answers)  # no claim while only the engine changed
+    while w.batches_claimed < 2:
+        assert time.monotonic() - t_wait < 2.0, answers
+        w.turn()
+    assert time.monotonic() - t_wait >= 0.9  # the quiet time (the intake's 1 s began before the 'wait')
+    assert len(answers) == before + 1 and w.busy_idle.skipped >= 10  # one claim, and it took the 2 left

@@ -3,6 +3,8 @@
 import threading
 import time
 
+import redis
+
 from conductor.formats.signature import shape_signature
 from tests.conftest import item
 from tests.helpers import MK, contract, drain, results_for
@@ -313,3 +315,43 @@ def test_quiet_lane_ids_are_reused(cdr):
     cdr.submit([item("c0", 2000)], "j")  # a new lane takes the freed id, not a new one
     assert {int(x) for x in cdr.r.zrange(MK.inst_lanes(inst("sys")), 0, -1)} == {0, 1}
     assert int(cdr.r.hget(MK.inst(inst("sys")), "lane_seq")) == 2
+
+
+def _script_commands(c, url, call):
+    """The commands Lua ran while ``call()`` ran (MONITOR), each as its words."""
+    out, ready = [], threading.Event()
+    mon = redis.Redis.from_url(url)
+
+    def watch():
+        with mon.monitor() as m:
+            ready.set()
+            for cmd in m.listen():
+                if cmd["command"] == "ECHO test-lifecycle-end":
+                    return
+                if cmd.get("client_type") == "lua":
+                    out.append(cmd["command"].split())
+
+    t = threading.Thread(target=watch)
+    t.start()
+    ready.wait()
+    time.sleep(0.05)
+    got = call()
+    c.r.echo("test-lifecycle-end")
+    t.join(5)
+    return got, out
+
+
+def test_a_claim_that_switches_and_prewarms_reads_each_staged_shape_once(cdr, redis_url):
+    # The claim that starts A weighs the staged shapes twice: pick_next's survey, then the pre-warm
+    # pick (top_staged); B, C and D were read by HMGET twice each before their fields were kept for
+    # the call (lib_survey.lua staged_fields); the warming B is written, so what follows reads it again.
+    setup(cdr, activate_batches=1, prewarm_batches=100)
+    cdr.submit([item(f"a{i}", 100, prefix=("A",)) for i in range(40)], "j")
+    for s in "BCD":
+        cdr.submit([item(f"{s}{i}", 100, prefix=(s,)) for i in range(10 + "BCD".index(s))], "j")
+    (b, _), cmds = _script_commands(cdr, redis_url, lambda: cdr.claim(contract(8, 800), "w"))
+    assert b.prefix == ["A"] and b.warming == inst("D")  # the staged shape with the most tokens warms
+    for s in "BCD":
+        reads = [x for x in cmds if x[0].upper() == "HMGET" and x[1] == MK.inst(inst(s))]
+        assert len(reads) == 1, (s, reads)
+    assert state(cdr, inst("D")) == "warming" and state(cdr, inst("B")) == "staged"

@@ -46,25 +46,39 @@ def claim_contract(contract: Contract, free: int | None) -> Contract | None:
 # batches put back; an idle worker looks at its beat, 5 s). Such a worker used to claim after every
 # engine step and find nothing each time: 1,204 empty claims in a 16-worker job of 8,000 items, 8 % of
 # the job's Redis instructions (bench/RESULTS.md, the Redis cost notes' third pass).
+# After 'wait' (work waits but is held back: the active shape waits for a full batch or quiet intake,
+# the shapes left are other workers' until they lag, a claim's visits ran out) the same, with the
+# model's quiet time as the recheck: the moment a claim may dispatch what it held back without a ring
+# (quiet intake starts cleanup and drains), as an idle worker's doorbell wait after 'wait' is bounded
+# (workers/doorbell.py). Not after 'gate': the release gate opens on submits, which ring, or quiet
+# intake, and a gated worker's engine is empty anyway. Each such claim runs the full pass (about 0.8M
+# instructions at 16 workers: 39 of them in an 8,000-item job, 2 % of its Redis instructions).
 IDLE_RECHECK_S = 1.0
 RING_LOOK_S = 0.05  # the doorbell is looked at (one LPOP) at most this often meanwhile
 
 
 class BusyIdle:
-    """Whether a worker whose engine runs may claim now, after an 'idle' answer (clock: the worker's)."""
+    """Whether a worker whose engine runs may claim now, after an 'idle' or 'wait' answer (clock: the
+    worker's)."""
 
     def __init__(self) -> None:
-        self.since: float | None = None  # when a claim answered 'idle' with the engine running
+        self.since: float | None = None  # when a claim answered 'idle' or 'wait' with the engine running
+        self.recheck = IDLE_RECHECK_S  # then the next claim goes at the latest this long after it
         self._looked = 0.0
         self.skipped = 0  # turns that did not claim (tests, metrics)
         self.rang = False  # the last claim let through was let through by a ring (pass it on if it finds work)
 
-    def answered(self, answer: str, running: bool, now: float) -> None:
-        self.since = now if answer == "idle" and running else None
+    def answered(self, answer: str, running: bool, now: float, quiet_s: Callable[[], float] | None = None) -> None:
+        """``quiet_s``: the model's quiet time, asked only after a 'wait' (None: IDLE_RECHECK_S then too)."""
+        self.since = None
+        if running and answer == "idle":
+            self.since, self.recheck = now, IDLE_RECHECK_S
+        elif running and answer == "wait":
+            self.since, self.recheck = now, IDLE_RECHECK_S if quiet_s is None else quiet_s()
 
     def due(self, running: bool, now: float, take_ring: Callable[[], bool]) -> bool:
         self.rang = False
-        if self.since is None or not running or now - self.since >= IDLE_RECHECK_S:
+        if self.since is None or not running or now - self.since >= self.recheck:
             return True
         if now - self._looked >= RING_LOOK_S:
             self._looked = now

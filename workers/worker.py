@@ -128,7 +128,8 @@ class Worker(WorkerStart, OutageHandling):
         t = time.perf_counter()
         batch, self.last_claim = self.shards.claim(contract, self.name)
         self.metrics.claim_took(time.perf_counter() - t)
-        self.busy_idle.answered(self.last_claim, self.engine.active() > 0, self.clock())
+        self.busy_idle.answered(self.last_claim, self.engine.active() > 0, self.clock(),
+                                self._busy_bell().quiet_s if self.opts.wake == "bell" else None)
         if self.busy_idle.rang and batch is not None:  # as a rung idle worker does: the next one wakes if work is left
             self._pass_on(self._busy_bell())  # a hint: a Redis error here must not lose the batch just claimed
         if batch is None:

@@ -67,6 +67,9 @@ COPIES = {
                "local function acl_refused(checks)\n  if checks then return nil end\n"),
 }
 SPEC = {"seed": 11, "shapes": 30, "zipf_s": 1.1, "prefix_min": 200, "prefix_max": 3000, "suffix_sigma": 0.7}
+# ``--workload``: w2 (above), or redis_cost.py's w16 point (fleet f16: seed 103, 120 shapes), whose shape
+# switches (the fleet's scheduling reads) weigh more than w2's
+WORKLOADS: dict[str, dict[str, Any]] = {"w2": SPEC, "w16": {"seed": 103, "shapes": 120}}
 
 
 def freeze_clock(now_s: int, copy: str | None = None) -> Callable[[], None]:
@@ -95,12 +98,15 @@ def freeze_clock(now_s: int, copy: str | None = None) -> Callable[[], None]:
 class Server:
     """redis-server under callgrind, one profile per EVALSHA in ``out``."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, per_call: bool = True) -> None:
+        """``per_call`` False: one profile of every EVALSHA together (cg.out, written at shutdown), for
+        ``--by-function``; take() then answers nothing."""
         self.out = out
         self.port = free_port()
+        dump = ["--dump-after=evalShaCommand"] if per_call else []
         self.proc = subprocess.Popen(
             [VALGRIND, "--tool=callgrind", f"--callgrind-out-file={out}/cg.out", "--collect-atstart=no",
-             "--toggle-collect=evalShaCommand", "--dump-after=evalShaCommand",
+             "--toggle-collect=evalShaCommand", *dump,
              "redis-server", "--port", str(self.port), "--save", "", "--appendonly", "no"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         self.r = redis.Redis(port=self.port)
@@ -171,14 +177,16 @@ def _wrap(w: Worker, srv: Server, log: list[tuple[str, int, int, bool]]) -> None
 
 
 def measure(items: int, workers: int, out: Path, say: Callable[[str], None] = print,
-            copy: str | None = None, wake: str = "bell") -> dict[str, Any]:
+            copy: str | None = None, wake: str = "bell", workload: str = "w2",
+            per_call: bool = True) -> dict[str, Any]:
     """Run the job on a fresh server under callgrind; per call kind, instructions a call and an item.
     ``copy``: on the scripts with COPIES[copy]'s part taken out; ``wake``: the drive's idle wait
-    (bench/packing/suite.py SuiteConfig.wake)."""
+    (bench/packing/suite.py SuiteConfig.wake); ``workload``: WORKLOADS' spec; ``per_call`` False: no
+    figures per call, one profile of the whole run left in ``out``/cg.out (by_function reads it)."""
     thaw = freeze_clock(int(time.time()), copy)
-    srv = Server(out)
+    srv = Server(out, per_call)
     try:
-        wl = generate(WorkloadSpec(items=items, **SPEC))
+        wl = generate(WorkloadSpec(items=items, **WORKLOADS[workload]))
         cfg = suite.SuiteConfig(workers=workers, wake=wake)
         producer = Conductor(connect(srv.url()))
         producer.ensure_model(wl.spec.model)
@@ -197,7 +205,7 @@ def measure(items: int, workers: int, out: Path, say: Callable[[str], None] = pr
         sub = srv.take()
         say(f"  submit: {len(sub)} calls (chunks, the seal), {sum(sub) / items / 1000:.1f}k instructions an item")
         finished = lambda: sum(w.finished for w in ws)  # noqa: E731
-        suite.drive(ws, engines, items, finished, None, 3600.0, wake=cfg.wake)
+        makespan, _ = suite.drive(ws, engines, items, finished, None, 3600.0, wake=cfg.wake)
         for w in ws:  # the last results are written on the turn after they finish
             while w.retry or w.inflight:
                 w.turn()
@@ -207,7 +215,8 @@ def measure(items: int, workers: int, out: Path, say: Callable[[str], None] = pr
     kinds: dict[str, list[tuple[int, int]]] = {}
     for kind, n, ir, _busy in log:
         kinds.setdefault(kind, []).append((n, ir))
-    res: dict[str, Any] = {"items": items, "workers": workers, "wake": wake, "submit": sum(sub), "kinds": {}}
+    res: dict[str, Any] = {"items": items, "workers": workers, "wake": wake, "workload": workload,
+                           "submit": sum(sub), "kinds": {}, "makespan_s": makespan}
     for kind, rows in sorted(kinds.items()):
         n = sum(k for k, _ in rows)
         ir = sum(v for _, v in rows)
@@ -215,6 +224,22 @@ def measure(items: int, workers: int, out: Path, say: Callable[[str], None] = pr
                               "median_call": statistics.median(v for _, v in rows)}
     res["per_item"] = (sum(sub) + sum(v["instructions"] for v in res["kinds"].values())) / items
     return res
+
+
+def by_function(out: Path, items: int, top: int = 40) -> str:
+    """The whole run's profile (``measure(per_call=False)``) by function, inclusive, in instructions an
+    item: which of Redis's commands the scripts call (``hmgetCommand``, ``xaddCommand``, ...) and which
+    parts of the Lua VM and the scripting glue (``luaRedisGenericCommand``, ``luaF_findupval``) cost most."""
+    text = subprocess.run(["callgrind_annotate", "--inclusive=yes", "--threshold=100", str(out / "cg.out")],
+                          capture_output=True, text=True, check=True).stdout
+    lines = [f"  {'k an item':>9s}  function (inclusive)"]
+    for line in text.splitlines():
+        m = re.match(r"\s*([\d,]+) \([^)]*\)\s+\S*:(\S+)", line) or re.match(r"\s*([\d,]+)\s+\S*:(\S+)", line)
+        if m:
+            lines.append(f"  {int(m.group(1).replace(',', '')) / items / 1000:9.1f}  {m.group(2)}")
+        if len(lines) > top:
+            break
+    return "\n".join(lines)
 
 
 def _cut_after_functions(src: str) -> str:
@@ -254,7 +279,8 @@ def definitions(out: Path, calls: int = 5) -> dict[str, tuple[int, int, int]]:
 
 def report(res: dict[str, Any]) -> str:
     items = res["items"]
-    lines = [f"{items} items, {res['workers']} workers, idle wait {res['wake']} (instructions inside EVALSHA, "
+    lines = [f"{items} items, {res['workers']} workers, workload {res.get('workload', 'w2')}, idle wait "
+             f"{res['wake']} (instructions inside EVALSHA, "
              "callgrind):",
              f"  submit.lua (+ the seal)              {res['submit'] / items / 1000:8.1f}k an item"]
     for kind, v in res["kinds"].items():
@@ -263,6 +289,7 @@ def report(res: dict[str, Any]) -> str:
         lines.append(f"  {kind:36s} {per_item:8.1f}k an item of the job; {v['calls']} calls, median "
                      f"{v['median_call'] / 1000:.1f}k a call{extra}")
     lines.append(f"  together                             {res['per_item'] / 1000:8.1f}k an item")
+    lines.append(f"  simulated makespan {res['makespan_s']:.3f} s (the drive's: pacing must not lengthen it)")
     return "\n".join(lines)
 
 
@@ -275,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the drive's idle wait (bench/packing/suite.py SuiteConfig.wake)")
     p.add_argument("--copy", choices=sorted(COPIES), help="the scripts with this part taken out")
     p.add_argument("--definitions", action="store_true", help="what defining the includes' functions costs a call")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="w2", help="the job's spec (WORKLOADS)")
+    p.add_argument("--by-function", action="store_true",
+                   help="no figures per call: the whole run's instructions by function (callgrind_annotate)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="cg-") as d:
         out = Path(args.out or d)
@@ -284,7 +314,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name}.lua: {n} top-level functions, defining them {(defined - bare) / 1000:.1f}k "
                       f"instructions a call ({defined / 1000:.1f}k against {bare / 1000:.1f}k for a bare return)")
             return 0
-        res = measure(args.items, args.workers, out, copy=args.copy, wake=args.wake)
+        if args.by_function:
+            measure(args.items, args.workers, out, copy=args.copy, wake=args.wake, workload=args.workload,
+                    per_call=False)
+            print(by_function(out, args.items))
+            return 0
+        res = measure(args.items, args.workers, out, copy=args.copy, wake=args.wake, workload=args.workload)
     print(report(res))
     return 0
 
