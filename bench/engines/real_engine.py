@@ -29,6 +29,7 @@ The KV cache is sized so that it cannot hold every system prompt at once (on thi
 card (``gpu_memory_utilization``), which holds every prompt, unless ``--kv-mb`` sizes it; ``--eager``
 turns off torch.compile and CUDA graphs on every engine alike (each load then takes seconds, not a
 minute: what a short lease of a GPU affords). A GPU run writes a section of its own in RESULTS.md.
+On a lent GPU machine with no network and no vLLM, bench/engines/gpu_lease/ brings it there (bundle.sh).
 Exit status: 0, also when a goal is missed; 1 when a case lost, duplicated or failed an id.
 """
 
