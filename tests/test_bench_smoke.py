@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -361,3 +362,29 @@ def test_script_instructions_counts_each_script_call_under_callgrind(tmp_path):
 def test_holder_sweep_quick_form_runs():
     out = _bench("bench/broker/holder_sweep.py", "--shards", "3", "--consumers", "2", "--seconds", "1.5")
     assert "commands/s, the holder of every part" in out and "lua:lease" in out
+
+
+def test_real_engine_gives_every_engine_the_same_settings_on_a_gpu_too(tmp_path):
+    """bench/engines/real_engine.py: vLLM's runner and server and the conductor's engine get the same settings:
+    on a CPU eager with the given KV cache (as before), on a GPU vLLM's own memory share unless --kv-mb, and
+    --eager on all of them alike (the conductor's engine is not eager on a GPU by itself)."""
+    from bench.engines.real_engine import Setup, engine_settings
+
+    def flags(gpu: bool, kv: int | None, eager: bool) -> tuple[list[str], list[str]]:
+        s = Setup(tmp_path, tmp_path, gpu, kv, {}, eager=eager)
+        return s.engine_flags(), s.conductor_engine_args()
+
+    kv = str(32 << 20)
+    assert flags(False, 32 << 20, False) == (["--enforce-eager", "--kv-cache-memory-bytes", kv],
+                                              ["--engine-arg", f"kv_cache_memory_bytes={kv}"])
+    assert flags(True, None, False) == ([], [])
+    assert flags(True, None, True) == (["--enforce-eager"], ["--engine-arg", "enforce_eager=true"])
+    small = str(683 << 20)
+    assert flags(True, 683 << 20, True) == (["--enforce-eager", "--kv-cache-memory-bytes", small],
+                                            ["--engine-arg", "enforce_eager=true",
+                                             "--engine-arg", f"kv_cache_memory_bytes={small}"])
+    gpu = argparse.Namespace(gpu=True, eager=True)
+    assert engine_settings(gpu, None) == ", GPU, enforce_eager, vLLM's own gpu_memory_utilization"
+    assert engine_settings(gpu, 683 << 20) == ", GPU, enforce_eager, KV cache 683 MiB on every engine"
+    assert engine_settings(argparse.Namespace(gpu=False, eager=False), 32 << 20) == \
+        ", CPU, enforce_eager, KV cache 32 MiB on every engine"

@@ -3,6 +3,7 @@
     .venv/bin/python -m bench.engines.real_engine          # every file and case on this CPU; rewrites its section
     .venv/bin/python -m bench.engines.real_engine --files prefix --cases a,b --lines 96 --no-write   # a short look
     .venv/bin/python -m bench.engines.real_engine --gpu    # on a GPU host: a larger random model
+    python3 -m bench.engines.real_engine --gpu --eager --files prefix --cases a,b --work /tmp/re  # a short GPU look
 
 The bench writes a random-initialised Llama (workers/engines/random_model.py; on this CPU 6 layers,
 hidden 512, a byte-level tokenizer; with --gpu 16 layers, hidden 2048) and the files of
@@ -24,8 +25,12 @@ the server's /metrics, scraped while it runs, the last scrape before it ends; th
 publishes its engine's counters), and every id answered exactly once without an error.
 
 The KV cache is sized so that it cannot hold every system prompt at once (on this CPU 32 MiB: about
-10,900 tokens against 24 prompts of 500 to 1,500). Exit status: 0, also when a goal is missed; 1
-when a case lost, duplicated or failed an id.
+10,900 tokens against 24 prompts of 500 to 1,500). On a GPU each engine takes vLLM's own share of the
+card (``gpu_memory_utilization``), which holds every prompt, unless ``--kv-mb`` sizes it; ``--eager``
+turns off torch.compile and CUDA graphs on every engine alike (each load then takes seconds, not a
+minute: what a short lease of a GPU affords). A GPU run writes a section of its own in RESULTS.md.
+On a lent GPU machine with no network and no vLLM, bench/engines/gpu_lease/ brings it there (bundle.sh).
+Exit status: 0, also when a goal is missed; 1 when a case lost, duplicated or failed an id.
 """
 
 from __future__ import annotations
@@ -91,15 +96,19 @@ class Setup:
     model_dir: Path
     work: Path
     gpu: bool
-    kv_bytes: int
+    kv_bytes: int | None  # None: vLLM's own share of the GPU's memory
     env: dict[str, str] = field(default_factory=dict)
+    eager: bool = False  # GPU: no torch.compile, no CUDA graphs (a CPU engine is always eager)
 
     def engine_flags(self) -> list[str]:
         """vLLM's own flags for a runner or a server: the same engine settings the conductor's engine gets."""
-        return [] if self.gpu else ["--enforce-eager", "--kv-cache-memory-bytes", str(self.kv_bytes)]
+        flags = ["--enforce-eager"] if self.eager or not self.gpu else []
+        return flags + ([] if self.kv_bytes is None else ["--kv-cache-memory-bytes", str(self.kv_bytes)])
 
     def conductor_engine_args(self) -> list[str]:
-        return [] if self.gpu else ["--engine-arg", f"kv_cache_memory_bytes={self.kv_bytes}"]
+        """The same settings as engine arguments (on a CPU host the conductor's engine is eager by itself)."""
+        args = ["--engine-arg", "enforce_eager=true"] if self.eager and self.gpu else []
+        return args + ([] if self.kv_bytes is None else ["--engine-arg", f"kv_cache_memory_bytes={self.kv_bytes}"])
 
 
 # ------------------------------------------------------------------ the peer: vLLM's batch runner
@@ -164,8 +173,27 @@ def _tally(name: str, kind: str, wall: float, rows: list[tuple[str, bool, int]],
                 len(ids) - len(set(ids)), sum(r[2] for r in rows), hit, note)
 
 
+def gpu_settle(s: Setup, timeout: float = 90.0, used_mib: int = 4096) -> None:
+    """GPU: wait until the last case's engines have let go of the card's memory (a runner's engine core can
+    outlive its runner by a moment; a new engine that finds the memory taken refuses to start). Untimed."""
+    if not s.gpu:
+        return
+    deadline, out = time.monotonic() + timeout, []
+    while time.monotonic() < deadline:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=20).stdout.split()
+        except (OSError, subprocess.SubprocessError):
+            return
+        if not out or max(int(x) for x in out) < used_mib:
+            return
+        time.sleep(0.5)
+    print(f"  the GPU still holds {out} MiB after {timeout:.0f} s; going on", flush=True)
+
+
 def run_runners(s: Setup, name: str, kind: str, srcs: list[Path], expected: int, binds: list[str | None]) -> Case:
     """One or more batch runners started together; the wall time is the last one's end."""
+    gpu_settle(s)
     procs, scrapers, outs = [], [], []
     t0 = time.monotonic()
     for k, (src, bind) in enumerate(zip(srcs, binds, strict=True)):
@@ -211,6 +239,8 @@ def run_conductor(s: Setup, name: str, kind: str, src: Path, expected: int, extr
                   t0: float | None = None) -> tuple[Case, str]:
     out = s.work / f"{name}-{kind}.out.jsonl"
     log = s.work / f"{name}-{kind}.log"
+    if t0 is None:
+        gpu_settle(s)
     start = time.monotonic() if t0 is None else t0
     epoch0 = time.time() - (time.monotonic() - start)
     p = subprocess.run([sys.executable, "-m", "conductor", "run", str(src), "--workers", str(workers), "-o",
@@ -228,6 +258,7 @@ def run_conductor(s: Setup, name: str, kind: str, src: Path, expected: int, extr
 def run_openai(s: Setup, kind: str, src: Path, expected: int) -> Case:
     """(d): one vllm serve started for the run, then conductor run --engine openai; both timed."""
     port = free_port()
+    gpu_settle(s)
     t0 = time.monotonic()
     server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
                                str(s.model_dir), "--served-model-name", MODEL, "--port", str(port),
@@ -295,7 +326,7 @@ def run_file(s: Setup, kind: str, lines: int, cases: list[str]) -> list[Case]:
     if "b" in cases:
         add(run_conductor(s, "b", kind, src, lines, vllm, 1)[0])
     if "c" in cases and kind == "prefix":
-        binds = ["0", "1"] if s.gpu else core_halves()
+        binds: list[str | None] = ["0", "1"] if s.gpu else [*core_halves()]
         add(run_runners(s, "a2 halves", kind, halves(src, s.work), lines, binds))
         add(run_conductor(s, "c", kind, src, lines, vllm, 2)[0])
     if "d" in cases and kind in ("prefix", "mixed"):
@@ -320,17 +351,39 @@ def ratios(cases: list[Case]) -> list[tuple[str, float, float | None]]:
     return out
 
 
-def report(cases: list[Case], args: argparse.Namespace, size: ModelSize, kv_bytes: int) -> str:
+def engine_settings(args: argparse.Namespace, kv_bytes: int | None) -> str:
+    """The engines' settings as the report states them (the same on every engine)."""
+    kv = "" if kv_bytes is None else f", KV cache {kv_bytes >> 20} MiB on every engine"
+    if not args.gpu:
+        return f", CPU, enforce_eager{kv}"
+    share = "" if kv_bytes is not None else ", vLLM's own gpu_memory_utilization"
+    return (", GPU, " + ("enforce_eager" if args.eager else "torch.compile and CUDA graphs (vLLM's defaults)")
+            + kv + share)
+
+
+def gpu_name() -> str:
+    """What nvidia-smi says of the GPUs, or '?'."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "?"
+    return "; ".join(ln.strip() for ln in out.splitlines()) or "?"
+
+
+def report(cases: list[Case], args: argparse.Namespace, size: ModelSize, kv_bytes: int | None) -> str:
     rows = [c.row() for c in cases]
     rat = [[w, f"{r:.2f}x", "-" if g is None else f"{g:.2f}x", "-" if g is None else ("met" if r >= g else "MISSED")]
            for w, r, g in ratios(cases)]
+    where = f"{machine()}, GPU {gpu_name()}" if args.gpu else machine()
     return "\n".join([
-        "## Real engines: the conductor against vLLM's own batch runner (issue 33)",
+        "## Real engines: the conductor against vLLM's own batch runner (issue 33)"
+        + (", on a GPU" if args.gpu else ""),
         "",
-        f"Command: `{command_line()}`, {now_utc()}, commit {git_rev()}; {machine()}.",
+        f"Command: `{command_line()}`, {now_utc()}, commit {git_rev()}; {where}.",
         f"Model: a random Llama written by the bench ({size.layers} layers, hidden {size.hidden}, {size.heads} "
         f"heads, {size.kv_heads} KV heads, byte-level tokenizer), vLLM {_vllm_version()}"
-        + ("" if args.gpu else f", CPU, enforce_eager, KV cache {kv_bytes >> 20} MiB on every engine") + ".",
+        + engine_settings(args, kv_bytes) + ".",
         f"Files: {args.lines} OpenAI chat lines each (bench/engines/real_engine_files.py); every line greedy.",
         "Wall seconds from a command's start to its end, model load included on every side; tokens per second "
         "over that wall time. Load: from the start until the engine took its first request (a runner's or "
@@ -363,23 +416,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default="a,b,c,d", help="comma list of a, b, c, d")
     p.add_argument("--lines", type=int, default=384)
     p.add_argument("--gpu", action="store_true", help="a GPU host: the larger model, vLLM's own memory settings")
-    p.add_argument("--kv-mb", type=int, default=32, help="CPU: each engine's KV cache, MiB")
+    p.add_argument("--kv-mb", type=int, help="each engine's KV cache, MiB (CPU: default 32; GPU: default vLLM's "
+                   "own share of the card)")
+    p.add_argument("--eager", action="store_true", help="GPU: enforce_eager on every engine (no torch.compile, no "
+                   "CUDA graphs; a CPU engine is always eager)")
+    p.add_argument("--work", help="keep the model, files, outputs and logs in this folder (default: a temporary one)")
     p.add_argument("--model-dir", help="use this model folder instead of writing one")
     p.add_argument("--no-write", action="store_true", help="do not rewrite the RESULTS.md section")
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args(argv)
     size = GPU_SIZE if args.gpu else CPU_SIZE
+    kv_mb = args.kv_mb if args.kv_mb is not None or args.gpu else 32
     with tempfile.TemporaryDirectory(prefix="real-engine-") as tmp:
-        work = Path(tmp)
+        work = Path(args.work or tmp)
+        work.mkdir(parents=True, exist_ok=True)
         model_dir = Path(args.model_dir) if args.model_dir else write_random_llama(work / "model", size)
         env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", PYTHONWARNINGS="ignore")
-        s = Setup(model_dir, work, args.gpu, args.kv_mb << 20, env)
+        s = Setup(model_dir, work, args.gpu, None if kv_mb is None else kv_mb << 20, env, eager=args.eager)
         cases: list[Case] = []
         for kind in args.files.split(","):
             cases += run_file(s, kind, args.lines, args.cases.split(","))
         text = report(cases, args, size, s.kv_bytes)
-        publish(text, "real-engines", write=not args.no_write, json_path=args.json,
-                data=[c.__dict__ for c in cases] + [{"ratios": ratios(cases)}])
+        # a GPU run has a section of its own: the CPU figures stay beside it
+        publish(text, "real-engines-gpu" if args.gpu else "real-engines", write=not args.no_write,
+                json_path=args.json, data=[c.__dict__ for c in cases] + [{"ratios": ratios(cases)}])
     return 0 if all(c.clean for c in cases) else 1
 
 
