@@ -293,6 +293,14 @@ def test_fairness_quick_form_runs_every_scenario():
         assert f"| {name} |" in out, out[-2000:]
 
 
+
+def test_fairness_seeds_quick_form_reports_a_median_per_weighting():
+    """bench/fleet/fairness_seeds.py on one small seed: a gap and A's share for 1:1 and 3:1."""
+    out = _bench("bench/fleet/fairness_seeds.py", "--seeds", "1", "--items", "2000", "--engine-seqs", "64",
+                 timeout=300)
+    for w in ("1:1", "3:1"):
+        assert f"engine 64, weights {w}: gap per seed" in out and "median" in out, out[-2000:]
+
 def test_memory_cap_quick_form_drains_both_runs():
     p = subprocess.run([sys.executable, "-m", "bench.memory.memory_cap", "--quick"], cwd=str(ROOT), capture_output=True,
                        timeout=180)
