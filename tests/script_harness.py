@@ -676,6 +676,15 @@ def idle_beat_renews_with_work(c: Conductor) -> Call:
     return _idle_beat("")
 
 
+def idle_beat_tells_its_holder_in_flight(c: Conductor) -> Call:
+    quick(c)
+    c.submit([item(i, 10) for i in range(4)], "j")
+    c.claim(contract(2, max_input_len=4096), "other")
+    return Call("idle_beat", [MK.heartbeat("w"), MK.busy, MK.maint_lease, MK.state, MK.intake, MK.hot, MK.workers,
+                              MK.batches], ["w", 1, 10000, 5000, 7],
+                check=lambda r: r.get(MK.maint_lease) == b"w")
+
+
 def idle_beat_lease_taken(c: Conductor) -> Call:
     quick(c)
     c.r.set(MK.maint_lease, "other", px=5000)
@@ -842,7 +851,8 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "ensure_model": [ensure_model_new, ensure_model_known],
     "register": [register],
     "heartbeat": [heartbeat],
-    "idle_beat": [idle_beat_takes_lease, idle_beat_renews_with_work, idle_beat_lease_taken],
+    "idle_beat": [idle_beat_takes_lease, idle_beat_renews_with_work, idle_beat_lease_taken,
+                  idle_beat_tells_its_holder_in_flight],
     "seal": [seal, seal_rings],
     "declare": [declare],
     "lease": [lease_free, lease_mine, lease_taken, lease_handed_back],

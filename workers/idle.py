@@ -68,6 +68,12 @@ GRACE = 0.3
 # A BLPOP is cut at this many seconds: redis-py reads the reply under the connection's socket
 # timeout (10 s), which a longer block would pass.
 MAX_BLOCK_S = 5.0
+# A lease holder's quiet part (nothing in flight, no intake task open, no deadline near:
+# workers/maintenance.py ``quiet_s``) is swept every this many beats, at a beat.
+QUIET_BEATS = 2
+# A held part's sweep due within this share of a period after a beat runs with it, not after a BLPOP of
+# its own.
+ALIGN = 0.75
 
 
 class IdleBeat:
@@ -85,6 +91,7 @@ class IdleBeat:
         self._thread_off_until = 0.0
         self.beats = 0  # tests, metrics
         self.shard_beats = 0
+        maint.quiet_after(QUIET_BEATS * self.period_s)
 
     def _ttl_ms(self, round_of: int) -> int:
         """A beat's heartbeat TTL: until the turn after the next, a round of ``round_of`` keyspaces away
@@ -94,23 +101,32 @@ class IdleBeat:
             return self.ttl_ms
         return max(self.ttl_ms, int(1000 * round_of * self.period_s * (1 + GRACE)))
 
+    def _lease_ms(self, lease_ms: int, round_of: int) -> int:
+        """A beat's maintenance lease: until the keyspace's next beat, a round of ``round_of`` away, and
+        ``GRACE`` more, so that a quiet holder (workers/maintenance.py ``quiet_s``) keeps it with its
+        beats alone; ``lease_ms`` at least. A holder that dies idle hands over that much later; one that
+        wakes renews it to ``lease_ms`` at its next tick (Maintenance.wake)."""
+        return max(lease_ms, int(1000 * round_of * self.period_s * (1 + GRACE)))
+
     def beat(self, round_of: int = 1) -> calls.IdleBeat:
         """The model's own keys: heartbeat, busy time, its maintenance lease, whether work waits."""
         busy = int(self.w.metrics.busy_s * 1000)
         ttl = self._ttl_ms(round_of)
+        lease = self._lease_ms(self.maint.lease_ms(), 1)
         sent = time.monotonic()
         got = calls.idle_beat(
             self.w.keys,
             self.w.name,
             int(time.time() * 1000),
             ttl,
-            self.maint.lease_ms(),
+            lease,
             None if busy == self._busy_sent else busy,
+            in_flight=True,
         ).run(self.w.c.scripts)
         self._busy_sent = busy
         self._lives[self.w.shards.model] = sent + ttl / 1000
         self.beats += 1
-        self.maint.told(got.held)
+        self.maint.told(got.held, in_flight=got.in_flight, ms=lease)
         if not got.registered:
             self.w._rejoin_needed.set()  # the worker's loop joins again (workers/outage.py)
         return got
@@ -119,13 +135,14 @@ class IdleBeat:
         """Shard ``name``'s turn: its heartbeat, its lease, whether work waits there. The busy time is
         left as the heartbeat thread last wrote it there (it does not change while idle)."""
         ttl = self._ttl_ms(round_of)
+        lease = self._lease_ms(self.maint.lease_ms(name), round_of)
         sent = time.monotonic()
         got = calls.idle_beat(
-            K.ModelKeys(name), self.w.name, int(time.time() * 1000), ttl, self.maint.lease_ms(name), None
+            K.ModelKeys(name), self.w.name, int(time.time() * 1000), ttl, lease, None, in_flight=True
         ).run(self.w.c.scripts)
         self._lives[name] = sent + ttl / 1000
         self.shard_beats += 1
-        self.maint.told(got.held, name)
+        self.maint.told(got.held, name, got.in_flight, lease)
         return got
 
     def _turns(self, spaces: list[str], now: float, thread_beat: bool) -> list[str]:
@@ -203,15 +220,25 @@ class IdleBeat:
             self._lives[name] = min(self._lives[name], now + self.ttl_ms / 1000)
 
     def _wait(self, shards: list[str], idle_exit_s: float | None, idle_since: float) -> bool:
+        try:
+            return self._wait_on(shards, idle_exit_s, idle_since)
+        finally:
+            self.maint.wake()  # a claim follows: the quiet parts' sweeps back to their periods
+
+    def _wait_on(self, shards: list[str], idle_exit_s: float | None, idle_since: float) -> bool:
         while not self.w.stopping.is_set():
             now = time.monotonic()
             if idle_exit_s is not None and now - idle_since > idle_exit_s:
                 return False
-            if now >= self._beat_at + self.period_s and self._beat_round(shards, now):
+            beat_due = now >= self._beat_at + self.period_s
+            if beat_due and self._beat_round(shards, now):
                 self._unstretch(shards)
                 return False
-            if self.maint.holds() and self.maint.held_due_in() <= 0:
-                res = self.maint.tick(held_only=True)
+            # a quiet part is swept at a beat, the first whose next is within ALIGN of a period of its due
+            # time (its due time is no wake-up of its own: held_due_in leaves it out)
+            early = ALIGN * self.period_s if beat_due else 0.0
+            if self.maint.holds() and (beat_due or self.maint.held_due_in() <= 0):
+                res = self.maint.tick(held_only=True, early_s=early)
                 if res and res.get("batches"):
                     return False  # the sweep put a dead worker's batches back: claim them
             limit = min(self._beat_at + self.period_s - time.monotonic(), self.maint.held_due_in())

@@ -130,16 +130,20 @@ class IdleBeat(NamedTuple):
     held: bool  # the caller holds the maintenance lease now
     waits: bool  # a claim could find work: claim now rather than block on the doorbell
     registered: bool  # False: the worker's registration is gone (an emptied server): join again
+    # batches pending in the model's group, told to the lease holder when asked (``in_flight=True``);
+    # -1 when not asked or not held
+    in_flight: int = -1
 
 
 def idle_beat(mk: K.ModelKeys, worker: str, now_ms: int, ttl_ms: int, lease_ms: int,
-              busy_ms: int | None = None) -> Call[IdleBeat]:
+              busy_ms: int | None = None, in_flight: bool = False) -> Call[IdleBeat]:
     """lua/idle_beat.lua: an idle worker's heartbeat, maintenance lease and "does work wait?" in one
-    call; ``busy_ms`` None leaves the busy time as last written."""
-    return Call("idle_beat", [mk.heartbeat(worker), mk.busy, mk.maint_lease, mk.state, mk.intake, mk.hot,
-                              mk.workers],
+    call; ``busy_ms`` None leaves the busy time as last written; ``in_flight``: the holder is told the
+    batches pending too (its sweep's XPENDING)."""
+    keys = [mk.heartbeat(worker), mk.busy, mk.maint_lease, mk.state, mk.intake, mk.hot, mk.workers]
+    return Call("idle_beat", [*keys, mk.batches] if in_flight else keys,
                 [worker, now_ms, ttl_ms, lease_ms, "" if busy_ms is None else busy_ms],
-                lambda raw: IdleBeat(bool(int(raw[0])), bool(int(raw[1])), bool(int(raw[2]))))
+                lambda raw: IdleBeat(bool(int(raw[0])), bool(int(raw[1])), bool(int(raw[2])), int(raw[3])))
 
 
 def schema_init(version: int) -> Call[int]:
