@@ -133,6 +133,39 @@ def test_an_idle_worker_on_three_shards_sends_under_one_command_a_second_and_wak
         stop_fleet(workers, threads)
 
 
+def test_the_idle_holder_of_every_part_sends_about_one_command_a_second(cluster):
+    """One idle worker of a model over three shards holds every part's lease (the model's, each
+    shard's): with nothing in flight it sends a BLPOP and two beats a period (the model's keys, a
+    shard's in turn) and the model's two global reads every second period, its shards swept with their
+    turns: 4 commands a period, 0.8 a second at the default TTL (2 at this 4 s TTL), where its sweeps
+    of every part sent over 5 a second."""
+    url, model, ttl = cluster.url, "holdy", 4.0
+    c = Conductor(connect(url))
+    quick(c, model, shards=3)
+    names = [model, *c.shards(model)]
+    workers, threads = _fleet(url, model, 1, ttl_s=ttl)
+    try:
+        deadline = time.monotonic() + 30
+        while not (workers[0].last_claim == "idle"
+                   and all(c.r.get(K.ModelKeys(n).maint_lease) == b"i0" for n in names)):
+            assert time.monotonic() < deadline, "the worker did not go idle holding every lease"
+            time.sleep(0.1)
+        time.sleep(18.0)  # past every part's first full sweep, which a quiet part runs once
+        sent.install()
+        try:
+            sent.reset()
+            t0 = time.monotonic()
+            time.sleep(12.0)
+            took = time.monotonic() - t0
+            rate = sent.of(workers[0].c.r) / took
+        finally:
+            sent.uninstall()
+        assert all(c.r.get(K.ModelKeys(n).maint_lease) == b"i0" for n in names)  # kept by its beats
+        assert 0.5 < rate <= 2.5, rate  # a period is 2 s: 4 commands a period are 2 a second
+    finally:
+        stop_fleet(workers, threads)
+
+
 def _watch(
     c: Conductor, names: list[str], workers: list[Worker], seconds: float, until: Callable[[], bool] = lambda: True
 ) -> None:
