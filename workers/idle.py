@@ -108,8 +108,11 @@ class IdleBeat:
         wakes renews it to ``lease_ms`` at its next tick (Maintenance.wake)."""
         return max(lease_ms, int(1000 * round_of * self.period_s * (1 + GRACE)))
 
-    def beat(self, round_of: int = 1) -> calls.IdleBeat:
-        """The model's own keys: heartbeat, busy time, its maintenance lease, whether work waits."""
+    def beat(self, round_of: int = 1, sharded: bool = False) -> calls.IdleBeat:
+        """The model's own keys: heartbeat, busy time, its maintenance lease, whether work waits; and
+        for its holder the batches in flight there and, ``sharded``, the holding mark: some worker holds
+        batches on a shard (or is about to claim), so the quiet shards whose lease this worker holds are
+        swept from now, not at their turns."""
         busy = int(self.w.metrics.busy_s * 1000)
         ttl = self._ttl_ms(round_of)
         lease = self._lease_ms(self.maint.lease_ms(), 1)
@@ -122,11 +125,14 @@ class IdleBeat:
             lease,
             None if busy == self._busy_sent else busy,
             in_flight=True,
+            holding=sharded,
         ).run(self.w.c.scripts)
         self._busy_sent = busy
         self._lives[self.w.shards.model] = sent + ttl / 1000
         self.beats += 1
         self.maint.told(got.held, in_flight=got.in_flight, ms=lease)
+        if got.holding:
+            self.maint.wake_shards()
         if not got.registered:
             self.w._rejoin_needed.set()  # the worker's loop joins again (workers/outage.py)
         return got
@@ -173,7 +179,7 @@ class IdleBeat:
         if not self.w.leased_ids():  # else the heartbeat thread's beat must still extend their leases
             self.w.hb_due = max(self.w.hb_due, now + self.period_s * (1 + GRACE))
             self._thread_off_until = self.w.hb_due
-        got = self.beat(1)
+        got = self.beat(1, sharded=bool(shards))
         if got.waits or not got.registered:
             return True
         if not shards:
@@ -213,7 +219,7 @@ class IdleBeat:
         about to claim is reclaimed a TTL after, not a round of the keyspaces after."""
         if not shards:
             return  # unsharded, a beat's heartbeat lives the TTL's own already
-        self.w._beat()
+        self.w._beat(claiming=True)  # and the holding mark: the shards' lease holders sweep from now
         now = time.monotonic()
         self.w.hb_due = now + self.w.opts.heartbeat_ttl_s / 3
         for name in self._lives:

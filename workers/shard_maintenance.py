@@ -179,6 +179,13 @@ class ShardMaintenance:
         for m in self.parts.values():
             m.wake()
 
+    def wake_shards(self) -> None:
+        """Every quiet shard's part back to its period: the model's holding mark says a worker holds
+        batches on a shard (lua/heartbeat.lua), which may die with them."""
+        for name, m in self.parts.items():
+            if name != self.shards.model:
+                m.wake()
+
     def put_off(self) -> None:
         """Every part whose lease this worker does not hold: its next sweep (a lease call first) a
         period from now, so that a worker a ring woke claims first."""
