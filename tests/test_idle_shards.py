@@ -191,8 +191,12 @@ def test_a_batch_claimed_on_a_quiet_shard_comes_back_within_a_period_and_a_sweep
         last = max(shards, key=lambda n: c.r.pttl(K.ModelKeys(n).heartbeat("i0")) or 0)
         it = item("ghosty", 10, model=model, prefix=("shard",))
         c.r.hset(K.ModelKeys(model).shard_of, it.sig, shards.index(last))
-        c.submit([it], "j")  # no seal, one item: no ring the worker could take first
-        c.r.delete(K.ModelKeys(model).doorbell)
+
+        class RingTakenElsewhere(Conductor):
+            def ring_model_bell(self, models: object) -> None:
+                """Another idle worker took the ring (the holder is not the one a ring wakes)."""
+
+        RingTakenElsewhere(c.r).submit([it], "j")
         batch, why = c.claim(Contract(model=last, max_batch_size=8, max_batch_tokens=4096, max_input_len=4096),
                              "ghost")
         assert batch is not None, why
