@@ -38,12 +38,27 @@ until its shard's next full sweep deletes that heartbeat (``FULL_SWEEP_S`` after
 lapsed, workers/maintenance.py) or it runs out. Work that comes without any ring (a dead letter
 retried) waits for its shard's turn, a round at most, not a period.
 
-The lease holder still sweeps every second (workers/maintenance.py: one XPENDING while nothing is in
-flight, the deadlines and intake tasks read; trim and the thrash alarm every 10 s then), so it costs
-more than the others (3.8 commands a second in bench/broker/holder_sweep.py); a beat's lease answer
-stands for the sweep's
-lease.lua call until the next beat. An idle worker ticks only the parts (the model, each shard)
-whose lease it holds.
+The lease holder (issue 36's last gap: it sent 3.8 to 9.7 commands a second) sweeps a part whose
+lease it holds with its beats while the part is quiet (workers/maintenance.py ``quiet_s``: nothing in
+flight there, no intake task open, no job's deadline within a second): the beat of the part's keys
+takes or renews its lease until that keyspace's next beat (a round of the shards on a shard) and
+tells its holder the batches in flight there, which stand for the sweep's lease.lua call and
+XPENDING; the model's own part then reads the earliest deadline and the intake tasks (global keys,
+two commands) every ``QUIET_BEATS`` beats, and a quiet shard is swept with its turn. An idle holder
+then sends 0.6 commands a second unsharded, and about 0.8 holding every part of a sharded model (a
+BLPOP and the two beats a period, the two reads every second period), plus its full sweeps and drift
+check every 5 minutes. A part leaves its quiet at once when its beat tells of a batch in flight, a
+ring wakes the worker, or (a shard's) the model's holding mark lives: a worker that holds batches on
+a shard, or is about to claim, sets it with its heartbeat on the model's keys for the TTL
+(lua/heartbeat.lua), so a batch claimed on a quiet shard by a worker that then dies comes back within
+a period and a sweep, not at that shard's next turn. The next deadline is a quiet part's wake-up
+too. What a quiet holder leaves later than a busy one: a new job's deadline earlier than every known
+one, or a new intake task whose owner died, is seen at its next quiet sweep (10 s at the default TTL;
+serve replicas read the deadlines every 5 s too); a holder that dies idle hands its lease over after
+a period and ``GRACE`` (6.5 s, not 5; a round and ``GRACE`` on a quiet shard: 19.5 s at S = 3); the
+tenants' service over the
+shards is combined every 60 s, not 10 s, while the model's own part is quiet. An idle worker ticks only
+the parts (the model, each shard) whose lease it holds.
 """
 
 from __future__ import annotations
