@@ -46,10 +46,11 @@ tells its holder the batches in flight there, which stand for the sweep's lease.
 XPENDING; the model's own part then reads the earliest deadline and the intake tasks (global keys,
 two commands) every ``QUIET_BEATS`` beats, and a quiet shard is swept with its turn. An idle holder
 then sends 0.6 commands a second unsharded, and about 0.8 holding every part of a sharded model (a
-BLPOP and the two beats a period, the two reads every second period), plus its full sweeps and drift
-check every 5 minutes. A part leaves its quiet at once when its beat tells of a batch in flight, a
-ring wakes the worker, or (a shard's) the model's holding mark lives: a worker that holds batches on
-a shard, or is about to claim, sets it with its heartbeat on the model's keys for the TTL
+BLPOP and the two beats a period, the two reads every second period), plus each part's full sweep
+every 5 minutes and drift check every 10 (about 4 and 21 commands). A part leaves its quiet at once
+when its beat tells of a batch in flight, a ring wakes the worker, or (a shard's) the model's holding
+mark lives: a worker that holds batches on a shard, or is about to claim, sets it with its heartbeat
+on the model's keys for the TTL
 (lua/heartbeat.lua), so a batch claimed on a quiet shard by a worker that then dies comes back within
 a period and a sweep, not at that shard's next turn. The next deadline is a quiet part's wake-up
 too. What a quiet holder leaves later than a busy one: a new job's deadline earlier than every known

@@ -49,7 +49,7 @@ FULL_SWEEP_S = 10.0
 QUIET_FULL_SWEEP_S = 300.0
 # and its counter drift check (conductor/verify/, every ``verify_interval_s`` otherwise) this many times
 # more seldom: the counters and what they count do not move while nothing runs
-QUIET_VERIFY_FACTOR = 5
+QUIET_VERIFY_FACTOR = 10
 
 
 class Maintenance:
