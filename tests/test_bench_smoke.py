@@ -361,3 +361,9 @@ def test_script_instructions_counts_each_script_call_under_callgrind(tmp_path):
 def test_holder_sweep_quick_form_runs():
     out = _bench("bench/broker/holder_sweep.py", "--shards", "3", "--consumers", "2", "--seconds", "1.5")
     assert "commands/s, the holder of every part" in out and "lua:lease" in out
+
+
+def test_holder_sweep_worker_quick_form_runs():
+    out = _bench("bench/broker/holder_sweep.py", "--worker", "--shards", "1", "--consumers", "2", "--seconds", "4.5",
+                 "--settle", "2")
+    assert "commands/s, an idle worker holding every lease" in out and "lua:idle_beat" in out
