@@ -170,11 +170,11 @@ class Maintenance:
             self.quiet = False
             self._next = min(self._next, now + self.interval_s)
             self._verify_next = min(self._verify_next, now + self.verify_interval_s)
-        if self._stretched:
+        if self._stretched:  # renewed at the next tick, a period from now: the claim comes first
             self._stretched = False
             self._told_until = self._told_idle_until = 0.0
             self._held_until = min(self._held_until, now + self.lease_ms / 2000)
-            self._next = min(self._next, now)
+            self._next = min(self._next, now + self.interval_s)
 
     def put_off(self) -> None:
         """The next sweep (its lease call first) a period from now: a worker a ring woke claims first."""
