@@ -35,7 +35,9 @@ unsharded); the first period after a busy spell beats every shard once (the hear
 beats left each a TTL to live, not a round). What the shards' scripts read (claim.lua's fleet size
 and affinities, lua/lib_workers.lua) cannot read the model's slot: there a dead idle worker counts
 until its shard's next full sweep deletes that heartbeat (``FULL_SWEEP_S`` after its model heartbeat
-lapsed, workers/maintenance.py) or it runs out. Work that comes without any ring (a dead letter
+lapsed, workers/maintenance.py, while something runs there; ``QUIET_FULL_SWEEP_S`` while the shard is
+quiet) or it runs out, a round and ``GRACE`` after its last turn there (19.5 s at S = 3, 39 s at
+S = 6: an open gap, issue 36). Work that comes without any ring (a dead letter
 retried) waits for its shard's turn, a round at most, not a period.
 
 The lease holder (issue 36's last gap: it sent 3.8 to 9.7 commands a second) sweeps a part whose
