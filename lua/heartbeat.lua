@@ -8,6 +8,8 @@
 -- KEYS[1] heartbeat  cdr:{model}:hb:<worker>
 -- KEYS[2] batches    cdr:{model}:batches   (group "workers")
 -- KEYS[3] busy       cdr:{model}:busy      (hash: worker -> busy ms)
+-- KEYS[4] holding    cdr:{model}:holding   (optional, a sharded model's own keys: set for the TTL, so
+--                    that the model's idle lease holder, whose beat reads it, sweeps its quiet shards)
 -- ARGV[1] worker     the consumer whose batches these are
 -- ARGV[2] value      ms since the epoch; ARGV[3] ttl_ms (1..86400000)
 -- ARGV[4] busy_ms    the worker's time with sequences in its engine since it started (0..1e15)
@@ -19,7 +21,7 @@
 --   is pending for someone else is skipped (reclaimed meanwhile and handed on).
 --@include lib.lua
 
-local hb_key, batches_key, busy_key = KEYS[1], KEYS[2], KEYS[3]
+local hb_key, batches_key, busy_key, holding_key = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 local worker, value, ttl, busy = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 if not worker or #worker < 1 or #worker > 200 then
   return redis.error_reply('ERR_ARG worker: must be 1..200 bytes')
@@ -34,6 +36,7 @@ for i = 5, #ARGV do
 end
 local refused = acl_refused(function(ok)
   return ok('SET', hb_key) and ok('XPENDING', batches_key) and ok('XCLAIM', batches_key) and ok('HSET', busy_key)
+    and (not holding_key or ok('SET', holding_key))
 end)
 if refused then return refused end
 -- The worker's own pending entries among the ids (read first: NOGROUP refuses here).
@@ -44,6 +47,7 @@ for i = 5, #ARGV do
 end
 redis.call('SET', hb_key, ARGV[2], 'PX', ttl)
 redis.call('HSET', busy_key, worker, ARGV[4])
+if holding_key then redis.call('SET', holding_key, worker, 'PX', ttl) end
 for s = 1, #mine, 1000 do
   local args = {batches_key, GROUP, worker, 0}
   for i = s, math.min(s + 999, #mine) do args[#args + 1] = mine[i] end

@@ -658,6 +658,14 @@ def heartbeat(c: Conductor) -> Call:
                                                                         "1-0"])
 
 
+def heartbeat_holding(c: Conductor) -> Call:
+    quick(c)
+    c.submit([item(i, 10) for i in range(4)], "j")
+    b1, _ = c.claim(contract(2, max_input_len=4096), "w")
+    return Call("heartbeat", [MK.heartbeat("w"), MK.batches, MK.busy, MK.holding], ["w", 1, 10000, 1500, b1.batch_id],
+                check=lambda r: r.pttl(MK.holding) > 5000)
+
+
 def _idle_beat(busy: Any = 1500) -> Call:
     return Call("idle_beat", [MK.heartbeat("w"), MK.busy, MK.maint_lease, MK.state, MK.intake, MK.hot, MK.workers],
                 ["w", 1, 10000, 5000, busy],
@@ -674,6 +682,16 @@ def idle_beat_renews_with_work(c: Conductor) -> Call:
     c.submit([item(i, 10) for i in range(4)], "j")
     c.r.set(MK.maint_lease, "w", px=1000)
     return _idle_beat("")
+
+
+def idle_beat_tells_its_holder_in_flight(c: Conductor) -> Call:
+    quick(c)
+    c.submit([item(i, 10) for i in range(4)], "j")
+    c.claim(contract(2, max_input_len=4096), "other")
+    c.r.set(MK.holding, "other", px=10_000)
+    return Call("idle_beat", [MK.heartbeat("w"), MK.busy, MK.maint_lease, MK.state, MK.intake, MK.hot, MK.workers,
+                              MK.batches, MK.holding], ["w", 1, 10000, 5000, 7],
+                check=lambda r: r.get(MK.maint_lease) == b"w")
 
 
 def idle_beat_lease_taken(c: Conductor) -> Call:
@@ -841,8 +859,9 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "trim_results": [trim_results],
     "ensure_model": [ensure_model_new, ensure_model_known],
     "register": [register],
-    "heartbeat": [heartbeat],
-    "idle_beat": [idle_beat_takes_lease, idle_beat_renews_with_work, idle_beat_lease_taken],
+    "heartbeat": [heartbeat, heartbeat_holding],
+    "idle_beat": [idle_beat_takes_lease, idle_beat_renews_with_work, idle_beat_lease_taken,
+                  idle_beat_tells_its_holder_in_flight],
     "seal": [seal, seal_rings],
     "declare": [declare],
     "lease": [lease_free, lease_mine, lease_taken, lease_handed_back],

@@ -396,3 +396,9 @@ def test_real_engine_gives_every_engine_the_same_settings_on_a_gpu_too(tmp_path)
     assert engine_settings(gpu, 683 << 20) == ", GPU, enforce_eager, KV cache 683 MiB on every engine"
     assert engine_settings(argparse.Namespace(gpu=False, eager=False), 32 << 20) == \
         ", CPU, enforce_eager, KV cache 32 MiB on every engine"
+
+
+def test_holder_sweep_worker_quick_form_runs():
+    out = _bench("bench/broker/holder_sweep.py", "--worker", "--shards", "1", "--consumers", "2", "--seconds", "4.5",
+                 "--settle", "2")
+    assert "commands/s, an idle worker holding every lease" in out and "lua:idle_beat" in out

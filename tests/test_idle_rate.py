@@ -53,6 +53,11 @@ def test_idle_beat_heartbeat_lease_and_waiting_work(cdr: Conductor):
     cdr.resume("m")
     b, _ = cdr.claim(contract(8, max_input_len=4096), "gone")
     assert b is not None and not beat(cdr, "x").waits
+    # asked, the holder is told the batches in flight (its sweep's XPENDING), another worker is not
+    told = calls.idle_beat(MK, "x", int(time.time() * 1000), 10_000, 5000, None, in_flight=True).run(cdr.scripts)
+    assert told.held and told.in_flight == 1
+    assert calls.idle_beat(MK, "w", int(time.time() * 1000), 10_000, 5000, None, in_flight=True).run(
+        cdr.scripts).in_flight == -1
     cdr.reclaim_consumer("m", "gone", force=True)
     assert beat(cdr, "x").waits
 
@@ -108,6 +113,38 @@ def test_idle_workers_send_under_one_command_a_second(redis_url, fleet):
     assert stats["cmdstat_evalsha"]["calls"] / took <= 3 * 0.5 + 6, stats
     for w in fleet:
         assert r.pttl(MK.heartbeat(w.name)) > 0
+
+
+def test_the_idle_lease_holder_sends_under_one_command_a_second(redis_url):
+    """Nothing in flight, no intake task, no deadline: the maintenance lease holder sweeps with every
+    second beat (its lease and the pending count from the beat, the deadlines and the intake tasks
+    read: two commands), not every second; it keeps its lease with its beats alone (it was about 5
+    commands a second: a lease call, an XPENDING, the two reads and a BLPOP each second)."""
+    r = connect(redis_url)
+    quick(Conductor(r))
+    workers, threads = _fleet(redis_url, 2)
+    try:
+        deadline = time.monotonic() + 30
+        while r.hlen(MK.workers) < 2 or not all(w.last_claim == "idle" for w in workers):
+            assert time.monotonic() < deadline, "the fleet did not go idle"
+            time.sleep(0.1)
+        time.sleep(11.0)  # past the first full sweep (10 s after the first), which a quiet part runs once
+        holder = (r.get(MK.maint_lease) or b"").decode()
+        sent.install()
+        try:
+            sent.reset()
+            t0 = time.monotonic()
+            time.sleep(15.0)
+            took = time.monotonic() - t0
+            per = {w.name: sent.of(w.c.r) / took for w in workers}
+        finally:
+            sent.uninstall()
+        assert (r.get(MK.maint_lease) or b"").decode() == holder and holder in per, (holder, per)
+        assert per[holder] <= 1.0, per  # 0.6: a beat and a BLPOP each 5 s, two reads each 10 s
+        assert all(0.1 < v <= 0.5 for k, v in per.items() if k != holder), per
+    finally:
+        stop_fleet(workers, threads)
+        r.close()
 
 
 def test_an_idle_worker_wakes_on_a_ring_and_finds_work_without_one(cdr: Conductor, fleet):

@@ -133,6 +133,86 @@ def test_an_idle_worker_on_three_shards_sends_under_one_command_a_second_and_wak
         stop_fleet(workers, threads)
 
 
+def test_the_idle_holder_of_every_part_sends_about_one_command_a_second(cluster):
+    """One idle worker of a model over three shards holds every part's lease (the model's, each
+    shard's): with nothing in flight it sends a BLPOP and two beats a period (the model's keys, a
+    shard's in turn) and the model's two global reads every second period, its shards swept with their
+    turns: 4 commands a period, 0.8 a second at the default TTL (2 at this 4 s TTL), where its sweeps
+    of every part sent over 5 a second."""
+    url, model, ttl = cluster.url, "holdy", 4.0
+    c = Conductor(connect(url))
+    quick(c, model, shards=3)
+    names = [model, *c.shards(model)]
+    workers, threads = _fleet(url, model, 1, ttl_s=ttl)
+    try:
+        deadline = time.monotonic() + 30
+        while not (workers[0].last_claim == "idle"
+                   and all(c.r.get(K.ModelKeys(n).maint_lease) == b"i0" for n in names)):
+            assert time.monotonic() < deadline, "the worker did not go idle holding every lease"
+            time.sleep(0.1)
+        time.sleep(18.0)  # past every part's first full sweep, which a quiet part runs once
+        sent.install()
+        try:
+            sent.reset()
+            t0 = time.monotonic()
+            time.sleep(12.0)
+            took = time.monotonic() - t0
+            rate = sent.of(workers[0].c.r) / took
+        finally:
+            sent.uninstall()
+        assert all(c.r.get(K.ModelKeys(n).maint_lease) == b"i0" for n in names)  # kept by its beats
+        assert 0.5 < rate <= 2.5, rate  # a period is 2 s: 4 commands a period are 2 a second
+    finally:
+        stop_fleet(workers, threads)
+
+
+def test_a_batch_claimed_on_a_quiet_shard_comes_back_within_a_period_and_a_sweep(cluster):
+    """The idle holder of every part sweeps a quiet shard only with its turn (a round: 15 s at S = 3),
+    but a worker holding batches on a shard sets the model's holding mark with its heartbeat
+    (lua/heartbeat.lua), which the holder's next beat of the model's keys reads: from then it sweeps
+    its shards every 2.5 s, so a dead worker's batch on the shard just beaten comes back within a
+    period and a sweep of its death (5 + 2.5 s), not at that shard's next turn."""
+    from conductor.redis_contract import script_calls as calls
+    from conductor.redis_contract.records import Contract
+
+    url, model = cluster.url, "quietly"
+    c = Conductor(connect(url))
+    quick(c, model, shards=3)
+    shards = c.shards(model)
+    workers, threads = _fleet(url, model, 1)
+    try:
+        deadline = time.monotonic() + 30
+        while not (workers[0].last_claim == "idle"
+                   and all(c.r.get(K.ModelKeys(n).maint_lease) == b"i0" for n in (model, *shards))):
+            assert time.monotonic() < deadline, "the worker did not go idle holding every lease"
+            time.sleep(0.1)
+        time.sleep(16.0)  # through a round of turns: every shard's part quiet
+        # the shard whose turn came last: its next is a round away
+        last = max(shards, key=lambda n: c.r.pttl(K.ModelKeys(n).heartbeat("i0")) or 0)
+        it = item("ghosty", 10, model=model, prefix=("shard",))
+        c.r.hset(K.ModelKeys(model).shard_of, it.sig, shards.index(last))
+
+        class RingTakenElsewhere(Conductor):
+            def ring_model_bell(self, models: object) -> None:
+                """Another idle worker took the ring (the holder is not the one a ring wakes)."""
+
+        RingTakenElsewhere(c.r).submit([it], "j")
+        batch, why = c.claim(Contract(model=last, max_batch_size=8, max_batch_tokens=4096, max_input_len=4096),
+                             "ghost")
+        assert batch is not None, why
+        # the ghost's heartbeat on the model's keys, as a worker's holding a batch sets it, then its death
+        calls.heartbeat(K.ModelKeys(model), "ghost", int(time.time() * 1000), 10_000, [batch.batch_id], 0,
+                        holding=True).run(c.scripts)
+        c.r.delete(K.ModelKeys(model).heartbeat("ghost"), K.ModelKeys(last).heartbeat("ghost"))
+        died = time.monotonic()
+        while c.r.xpending(K.ModelKeys(last).batches, K.GROUP)["pending"]:
+            assert time.monotonic() - died < 9.0, "the dead worker's batch waited for the shard's turn"
+            time.sleep(0.05)
+        print(f"back {time.monotonic() - died:.2f} s after its worker died (a round: 15 s)")
+    finally:
+        stop_fleet(workers, threads)
+
+
 def _watch(
     c: Conductor, names: list[str], workers: list[Worker], seconds: float, until: Callable[[], bool] = lambda: True
 ) -> None:

@@ -35,15 +35,33 @@ unsharded); the first period after a busy spell beats every shard once (the hear
 beats left each a TTL to live, not a round). What the shards' scripts read (claim.lua's fleet size
 and affinities, lua/lib_workers.lua) cannot read the model's slot: there a dead idle worker counts
 until its shard's next full sweep deletes that heartbeat (``FULL_SWEEP_S`` after its model heartbeat
-lapsed, workers/maintenance.py) or it runs out. Work that comes without any ring (a dead letter
+lapsed, workers/maintenance.py, while something runs there; ``QUIET_FULL_SWEEP_S`` while the shard is
+quiet) or it runs out, a round and ``GRACE`` after its last turn there (19.5 s at S = 3, 39 s at
+S = 6: an open gap, issue 36). Work that comes without any ring (a dead letter
 retried) waits for its shard's turn, a round at most, not a period.
 
-The lease holder still sweeps every second (workers/maintenance.py: one XPENDING while nothing is in
-flight, the deadlines and intake tasks read; trim and the thrash alarm every 10 s then), so it costs
-more than the others (3.8 commands a second in bench/broker/holder_sweep.py); a beat's lease answer
-stands for the sweep's
-lease.lua call until the next beat. An idle worker ticks only the parts (the model, each shard)
-whose lease it holds.
+The lease holder (issue 36's last gap: it sent 3.8 to 9.7 commands a second) sweeps a part whose
+lease it holds with its beats while the part is quiet (workers/maintenance.py ``quiet_s``: nothing in
+flight there, no intake task open, no job's deadline within a second): the beat of the part's keys
+takes or renews its lease until that keyspace's next beat (a round of the shards on a shard) and
+tells its holder the batches in flight there, which stand for the sweep's lease.lua call and
+XPENDING; the model's own part then reads the earliest deadline and the intake tasks (global keys,
+two commands) every ``QUIET_BEATS`` beats, and a quiet shard is swept with its turn. An idle holder
+then sends 0.6 commands a second unsharded, and about 0.8 holding every part of a sharded model (a
+BLPOP and the two beats a period, the two reads every second period), plus each part's full sweep
+every 5 minutes and drift check every 10 (about 4 and 21 commands). A part leaves its quiet at once
+when its beat tells of a batch in flight, a ring wakes the worker, or (a shard's) the model's holding
+mark lives: a worker that holds batches on a shard, or is about to claim, sets it with its heartbeat
+on the model's keys for the TTL
+(lua/heartbeat.lua), so a batch claimed on a quiet shard by a worker that then dies comes back within
+a period and a sweep, not at that shard's next turn. The next deadline is a quiet part's wake-up
+too. What a quiet holder leaves later than a busy one: a new job's deadline earlier than every known
+one, or a new intake task whose owner died, is seen at its next quiet sweep (10 s at the default TTL;
+serve replicas read the deadlines every 5 s too); a holder that dies idle hands its lease over after
+a period and ``GRACE`` (6.5 s, not 5; a round and ``GRACE`` on a quiet shard: 19.5 s at S = 3); the
+tenants' service over the
+shards is combined every 60 s, not 10 s, while the model's own part is quiet. An idle worker ticks only
+the parts (the model, each shard) whose lease it holds.
 """
 
 from __future__ import annotations
@@ -68,6 +86,12 @@ GRACE = 0.3
 # A BLPOP is cut at this many seconds: redis-py reads the reply under the connection's socket
 # timeout (10 s), which a longer block would pass.
 MAX_BLOCK_S = 5.0
+# A lease holder's quiet part (nothing in flight, no intake task open, no deadline near:
+# workers/maintenance.py ``quiet_s``) is swept every this many beats, at a beat.
+QUIET_BEATS = 2
+# A held part's sweep due within this share of a period after a beat runs with it, not after a BLPOP of
+# its own.
+ALIGN = 0.75
 
 
 class IdleBeat:
@@ -85,6 +109,7 @@ class IdleBeat:
         self._thread_off_until = 0.0
         self.beats = 0  # tests, metrics
         self.shard_beats = 0
+        maint.quiet_after(QUIET_BEATS * self.period_s)
 
     def _ttl_ms(self, round_of: int) -> int:
         """A beat's heartbeat TTL: until the turn after the next, a round of ``round_of`` keyspaces away
@@ -94,23 +119,38 @@ class IdleBeat:
             return self.ttl_ms
         return max(self.ttl_ms, int(1000 * round_of * self.period_s * (1 + GRACE)))
 
-    def beat(self, round_of: int = 1) -> calls.IdleBeat:
-        """The model's own keys: heartbeat, busy time, its maintenance lease, whether work waits."""
+    def _lease_ms(self, lease_ms: int, round_of: int) -> int:
+        """A beat's maintenance lease: until the keyspace's next beat, a round of ``round_of`` away, and
+        ``GRACE`` more, so that a quiet holder (workers/maintenance.py ``quiet_s``) keeps it with its
+        beats alone; ``lease_ms`` at least. A holder that dies idle hands over that much later; one that
+        wakes renews it to ``lease_ms`` at its next tick (Maintenance.wake)."""
+        return max(lease_ms, int(1000 * round_of * self.period_s * (1 + GRACE)))
+
+    def beat(self, round_of: int = 1, sharded: bool = False) -> calls.IdleBeat:
+        """The model's own keys: heartbeat, busy time, its maintenance lease, whether work waits; and
+        for its holder the batches in flight there and, ``sharded``, the holding mark: some worker holds
+        batches on a shard (or is about to claim), so the quiet shards whose lease this worker holds are
+        swept from now, not at their turns."""
         busy = int(self.w.metrics.busy_s * 1000)
         ttl = self._ttl_ms(round_of)
+        lease = self._lease_ms(self.maint.lease_ms(), 1)
         sent = time.monotonic()
         got = calls.idle_beat(
             self.w.keys,
             self.w.name,
             int(time.time() * 1000),
             ttl,
-            self.maint.lease_ms(),
+            lease,
             None if busy == self._busy_sent else busy,
+            in_flight=True,
+            holding=sharded,
         ).run(self.w.c.scripts)
         self._busy_sent = busy
         self._lives[self.w.shards.model] = sent + ttl / 1000
         self.beats += 1
-        self.maint.told(got.held)
+        self.maint.told(got.held, in_flight=got.in_flight, ms=lease)
+        if got.holding:
+            self.maint.wake_shards()
         if not got.registered:
             self.w._rejoin_needed.set()  # the worker's loop joins again (workers/outage.py)
         return got
@@ -119,13 +159,14 @@ class IdleBeat:
         """Shard ``name``'s turn: its heartbeat, its lease, whether work waits there. The busy time is
         left as the heartbeat thread last wrote it there (it does not change while idle)."""
         ttl = self._ttl_ms(round_of)
+        lease = self._lease_ms(self.maint.lease_ms(name), round_of)
         sent = time.monotonic()
         got = calls.idle_beat(
-            K.ModelKeys(name), self.w.name, int(time.time() * 1000), ttl, self.maint.lease_ms(name), None
+            K.ModelKeys(name), self.w.name, int(time.time() * 1000), ttl, lease, None, in_flight=True
         ).run(self.w.c.scripts)
         self._lives[name] = sent + ttl / 1000
         self.shard_beats += 1
-        self.maint.told(got.held, name)
+        self.maint.told(got.held, name, got.in_flight, lease)
         return got
 
     def _turns(self, spaces: list[str], now: float, thread_beat: bool) -> list[str]:
@@ -156,7 +197,7 @@ class IdleBeat:
         if not self.w.leased_ids():  # else the heartbeat thread's beat must still extend their leases
             self.w.hb_due = max(self.w.hb_due, now + self.period_s * (1 + GRACE))
             self._thread_off_until = self.w.hb_due
-        got = self.beat(1)
+        got = self.beat(1, sharded=bool(shards))
         if got.waits or not got.registered:
             return True
         if not shards:
@@ -196,22 +237,32 @@ class IdleBeat:
         about to claim is reclaimed a TTL after, not a round of the keyspaces after."""
         if not shards:
             return  # unsharded, a beat's heartbeat lives the TTL's own already
-        self.w._beat()
+        self.w._beat(claiming=True)  # and the holding mark: the shards' lease holders sweep from now
         now = time.monotonic()
         self.w.hb_due = now + self.w.opts.heartbeat_ttl_s / 3
         for name in self._lives:
             self._lives[name] = min(self._lives[name], now + self.ttl_ms / 1000)
 
     def _wait(self, shards: list[str], idle_exit_s: float | None, idle_since: float) -> bool:
+        try:
+            return self._wait_on(shards, idle_exit_s, idle_since)
+        finally:
+            self.maint.wake()  # a claim follows: the quiet parts' sweeps back to their periods
+
+    def _wait_on(self, shards: list[str], idle_exit_s: float | None, idle_since: float) -> bool:
         while not self.w.stopping.is_set():
             now = time.monotonic()
             if idle_exit_s is not None and now - idle_since > idle_exit_s:
                 return False
-            if now >= self._beat_at + self.period_s and self._beat_round(shards, now):
+            beat_due = now >= self._beat_at + self.period_s
+            if beat_due and self._beat_round(shards, now):
                 self._unstretch(shards)
                 return False
-            if self.maint.holds() and self.maint.held_due_in() <= 0:
-                res = self.maint.tick(held_only=True)
+            # a quiet part is swept at a beat, the first whose next is within ALIGN of a period of its due
+            # time (its due time is no wake-up of its own: held_due_in leaves it out)
+            early = ALIGN * self.period_s if beat_due else 0.0
+            if self.maint.holds() and (beat_due or self.maint.held_due_in() <= 0):
+                res = self.maint.tick(held_only=True, early_s=early)
                 if res and res.get("batches"):
                     return False  # the sweep put a dead worker's batches back: claim them
             limit = min(self._beat_at + self.period_s - time.monotonic(), self.maint.held_due_in())

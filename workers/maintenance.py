@@ -18,7 +18,7 @@ from collections.abc import Callable
 from conductor.client import Conductor
 from conductor.errors import QueueFull
 from conductor.intake.intake_resume import Resumer
-from conductor.jobs.job_state import expire_due_leased
+from conductor.jobs.job_state import expire_due_leased, first_deadline
 from conductor.jobs.retention import trim_model
 from conductor.observability import metrics
 from conductor.redis_contract import script_calls as calls
@@ -42,6 +42,14 @@ RIDE_OUT_OR_STORE: tuple[type[BaseException], ...] = (*RIDE_OUT, StoreError)
 # Every this many seconds a sweep also reads what an idle one skips (dead consumers holding nothing;
 # on a shard, its trim and finished shapes; the model's tenants' service over its shards).
 FULL_SWEEP_S = 10.0
+# A quiet part (an idle holder's, nothing in flight, no intake task open, no deadline near: see
+# ``quiet_s``) does its full sweep this seldom once the first after its busy spell has run: what that
+# sweep reads (dead consumers holding nothing, acknowledged entries, finished shapes) does not grow
+# while nothing runs, and a dead consumer holding nothing counts nowhere once its heartbeats lapse.
+QUIET_FULL_SWEEP_S = 300.0
+# and its counter drift check (conductor/verify/, every ``verify_interval_s`` otherwise) this many times
+# more seldom: the counters and what they count do not move while nothing runs
+QUIET_VERIFY_FACTOR = 10
 
 
 class Maintenance:
@@ -64,6 +72,17 @@ class Maintenance:
         self.shard = False
         self.defer_when_idle = False
         self.in_flight = 0  # batches pending at the last sweep (reclaim_dead's in_flight)
+        # An idle lease holder's part is quiet (issue 36) while its last look saw nothing in flight, no
+        # intake task open and no job's deadline within ``quiet_s``: then the idle wait (workers/idle.py)
+        # ticks it every ``quiet_s`` (0: never quiet; a worker's part is given its idle beat's period)
+        # instead of every ``interval_s``, at a beat, whose lease answer and pending count
+        # (lua/idle_beat.lua) stand for the sweep's lease.lua call and XPENDING. A ring, the worker's
+        # leaving its idle wait (``wake``) or a beat that tells of a batch in flight ends it.
+        self.quiet_s = 0.0
+        self.quiet = False
+        self._told_idle_until = 0.0  # until when a beat's "nothing in flight" stands for the XPENDING
+        self._stretched = False  # the last beat renewed the lease past lease_ms (a quiet spell's)
+        self.next_deadline: float | None = None  # the earliest job deadline seen (epoch seconds)
         self._finished_cursor = "$"
         self.batches_per_shape: list[int] = []
         # Counter drift check (conductor/verify/): reads every waiting entry in bounded steps,
@@ -119,14 +138,43 @@ class Maintenance:
             due = min(due, self._feed_next)
         return max(0.0, due - now)
 
-    def told(self, held: bool) -> None:
-        """What an idle beat found of the lease: held (taken or renewed in that call) or not."""
+    def told(self, held: bool, in_flight: int = -1, ms: int = 0) -> None:
+        """What an idle beat found of the lease: held (taken or renewed in that call, for ``ms``, the
+        part's ``lease_ms`` if 0) or not; and, when it read them (``in_flight`` >= 0), the batches
+        pending: none stands for the sweep's XPENDING as the lease answer stands for its lease call;
+        some end a quiet spell at once. A quiet shard's sweep comes with its turn's beat (this call)."""
         now = time.monotonic()
+        ms = ms or self.lease_ms
         if held:
-            self._told_until = now + self.lease_ms / 2000
-            self._held_until = max(self._held_until, now + self.lease_ms / 2000)
+            self._stretched = ms > self.lease_ms
+            self._told_until = now + ms / 2000
+            self._held_until = max(self._held_until, now + ms / 2000)
+            if in_flight == 0:
+                self._told_idle_until = self._told_until
+                if self.quiet and self.shard:
+                    self._next = now
+            elif in_flight > 0:
+                self.in_flight = in_flight
+                self._told_idle_until = 0.0
+                self.wake(now)  # a batch in flight: swept at its period from now (a dead consumer's)
         else:
-            self._told_until = self._held_until = 0.0
+            self._told_until = self._held_until = self._told_idle_until = 0.0
+            self._stretched = False
+
+    def wake(self, now: float | None = None) -> None:
+        """Quiet no longer (work came, or the worker leaves its idle wait): the next sweep within a
+        period, as while busy; and a lease an idle beat stretched past ``lease_ms`` renewed to it at the
+        next tick, so that it hands over within ``lease_ms`` if this worker dies busy."""
+        now = time.monotonic() if now is None else now
+        if self.quiet:
+            self.quiet = False
+            self._next = min(self._next, now + self.interval_s)
+            self._verify_next = min(self._verify_next, now + self.verify_interval_s)
+        if self._stretched:  # renewed at the next tick, a period from now: the claim comes first
+            self._stretched = False
+            self._told_until = self._told_idle_until = 0.0
+            self._held_until = min(self._held_until, now + self.lease_ms / 2000)
+            self._next = min(self._next, now + self.interval_s)
 
     def put_off(self) -> None:
         """The next sweep (its lease call first) a period from now: a worker a ring woke claims first."""
@@ -141,10 +189,12 @@ class Maintenance:
         for its first half only): an idle worker keeps ticking such a part, and the tick renews it."""
         return time.monotonic() < self._held_until + self.lease_ms / 2000
 
-    def tick(self) -> dict[str, int] | None:
+    def tick(self, may_quiet: bool = False, early_s: float = 0.0) -> dict[str, int] | None:
+        """One sweep when due (or due within ``early_s``: the idle wait sweeps with a beat); ``may_quiet``:
+        the idle wait's tick, which may leave the part quiet (``quiet_s``) when it finds nothing to watch."""
         now = time.monotonic()
         self._feed(now)
-        if now < self._next:
+        if now + early_s < self._next:
             return None
         self._next = now + self.interval_s
         try:
@@ -162,8 +212,12 @@ class Maintenance:
             # per worker (issue 36).
             full = now >= self._full_next
             if full:
-                self._full_next = now + FULL_SWEEP_S
-            res = self.c.reclaim_dead(self.model, min_idle_ms=self.stale_idle_ms, pending_only=not full)
+                self._full_next = now + (QUIET_FULL_SWEEP_S if self.quiet else FULL_SWEEP_S)
+            if not full and now < self._told_idle_until:
+                # an idle beat just read the pending count: none (lua/idle_beat.lua), no XPENDING more
+                res = {"consumers": 0, "batches": 0, "items": 0, "dead": 0, "in_flight": 0}
+            else:
+                res = self.c.reclaim_dead(self.model, min_idle_ms=self.stale_idle_ms, pending_only=not full)
             self.in_flight = res.get("in_flight", 0)
             if res["batches"]:
                 log.info(json.dumps({"event": "reclaimed", "model": self.model, **res}))
@@ -180,9 +234,13 @@ class Maintenance:
                 # Jobs past their completion window end expired (issue 17): one sweeper at a time among
                 # the lease holders of every model and the serve replicas (conductor/jobs/job_state.py);
                 # and intake tasks resumed (cdr:intake:tasks). Both are global: a shard's tick leaves
-                # them to its model's own part, which every worker of the model ticks too.
-                expire_due_leased(self.c, self.owner)
+                # them to its model's own part, which every worker of the model ticks too. The earliest
+                # deadline is read (one command, as "is one due" was): a quiet part wakes for it.
+                self.next_deadline = first_deadline(self.c)
+                if self.next_deadline is not None and self.next_deadline <= time.time():
+                    expire_due_leased(self.c, self.owner)
                 self.intake.tick()
+            self._settle(now, may_quiet)
             if self.feeder is not None:  # the disk tier: results past the window go to the store,
                 offload_model(self.c, self.feeder.store, self.model)
                 # and answered ids to their packed form (conductor/tier/compact_ids.py): a job of any
@@ -194,6 +252,23 @@ class Maintenance:
             if self.on_error is None or not self.on_error(e):
                 log.warning(json.dumps({"event": "maintenance_failed", "model": self.model, "error": str(e)}))
             return None
+
+    def _settle(self, now: float, may_quiet: bool) -> None:
+        """Quiet or not after a sweep: quiet when the idle wait ticked it and nothing here needs watching
+        within ``quiet_s`` (a batch in flight, an intake task open, segments to feed, a deadline):
+        its next sweep ``quiet_s`` away, or at the earliest deadline."""
+        quiet = may_quiet and self.quiet_s > 0 and self.defer_when_idle and not self.in_flight \
+            and not (self.feeder is not None and self.feeder.more)
+        due = float("inf")
+        if quiet and not self.shard:
+            quiet = not self.intake.open
+            if self.next_deadline is not None:
+                due = self.next_deadline - time.time()
+                quiet = quiet and due > self.interval_s
+        self.quiet = quiet
+        if quiet:
+            # a shard's next sweep comes with its turn's beat (``told``), a round of the shards away
+            self._next = float("inf") if self.shard else now + min(self.quiet_s, due)
 
     def _feed(self, now: float) -> None:
         if self.feeder is None or now >= self._held_until or now < self._feed_next:
@@ -229,7 +304,8 @@ class Maintenance:
         now = time.monotonic()
         if now < self._verify_next:
             return
-        self._verify_next = now + self.verify_interval_s
+        # quiet (nothing ran since the last check, nothing runs): seldom; a wake brings it back in
+        self._verify_next = now + self.verify_interval_s * (QUIET_VERIFY_FACTOR if self.quiet else 1)
         self.verify_thread = threading.Thread(target=self._verify, name="verify", daemon=True)
         self.verify_thread.start()
 

@@ -24,6 +24,8 @@ from .maintenance import FULL_SWEEP_S, Maintenance
 from .transient import RIDE_OUT
 
 FORGET_EVERY_S = 10.0
+# The tenants' service over the shards combined this often while the model's own part is quiet.
+QUIET_FAIR_S = 60.0
 SHARD_SWEEP_S = 2.5
 
 
@@ -127,7 +129,14 @@ class ShardMaintenance:
         self.fair = ShardFair(c.r)
         self._fair_next = 0.0
         self.on_error: Callable[[BaseException], bool] | None = None
+        self.quiet_s = 0.0  # each part's (Maintenance.quiet_s): set by the idle wait, workers/idle.py
         self._refresh()
+
+    def quiet_after(self, seconds: float) -> None:
+        """Let a part the idle wait ticks go quiet, swept every ``seconds`` while nothing is to watch."""
+        self.quiet_s = seconds
+        for m in self.parts.values():
+            m.quiet_s = seconds
 
     def _refresh(self) -> None:
         for name in dict.fromkeys([self.shards.model, *self.shards.names()]):
@@ -142,6 +151,7 @@ class ShardMaintenance:
                     m.interval_s = SHARD_SWEEP_S
                     m.shard = True
                 m.on_error = self.on_error
+                m.quiet_s = self.quiet_s
                 self.parts[name] = m
 
     def due_in(self) -> float:
@@ -156,13 +166,25 @@ class ShardMaintenance:
         part = self.parts.get(name or self.shards.model)
         return (part or self.parts[self.shards.model]).lease_ms
 
-    def told(self, held: bool, name: str | None = None) -> None:
+    def told(self, held: bool, name: str | None = None, in_flight: int = -1, ms: int = 0) -> None:
         name = name or self.shards.model
         if name not in self.parts and held:
             self._refresh()  # a shard new to this worker whose lease its beat took: its part sweeps there
         part = self.parts.get(name)
         if part is not None:  # else a shard the layout dropped meanwhile: no part to tell
-            part.told(held)
+            part.told(held, in_flight, ms)
+
+    def wake(self) -> None:
+        """Every quiet part back to its period: work came (a ring), or the worker leaves its idle wait."""
+        for m in self.parts.values():
+            m.wake()
+
+    def wake_shards(self) -> None:
+        """Every quiet shard's part back to its period: the model's holding mark says a worker holds
+        batches on a shard (lua/heartbeat.lua), which may die with them."""
+        for name, m in self.parts.items():
+            if name != self.shards.model:
+                m.wake()
 
     def put_off(self) -> None:
         """Every part whose lease this worker does not hold: its next sweep (a lease call first) a
@@ -176,23 +198,33 @@ class ShardMaintenance:
         return any(m.lease_alive() for m in self.parts.values())
 
     def held_due_in(self) -> float:
-        """Seconds until the next duty of a part whose lease this worker holds (inf: none held)."""
-        return min((m.due_in() for m in self.parts.values() if m.lease_alive()), default=float("inf"))
+        """Seconds until the next duty of a part whose lease this worker holds (inf: none held), a quiet
+        part's left out: the idle wait sweeps those with a beat (workers/idle.py)."""
+        return min((m.due_in() for m in self.parts.values() if m.lease_alive() and not m.quiet),
+                   default=float("inf"))
 
-    def tick(self, held_only: bool = False) -> dict[str, int] | None:
-        """Each part's tick; ``held_only``: only the parts whose lease this worker holds (an idle wait)."""
-        self._refresh()
+    def tick(self, held_only: bool = False, early_s: float = 0.0) -> dict[str, int] | None:
+        """Each part's tick; ``held_only``: only the parts whose lease this worker holds (an idle wait),
+        each swept when due within ``early_s``."""
+        # an idle wait's tick reads no layout (a change of the count rings the model's doorbell with its
+        # first submit, and the tick after the wake reads it; a beat that takes a new shard's lease
+        # adds its part, ``told``); nor, while the model's own part is quiet, moves or forgets old shards
+        if not held_only:
+            self._refresh()
+        own = self.parts.get(self.shards.model)
+        still = held_only and own is not None and own.quiet
         out: dict[str, int] | None = None
         for name, m in list(self.parts.items()):
             if held_only and not m.lease_alive():
                 continue
             m.on_error = self.on_error
-            got = m.tick()
+            got = m.tick(may_quiet=held_only, early_s=early_s)
             if got is not None:
                 out = {k: (out or {}).get(k, 0) + v for k, v in got.items()}
                 if name == self.shards.model and len(self.parts) > 1:
-                    self._migrate()
-                    self._forget_drained()
+                    if not still:
+                        self._migrate()
+                        self._forget_drained()
                     self._fair()
                 elif name != self.shards.model and got.get("batches"):
                     self._ring(name)
@@ -233,7 +265,11 @@ class ShardMaintenance:
         now = time.monotonic()
         if now < self._fair_next and not any(m.in_flight for m in self.parts.values()):
             return
-        self._fair_next = now + FULL_SWEEP_S
+        # the model's own part quiet (its holder idle, nothing in flight on a part it holds): the quiet
+        # full sweep's period (a service grown on a shard meanwhile is combined that much later)
+        own = self.parts.get(self.shards.model)
+        quiet = own is not None and own.quiet
+        self._fair_next = now + (QUIET_FAIR_S if quiet else FULL_SWEEP_S)
         try:
             self.fair.sync(self.shards.names())
         except RIDE_OUT as e:

@@ -217,11 +217,16 @@ class WorkerStart:
         """True when ``e`` is Redis going away and the link says so (once per outage)."""
         return self._rides_out and self.link.lost(e)
 
-    def _beat(self) -> None:
+    def _beat(self, claiming: bool = False) -> None:
+        """Every keyspace's heartbeat; on a sharded model, the model's holding mark too while this worker
+        holds batches, or (``claiming``) is about to claim: an idle lease holder, whose quiet shards'
+        sweeps wait for their turns, sweeps them while it lives (workers/idle.py)."""
         # lua/heartbeat.lua, allow-oom: a heartbeat refused over maxmemory would let a live
         # worker's batches be reclaimed and run twice.
+        ids = self.leased_ids()
+        holding = (claiming or bool(ids)) and bool(self.members.others())
         calls.heartbeat(self.keys, self.name, int(time.time() * 1000), max(1, int(self.opts.heartbeat_ttl_s * 1000)),
-                        self.leased_ids(), int(self.metrics.busy_s * 1000)).run(self.c.scripts)
+                        ids, int(self.metrics.busy_s * 1000), holding=holding).run(self.c.scripts)
         with self._lock:
             held = [e.batch for e in self.inflight.values()] + [b for b, _, _ in self.retry]
         self.members.beat(self.name, max(1, int(self.opts.heartbeat_ttl_s * 1000)), held,

@@ -7,7 +7,12 @@ script's name, each command of a pipeline apart). Command counts do not depend o
     .venv/bin/python bench/broker/holder_sweep.py --shards 3 --consumers 8 --seconds 20
 
 One Redis (a sharded model's layout works on one server too); ``--consumers`` idle consumers are
-registered on every part with a live heartbeat on each (the full sweep reads one per consumer)."""
+registered on every part with a live heartbeat on each (the full sweep reads one per consumer).
+
+``--worker``: the real thing instead, a Worker (sim engine, its own thread, default 10 s heartbeat TTL)
+alone on the model, so that it holds every part's lease, idle (workers/idle.py: its beats stand for
+its sweeps' lease calls and XPENDING, its parts quiet); everything its connections send is counted
+over ``--seconds`` after ``--settle`` seconds (past its parts' first full sweeps)."""
 
 from __future__ import annotations
 
@@ -91,15 +96,72 @@ def measure(shards: int, consumers: int, seconds: float) -> tuple[float, Counter
     return sum(seen.values()) / took, Counter({k: v / took for k, v in seen.items()})
 
 
+def measure_worker(shards: int, consumers: int, seconds: float, settle: float) -> tuple[float, Counter[str]]:
+    """Commands a second an idle Worker holding every part's lease sent, in all and by name."""
+    import threading
+
+    from conductor.workers.engines.sim import SimEngine
+    from conductor.workers.worker import Worker, WorkerOptions
+
+    seen: Counter[str] = Counter()
+    with EmbeddedRedis() as srv:
+        c = Conductor(connect(srv.url))
+        model = "holdy"
+        c.set_config(model, {"shards": shards} if shards > 1 else {"quiet_ms": 50})
+        names = [model, *c.ensure_shards(model)] if shards > 1 else [model]
+        now = int(time.time() * 1000)
+        for name in names:
+            c.ensure_model(name)
+            mk = K.ModelKeys(name)
+            for i in range(consumers):
+                contract = Contract(model=name, max_batch_size=8, max_batch_tokens=4096, max_input_len=4096)
+                calls.register(mk, f"w{i}", "{}", contract, now, 600_000).run(c.scripts)
+                c.r.xgroup_createconsumer(mk.batches, K.GROUP, f"w{i}")
+        shas = {getattr(c.scripts, k).sha: f"lua:{k}" for k in c.scripts.__annotations__}
+        w = Worker(Conductor(connect(srv.url)), SimEngine(model, max_batch_size=8, max_batch_tokens=4096),
+                   WorkerOptions(name="holder"))
+        t = threading.Thread(target=w.run, daemon=True)
+        t.start()
+        try:
+            time.sleep(settle)
+            held = {n: c.r.get(K.ModelKeys(n).maint_lease) for n in names}
+            assert all(v == b"holder" for v in held.values()), held
+            orig: Any = AbstractConnection.send_packed_command
+
+            def counted(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
+                # the benchmark's own thread sleeps through the window: all that is sent is the worker's
+                data = command if isinstance(command, (bytes, bytearray, memoryview)) else b"".join(command)
+                seen.update(_names(bytes(data), shas))
+                orig(self, command, check_health)
+
+            AbstractConnection.send_packed_command = counted  # type: ignore[method-assign]
+            try:
+                t0 = time.monotonic()
+                time.sleep(seconds)
+                took = time.monotonic() - t0
+            finally:
+                AbstractConnection.send_packed_command = orig  # type: ignore[method-assign]
+        finally:
+            w.request_stop()
+            t.join(15)
+    return sum(seen.values()) / took, Counter({k: v / took for k, v in seen.items()})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shards", type=int, default=3)
     ap.add_argument("--consumers", type=int, default=8)
     ap.add_argument("--seconds", type=float, default=20.0)
+    ap.add_argument("--worker", action="store_true", help="an idle Worker holding every lease, not its sweeps alone")
+    ap.add_argument("--settle", type=float, default=25.0, help="--worker: seconds before the window")
     args = ap.parse_args()
-    total, by = measure(args.shards, args.consumers, args.seconds)
+    if args.worker:
+        total, by = measure_worker(args.shards, args.consumers, args.seconds, args.settle)
+    else:
+        total, by = measure(args.shards, args.consumers, args.seconds)
     print(f"Command: `{command_line()}`  \nRun: {now_utc()}, commit {git_rev()}; {machine()}\n")
-    print(table(["shards", "consumers", "commands/s, the holder of every part"],
+    what = "an idle worker holding every lease" if args.worker else "the holder of every part"
+    print(table(["shards", "consumers", f"commands/s, {what}"],
                 [[args.shards, args.consumers, f"{total:.2f}"]]))
     print()
     print(table(["command", "per second"], [[k, f"{v:.2f}"] for k, v in by.most_common()]))

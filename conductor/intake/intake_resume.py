@@ -58,11 +58,15 @@ class Resumer:
         self.c, self.owner = c, owner
         self.unreadable_ms = int(1000 * (unreadable_s() if unreadable_after_s is None else unreadable_after_s))
         self._running: dict[str, threading.Thread] = {}
+        # tasks in the index at the last tick (open, or ended and not yet taken off): while any is, an
+        # idle lease holder keeps its sweep every second, so that a dead owner's task resumes on time
+        self.open = 0
 
     def tick(self) -> list[str]:
         """Take and start the tasks due; returns the jobs started."""
         self._running = {j: t for j, t in self._running.items() if t.is_alive()}
         jobs = [as_str(j) for j in self.c.r.zrange(K.INTAKE_TASKS_KEY, 0, 99)]
+        self.open = len(jobs)
         if not jobs:
             return []
         now = T.server_ms(self.c.r)

@@ -344,6 +344,14 @@ def expire_due(c: Conductor, now: float | None = None) -> list[str]:
 EXPIRY_LEASE_MS = 15_000  # a few of the slowest caller's periods (serve: 5 s)
 
 
+def first_deadline(c: Conductor) -> float | None:
+    """The earliest completion deadline among the jobs (epoch seconds), None when no job has one: one
+    read that says both whether one is due and when the next is (an idle lease holder sleeps till
+    then, workers/maintenance.py)."""
+    got = c.r.zrange(K.JOB_DEADLINES_KEY, 0, 0, withscores=True)
+    return float(got[0][1]) if got else None
+
+
 def expire_due_leased(c: Conductor, owner: str, lease_ms: int = EXPIRY_LEASE_MS) -> list[str] | None:
     """``expire_due`` if ``owner`` holds (or now takes) the expiry lease; None when another does. With
     nothing due, one read and no lease call: every maintenance lease holder and serve replica asks each

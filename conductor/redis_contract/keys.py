@@ -490,6 +490,12 @@ class ModelKeys:
     def maint_lease(self) -> str:
         return f"{self.base}:lease:maint"
 
+    @property
+    def holding(self) -> str:
+        """A sharded model's own keys: some worker holds batches on a shard (or is about to claim), set
+        by its heartbeat for the TTL (lua/heartbeat.lua), read by the idle lease holder's beat."""
+        return f"{self.base}:holding"
+
     def heartbeat(self, worker: str) -> str:
         return f"{self.base}:hb:{worker}"
 

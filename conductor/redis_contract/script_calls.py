@@ -119,10 +119,12 @@ def take_name(mk: K.ModelKeys, stem: str, now_ms: int, ttl_ms: int, tries: int =
 
 
 def heartbeat(mk: K.ModelKeys, worker: str, now_ms: int, ttl_ms: int, batch_ids: Sequence[str],
-              busy_ms: int = 0) -> Call[int]:
+              busy_ms: int = 0, holding: bool = False) -> Call[int]:
     """lua/heartbeat.lua: the heartbeat key, the lease of each in-flight batch and the worker's busy
-    time; how many of the batches are still pending."""
-    return Call("heartbeat", [mk.heartbeat(worker), mk.batches, mk.busy], [worker, now_ms, ttl_ms, busy_ms, *batch_ids],
+    time; how many of the batches are still pending. ``holding``: the model's holding mark set for the
+    TTL too (a sharded model's worker that holds batches on a shard or is about to claim)."""
+    keys = [mk.heartbeat(worker), mk.batches, mk.busy]
+    return Call("heartbeat", [*keys, mk.holding] if holding else keys, [worker, now_ms, ttl_ms, busy_ms, *batch_ids],
                 _int)
 
 
@@ -130,16 +132,25 @@ class IdleBeat(NamedTuple):
     held: bool  # the caller holds the maintenance lease now
     waits: bool  # a claim could find work: claim now rather than block on the doorbell
     registered: bool  # False: the worker's registration is gone (an emptied server): join again
+    # batches pending in the model's group, told to the lease holder when asked (``in_flight=True``);
+    # -1 when not asked or not held
+    in_flight: int = -1
+    # a sharded model's holding mark (some worker holds batches on a shard), told the holder when asked
+    holding: bool = False
 
 
 def idle_beat(mk: K.ModelKeys, worker: str, now_ms: int, ttl_ms: int, lease_ms: int,
-              busy_ms: int | None = None) -> Call[IdleBeat]:
+              busy_ms: int | None = None, in_flight: bool = False, holding: bool = False) -> Call[IdleBeat]:
     """lua/idle_beat.lua: an idle worker's heartbeat, maintenance lease and "does work wait?" in one
-    call; ``busy_ms`` None leaves the busy time as last written."""
-    return Call("idle_beat", [mk.heartbeat(worker), mk.busy, mk.maint_lease, mk.state, mk.intake, mk.hot,
-                              mk.workers],
-                [worker, now_ms, ttl_ms, lease_ms, "" if busy_ms is None else busy_ms],
-                lambda raw: IdleBeat(bool(int(raw[0])), bool(int(raw[1])), bool(int(raw[2]))))
+    call; ``busy_ms`` None leaves the busy time as last written; ``in_flight``: the holder is told the
+    batches pending too (its sweep's XPENDING); ``holding`` (with ``in_flight``), the model's holding
+    mark."""
+    keys = [mk.heartbeat(worker), mk.busy, mk.maint_lease, mk.state, mk.intake, mk.hot, mk.workers]
+    if in_flight:
+        keys += [mk.batches, mk.holding] if holding else [mk.batches]
+    return Call("idle_beat", keys, [worker, now_ms, ttl_ms, lease_ms, "" if busy_ms is None else busy_ms],
+                lambda raw: IdleBeat(bool(int(raw[0])), bool(int(raw[1])), bool(int(raw[2])), int(raw[3]),
+                                     bool(int(raw[4]))))
 
 
 def schema_init(version: int) -> Call[int]:
