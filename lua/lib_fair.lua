@@ -29,7 +29,7 @@ end
 -- follows recent work). Until the tenant has RATIO_MIN_LIMITS of its own, the model's ("#": every
 -- tenant's), so that a tenant whose first results have not come back is priced as the others are,
 -- not at its full limits; 1 before any result. Clamped: a limit is a mean.
-local RATIO_MIN_LIMITS = 4096
+local RATIO_MIN_LIMITS = 4000
 local function out_ratio(c, tenant)
   local v = redis.call('HMGET', c.base .. ':vtc_ratio', tenant .. ':lim', tenant .. ':out', '#:lim', '#:out')
   local lim, out = tonumber(v[1] or '') or 0, tonumber(v[2] or '') or 0

@@ -41,7 +41,7 @@ end
 -- `written` new results and the output tokens they report to the tenant's sums and to the model's
 -- ('#', no tenant's name) in M:vtc_ratio, once per result. What it may run: output_ratio_ok (lib.lua
 -- acl_refused's ok). Past RATIO_WINDOW limit tokens both sums are halved: the ratio follows recent work.
-local RATIO_WINDOW = 1048576
+local RATIO_WINDOW = 1000000
 local function output_ratio_ok(ok, base)
   return ok('HINCRBYFLOAT', base .. ':vtc_ratio') and ok('HSET', base .. ':vtc_ratio')
 end

@@ -65,9 +65,10 @@ def test_idle_workers_block_and_wake_on_a_submit(redis_url):
         time.sleep(3.0)
         stats = r.info("commandstats")
         took = time.monotonic() - t0
-        # Claims, lease renewals and heartbeats are all scripts: about 2.3/s per idle worker now
+        # Claims, lease renewals and heartbeats are all scripts: under one a second per idle worker now (none
+        # at all in a window between two beats)
         # (plus the lease holder's sweep, its own timer), about 20 claims/s under the old polling.
-        scripts_per_worker_s = stats["cmdstat_evalsha"]["calls"] / took / 2
+        scripts_per_worker_s = stats.get("cmdstat_evalsha", {}).get("calls", 0) / took / 2
         assert scripts_per_worker_s <= 5, stats
         assert stats.get("cmdstat_blpop", {}).get("calls", 0) >= 2
         lat = []
