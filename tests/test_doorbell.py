@@ -142,6 +142,19 @@ def test_a_gated_worker_waits_quiet_ms_not_the_full_period(cdr: Conductor, reaso
     assert bell.wait(1.0, "idle") is True and time.monotonic() - t < 0.1
 
 
+def _answers(w) -> list[str]:
+    """The answers of the worker's claims from now on (the real claim, each answer noted)."""
+    answers: list[str] = []
+    claim = w.shards.claim
+
+    def counted(contract, consumer):
+        got = claim(contract, consumer)
+        answers.append(got[1])
+        return got
+    w.shards.claim = counted
+    return answers
+
+
 def test_a_busy_worker_that_found_nothing_claims_again_on_a_ring_not_every_step(cdr: Conductor):
     """A job's tail: the engine runs the last batch and a claim answered 'idle'. The worker used to claim
     after every engine step (about 60 empty claims a second on this sim, 1,204 in a 16-worker job of
@@ -150,14 +163,7 @@ def test_a_busy_worker_that_found_nothing_claims_again_on_a_ring_not_every_step(
     from tests.worker_kit import sim, submit, worker
     submit(cdr, 4, max_tokens=400)  # one batch: the sim runs it 0.6 to 2.4 s at time scale 1
     w = worker(cdr, sim(time_scale=1.0))
-    answers: list[str] = []
-    claim = w.shards.claim
-
-    def counted(contract, consumer):
-        got = claim(contract, consumer)
-        answers.append(got[1])
-        return got
-    w.shards.claim = counted  # the real claim, counted
+    answers = _answers(w)
     while "idle" not in answers:
         w.turn()
     assert w.batches_claimed == 1 and w.engine.active()
@@ -186,14 +192,7 @@ def test_a_busy_worker_told_to_wait_claims_again_after_the_quiet_time_not_every_
     submit(cdr, 6, max_tokens=1000)  # a batch of 4 runs 1.5 to 6 s on the sim at time scale 1; 2 are left
     quick(cdr, quiet_ms=1000, drain_batches=0)  # the 2 left wait for a full batch or quiet intake
     w = worker(cdr, sim(time_scale=1.0))
-    answers: list[str] = []
-    claim = w.shards.claim
-
-    def counted(contract, consumer):
-        got = claim(contract, consumer)
-        answers.append(got[1])
-        return got
-    w.shards.claim = counted  # the real claim, counted
+    answers = _answers(w)
     while "wait" not in answers:
         w.turn()
     t_wait = time.monotonic()

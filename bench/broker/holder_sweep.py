@@ -20,6 +20,8 @@ import argparse
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -56,43 +58,56 @@ def _names(packed: bytes, shas: dict[str, str]) -> list[str]:
     return out
 
 
+def _model(c: Conductor, shards: int, consumers: int, config: dict[str, Any]) -> tuple[str, list[str], dict[str, str]]:
+    """The model "holdy" with ``consumers`` idle consumers registered on each of its parts; returns the
+    model, its parts and the scripts' names by sha."""
+    model = "holdy"
+    c.set_config(model, config)
+    names = [model, *c.ensure_shards(model)] if shards > 1 else [model]
+    now = int(time.time() * 1000)
+    for name in names:
+        c.ensure_model(name)
+        mk = K.ModelKeys(name)
+        for i in range(consumers):
+            contract = Contract(model=name, max_batch_size=8, max_batch_tokens=4096, max_input_len=4096)
+            calls.register(mk, f"w{i}", "{}", contract, now, 600_000).run(c.scripts)
+            c.r.xgroup_createconsumer(mk.batches, K.GROUP, f"w{i}")
+    return model, names, {getattr(c.scripts, k).sha: f"lua:{k}" for k in c.scripts.__annotations__}
+
+
+@contextmanager
+def _counting(seen: Counter[str], shas: dict[str, str]) -> Iterator[None]:
+    """Every command any connection of this process sends, counted by name into ``seen``."""
+    orig: Any = AbstractConnection.send_packed_command
+
+    def counted(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
+        data = command if isinstance(command, (bytes, bytearray, memoryview)) else b"".join(command)
+        seen.update(_names(bytes(data), shas))
+        orig(self, command, check_health)
+
+    AbstractConnection.send_packed_command = counted  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        AbstractConnection.send_packed_command = orig  # type: ignore[method-assign]
+
+
 def measure(shards: int, consumers: int, seconds: float) -> tuple[float, Counter[str]]:
     """Commands a second the holder of every part sent, in all and by name."""
     seen: Counter[str] = Counter()
     with EmbeddedRedis() as srv:
         c = Conductor(connect(srv.url))
-        model = "holdy"
-        c.set_config(model, {"shards": shards})
-        names = [model, *c.ensure_shards(model)]
-        now = int(time.time() * 1000)
-        for name in names:
-            c.ensure_model(name)
-            mk = K.ModelKeys(name)
-            for i in range(consumers):
-                contract = Contract(model=name, max_batch_size=8, max_batch_tokens=4096, max_input_len=4096)
-                calls.register(mk, f"w{i}", "{}", contract, now, 600_000).run(c.scripts)
-                c.r.xgroup_createconsumer(mk.batches, K.GROUP, f"w{i}")
-        shas = {getattr(c.scripts, k).sha: f"lua:{k}" for k in c.scripts.__annotations__}
+        model, _parts, shas = _model(c, shards, consumers, {"shards": shards})
         sm = shard_maintenance.for_worker(c, ShardClaims(c, model), "holder", 10.0)
         for m in sm.parts.values():
             m.verify_interval_s = 0  # the drift check runs in a thread of its own, every 60 s
         sm.tick()  # every lease taken, every part's first (full) sweep
-        orig: Any = AbstractConnection.send_packed_command
-
-        def counted(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
-            data = command if isinstance(command, (bytes, bytearray, memoryview)) else b"".join(command)
-            seen.update(_names(bytes(data), shas))
-            orig(self, command, check_health)
-
-        AbstractConnection.send_packed_command = counted  # type: ignore[method-assign]
-        try:
+        with _counting(seen, shas):
             t0 = time.monotonic()
             while time.monotonic() - t0 < seconds:
                 sm.tick()
                 time.sleep(max(0.0, min(0.05, sm.due_in())))
             took = time.monotonic() - t0
-        finally:
-            AbstractConnection.send_packed_command = orig  # type: ignore[method-assign]
     return sum(seen.values()) / took, Counter({k: v / took for k, v in seen.items()})
 
 
@@ -106,18 +121,7 @@ def measure_worker(shards: int, consumers: int, seconds: float, settle: float) -
     seen: Counter[str] = Counter()
     with EmbeddedRedis() as srv:
         c = Conductor(connect(srv.url))
-        model = "holdy"
-        c.set_config(model, {"shards": shards} if shards > 1 else {"quiet_ms": 50})
-        names = [model, *c.ensure_shards(model)] if shards > 1 else [model]
-        now = int(time.time() * 1000)
-        for name in names:
-            c.ensure_model(name)
-            mk = K.ModelKeys(name)
-            for i in range(consumers):
-                contract = Contract(model=name, max_batch_size=8, max_batch_tokens=4096, max_input_len=4096)
-                calls.register(mk, f"w{i}", "{}", contract, now, 600_000).run(c.scripts)
-                c.r.xgroup_createconsumer(mk.batches, K.GROUP, f"w{i}")
-        shas = {getattr(c.scripts, k).sha: f"lua:{k}" for k in c.scripts.__annotations__}
+        model, names, shas = _model(c, shards, consumers, {"shards": shards} if shards > 1 else {"quiet_ms": 50})
         w = Worker(Conductor(connect(srv.url)), SimEngine(model, max_batch_size=8, max_batch_tokens=4096),
                    WorkerOptions(name="holder"))
         t = threading.Thread(target=w.run, daemon=True)
@@ -126,21 +130,11 @@ def measure_worker(shards: int, consumers: int, seconds: float, settle: float) -
             time.sleep(settle)
             held = {n: c.r.get(K.ModelKeys(n).maint_lease) for n in names}
             assert all(v == b"holder" for v in held.values()), held
-            orig: Any = AbstractConnection.send_packed_command
-
-            def counted(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
-                # the benchmark's own thread sleeps through the window: all that is sent is the worker's
-                data = command if isinstance(command, (bytes, bytearray, memoryview)) else b"".join(command)
-                seen.update(_names(bytes(data), shas))
-                orig(self, command, check_health)
-
-            AbstractConnection.send_packed_command = counted  # type: ignore[method-assign]
-            try:
+            # the benchmark's own thread sleeps through the window: all that is sent is the worker's
+            with _counting(seen, shas):
                 t0 = time.monotonic()
                 time.sleep(seconds)
                 took = time.monotonic() - t0
-            finally:
-                AbstractConnection.send_packed_command = orig  # type: ignore[method-assign]
         finally:
             w.request_stop()
             t.join(15)

@@ -11,6 +11,7 @@ client's connections.
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from typing import Any
 
@@ -77,3 +78,16 @@ def of(client: redis.Redis) -> int:
     conns = [c for p in pools for c in [*p._available_connections, *p._in_use_connections]]  # noqa: SLF001
     with _lock:
         return sum(_counts[id(c)] for c in conns)
+
+
+def rates(clients: dict[str, redis.Redis], seconds: float) -> dict[str, float]:
+    """Commands a second each client sent over the next ``seconds`` (counting only for that window)."""
+    install()
+    try:
+        reset()
+        t0 = time.monotonic()
+        time.sleep(seconds)
+        took = time.monotonic() - t0
+        return {name: of(c) / took for name, c in clients.items()}
+    finally:
+        uninstall()
