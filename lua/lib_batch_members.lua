@@ -8,7 +8,7 @@
 -- items_key: the batch's items list (M:bat:<token>). Returns members[job][id] = true.
 local function batch_members(items_key)
   local members = {}
-  for _, rec in ipairs(redis.call('LRANGE', items_key, 0, -1)) do
+  for _, rec in ipairs(redis.call('LRANGE', items_key, '0', '-1')) do
     local id, job = string.match(rec, '^%["([^"\\]*)","([^"\\]*)",')
     if not id then
       local ok, d = pcall(cjson.decode, rec)
