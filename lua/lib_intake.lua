@@ -70,6 +70,7 @@ local function shape_ctx(s, sig, depth_sig)
     max_lanes = math.min(max_lanes, math.max(1, math.ceil(cfg.lane_depth * full)))
   end
   ctx = {inst = inst, ik = ik, st = st, reps = reps, ids = ids, touched = {}, order = {}, opened = {},
+    floor = math.floor, ceil = math.ceil,
     tokens = 0, items = 0, out = 0, max_lanes = max_lanes}
   s.ctxs[sig] = ctx
   return ctx
@@ -77,20 +78,23 @@ end
 
 -- Spend structure before spending waste: open a lane when joining the best neighbour would
 -- pad more than a threshold that rises as the lane budget fills.
+-- Runs once per item: math's functions are read once a call (ctx.floor, ctx.ceil), not from the
+-- globals at each use, and pad8 (lib.lua) is written out.
 local function choose_lane(cfg, ctx, tok)
   local reps, ids = ctx.reps, ctx.ids
+  local floor, ceil = ctx.floor, ctx.ceil
   local nl = #reps
   local lo, hi = 1, nl + 1
   while lo < hi do
-    local mid = math.floor((lo + hi) / 2)
+    local mid = floor((lo + hi) / 2)
     if reps[mid] >= tok then hi = mid else lo = mid + 1 end
   end
   local up = lo
-  local p = pad8(tok)
+  local p = ceil(tok / 8) * 8
   local best, cost = nil, nil
-  if up <= nl then best = up; cost = pad8(reps[up]) - p end
+  if up <= nl then best = up; cost = ceil(reps[up] / 8) * 8 - p end
   if up > 1 then
-    local c = p - pad8(reps[up - 1])
+    local c = p - ceil(reps[up - 1] / 8) * 8
     if (not best) or c < cost then best = up - 1; cost = c end
   end
   local open = false

@@ -38,10 +38,11 @@ local function id_conflicts(job_sums, done_key, stored_key, argv, ids, n, sums)
   local stored = packed_view(stored_key, ids, unknown)
   local first, fresh_sums, from_store, take = {}, {}, {}, {}
   local conflicts = 0
+  local sub = string.sub  -- read once: the loop runs once per item
   for i = 1, n do
     local o = 3 * i
-    local sum = sums and string.sub(sums, 16 * i - 15, 16 * i)
-      or string.sub(redis.sha1hex(argv[o] .. argv[o + 1]), 1, 16)
+    local sum = sums and sub(sums, 16 * i - 15, 16 * i)
+      or sub(redis.sha1hex(argv[o] .. argv[o + 1]), 1, 16)
     local id = ids[i]
     local had = stored.sums[i]
     if had then
