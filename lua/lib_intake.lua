@@ -110,9 +110,8 @@ local function choose_lane(cfg, ctx, tok)
     end
   end
   if open then
-    -- A retired lane's id first. Nothing adds to the free set during a submit, so once it answers
-    -- empty it is not asked again this call; new ids are counted here from one read of lane_seq
-    -- and written back once, by grow_lanes (a call opens hundreds of lanes).
+    -- A retired lane's id first; the free set, once empty, is not asked again this call (nothing adds
+    -- to it here). New ids count from one read of lane_seq, written back once by grow_lanes.
     local id = (not ctx.free_empty) and redis.call('SPOP', ctx.ik .. ':free')
     if not id then
       ctx.free_empty = true
@@ -139,12 +138,12 @@ local function grow_lanes(s, ctx)
   -- Per lane: its two lists and one read and one write of its hash. The sorted sets of the
   -- instance take every touched lane in one ZADD each: a call of 1,000 items touches hundreds
   -- of lanes, and every redis.call costs a few microseconds.
-  -- Whole numbers go to Redis as strings made with '%d': a Lua number argument is formatted by
-  -- Redis with '%.17g' (about 2.3k instructions each; five or six a lane), '%d' gives the same digits
-  -- for a third of that, and `now` is formatted once a call.
+  -- Whole numbers go to Redis as strings made with '%d': Redis formats a Lua number with '%.17g'
+  -- (about 2.3k instructions; five or six a lane), '%d' the same digits for a third; `now` once a
+  -- call. nt counts zt's and zf's entries (the length operator is a search in Lua 5.1).
   local fmt = string.format
   local now_s = fmt('%d', now)
-  local zl, zt, zf, zr = {}, {}, {}, {}
+  local zl, zt, zf, zr, nt = {}, {}, {}, {}, 0
   for _, lane in ipairs(ctx.order) do
     local t = ctx.touched[lane]
     local mk = base .. ':lanemeta:' .. ctx.inst .. ':' .. lane
@@ -159,8 +158,9 @@ local function grow_lanes(s, ctx)
     redis.call('HSET', mk, 'items', fmt('%d', items), 'tokens', fmt('%d', tokens), 'rep', rep_s, 'last_ms', now_s,
       'since_ms', m[4] or now_s)
     if rep ~= tonumber(m[3]) then zl[#zl + 1] = rep_s; zl[#zl + 1] = lane end
-    zt[#zt + 1] = now_s; zt[#zt + 1] = lane
-    zf[#zf + 1] = rep_s; zf[#zf + 1] = lane
+    nt = nt + 2
+    zt[nt - 1], zt[nt] = now_s, lane
+    zf[nt - 1], zf[nt] = rep_s, lane
     if lane_is_ready(cfg, items, tokens, rep) then zr[#zr + 1] = lane; zr[#zr + 1] = lane end
   end
   if #zl > 0 then redis.call('ZADD', ik .. ':lanes', unpack(zl)) end

@@ -23,12 +23,13 @@ local function results_by_job(base, argv, n)
     local o = 4 + 4 * i
     local g = jobs[argv[o]]
     if not g then
-      g = {ids = {}, at = {}, state = {}}
+      g = {ids = {}, at = {}, state = {}, n = 0}
       jobs[argv[o]] = g
       order[#order + 1] = argv[o]
     end
-    g.ids[#g.ids + 1] = argv[o + 1]
-    g.at[#g.at + 1] = o
+    -- g.n counts the job's results (the length operator is a search in Lua 5.1, once a result)
+    local j = g.n + 1
+    g.ids[j], g.at[j], g.n = argv[o + 1], o, j
   end
   for _, job in ipairs(order) do
     local g = jobs[job]
@@ -49,13 +50,13 @@ local function write_results(base, state_key, jobs, order, argv)
   local written, done_ok, done_err, out_tokens = 0, 0, 0, 0
   for _, job in ipairs(order) do
     local g, jk = jobs[job], base .. ':job:' .. job
-    local marks, seen, ok_n, err_n, last = {}, {}, 0, 0, nil
+    local marks, nm, seen, ok_n, err_n, last = {}, 0, {}, 0, 0, nil
     for j, id in ipairs(g.ids) do
       if g.state[j] ~= 'd' and not seen[id] then
         seen[id] = true
         local o = g.at[j]
-        marks[#marks + 1] = id
-        marks[#marks + 1] = 'd'
+        nm = nm + 2
+        marks[nm - 1], marks[nm] = id, 'd'
         last = redis.call('XADD', jk .. ':results', '*', 'id', id, 'r', argv[o + 3])
         if g.request then
           local rk = base .. ':reply:' .. job .. ':' .. id
