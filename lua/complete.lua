@@ -49,7 +49,7 @@ if refused then return refused end
 local count, items_key, charged = complete_batch(base, batches_key, bid, ARGV, n)
 if not count then return items_key end
 -- XACK below refuses a stream without the group (NOGROUP): that refusal comes here, before any write.
-if final == '1' then redis.call('XPENDING', batches_key, GROUP, bid, bid, 1) end
+if final == '1' then redis.call('XPENDING', batches_key, GROUP, bid, bid, '1') end
 -- Which results are new, read before any write.
 local jobs, order = results_by_job(base, ARGV, n)
 
@@ -61,9 +61,9 @@ if final == '1' then
   acked = redis.call('XACK', batches_key, GROUP, bid)
   if acked == 1 then
     redis.call('XDEL', batches_key, bid)
-    redis.call('HINCRBY', state_key, 'inflight_batches', -1)
+    redis.call('HINCRBY', state_key, 'inflight_batches', '-1')
     if items_key then redis.call('DEL', items_key) end
-    redis.call('HINCRBY', state_key, 'inflight_items', -count)
+    redis.call('HINCRBY', state_key, 'inflight_items', string.format('%d', -count))
   end
 end
 return {written, acked}

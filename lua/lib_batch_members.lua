@@ -8,8 +8,9 @@
 -- items_key: the batch's items list (M:bat:<token>). Returns members[job][id] = true.
 local function batch_members(items_key)
   local members = {}
-  for _, rec in ipairs(redis.call('LRANGE', items_key, 0, -1)) do
-    local id, job = string.match(rec, '^%["([^"\\]*)","([^"\\]*)",')
+  local match = string.match  -- read once: the loop runs once per item
+  for _, rec in ipairs(redis.call('LRANGE', items_key, '0', '-1')) do
+    local id, job = match(rec, '^%["([^"\\]*)","([^"\\]*)",')
     if not id then
       local ok, d = pcall(cjson.decode, rec)
       if ok and type(d) == 'table' then id, job = d[1], d[2] end

@@ -26,6 +26,7 @@ local function complete_args(argv)
   -- A batch's results name one job or a few: each name is checked once (a pattern match per result
   -- cost about a microsecond each).
   local named = {}
+  local max_id = RULES.MAX_ID_BYTES  -- read once: the loop runs once per result
   for i = 0, n - 1 do
     local o = 4 + 4 * i
     local job = argv[o]
@@ -35,10 +36,11 @@ local function complete_args(argv)
       end
       named[job] = true
     end
-    if #argv[o + 1] < 1 or #argv[o + 1] > RULES.MAX_ID_BYTES then
-      return nil, redis.error_reply('ERR_ARG id: must be 1..' .. RULES.MAX_ID_BYTES .. ' bytes at result ' .. i)
+    local id_len, status = #argv[o + 1], argv[o + 2]
+    if id_len < 1 or id_len > max_id then
+      return nil, redis.error_reply('ERR_ARG id: must be 1..' .. max_id .. ' bytes at result ' .. i)
     end
-    if argv[o + 2] ~= 'ok' and argv[o + 2] ~= 'err' then
+    if status ~= 'ok' and status ~= 'err' then
       return nil, redis.error_reply('ERR_ARG status: must be ok or err at result ' .. i)
     end
     -- 1,048,576 output tokens of a few bytes each fit; anything larger is a client bug.

@@ -24,24 +24,26 @@
 -- sums: the call's content sums as the producer sent them (submit.lua ARGV[3+3n]), or nil: computed here.
 local function id_conflicts(job_sums, done_key, stored_key, argv, ids, n, sums)
   local known = redis.call('HMGET', job_sums, unpack(ids))
-  local want = {}
+  local want, nw = {}, 0  -- counted: the length operator is a search in Lua 5.1
   for i = 1, n do
-    if not known[i] then want[#want + 1] = i end
+    if not known[i] then nw = nw + 1; want[nw] = i end
   end
   -- an answered id compacted out of the registry (lib_packed.lua): known, with its sum
   local packed = packed_sums(string.sub(done_key, 1, -7) .. ':packed', ids, want)
   for i, p in pairs(packed) do known[i] = p end
-  local unknown = {}
+  local unknown, nu = {}, 0
   for _, i in ipairs(want) do
-    if not known[i] then unknown[#unknown + 1] = i end
+    if not known[i] then nu = nu + 1; unknown[nu] = i end
   end
   local stored = packed_view(stored_key, ids, unknown)
   local first, fresh_sums, from_store, take = {}, {}, {}, {}
   local conflicts = 0
+  local sub = string.sub  -- read once: the loop runs once per item
+  local nf = 0  -- #fresh_sums, counted (the length operator is a search in Lua 5.1)
   for i = 1, n do
     local o = 3 * i
-    local sum = sums and string.sub(sums, 16 * i - 15, 16 * i)
-      or string.sub(redis.sha1hex(argv[o] .. argv[o + 1]), 1, 16)
+    local sum = sums and sub(sums, 16 * i - 15, 16 * i)
+      or sub(redis.sha1hex(argv[o] .. argv[o + 1]), 1, 16)
     local id = ids[i]
     local had = stored.sums[i]
     if had then
@@ -53,8 +55,8 @@ local function id_conflicts(job_sums, done_key, stored_key, argv, ids, n, sums)
       if first[id] ~= sum then conflicts = conflicts + 1 end
     else
       first[id] = sum
-      fresh_sums[#fresh_sums + 1] = id
-      fresh_sums[#fresh_sums + 1] = sum
+      nf = nf + 2
+      fresh_sums[nf - 1], fresh_sums[nf] = id, sum
       if from_store[i] then take[#take + 1] = i end
     end
   end

@@ -19,23 +19,30 @@ local function place_items(intake, argv, n, call, known, answered, from_store)
   local k = {new_items = 0, new_tokens = 0, fed_items = 0, fed_tokens = 0, gone_items = 0, gone_tokens = 0,
     shapes = {}}
   local out, seen = {}, {}
+  -- Per signature of the call, its qualified signature and its shape_ctx: looked up once, not per item.
+  local qsigs, ctxs = {}, {}
+  local fmt = string.format
   for i = 0, n - 1 do
     local o = 3 + 3 * i
     local id, tok = ids[i + 1], toks[i + 1]
     if known[i + 1] or seen[id] then
-      out[#out + 1] = -1
+      out[i + 1] = -1
     elseif answered[i + 1] then
       -- fed from the store but answered meanwhile (cancel, expiry): nothing left to run
       seen[id] = true
-      out[#out + 1] = -1
+      out[i + 1] = -1
       k.gone_items, k.gone_tokens = k.gone_items + 1, k.gone_tokens + tok
       local qsig = qualified(class, argv[o])
       k.shapes[qsig] = (k.shapes[qsig] or 0) + tok
     else
       seen[id] = true
       local sig = argv[o]
-      local qsig = qualified(class, sig)
-      local ctx = shape_ctx(intake, qsig, sig)
+      local qsig, ctx = qsigs[sig], ctxs[sig]
+      if not ctx then
+        qsig = qualified(class, sig)
+        ctx = shape_ctx(intake, qsig, sig)
+        qsigs[sig], ctxs[sig] = qsig, ctx
+      end
       if prefixes[sig] ~= false then
         -- the signature's prefix, stored once under the signature (what a producer's next call may
         -- leave out) and under a qualified signature's key, which workers read it from
@@ -55,10 +62,12 @@ local function place_items(intake, argv, n, call, known, answered, from_store)
         ctx.touched[lane] = t
         ctx.order[#ctx.order + 1] = lane
       end
-      t.recs[#t.recs + 1] = argv[o + 1]
+      -- t.items counts the lists' entries (no length operator, a search in Lua 5.1, per item)
+      local at = t.items + 1
+      t.recs[at] = argv[o + 1]
       -- a whole number (check_items): '%d' writes what Redis's own '%.17g' would, at a third of the cost
-      t.toks[#t.toks + 1] = string.format('%d', tok)
-      t.items = t.items + 1
+      t.toks[at] = fmt('%d', tok)
+      t.items = at
       t.tokens = t.tokens + tok
       t.rep = rep
       ctx.tokens = ctx.tokens + tok
@@ -70,7 +79,7 @@ local function place_items(intake, argv, n, call, known, answered, from_store)
       else
         k.new_items, k.new_tokens = k.new_items + 1, k.new_tokens + tok
       end
-      out[#out + 1] = t.num
+      out[i + 1] = t.num
     end
   end
   return out, k

@@ -11,8 +11,10 @@
 -- A result's padded input tokens and output tokens, read from its JSON without decoding it
 -- (result_int, generated from records.Result). Adds them to g.pin and g.pout.
 local function add_tokens(g, r)
-  g.pin = (g.pin or 0) + (result_int(r, 'batch_padded_len') or 0)
-  g.pout = (g.pout or 0) + (result_int(r, 'output_tokens') or 0)
+  -- output_tokens comes before batch_padded_len in Result (records.py): the second find starts there
+  local out, e = result_int(r, 'output_tokens')
+  g.pout = (g.pout or 0) + (out or 0)
+  g.pin = (g.pin or 0) + (result_int(r, 'batch_padded_len', e) or 0)
 end
 
 -- What counting may run (lib.lua acl_refused's ok), before complete.lua's first write.
@@ -25,6 +27,8 @@ end
 local function service_counter(base)
   local bucket = base .. ':served10:' .. math.floor(tonumber(redis.call('TIME')[1]) / 10)
   return function(job, pin, pout)
+    -- whole numbers as '%d' strings, made once (Redis formats a Lua number with '%.17g' each time)
+    pin, pout = string.format('%d', pin), string.format('%d', pout)
     redis.call('HINCRBY', base .. ':job:' .. job, 'served_in', pin)
     redis.call('HINCRBY', base .. ':job:' .. job, 'served_out', pout)
     local tenant = redis.call('HGET', base .. ':in:' .. job, 'tenant') or job
@@ -32,7 +36,7 @@ local function service_counter(base)
       redis.call('HINCRBY', key, tenant .. ':in', pin)
       redis.call('HINCRBY', key, tenant .. ':out', pout)
     end
-    redis.call('EXPIRE', bucket, 120)
+    redis.call('EXPIRE', bucket, '120')
   end
 end
 
@@ -50,6 +54,7 @@ local function count_output_ratio(base, charged, written, out_tokens)
   local limit = tonumber(charged.vl or '')
   if written <= 0 or not charged.tn or not limit then return end
   local rk = base .. ':vtc_ratio'
+  out_tokens = string.format('%d', out_tokens)  -- a whole number (add_tokens): as '%.17g' would write it
   for _, who in ipairs({charged.tn, '#'}) do
     local lim = tonumber(redis.call('HINCRBYFLOAT', rk, who .. ':lim', limit * written))
     local out = tonumber(redis.call('HINCRBYFLOAT', rk, who .. ':out', out_tokens))

@@ -23,7 +23,8 @@ local function check_items(argv, n, job)
   -- Per signature, what this call brings: the depth rule counts it before the first item is placed,
   -- so a backlog sent in a few calls gets the lanes its whole depth deserves.
   local call_depth = {}
-  local cjson_decode, byte = cjson.decode, string.byte
+  -- The loop runs once per item: globals read once here, int_in (lib.lua) written out below.
+  local cjson_decode, byte, type, floor = cjson.decode, string.byte, type, math.floor
   local max_rec, max_id, max_tok, max_out = RULES.MAX_RECORD_BYTES, RULES.MAX_ID_BYTES, RULES.MAX_INPUT_TOKENS,
     RULES.MAX_OUTPUT_TOKENS
   for i = 0, n - 1 do
@@ -52,10 +53,10 @@ local function check_items(argv, n, job)
     if d[2] ~= job then
       return nil, redis.error_reply('ERR_ARG job: the record names another job than the call at item ' .. i)
     end
-    if type(tok) ~= 'number' or not int_in(tok, 1, max_tok) then
+    if type(tok) ~= 'number' or not (tok >= 1 and tok <= max_tok and tok == floor(tok)) then
       return nil, redis.error_reply('ERR_ARG input_tokens: must be an integer in 1..' .. max_tok .. ' at item ' .. i)
     end
-    if type(mt) ~= 'number' or not int_in(mt, 1, max_out) then
+    if type(mt) ~= 'number' or not (mt >= 1 and mt <= max_out and mt == floor(mt)) then
       return nil, redis.error_reply('ERR_ARG max_tokens: must be an integer in 1..' .. max_out .. ' at item ' .. i)
     end
     if type(d[5]) ~= 'string' then

@@ -28,6 +28,8 @@ SAME_VALUE_OTHER_RULE = {
     ("intake_create.lua", 4096): "an intake task's text field, not a failure reason",
     ("ensure_model.lua", 128): "config arguments (names and values), not a name's length",
     ("lib_repair_items.lua", 256): "items per reclaimed entry, not prefix strings",
+    ("lib_fair.lua", 4096): "the limit tokens before a tenant's output ratio counts, not a failure reason",
+    ("lib_service.lua", 1048576): "the output ratio's window of limit tokens, not an item's output limit",
 }
 
 
@@ -144,9 +146,19 @@ def test_lua_reads_the_whole_numbers_of_a_python_result(redis_url):
     assert got == {f: getattr(RESULTS[0], f) for f in ints}
     # a field's name and a number inside the output text are escaped there: the plain find skips them
     tricky = msgspec.structs.replace(RESULTS[0], output=',"output_tokens":999,"batch_padded_len":5')
-    got = json.loads(_eval(r, "return cjson.encode({result_int(ARGV[1], 'output_tokens'), "
-                              "result_int(ARGV[1], 'batch_padded_len')})", json_encoder.encode(tricky)))
+    got = json.loads(_eval(r, "return cjson.encode({(result_int(ARGV[1], 'output_tokens')), "
+                              "(result_int(ARGV[1], 'batch_padded_len'))})", json_encoder.encode(tricky)))
     assert got == [tricky.output_tokens, tricky.batch_padded_len]
+    # a later field looked for from an earlier one's end (lib_service.lua add_tokens: the output text
+    # scanned once), and found from the start when `from` is past it
+    text = json_encoder.encode(tricky)
+    got = json.loads(_eval(r, "local out, e = result_int(ARGV[1], 'output_tokens') "
+                              "local pin, e2 = result_int(ARGV[1], 'batch_padded_len', e) "
+                              "local back = result_int(ARGV[1], 'output_tokens', e2) "
+                              "return cjson.encode({out, e, pin, e2, back})", text))
+    out_at = text.decode().index(',"output_tokens":') + len(',"output_tokens":')
+    pin_at = text.decode().index(',"batch_padded_len":') + len(',"batch_padded_len":')
+    assert got == [tricky.output_tokens, out_at, tricky.batch_padded_len, pin_at, tricky.output_tokens]
 
 
 def test_a_rule_changed_in_python_changes_the_loaded_lua(redis_url, monkeypatch):

@@ -5,7 +5,7 @@ import redis
 
 from conductor.errors import BadInput, QueueFull
 from conductor.redis_contract import keys as K
-from tests.conftest import item
+from tests.conftest import CLUSTER, item
 from tests.helpers import record, submit_argv
 
 
@@ -344,3 +344,35 @@ def test_the_sums_a_producer_sends_are_the_ones_submit_lua_would_compute(cdr):
     changed = [item("s0", 99, prefix=("P0",))]
     with pytest.raises(Exception, match="^CONFLICT 1"):
         cdr.scripts.submit(keys=[sent.base, sent.cfg, sent.state], args=submit_args("j", changed))
+
+
+def _calls(r, *cmds):
+    st = r.info("commandstats")
+    return {c: st.get(f"cmdstat_{c}", {}).get("calls", 0) for c in cmds}
+
+
+@pytest.mark.skipif(CLUSTER, reason="INFO commandstats of one server")
+def test_a_call_opening_many_lanes_asks_for_lane_ids_once(cdr):
+    # Every item opens its own lane (no depth rule, any padding opens one): the free set is asked
+    # once (it stays empty through the call), lane_seq read once and moved once, and a lane the call
+    # opened has no hash to read. Per lane before: SPOP, HINCRBY lane_seq and HMGET of its meta.
+    cdr.set_config("m", {"lane_depth": 0, "lane_thr_min": 0.001, "lane_thr_max": 0.001, "lane_floor": 0,
+                         "lane_cap": 1, "lane_max": 64})
+    toks = [100 + 64 * i for i in range(12)]
+    submit_one(cdr, "first", 5000)  # the shape exists: its instance and lane 0
+    cdr.r.config_resetstat()
+    cdr.submit([item(f"a{i}", t) for i, t in enumerate(toks)], "j")
+    calls = _calls(cdr.r, "spop", "hincrby", "hmget", "rpush")
+    inst = inst_of(cdr)
+    assert sorted(lanes(cdr, inst)) == list(range(13))
+    mk = K.ModelKeys("m")
+    assert cdr.r.hget(mk.inst(inst), "lane_seq") == b"13"
+    assert calls["rpush"] == 2 * 12  # 12 lanes touched
+    assert calls["spop"] == 1
+    assert calls["hincrby"] < 12
+    assert calls["hmget"] < 12
+    for lane, t in zip(range(1, 13), toks, strict=True):
+        meta = cdr.r.hgetall(mk.lanemeta(inst, lane))
+        assert {k: meta[k] for k in (b"items", b"tokens", b"rep")} == {b"items": b"1", b"tokens": str(t).encode(),
+                                                                     b"rep": str(t).encode()}
+        assert meta[b"since_ms"] == meta[b"last_ms"]

@@ -42,8 +42,8 @@ CUTS = {
                   ("hset_pairs(job_sums, fresh_sums)\n", "")],
     # the sums the producer sends (script_calls.submit_args) are read, not computed: the cut skips
     # reading them and keeping them
-    "no content sums": [("    local sum = sums and string.sub(sums, 16 * i - 15, 16 * i)\n"
-                         "      or string.sub(redis.sha1hex(argv[o] .. argv[o + 1]), 1, 16)\n",
+    "no content sums": [("    local sum = sums and sub(sums, 16 * i - 15, 16 * i)\n"
+                         "      or sub(redis.sha1hex(argv[o] .. argv[o + 1]), 1, 16)\n",
                          "    local sum = ''\n"),
                         ("hset_pairs(job_sums, fresh_sums)\n", "")],
     "no lane appends": [("    redis.call('RPUSH', base .. ':lane:' .. ctx.inst .. ':' .. lane, unpack(t.recs))\n"
