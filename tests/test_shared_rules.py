@@ -28,8 +28,6 @@ SAME_VALUE_OTHER_RULE = {
     ("intake_create.lua", 4096): "an intake task's text field, not a failure reason",
     ("ensure_model.lua", 128): "config arguments (names and values), not a name's length",
     ("lib_repair_items.lua", 256): "items per reclaimed entry, not prefix strings",
-    ("lib_fair.lua", 4096): "the limit tokens before a tenant's output ratio counts, not a failure reason",
-    ("lib_service.lua", 1048576): "the output ratio's window of limit tokens, not an item's output limit",
 }
 
 
