@@ -115,11 +115,13 @@ def test_idle_workers_send_under_one_command_a_second(redis_url, fleet):
         assert r.pttl(MK.heartbeat(w.name)) > 0
 
 
-def test_the_idle_lease_holder_sends_under_one_command_a_second(redis_url):
+def test_the_idle_lease_holder_sends_under_one_command_a_second(redis_url, monkeypatch):
     """Nothing in flight, no intake task, no deadline: the maintenance lease holder sweeps with every
     second beat (its lease and the pending count from the beat, the deadlines and the intake tasks
     read: two commands), not every second; it keeps its lease with its beats alone (it was about 5
     commands a second: a lease call, an XPENDING, the two reads and a BLPOP each second)."""
+    from conductor.workers import maintenance
+    monkeypatch.setattr(maintenance, "FULL_SWEEP_S", 3.0)  # its first full sweep sooner (10 s by default)
     r = connect(redis_url)
     quick(Conductor(r))
     workers, threads = _fleet(redis_url, 2)
@@ -128,9 +130,9 @@ def test_the_idle_lease_holder_sends_under_one_command_a_second(redis_url):
         while r.hlen(MK.workers) < 2 or not all(w.last_claim == "idle" for w in workers):
             assert time.monotonic() < deadline, "the fleet did not go idle"
             time.sleep(0.1)
-        time.sleep(11.0)  # past the first full sweep (10 s after the first), which a quiet part runs once
+        time.sleep(4.0)  # past the first full sweep (3 s after the first), which a quiet part runs once
         holder = (r.get(MK.maint_lease) or b"").decode()
-        per = sent.rates({w.name: w.c.r for w in workers}, 15.0)
+        per = sent.rates({w.name: w.c.r for w in workers}, 10.5)  # a quiet sweep (every second beat) at least
         assert (r.get(MK.maint_lease) or b"").decode() == holder and holder in per, (holder, per)
         assert per[holder] <= 1.0, per  # 0.6: a beat and a BLPOP each 5 s, two reads each 10 s
         assert all(0.1 < v <= 0.5 for k, v in per.items() if k != holder), per

@@ -133,12 +133,14 @@ def test_an_idle_worker_on_three_shards_sends_under_one_command_a_second_and_wak
         stop_fleet(workers, threads)
 
 
-def test_the_idle_holder_of_every_part_sends_about_one_command_a_second(cluster):
+def test_the_idle_holder_of_every_part_sends_about_one_command_a_second(cluster, monkeypatch):
     """One idle worker of a model over three shards holds every part's lease (the model's, each
     shard's): with nothing in flight it sends a BLPOP and two beats a period (the model's keys, a
     shard's in turn) and the model's two global reads every second period, its shards swept with their
     turns: 4 commands a period, 0.8 a second at the default TTL (2 at this 4 s TTL), where its sweeps
     of every part sent over 5 a second."""
+    from conductor.workers import maintenance
+    monkeypatch.setattr(maintenance, "FULL_SWEEP_S", 3.0)  # every part's first full sweep sooner (10 s)
     url, model, ttl = cluster.url, "holdy", 4.0
     c = Conductor(connect(url))
     quick(c, model, shards=3)
@@ -150,7 +152,7 @@ def test_the_idle_holder_of_every_part_sends_about_one_command_a_second(cluster)
                    and all(c.r.get(K.ModelKeys(n).maint_lease) == b"i0" for n in names)):
             assert time.monotonic() < deadline, "the worker did not go idle holding every lease"
             time.sleep(0.1)
-        time.sleep(18.0)  # past every part's first full sweep, which a quiet part runs once
+        time.sleep(12.0)  # past every part's first full sweep (at its turn), which a quiet part runs once
         rate = sent.rates({"i0": workers[0].c.r}, 12.0)["i0"]
         assert all(c.r.get(K.ModelKeys(n).maint_lease) == b"i0" for n in names)  # kept by its beats
         assert 0.5 < rate <= 2.5, rate  # a period is 2 s: 4 commands a period are 2 a second
