@@ -164,8 +164,9 @@ def test_a_batch_claimed_on_a_quiet_shard_comes_back_within_a_period_and_a_sweep
     """The idle holder of every part sweeps a quiet shard only with its turn (a round: 15 s at S = 3),
     but a worker holding batches on a shard sets the model's holding mark with its heartbeat
     (lua/heartbeat.lua), which the holder's next beat of the model's keys reads: from then it sweeps
-    its shards every 2.5 s, so a dead worker's batch on the shard just beaten comes back within a
-    period and a sweep of its death (5 + 2.5 s), not at that shard's next turn."""
+    its shards every half period, so a dead worker's batch on the shard just beaten comes back within a
+    period and a sweep of its death, not at that shard's next turn. At a 4 s TTL: a period 2 s, a
+    round 6 s."""
     from conductor.redis_contract import script_calls as calls
     from conductor.redis_contract.records import Contract
 
@@ -173,14 +174,14 @@ def test_a_batch_claimed_on_a_quiet_shard_comes_back_within_a_period_and_a_sweep
     c = Conductor(connect(url))
     quick(c, model, shards=3)
     shards = c.shards(model)
-    workers, threads = _fleet(url, model, 1)
+    workers, threads = _fleet(url, model, 1, ttl_s=4.0)
     try:
         deadline = time.monotonic() + 30
         while not (workers[0].last_claim == "idle"
                    and all(c.r.get(K.ModelKeys(n).maint_lease) == b"i0" for n in (model, *shards))):
             assert time.monotonic() < deadline, "the worker did not go idle holding every lease"
             time.sleep(0.1)
-        time.sleep(16.0)  # through a round of turns: every shard's part quiet
+        time.sleep(7.0)  # through a round of turns: every shard's part quiet
         # the shard whose turn came last: its next is a round away
         last = max(shards, key=lambda n: c.r.pttl(K.ModelKeys(n).heartbeat("i0")) or 0)
         it = item("ghosty", 10, model=model, prefix=("shard",))
@@ -200,9 +201,9 @@ def test_a_batch_claimed_on_a_quiet_shard_comes_back_within_a_period_and_a_sweep
         c.r.delete(K.ModelKeys(model).heartbeat("ghost"), K.ModelKeys(last).heartbeat("ghost"))
         died = time.monotonic()
         while c.r.xpending(K.ModelKeys(last).batches, K.GROUP)["pending"]:
-            assert time.monotonic() - died < 9.0, "the dead worker's batch waited for the shard's turn"
+            assert time.monotonic() - died < 4.5, "the dead worker's batch waited for the shard's turn"
             time.sleep(0.05)
-        print(f"back {time.monotonic() - died:.2f} s after its worker died (a round: 15 s)")
+        print(f"back {time.monotonic() - died:.2f} s after its worker died (a round: 6 s)")
     finally:
         stop_fleet(workers, threads)
 
