@@ -70,19 +70,18 @@ local function shape_ctx(s, sig, depth_sig)
     max_lanes = math.min(max_lanes, math.max(1, math.ceil(cfg.lane_depth * full)))
   end
   ctx = {inst = inst, ik = ik, st = st, reps = reps, ids = ids, touched = {}, order = {}, opened = {},
-    floor = math.floor, ceil = math.ceil,
     tokens = 0, items = 0, out = 0, max_lanes = max_lanes}
   s.ctxs[sig] = ctx
   return ctx
 end
 
+-- choose_lane runs once per item: math's functions as upvalues, not read from the globals at each use.
+local floor, ceil = math.floor, math.ceil
+
 -- Spend structure before spending waste: open a lane when joining the best neighbour would
--- pad more than a threshold that rises as the lane budget fills.
--- Runs once per item: math's functions are read once a call (ctx.floor, ctx.ceil), not from the
--- globals at each use, and pad8 (lib.lua) is written out.
+-- pad more than a threshold that rises as the lane budget fills. pad8 (lib.lua) is written out.
 local function choose_lane(cfg, ctx, tok)
   local reps, ids = ctx.reps, ctx.ids
-  local floor, ceil = ctx.floor, ctx.ceil
   local nl = #reps
   local lo, hi = 1, nl + 1
   while lo < hi do
