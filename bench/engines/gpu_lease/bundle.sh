@@ -12,7 +12,7 @@
 #   carry .dev/p1: bash .dev/p1/dev.sh setup            (starts the extract and the model's writing)
 #   carry .dev/pK: bash .dev/pK/dev.sh part K           (K = 2 .. N-1)
 #   carry .dev/pN: bash .dev/pN/dev.sh part N; bash .dev/pN/dev.sh final      (warm-up, run 1)
-#   carry .dev/pN: bash .dev/pN/dev.sh run2             (FILES=, LINES=, KV= choose the run)
+#   carry .dev/pN: bash .dev/pN/dev.sh run2             (FILES=, LINES=, KV=, CASES= choose the run; final takes them too)
 # Needs here: pip (PyPI), gzip, split, and /usr/bin/redis-server (Debian's; its libraries go along).
 set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)

@@ -63,7 +63,7 @@ final|run2)
   # not carried (its engine core died at start with "No module named 'flashinfer'")
   export VLLM_USE_FLASHINFER_SAMPLER=0
   if [ "${DRY:-0}" = 1 ]; then
-    python3 -c 'import vllm, torch; print("vllm", vllm.__version__, "torch", torch.__version__)' 2>&1 | tail -3
+    python3 -c 'import vllm, torch, httpx; print("vllm", vllm.__version__, "torch", torch.__version__, "httpx", httpx.__version__)' 2>&1 | tail -3
     python3 -m bench.engines.real_engine --help | head -3
     python3 -c "from bench.engines.real_engine_files import write; from pathlib import Path; write(Path('$W/t.jsonl'), 'prefix', 32, 'tiny')"
     python3 -m conductor run $W/t.jsonl --engine sim --workers 1 -o $W/t.out.jsonl 2>&1 | tail -2
@@ -85,13 +85,15 @@ final|run2)
   t0=$(date +%s)
   if [ "$cmd" = final ]; then
     # run 1: vLLM's own memory share (the KV cache holds every prompt)
-    timeout ${RUN_S:-400} python3 -m bench.engines.real_engine --gpu --eager --files ${FILES:-prefix} --cases a,b \
-      --lines ${LINES:-2048} --model-dir $W/model --work $W/w1 --no-write --json $OUT/run1.json 2>&1 | tee $OUT/run1.log
+    # (KV= sizes the cache here too, CASES= adds d: vllm serve and the openai engine)
+    timeout ${RUN_S:-400} python3 -m bench.engines.real_engine --gpu --eager --files ${FILES:-prefix} \
+      --cases ${CASES:-a,b} --lines ${LINES:-2048} ${KV:+--kv-mb $KV} --model-dir $W/model --work $W/w1 --no-write \
+      --json $OUT/run1.json 2>&1 | tee $OUT/run1.log
     rc=${PIPESTATUS[0]}; n=1
   else
     # run 2: a KV cache that cannot hold every system prompt at once, as on the CPU (10,900 tokens)
-    timeout ${RUN_S:-400} python3 -m bench.engines.real_engine --gpu --eager --files ${FILES:-prefix} --cases a,b \
-      --lines ${LINES:-1024} --kv-mb ${KV:-683} --model-dir $W/model --work $W/w2 --no-write \
+    timeout ${RUN_S:-400} python3 -m bench.engines.real_engine --gpu --eager --files ${FILES:-prefix} \
+      --cases ${CASES:-a,b} --lines ${LINES:-1024} --kv-mb ${KV:-683} --model-dir $W/model --work $W/w2 --no-write \
       --json $OUT/run2.json 2>&1 | tee $OUT/run2.log
     rc=${PIPESTATUS[0]}; n=2
   fi
