@@ -1,6 +1,8 @@
 -- lib_serve.lua: one pass of claim.lua over the instance a worker serves: aging preemption and
 -- lane hygiene (swept at most every sweep period), then a full batch from a ready lane, then one
--- filled from neighbouring lanes, then the drain decision; and interactive work, served before any
+-- filled from neighbouring lanes (from the densest run of them while the shape's later items wait
+-- in the disk tier's store and Redis has no room for them: lib_lanes.lua densest_lane), then the
+-- drain decision; and interactive work, served before any
 -- of that (serve_hot). Every function takes c, the claim context claim.lua builds (base, state_key,
 -- cfg, now, cleanup, sweep). The fair share between tenants is lib_rebalance.lua's.
 -- Keys: M:shape:S (read: stored_tokens), M:inst:S:E (read, state -> draining), its ready and touch
@@ -34,6 +36,13 @@ local function awaits_store(c, inst, info, room)
     or (room and num(c.intake.tokens) + math.floor(ceiling / RULES.SEGMENT_PARTS) > ceiling) then
     return false
   end
+  local shape = string.match(inst, '^([^:]+):')
+  return num(redis.call('HGET', c.base .. ':shape:' .. shape, 'stored_tokens')) > 0
+end
+
+-- Whether later items of the instance's shape wait in the disk tier's store (its stored tokens).
+local function stored_behind(c, inst)
+  if c.stored <= 0 or c.cfg.resident_tokens <= 0 then return false end
   local shape = string.match(inst, '^([^:]+):')
   return num(redis.call('HGET', c.base .. ':shape:' .. shape, 'stored_tokens')) > 0
 end
@@ -144,14 +153,15 @@ local function serve(c, inst, info)
   -- A batch filled across lanes pads to the longest lane taken: while the shape's next segment
   -- can come, its items are waited for, which make lanes ready (full from one lane) as they do
   -- when the whole shape is in Redis.
-  local awaits = info.state == 'active' and awaits_store(c, inst, info, true)
-  local parts, acc = plan_batch(c, inst, nil)
-  if acc.full and not awaits then return take_batch(c, inst, parts, acc, flags, info) end
+  if info.state == 'active' and awaits_store(c, inst, info, true) then return {0, 'wait'} end
+  -- No room for the next segment: a batch across lanes now, from the densest run of them.
+  local first = info.state == 'active' and stored_behind(c, inst) and densest_lane(c, inst) or nil
+  local parts, acc = plan_batch(c, inst, first)
+  if first and not acc.full then parts, acc = plan_batch(c, inst, nil) end
+  if acc.full then return take_batch(c, inst, parts, acc, flags, info) end
   if info.state == 'active' then
     local low = num(info.tokens) < c.cfg.drain_batches * c.cfg.budget_tokens
-    if awaits then
-      return {0, 'wait'}
-    elseif low or quiet_since(c, num(info.last_intake_ms)) or c.cleanup then
+    if low or quiet_since(c, num(info.last_intake_ms)) or c.cleanup then
       redis.call('HSET', ik, 'state', 'draining', 'draining_ms', c.now)
       inst_written(c, inst)
     else
