@@ -28,11 +28,15 @@ local function inst_info(c, inst) return hmget_named(inst_key(c.base, inst), INS
 -- shape's segments first, up to the ceiling, and fills Redis with other work only up to the
 -- ceiling less a reserve), so a lane of it is not force-drained into a padded batch (hygiene),
 -- nor does it drain while the feeder has room for its next segment (room: at most 1/SEGMENT_PARTS
--- of the ceiling; serve). Bounded: without intake for hygiene_idle_ms (no feeder, a segment it
--- cannot read) the shape is served as before.
+-- of the ceiling; serve). Bounded: without intake for hygiene_idle_ms since its last intake or its
+-- activation, whichever is later (no feeder, a segment it cannot read), the shape is served as
+-- before. From the activation too: a shape whose slice came in with the submit, seconds before it
+-- is served, would otherwise drain its slice as a padded tail at once, and be taken up again from
+-- its segments as a second piece.
 local function awaits_store(c, inst, info, room)
   local ceiling = c.cfg.resident_tokens
-  if c.stored <= 0 or ceiling <= 0 or c.now - num(info.last_intake_ms) >= c.cfg.hygiene_idle_ms
+  if c.stored <= 0 or ceiling <= 0
+    or c.now - math.max(num(info.last_intake_ms), num(info.activated_ms)) >= c.cfg.hygiene_idle_ms
     or (room and num(c.intake.tokens) + math.floor(ceiling / RULES.SEGMENT_PARTS) > ceiling) then
     return false
   end

@@ -236,6 +236,24 @@ def test_a_full_redis_cuts_a_served_shape_at_its_densest_lanes(redis_url, tmp_pa
                                                     "x0", "x1", "x2", "x3"])
 
 
+def test_a_shape_activated_long_after_its_slice_came_in_still_waits_for_its_segments(redis_url, tmp_path):
+    """The bound on waiting for the store counts from the activation too, not from the slice's intake
+    alone: a shape whose first items came in with the submit, longer than hygiene_idle_ms before it
+    is served, waits for its next segment instead of draining them at once as a padded tail and
+    being taken up again as a second piece (issue 37)."""
+    c = _tiered(redis_url, str(tmp_path / "store"), 100)
+    its = _items(10, shapes=1)  # 2 items in Redis, 8 in segments
+    c.submit(its, "j")
+    assert _intake(c)["items"] == 2
+    quick(c, resident_tokens=1000, budget_tokens=400, budget_items=4, hygiene_idle_ms=300)  # room now
+    time.sleep(0.4)  # the slice's intake is older than hygiene_idle_ms
+    assert c.claim(contract(size=4, tokens=400), "w") == (None, "wait")
+    f = Feeder(c, c.tier.store, "m")
+    got = _run_down(c, f, size=4, tokens=400, items=its)
+    assert sorted(got) == sorted(it.id for it in its)
+    assert int(c.r.hget(MK.state, "activations")) == 1  # one piece
+
+
 def test_the_feeder_finds_a_served_shapes_segment_behind_hundreds_of_others(redis_url, tmp_path):
     """A shape's own segment index (M:shape:S:segs): its next segment is found however many older
     segments of other shapes wait before it (the feeder's general look covers the oldest 256)."""
