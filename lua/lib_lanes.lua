@@ -6,7 +6,8 @@
 -- Invariants: a batch holds items of one instance, from one lane or from neighbouring lanes in
 --   length order, padded to the rep of the longest lane taken (memory mode); the first item
 --   always goes, so an item larger than the budget travels alone rather than stranding; the
---   lanes looked at are bounded by the batch (each gives at least one item or closes it).
+--   lanes looked at are bounded by the batch (each gives at least one item or closes it), or,
+--   choosing where a batch starts (densest_lane), by DENSE_LANES.
 --@include lib.lua
 
 local function retire_lane(c, inst, lane)
@@ -96,4 +97,52 @@ local function plan_batch(c, inst, first)
     from = from + #lanes
   end
   return parts, acc
+end
+
+-- The lane a batch filled across lanes should start from while its shape's later items wait in
+-- the disk tier's store (issue 37): the start whose full batch (that lane and its neighbours above,
+-- as plan_batch takes them) pads least per item, judged from the lanes' counts (a partly taken
+-- lane at its mean length). Taking the shortest lanes first there leaves Redis holding a shape's
+-- long items while each fed segment's short ones go in sparse, wide batches; taking the densest
+-- run keeps every batch narrow, as a whole shape in Redis does. Memory mode only (a disk-mode
+-- batch pads to its own longest item, not a lane's rep). Reads only: the shortest DENSE_LANES
+-- lanes at most, so a claim's work stays bounded (the ceiling bounds a shape's lanes anyway: at
+-- 4 M tokens a served shape held 85 to 117); nil when no start gives a full batch (the caller
+-- starts from the shortest lane).
+local DENSE_LANES = 200
+local function densest_lane(c, inst)
+  if c.disk then return nil end
+  local base = c.base
+  local raw = redis.call('ZRANGE', base .. ':inst:' .. inst .. ':fill', 0, DENSE_LANES - 1, 'WITHSCORES')
+  local n = #raw / 2
+  if n < 2 then return nil end
+  local ids, plens, items, toks = {}, {}, {}, {}
+  local mk = base .. ':lanemeta:' .. inst .. ':'
+  for j = 1, n do
+    local id = raw[2 * j - 1]
+    ids[j], plens[j] = id, pad8(tonumber(raw[2 * j]))
+    local m = redis.call('HMGET', mk .. id, 'items', 'tokens')
+    items[j], toks[j] = num(m[1]), num(m[2])
+  end
+  local max_items, max_tokens = c.max_items, c.max_tokens
+  local best, best_cost = nil, nil
+  for s = 1, n do
+    local k, sum = 0, 0
+    for j = s, n do
+      local cap = math.max(1, math.min(max_items, math.floor(max_tokens / plens[j])))  -- the first item always goes
+      local cost = nil
+      if cap <= k then
+        cost = (k * plens[j - 1] - sum) / k  -- full at the lane below: this one's rep does not fit
+      elseif k + items[j] >= cap then
+        local take = cap - k
+        cost = (cap * plens[j] - sum - toks[j] * take / items[j]) / cap
+      end
+      if cost then
+        if not best_cost or cost < best_cost then best, best_cost = ids[s], cost end
+        break
+      end
+      k, sum = k + items[j], sum + toks[j]
+    end
+  end
+  return best
 end

@@ -1,6 +1,8 @@
 -- lib_serve.lua: one pass of claim.lua over the instance a worker serves: aging preemption and
 -- lane hygiene (swept at most every sweep period), then a full batch from a ready lane, then one
--- filled from neighbouring lanes, then the drain decision; and interactive work, served before any
+-- filled from neighbouring lanes (from the densest run of them while the shape's later items wait
+-- in the disk tier's store and Redis has no room for them: lib_lanes.lua densest_lane), then the
+-- drain decision; and interactive work, served before any
 -- of that (serve_hot). Every function takes c, the claim context claim.lua builds (base, state_key,
 -- cfg, now, cleanup, sweep). The fair share between tenants is lib_rebalance.lua's.
 -- Keys: M:shape:S (read: stored_tokens), M:inst:S:E (read, state -> draining), its ready and touch
@@ -26,14 +28,25 @@ local function inst_info(c, inst) return hmget_named(inst_key(c.base, inst), INS
 -- shape's segments first, up to the ceiling, and fills Redis with other work only up to the
 -- ceiling less a reserve), so a lane of it is not force-drained into a padded batch (hygiene),
 -- nor does it drain while the feeder has room for its next segment (room: at most 1/SEGMENT_PARTS
--- of the ceiling; serve). Bounded: without intake for hygiene_idle_ms (no feeder, a segment it
--- cannot read) the shape is served as before.
+-- of the ceiling; serve). Bounded: without intake for hygiene_idle_ms since its last intake or its
+-- activation, whichever is later (no feeder, a segment it cannot read), the shape is served as
+-- before. From the activation too: a shape whose slice came in with the submit, seconds before it
+-- is served, would otherwise drain its slice as a padded tail at once, and be taken up again from
+-- its segments as a second piece.
 local function awaits_store(c, inst, info, room)
   local ceiling = c.cfg.resident_tokens
-  if c.stored <= 0 or ceiling <= 0 or c.now - num(info.last_intake_ms) >= c.cfg.hygiene_idle_ms
+  if c.stored <= 0 or ceiling <= 0
+    or c.now - math.max(num(info.last_intake_ms), num(info.activated_ms)) >= c.cfg.hygiene_idle_ms
     or (room and num(c.intake.tokens) + math.floor(ceiling / RULES.SEGMENT_PARTS) > ceiling) then
     return false
   end
+  local shape = string.match(inst, '^([^:]+):')
+  return num(redis.call('HGET', c.base .. ':shape:' .. shape, 'stored_tokens')) > 0
+end
+
+-- Whether later items of the instance's shape wait in the disk tier's store (its stored tokens).
+local function stored_behind(c, inst)
+  if c.stored <= 0 or c.cfg.resident_tokens <= 0 then return false end
   local shape = string.match(inst, '^([^:]+):')
   return num(redis.call('HGET', c.base .. ':shape:' .. shape, 'stored_tokens')) > 0
 end
@@ -144,14 +157,15 @@ local function serve(c, inst, info)
   -- A batch filled across lanes pads to the longest lane taken: while the shape's next segment
   -- can come, its items are waited for, which make lanes ready (full from one lane) as they do
   -- when the whole shape is in Redis.
-  local awaits = info.state == 'active' and awaits_store(c, inst, info, true)
-  local parts, acc = plan_batch(c, inst, nil)
-  if acc.full and not awaits then return take_batch(c, inst, parts, acc, flags, info) end
+  if info.state == 'active' and awaits_store(c, inst, info, true) then return {0, 'wait'} end
+  -- No room for the next segment: a batch across lanes now, from the densest run of them.
+  local first = info.state == 'active' and stored_behind(c, inst) and densest_lane(c, inst) or nil
+  local parts, acc = plan_batch(c, inst, first)
+  if first and not acc.full then parts, acc = plan_batch(c, inst, nil) end
+  if acc.full then return take_batch(c, inst, parts, acc, flags, info) end
   if info.state == 'active' then
     local low = num(info.tokens) < c.cfg.drain_batches * c.cfg.budget_tokens
-    if awaits then
-      return {0, 'wait'}
-    elseif low or quiet_since(c, num(info.last_intake_ms)) or c.cleanup then
+    if low or quiet_since(c, num(info.last_intake_ms)) or c.cleanup then
       redis.call('HSET', ik, 'state', 'draining', 'draining_ms', c.now)
       inst_written(c, inst)
     else

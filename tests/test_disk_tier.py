@@ -213,6 +213,47 @@ def test_a_served_shape_waits_for_its_segments_instead_of_draining(redis_url, tm
     assert int(c.r.hget(MK.state, "shapes_finished")) == 1
 
 
+def test_a_full_redis_cuts_a_served_shape_at_its_densest_lanes(redis_url, tmp_path):
+    """While a served shape's segments wait and Redis has no room for the next, a batch filled across
+    lanes starts at the run of lanes that pads least per item, not at the shortest lane (issue 37):
+    shortest-first leaves the long items in Redis and cuts each fed segment's short ones in sparse,
+    wide batches."""
+    c = _tiered(redis_url, str(tmp_path / "store"), 2400)  # segments of 600 tokens
+    quick(c, resident_tokens=2400, budget_tokens=2000, budget_items=4)
+    sparse = [item(f"s{t}", t, prefix=("A",)) for t in (8, 100, 200, 300)]
+    dense = [item(f"d{t}", t, prefix=("A",)) for t in (401, 409, 417, 425)]  # a lane each, none ready
+    c.submit(sparse + dense, "j")  # 2,260 tokens: no room for a 600-token segment under 2,400
+    c.submit([item(f"x{i}", 150, prefix=("A",)) for i in range(4)], "j")
+    assert _intake(c)["items"] == 8 and len(_segments(c)) == 1
+    b, _ = c.claim(contract(size=4, tokens=2000), "w")
+    # shortest first: 8, 100, 200 and 300 padded to 304 (608 tokens of padding); densest: 76
+    assert b is not None and sorted(i.id for i in b.items) == sorted(it.id for it in dense)
+    assert b.padded_len == 432
+    c.complete(b, results_for(b))
+    f = Feeder(c, c.tier.store, "m")
+    got = [i.id for i in b.items] + _run_down(c, f, size=4, tokens=2000)
+    assert sorted(got) == sorted(f"{p}" for p in ["s8", "s100", "s200", "s300", "d401", "d409", "d417", "d425",
+                                                    "x0", "x1", "x2", "x3"])
+
+
+def test_a_shape_activated_long_after_its_slice_came_in_still_waits_for_its_segments(redis_url, tmp_path):
+    """The bound on waiting for the store counts from the activation too, not from the slice's intake
+    alone: a shape whose first items came in with the submit, longer than hygiene_idle_ms before it
+    is served, waits for its next segment instead of draining them at once as a padded tail and
+    being taken up again as a second piece (issue 37)."""
+    c = _tiered(redis_url, str(tmp_path / "store"), 100)
+    its = _items(10, shapes=1)  # 2 items in Redis, 8 in segments
+    c.submit(its, "j")
+    assert _intake(c)["items"] == 2
+    quick(c, resident_tokens=1000, budget_tokens=400, budget_items=4, hygiene_idle_ms=300)  # room now
+    time.sleep(0.4)  # the slice's intake is older than hygiene_idle_ms
+    assert c.claim(contract(size=4, tokens=400), "w") == (None, "wait")
+    f = Feeder(c, c.tier.store, "m")
+    got = _run_down(c, f, size=4, tokens=400, items=its)
+    assert sorted(got) == sorted(it.id for it in its)
+    assert int(c.r.hget(MK.state, "activations")) == 1  # one piece
+
+
 def test_the_feeder_finds_a_served_shapes_segment_behind_hundreds_of_others(redis_url, tmp_path):
     """A shape's own segment index (M:shape:S:segs): its next segment is found however many older
     segments of other shapes wait before it (the feeder's general look covers the oldest 256)."""
