@@ -179,6 +179,25 @@ class ShardMaintenance:
         for m in self.parts.values():
             m.wake()
 
+    def forget_lapsed(self, workers: Iterable[str], shards: Iterable[str]) -> None:
+        """Workers whose idle beat on the model's keys lapsed (the model's lease holder's beat is told,
+        lua/idle_beat.lua): their heartbeats on ``shards`` deleted, one command a shard. An idle worker's
+        shard heartbeat lives a round of the shards (workers/idle.py), and what a shard's scripts count
+        (claim.lua's fleet size, lib_workers.lua) cannot read the model's: left to run out, a worker
+        killed while idle would count there a round and a grace after its last turn (19.5 s at S = 3),
+        where it now leaves every shard about a TTL after its last beat. A hint only: a failure leaves
+        them to run out."""
+        dead = list(workers)
+        try:
+            for name in shards:
+                mk = K.ModelKeys(name)
+                self.c.r.delete(*[mk.heartbeat(w) for w in dead])
+        except RIDE_OUT as e:
+            if self.on_error is None or not self.on_error(e):
+                event("lapsed_failed", model=self.shards.model, error=str(e))
+            return
+        event("lapsed", model=self.shards.model, workers=dead)
+
     def wake_shards(self) -> None:
         """Every quiet shard's part back to its period: the model's holding mark says a worker holds
         batches on a shard (lua/heartbeat.lua), which may die with them."""
