@@ -25,17 +25,16 @@
 -- ARGV[2] value      ms since the epoch; ARGV[3] ttl_ms (1..86400000): the heartbeat
 -- ARGV[4] lease_ms   the maintenance lease's time to live (1..86400000)
 -- ARGV[5] busy_ms    the worker's busy time (0..1e15), or '' when unchanged since it was last written
--- Returns: {held, waits, registered, in_flight, holding, lapsed}: held 1 when the caller holds the maintenance lease now
---   (taken or renewed), waits 1 when a claim could find work (reclaimed batches, waiting tokens in
---   lanes or store segments, interactive work) on a model that is not paused, registered 0 when
---   the caller's registration is gone (a FLUSHALL, a new server: the worker joins again, as a
---   claim's NOGROUP would have told it before it stopped claiming while idle); in_flight the batches
---   pending in the group when KEYS[8] is given and the caller holds the lease, else -1 (read only
---   for the holder: XPENDING's summary walks the group's consumers); holding 1 when KEYS[9] exists
---   (read for the holder too, else 0); lapsed, with KEYS[10] and for the holder, at most 16 workers whose
---   entry in beats has run out and whose heartbeat key is gone (dead: each entry run out is dropped,
---   a live worker's put back by its next beat), else empty. Errors, with nothing
---   written: 'ERR_ARG ...'; 'NOPERM ...' (lib.lua acl_refused).
+-- Returns: {held, waits, registered, in_flight, holding, lapsed}: held 1 when the caller holds the maintenance
+--   lease now (taken or renewed), waits 1 when a claim could find work (reclaimed batches, waiting tokens in lanes
+--   or store segments, interactive work) on a model that is not paused, registered 0 when the caller's registration
+--   is gone (a FLUSHALL, a new server: the worker joins again, as a claim's NOGROUP would have told it before it
+--   stopped claiming while idle); in_flight the batches pending in the group when KEYS[8] is given and the caller
+--   holds the lease, else -1 (read only for the holder: XPENDING's summary walks the group's consumers); holding 1
+--   when KEYS[9] exists (read for the holder too, else 0); lapsed, with KEYS[10] and for the holder, at most 16
+--   workers whose entry in beats has run out and whose heartbeat key is gone (dead: each entry run out is dropped, a
+--   live worker's put back by its next beat), else empty. Errors, with nothing written: 'ERR_ARG ...'; 'NOPERM ...'
+--   (lib.lua acl_refused).
 -- Invariants: the heartbeat is renewed as heartbeat.lua renews it (an idle worker leases no
 --   batch); the lease as lease.lua takes it: one holder at a time, renewed only by its holder;
 --   waits is 0 only when claim.lua would answer 'idle' or 'paused', so a worker that skips its
