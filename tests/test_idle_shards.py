@@ -376,6 +376,10 @@ def test_a_worker_killed_while_idle_leaves_each_shards_fleet_size_about_a_ttl_af
         assert lapse < max(runs.values()), (lapse, runs)
         assert lapse <= 1.5 * ttl + 1.0, (lapse, runs)  # a TTL and a period after its last beat, and margin
         assert not c.r.zscore(K.ModelKeys(model).beats, "lap")
+        # and forgotten everywhere (registration, consumer), not left to a quiet part's hourly full sweep
+        while any(c.r.hexists(K.ModelKeys(n).workers, "lap") for n in names):
+            assert time.monotonic() - killed < lapse + 2.0, "registered still"
+            time.sleep(0.05)
         assert workers[0].last_claim == "idle"
         print(f"out of every shard's fleet {lapse:.2f} s after SIGKILL (TTL {ttl} s; its shard heartbeats "
               f"had {max(runs.values()):.2f} s to run)")
