@@ -52,7 +52,8 @@ XPENDING; the model's own part then reads the earliest deadline and the intake t
 two commands) every ``QUIET_BEATS`` beats, and a quiet shard is swept with its turn. An idle holder
 then sends 0.6 commands a second unsharded, and about 0.8 holding every part of a sharded model (a
 BLPOP and the two beats a period, the two reads every second period), plus each part's full sweep
-every 5 minutes and drift check every 10 (about 4 and 21 commands). A part leaves its quiet at once
+and drift check every hour (about 11 to 19 commands with 8 consumers, and 20: 0.05 a second at S = 3,
+0.09 at S = 6; bench/broker/holder_sweep.py --duties). A part leaves its quiet at once
 when its beat tells of a batch in flight, a ring wakes the worker, or (a shard's) the model's holding
 mark lives: a worker that holds batches on a shard, or is about to claim, sets it with its heartbeat
 on the model's keys for the TTL
@@ -63,7 +64,8 @@ one, or a new intake task whose owner died, is seen at its next quiet sweep (10 
 serve replicas read the deadlines every 5 s too); a holder that dies idle hands its lease over after
 a period and ``GRACE`` (6.5 s, not 5; a round and ``GRACE`` on a quiet shard: 19.5 s at S = 3); the
 tenants' service over the
-shards is combined every 60 s, not 10 s, while the model's own part is quiet. An idle worker ticks only
+shards is combined at the model's next quiet sweep after something ran (a batch in flight seen, the
+holding mark, a wake), else every 10 minutes, while the model's own part is quiet. An idle worker ticks only
 the parts (the model, each shard) whose lease it holds.
 """
 
