@@ -61,7 +61,7 @@ local refused = acl_refused(function(ok)
     and ok('HEXISTS', workers_key) and (not batches_key or (ok('EXISTS', batches_key) and ok('XPENDING', batches_key)))
     and (not holding_key or ok('EXISTS', holding_key))
     and (not beats_key or (ok('ZADD', beats_key) and ok('ZRANGE', beats_key) and ok('ZREM', beats_key)
-      and ok('EXISTS', hb_key)))
+      and ok('EXISTS', hb_key) and ok('TIME')))
 end)
 if refused then return refused end
 
