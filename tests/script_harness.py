@@ -694,6 +694,17 @@ def idle_beat_tells_its_holder_in_flight(c: Conductor) -> Call:
                 check=lambda r: r.get(MK.maint_lease) == b"w")
 
 
+def idle_beat_tells_its_holder_who_lapsed(c: Conductor) -> Call:
+    """A sharded model's own keys (M:beats): a dead worker's entry run out (told, dropped) and a live
+    one's run out (dropped, not told); the beat's own entry added."""
+    quick(c)
+    c.r.zadd(MK.beats, {"dead": 1, "alive": 2, "later": 2 ** 50})
+    c.r.set(MK.heartbeat("alive"), 1)
+    return Call("idle_beat", [MK.heartbeat("w"), MK.busy, MK.maint_lease, MK.state, MK.intake, MK.hot, MK.workers,
+                              MK.batches, MK.holding, MK.beats], ["w", 1, 10000, 5000, 7],
+                check=lambda r: r.zrange(MK.beats, 0, -1) == [b"w", b"later"])
+
+
 def idle_beat_lease_taken(c: Conductor) -> Call:
     quick(c)
     c.r.set(MK.maint_lease, "other", px=5000)
@@ -861,7 +872,7 @@ SCENARIOS: dict[str, list[Callable[[Conductor], Call]]] = {
     "register": [register],
     "heartbeat": [heartbeat, heartbeat_holding],
     "idle_beat": [idle_beat_takes_lease, idle_beat_renews_with_work, idle_beat_lease_taken,
-                  idle_beat_tells_its_holder_in_flight],
+                  idle_beat_tells_its_holder_in_flight, idle_beat_tells_its_holder_who_lapsed],
     "seal": [seal, seal_rings],
     "declare": [declare],
     "lease": [lease_free, lease_mine, lease_taken, lease_handed_back],

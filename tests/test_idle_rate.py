@@ -62,6 +62,27 @@ def test_idle_beat_heartbeat_lease_and_waiting_work(cdr: Conductor):
     assert beat(cdr, "x").waits
 
 
+def test_the_holders_beat_is_told_which_idle_workers_lapsed(cdr: Conductor):
+    """A sharded model's own keys (``holding``): each idle beat indexes when its heartbeat runs out
+    (M:beats); the holder's is told the workers whose entry ran out and whose heartbeat is gone, once,
+    and drops every entry that ran out (a live one's next beat puts it back); another worker is told
+    nothing."""
+    quick(cdr)
+
+    def idle(worker: str, ttl_ms: int = 10_000) -> calls.IdleBeat:
+        return calls.idle_beat(MK, worker, int(time.time() * 1000), ttl_ms, 5000, None, in_flight=True,
+                               holding=True).run(cdr.scripts)
+
+    assert idle("x").held and idle("x").lapsed == ()
+    assert not idle("w", ttl_ms=50).held
+    cdr.r.set(MK.heartbeat("y"), 1)  # alive, its entry run out (a heartbeat thread beat it since)
+    cdr.r.zadd(MK.beats, {"y": 1})
+    assert idle("w", ttl_ms=50).lapsed == ()  # not the holder: not told
+    time.sleep(0.1)
+    assert idle("x").lapsed == ("w",)
+    assert cdr.r.zrange(MK.beats, 0, -1) == [b"x"] and idle("x").lapsed == ()
+
+
 def _fleet(url: str, n: int) -> tuple[list[Worker], list[threading.Thread]]:
     workers = [Worker(Conductor(connect(url)), SimEngine("m", max_batch_size=8, max_batch_tokens=8192),
                       WorkerOptions(name=f"i{i}")) for i in range(n)]

@@ -318,6 +318,78 @@ def test_a_worker_killed_while_idle_is_dead_on_every_shard_a_ttl_after(cluster):
             w.wait(10)
 
 
+# claim.lua's fleet size on a keyspace (lua/lib_workers.lua ``fleet_size``: the live workers a fair share and
+# the rebalance count), for a caller named '' that is none of them
+_FLEET_PROBE = "--@include lib_workers.lua\nreturn fleet_size({base = KEYS[1], consumer = ''}) - 1\n"
+
+
+def _fleet_size(c: Conductor, name: str) -> int:
+    from conductor.redis_contract import scripts
+
+    text = scripts.expand("fleet_probe.lua", lambda f: _FLEET_PROBE if f == "fleet_probe.lua" else scripts._read(f))
+    return int(c.r.eval(text, 1, K.ModelKeys(name).base))  # type: ignore[arg-type]
+
+
+def test_a_worker_killed_while_idle_leaves_each_shards_fleet_size_about_a_ttl_after(cluster):
+    """What a shard's claims count (claim.lua's fleet size) reads only the shard's heartbeats, and an idle
+    worker's lives a round of the shards (3.9 periods at S = 3): the model's idle lease holder, told by
+    its beat who lapsed on the model's keys (lua/idle_beat.lua, M:beats), deletes theirs. A worker
+    SIGKILLed just after its turn leaves every shard's fleet size a TTL and at most a period after its
+    last beat, before its freshest shard heartbeat would have run out (it counted there until then: 19.5 s
+    at S = 3 and the default TTL). A 4 s TTL: a period 2 s, a shard heartbeat 7.8 s."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    url, model, ttl = cluster.url, "killy", 4.0
+    c = Conductor(connect(url))
+    quick(c, model, shards=3)
+    names = [model, *c.shards(model)]
+    workers, threads = _fleet(url, model, 1, ttl_s=ttl)  # the holder, idle, alive throughout
+    w = None
+    try:
+        deadline = time.monotonic() + 30
+        while not (workers[0].last_claim == "idle" and c.r.get(K.ModelKeys(model).maint_lease) == b"i0"):
+            assert time.monotonic() < deadline, "the holder did not go idle holding the model's lease"
+            time.sleep(0.1)
+        w = subprocess.Popen([sys.executable, "-m", "conductor", "--log-level", "warning", "worker", "--engine",
+                              "sim", "--model", model, "--name", "lap", "--heartbeat-ttl", str(ttl)],
+                             env=dict(os.environ, CONDUCTOR_REDIS_URL=url), cwd=str(ROOT))
+        # idle, just past a turn: its freshest shard heartbeat lives over 1.7 TTLs
+        while not (c.r.zscore(K.ModelKeys(model).beats, "lap")
+                   and max((c.r.pttl(K.ModelKeys(n).heartbeat("lap")) or 0) for n in names[1:]) > 1700 * ttl):
+            assert time.monotonic() < deadline + 30 and w.poll() is None, "the worker did not go idle"
+            time.sleep(0.02)
+        assert all(_fleet_size(c, n) == 2 for n in names[1:])
+        w.send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        runs = {n: (c.r.pttl(K.ModelKeys(n).heartbeat("lap")) or 0) / 1000 for n in names[1:]}
+        w.wait(10)
+        while any(_fleet_size(c, n) != 1 for n in names[1:]):
+            assert time.monotonic() - killed < 3 * ttl, runs
+            time.sleep(0.05)
+        lapse = time.monotonic() - killed
+        # deleted, not run out: before the freshest would have (a period and a grace apart at worst)
+        assert lapse < max(runs.values()), (lapse, runs)
+        assert lapse <= 1.5 * ttl + 1.0, (lapse, runs)  # a TTL and a period after its last beat, and margin
+        assert not c.r.zscore(K.ModelKeys(model).beats, "lap")
+        # and forgotten everywhere (registration, consumer), not left to a quiet part's hourly full sweep
+        while any(c.r.hexists(K.ModelKeys(n).workers, "lap") for n in names):
+            assert time.monotonic() - killed < lapse + 2.0, "registered still"
+            time.sleep(0.05)
+        assert workers[0].last_claim == "idle"
+        print(f"out of every shard's fleet {lapse:.2f} s after SIGKILL (TTL {ttl} s; its shard heartbeats "
+              f"had {max(runs.values()):.2f} s to run)")
+    finally:
+        if w is not None and w.poll() is None:
+            w.kill()
+            w.wait(10)
+        stop_fleet(workers, threads)
+
+
 def test_a_shards_sweep_reads_one_xpending_while_nothing_is_in_flight_there(cluster):
     """S + 1 maintenance parts (the model's, each shard's), each with its own lease holder: a shard's
     tick with nothing in flight renews its lease and reads one XPENDING; its trim and finished shapes

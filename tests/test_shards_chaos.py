@@ -219,6 +219,61 @@ def test_no_script_runs_on_a_half_moved_slot(cluster):
         x.close()
 
 
+def test_a_claim_skips_a_shard_whose_slot_is_half_moved(cluster):
+    """A worker's claims over a model's shards (conductor/client/shard_claims.py): the first shard in its
+    order (the most work waiting) is mid-move, its keys half on each node, so its claims are refused
+    (TRYAGAIN, ASK) for as long as the move lasts (seconds for a big slot). The claim takes the next
+    shard's batch at once, not after riding that refusal out shard by shard; it tries the refusing shard
+    last while it refused lately, answers 'wait' (claim again soon) while it holds the only work, and
+    takes its batch once the move ends."""
+    from conductor.client.shard_claims import ShardClaims
+    from conductor.redis_contract.records import Contract
+    from tests.conftest import item
+    from tests.helpers import quick
+
+    url, model = cluster.url, "skippy"
+    c = Conductor(connect(url))
+    quick(c, model, shards=3)
+    names = c.shards(model)
+    moving, other = names[0], names[1]
+    its = [item(f"m{i}", 20, model=model, prefix=("moving",)) for i in range(24)]
+    its += [item(f"o{i}", 20, model=model, prefix=("other",)) for i in range(16)]  # two batches
+    c.r.hset(K.ModelKeys(model).shard_of, mapping={its[0].sig: 0, its[-1].sig: 1})
+    c.submit(its, "sj", seal=True)
+    time.sleep(0.1)  # past quiet_ms
+    contract = Contract(model=model, max_batch_size=8, max_batch_tokens=8192, max_input_len=4096)
+    claims = ShardClaims(Conductor(connect(url)), model)
+    assert claims._ordered(claims.names())[0] == moving  # the most tokens waiting: tried first
+
+    slot, frm = S.slot_of(moving), _owner(cluster, moving)
+    to = (frm + 1) % 3
+    src, dst = (redis.Redis(port=cluster.nodes[i].port) for i in (frm, to))
+    try:
+        ids = [x.execute_command("CLUSTER", "MYID").decode() for x in (src, dst)]
+        dst.execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", ids[0])
+        src.execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", ids[1])
+        keys = src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+        src.execute_command("MIGRATE", "127.0.0.1", cluster.nodes[to].port, "", 0, 5000, "KEYS",
+                            *keys[: len(keys) // 2])
+        got = []
+        t0 = time.monotonic()
+        for _ in range(2):  # the other shard's batch each time, its refusing neighbour tried last
+            batch, why = claims.claim(contract, "w")
+            assert batch is not None and batch.model == other, (why, batch and batch.model)
+            got.append(batch)
+        took = time.monotonic() - t0
+        batch, why = claims.claim(contract, "w")  # only the moving shard's work is left
+        assert batch is None and why == "wait", (why, batch and batch.model)
+        assert took < 3.0, took  # refused once in ~0.3 s, then last (the cluster client's retries: ~9 s)
+        cluster.move_slot(slot, to)  # the rest of its keys, and the slot's new owner on every node
+        batch, why = claims.claim(contract, "w")
+        assert batch is not None and batch.model == moving, why
+        print(f"two claims beside a half-moved shard {took:.2f} s")
+    finally:
+        for x in (src, dst):
+            x.close()
+
+
 @pytest.fixture(scope="module")
 def replicated():
     with EmbeddedCluster(3, replicas=1) as c:

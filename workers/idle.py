@@ -33,12 +33,15 @@ that holds batches has every heartbeat beaten by the heartbeat thread, the TTL's
 Three commands a period whatever S is (a BLPOP and two beats: 0.6 a second at the default TTL; 0.4
 unsharded); the first period after a busy spell beats every shard once (the heartbeat thread's
 beats left each a TTL to live, not a round). What the shards' scripts read (claim.lua's fleet size
-and affinities, lua/lib_workers.lua) cannot read the model's slot: there a dead idle worker counts
-until its shard's next full sweep deletes that heartbeat (``FULL_SWEEP_S`` after its model heartbeat
-lapsed, workers/maintenance.py, while something runs there; ``QUIET_FULL_SWEEP_S`` while the shard is
-quiet) or it runs out, a round and ``GRACE`` after its last turn there (19.5 s at S = 3, 39 s at
-S = 6: an open gap, issue 36). Work that comes without any ring (a dead letter
-retried) waits for its shard's turn, a round at most, not a period.
+and affinities, lua/lib_workers.lua) cannot read the model's slot, so the model's lease holder deletes
+them: each idle beat of the model's keys indexes when the heartbeat it set runs out (``M:beats``), and
+the holder's beat is told who ran out with no heartbeat left (lua/idle_beat.lua), whose shard
+heartbeats it deletes (ShardMaintenance.forget_lapsed): a worker killed while idle leaves each shard's
+fleet size a TTL and at most a period after its last beat (it counted there until its shard heartbeat
+ran out, a round and ``GRACE`` after its last turn: 19.5 s at S = 3, 39 s at S = 6), for no command
+more while nobody dies. A busy holder leaves it to each shard's full sweep (``FULL_SWEEP_S``). Work
+that comes without any ring (a dead letter retried) waits for its shard's turn, a round at most, not a
+period.
 
 The lease holder (issue 36's last gap: it sent 3.8 to 9.7 commands a second) sweeps a part whose
 lease it holds with its beats while the part is quiet (workers/maintenance.py ``quiet_s``: nothing in
@@ -49,7 +52,8 @@ XPENDING; the model's own part then reads the earliest deadline and the intake t
 two commands) every ``QUIET_BEATS`` beats, and a quiet shard is swept with its turn. An idle holder
 then sends 0.6 commands a second unsharded, and about 0.8 holding every part of a sharded model (a
 BLPOP and the two beats a period, the two reads every second period), plus each part's full sweep
-every 5 minutes and drift check every 10 (about 4 and 21 commands). A part leaves its quiet at once
+and drift check every hour (about 11 to 19 commands with 8 consumers, and 20: 0.05 a second at S = 3,
+0.09 at S = 6; bench/broker/holder_sweep.py --duties). A part leaves its quiet at once
 when its beat tells of a batch in flight, a ring wakes the worker, or (a shard's) the model's holding
 mark lives: a worker that holds batches on a shard, or is about to claim, sets it with its heartbeat
 on the model's keys for the TTL
@@ -60,7 +64,8 @@ one, or a new intake task whose owner died, is seen at its next quiet sweep (10 
 serve replicas read the deadlines every 5 s too); a holder that dies idle hands its lease over after
 a period and ``GRACE`` (6.5 s, not 5; a round and ``GRACE`` on a quiet shard: 19.5 s at S = 3); the
 tenants' service over the
-shards is combined every 60 s, not 10 s, while the model's own part is quiet. An idle worker ticks only
+shards is combined at the model's next quiet sweep after something ran (a batch in flight seen, the
+holding mark, a wake), else every 10 minutes, while the model's own part is quiet. An idle worker ticks only
 the parts (the model, each shard) whose lease it holds.
 """
 
@@ -198,6 +203,8 @@ class IdleBeat:
             self.w.hb_due = max(self.w.hb_due, now + self.period_s * (1 + GRACE))
             self._thread_off_until = self.w.hb_due
         got = self.beat(1, sharded=bool(shards))
+        if got.lapsed and shards:  # the holder's: dead idle workers out of every shard's fleet now
+            self.maint.forget_lapsed(got.lapsed, shards)
         if got.waits or not got.registered:
             return True
         if not shards:

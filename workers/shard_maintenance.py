@@ -24,8 +24,12 @@ from .maintenance import FULL_SWEEP_S, Maintenance
 from .transient import RIDE_OUT
 
 FORGET_EVERY_S = 10.0
-# The tenants' service over the shards combined this often while the model's own part is quiet.
-QUIET_FAIR_S = 60.0
+# what forgetting a lapsed worker rides out: a Redis failure, a paused model, a script's refusal (the full
+# sweeps forget it later)
+FORGET_RIDES_OUT: tuple[type[BaseException], ...] = (*RIDE_OUT, ConductorError)
+# The tenants' service over the shards combined this often while the model's own part is quiet and
+# nothing was seen to run since the last combine (``_fair``).
+QUIET_FAIR_S = 600.0
 SHARD_SWEEP_S = 2.5
 
 
@@ -128,6 +132,9 @@ class ShardMaintenance:
         self._forget_next = 0.0
         self.fair = ShardFair(c.r)
         self._fair_next = 0.0
+        # something ran since the last combine (a batch in flight seen, the holding mark, a wake): the
+        # model's next tick combines, quiet or not
+        self._fair_due = True
         self.on_error: Callable[[BaseException], bool] | None = None
         self.quiet_s = 0.0  # each part's (Maintenance.quiet_s): set by the idle wait, workers/idle.py
         self._refresh()
@@ -173,15 +180,44 @@ class ShardMaintenance:
         part = self.parts.get(name)
         if part is not None:  # else a shard the layout dropped meanwhile: no part to tell
             part.told(held, in_flight, ms)
+        if in_flight > 0:
+            self._fair_due = True
 
     def wake(self) -> None:
         """Every quiet part back to its period: work came (a ring), or the worker leaves its idle wait."""
+        self._fair_due = True
         for m in self.parts.values():
             m.wake()
+
+    def forget_lapsed(self, workers: Iterable[str], shards: Iterable[str]) -> None:
+        """Workers whose idle beat on the model's keys lapsed (the model's lease holder's beat is told,
+        lua/idle_beat.lua): their heartbeats on ``shards`` deleted, one command a shard. An idle worker's
+        shard heartbeat lives a round of the shards (workers/idle.py), and what a shard's scripts count
+        (claim.lua's fleet size, lib_workers.lua) cannot read the model's: left to run out, a worker
+        killed while idle would count there a round and a grace after its last turn (19.5 s at S = 3),
+        where it now leaves every shard about a TTL after its last beat. Then each is forgotten on the
+        model and every shard (registration, consumer; lua/reclaim.lua, as a full sweep forgets a dead
+        consumer holding nothing), so that a quiet part's full sweep (``QUIET_FULL_SWEEP_S``) need not
+        look for them. A hint only: a failure leaves them to run out and to the full sweeps."""
+        dead = list(workers)
+        names = list(shards)
+        try:
+            for name in names:
+                mk = K.ModelKeys(name)
+                self.c.r.delete(*[mk.heartbeat(w) for w in dead])
+            for name in (self.shards.model, *names):
+                for w in dead:
+                    self.c.reclaim_consumer(name, w)
+        except FORGET_RIDES_OUT as e:
+            if self.on_error is None or not self.on_error(e):
+                event("lapsed_failed", model=self.shards.model, error=str(e))
+            return
+        event("lapsed", model=self.shards.model, workers=dead)
 
     def wake_shards(self) -> None:
         """Every quiet shard's part back to its period: the model's holding mark says a worker holds
         batches on a shard (lua/heartbeat.lua), which may die with them."""
+        self._fair_due = True
         for name, m in self.parts.items():
             if name != self.shards.model:
                 m.wake()
@@ -261,18 +297,21 @@ class ShardMaintenance:
         """Tenants' service over the shards combined (conductor/jobs/shard_fair.py), by the model's lease
         holder: each tick while a shard's last sweep saw a batch in flight, else every ``FULL_SWEEP_S``
         (a shard's service grows only with its claims; a top-up skipped is taken at the next one, as
-        each sums the growth since the last)."""
+        each sums the growth since the last). While the model's own part is quiet, at its next tick
+        after something ran (a batch in flight seen, the model's holding mark, which a worker claiming
+        on a shard sets, a wake), else every ``QUIET_FAIR_S`` (it was every minute: an HGETALL a part, 0.07
+        commands a second at S = 3)."""
         now = time.monotonic()
-        if now < self._fair_next and not any(m.in_flight for m in self.parts.values()):
+        if now < self._fair_next and not self._fair_due and not any(m.in_flight for m in self.parts.values()):
             return
-        # the model's own part quiet (its holder idle, nothing in flight on a part it holds): the quiet
-        # full sweep's period (a service grown on a shard meanwhile is combined that much later)
         own = self.parts.get(self.shards.model)
         quiet = own is not None and own.quiet
+        self._fair_due = False
         self._fair_next = now + (QUIET_FAIR_S if quiet else FULL_SWEEP_S)
         try:
             self.fair.sync(self.shards.names())
         except RIDE_OUT as e:
+            self._fair_due = True  # at the next tick
             if self.on_error is None or not self.on_error(e):
                 event("shard_fair_failed", model=self.shards.model, error=str(e))
 

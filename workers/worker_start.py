@@ -185,6 +185,8 @@ class WorkerStart:
             pipe.hdel(self.keys.affinity, self.name)  # its instance is free for others to take whole
             pipe.hdel(self.keys.warming, self.name)
             pipe.hdel(self.keys.busy, self.name)
+            if self.members.others():  # a sharded model's index of idle beats (lua/idle_beat.lua)
+                pipe.zrem(self.keys.beats, self.name)
             pipe.delete(self.keys.heartbeat(self.name))
             pipe.execute()
             pending = self.c.r.xpending_range(self.keys.batches, K.GROUP, "-", "+", 1, consumername=self.name)

@@ -17,6 +17,7 @@ over ``--seconds`` after ``--settle`` seconds (past its parts' first full sweeps
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections import Counter
@@ -141,6 +142,57 @@ def measure_worker(shards: int, consumers: int, seconds: float, settle: float) -
     return sum(seen.values()) / took, Counter({k: v / took for k, v in seen.items()})
 
 
+def duties(shards: int, consumers: int) -> list[list[str]]:
+    """What a quiet part's seldom duties send, counted once each on one Redis (the model's part and a
+    shard's), and amortized over their periods (workers/maintenance.py, workers/shard_maintenance.py): a
+    ``--worker`` window of minutes holds at most one of each, so its figure is a floor of the steady state."""
+    from conductor.verify import watch_drift
+    from conductor.workers import maintenance as mt
+
+    with EmbeddedRedis() as srv:
+        c = Conductor(connect(srv.url))
+        model, names, shas = _model(c, shards, consumers, {"shards": shards} if shards > 1 else {"quiet_ms": 50})
+        sm = shard_maintenance.for_worker(c, ShardClaims(c, model), "holder", 10.0)
+        for m in sm.parts.values():
+            m.verify_interval_s = 0
+        sm.tick()  # every lease taken, every part's first (full) sweep
+
+        def sent(fn: Any) -> int:
+            seen: Counter[str] = Counter()
+            with _counting(seen, shas):
+                fn()
+            return sum(seen.values())
+
+        def quiet_tick(name: str, full: bool) -> int:
+            part = sm.parts[name]
+            part.quiet, part._next = True, 0.0
+            part._full_next = 0.0 if full else float("inf")
+            part._told_until = part._told_idle_until = time.monotonic() + 60  # its beat's lease answer
+            return sent(lambda: part.tick(may_quiet=True))
+
+        kinds = [("the model's part", model, 1)]
+        if shards > 1:
+            kinds.append(("a shard's part", names[-1], shards))
+        verify_s = float(os.environ.get("CONDUCTOR_VERIFY_INTERVAL_S", "60")) * mt.QUIET_VERIFY_FACTOR
+        rows: list[list[str]] = []
+        total = 0.0
+        for what, name, n in kinds:
+            full = quiet_tick(name, True) - quiet_tick(name, False)
+            drift = sent(lambda name=name: watch_drift(c.r, name, pause_s=0))
+            for duty, cmds, period in (("full sweep", full, mt.QUIET_FULL_SWEEP_S), ("drift check", drift, verify_s)):
+                rate = n * cmds / period
+                total += rate
+                rows.append([duty, what, str(n), str(cmds), f"{period:.0f}", f"{rate:.3f}"])
+        if shards > 1:
+            fair = sent(lambda: sm.fair.sync(names))
+            rate = fair / shard_maintenance.QUIET_FAIR_S
+            total += rate
+            rows.append(["tenants' combine", "the model's part", "1", str(fair),
+                         f"{shard_maintenance.QUIET_FAIR_S:.0f}", f"{rate:.3f}"])
+        rows.append(["all", "", "", "", "", f"{total:.3f}"])
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shards", type=int, default=3)
@@ -148,7 +200,14 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--worker", action="store_true", help="an idle Worker holding every lease, not its sweeps alone")
     ap.add_argument("--settle", type=float, default=25.0, help="--worker: seconds before the window")
+    ap.add_argument("--duties", action="store_true",
+                    help="a quiet part's seldom duties (full sweep, drift check, combine): commands each, amortized")
     args = ap.parse_args()
+    if args.duties:
+        print(f"Command: `{command_line()}`  \nRun: {now_utc()}, commit {git_rev()}; {machine()}\n")
+        print(table(["duty", "part", "parts", "commands each", "period s (quiet)", "commands/s"],
+                    duties(args.shards, args.consumers)))
+        return
     if args.worker:
         total, by = measure_worker(args.shards, args.consumers, args.seconds, args.settle)
     else:

@@ -3,7 +3,10 @@
 The worker stays on one shard while it gives batches; every REORDER_S it orders the shards again
 by waiting tokens per worker serving them (M:intake ``tokens`` over 1 + the workers whose affinity
 is there), most first, so the fleet's balance spans the shards. A claim that finds nothing on one
-shard tries the next at once: an idle answer means every shard had nothing.
+shard tries the next at once: an idle answer means every shard had nothing. A shard whose slot is
+half moved (a reshard: TRYAGAIN or ASK, the claim did not run) is skipped and tried after every other
+for SKIP_REFUSED_S; while it holds the only work the answer is 'wait' (claim again soon), and only a
+refusal from every shard raises.
 
 An unsharded model (the default) claims exactly as before: one claim.lua call on the model."""
 
@@ -13,6 +16,7 @@ import time
 from typing import Any, Protocol
 
 import msgspec
+import redis
 
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.connection import as_str
@@ -21,6 +25,13 @@ from conductor.redis_contract.records import Batch, Contract
 from .shard_route import WORKER_LAYOUT_TTL_S
 
 REORDER_S = 2.0
+# A shard whose claim was refused before it ran (its slot half moved: a reshard, tests/test_shards_chaos.py)
+# goes after every other shard this long: the claim raised, and the worker rode the refusal out and tried
+# that shard first again, while the other shards' work waited for the move to end.
+SKIP_REFUSED_S = 5.0
+# What claim.lua's call raises when its slot is half moved and it did not run (conductor/client/claiming.py
+# retries it three times in about 0.3 s first): TRYAGAIN where its keys are split, ASK where all moved.
+REFUSED_MID_MOVE = (redis.exceptions.TryAgainError, redis.exceptions.AskError)
 # What an empty round over the shards answers, the first found in this order: work held back
 # somewhere (quiet intake, the release gate) keeps the worker's timed wait short.
 _REASONS = ("wait", "gate", "nogroup", "paused")
@@ -42,6 +53,7 @@ class ShardClaims:
         self.model = model
         self._order: list[str] = []
         self._next = 0.0
+        self._refused: dict[str, float] = {}  # shard -> until when it goes last (it refused a claim)
 
     def names(self) -> list[str]:
         """The model's shards that may hold work (the model alone when unsharded)."""
@@ -65,14 +77,30 @@ class ShardClaims:
             # the request path (conductor/client/request.py) keeps a sharded model's own keys
             names = [*names, self.model]
         reasons = []
-        for name in self._ordered(names):
-            batch, why = self.c.claim(msgspec.structs.replace(contract, model=name), consumer)
+        now = time.monotonic()
+        ordered = self._ordered(names)
+        # a shard that refused lately (its slot half moved) last, after every other
+        ordered = sorted(ordered, key=lambda n: self._refused.get(n, 0.0) > now)
+        refused: BaseException | None = None
+        for name in ordered:
+            try:
+                batch, why = self.c.claim(msgspec.structs.replace(contract, model=name), consumer)
+            except REFUSED_MID_MOVE as e:
+                # its slot half moved (a reshard): the claim did not run there; the other shards first
+                refused = e
+                self._refused[name] = time.monotonic() + SKIP_REFUSED_S
+                continue
+            self._refused.pop(name, None)
             if batch is not None:
                 if self._order and self._order[0] != name:  # stay where the work was found
                     self._order.remove(name)
                     self._order.insert(0, name)
                 return batch, why
             reasons.append(why)
+        if refused is not None:
+            if not reasons:
+                raise refused  # every shard refused: the worker rides it out as any failed claim
+            return None, "wait"  # work may wait on the refusing shard: claim again soon, not at a beat
         return None, next((r for r in _REASONS if r in reasons), reasons[-1] if reasons else "idle")
 
     def _ordered(self, names: list[str]) -> list[str]:

@@ -123,6 +123,13 @@ Layout (``M`` = ``cdr:{model}``, ``S`` = shape signature hex, ``E`` = shape epoc
     M:dead                          stream   dead-lettered items with their last error (field "it" holds
                                              the item record)
     M:hb:W                          string   heartbeat of worker W (TTL)
+    M:holding                       string   a sharded model's own keys: some worker holds batches on a shard
+                                             or is about to claim (lua/heartbeat.lua, its TTL): the idle
+                                             lease holder's beat reads it and sweeps its quiet shards
+    M:beats                         zset     a sharded model's own keys: worker -> when the heartbeat its last
+                                             idle beat set runs out (ms, Redis's clock; lua/idle_beat.lua):
+                                             the holder's beat is told who lapsed and deletes their shard
+                                             heartbeats (each lives a round of the shards)
     M:lease:maint                   string   which worker runs the periodic sweep (TTL)
     M:workers                       hash     worker -> registered contract (JSON)
     M:tenants                       hash     tenant -> weight (`conductor tenant T --weight W`; default 1): its
@@ -495,6 +502,13 @@ class ModelKeys:
         """A sharded model's own keys: some worker holds batches on a shard (or is about to claim), set
         by its heartbeat for the TTL (lua/heartbeat.lua), read by the idle lease holder's beat."""
         return f"{self.base}:holding"
+
+    @property
+    def beats(self) -> str:
+        """A sharded model's own keys: worker -> when its last idle beat's heartbeat runs out (ms, Redis's
+        clock; lua/idle_beat.lua): the holder's beat finds who lapsed there, and deletes their shard
+        heartbeats, which live a round of the shards."""
+        return f"{self.base}:beats"
 
     def heartbeat(self, worker: str) -> str:
         return f"{self.base}:hb:{worker}"

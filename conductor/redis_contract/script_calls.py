@@ -137,20 +137,24 @@ class IdleBeat(NamedTuple):
     in_flight: int = -1
     # a sharded model's holding mark (some worker holds batches on a shard), told the holder when asked
     holding: bool = False
+    # with it, workers whose idle beat here ran out and whose heartbeat is gone (dead): their shard
+    # heartbeats, which live a round of the shards, are the holder's to delete
+    lapsed: tuple[str, ...] = ()
 
 
 def idle_beat(mk: K.ModelKeys, worker: str, now_ms: int, ttl_ms: int, lease_ms: int,
               busy_ms: int | None = None, in_flight: bool = False, holding: bool = False) -> Call[IdleBeat]:
     """lua/idle_beat.lua: an idle worker's heartbeat, maintenance lease and "does work wait?" in one
     call; ``busy_ms`` None leaves the busy time as last written; ``in_flight``: the holder is told the
-    batches pending too (its sweep's XPENDING); ``holding`` (with ``in_flight``), the model's holding
-    mark."""
+    batches pending too (its sweep's XPENDING); ``holding`` (with ``in_flight``; a sharded model's own
+    keys), the model's holding mark and the workers whose idle beats lapsed (this beat indexed in
+    ``M:beats``)."""
     keys = [mk.heartbeat(worker), mk.busy, mk.maint_lease, mk.state, mk.intake, mk.hot, mk.workers]
     if in_flight:
-        keys += [mk.batches, mk.holding] if holding else [mk.batches]
+        keys += [mk.batches, mk.holding, mk.beats] if holding else [mk.batches]
     return Call("idle_beat", keys, [worker, now_ms, ttl_ms, lease_ms, "" if busy_ms is None else busy_ms],
                 lambda raw: IdleBeat(bool(int(raw[0])), bool(int(raw[1])), bool(int(raw[2])), int(raw[3]),
-                                     bool(int(raw[4]))))
+                                     bool(int(raw[4])), tuple(as_str(w) for w in raw[5])))
 
 
 def schema_init(version: int) -> Call[int]:
