@@ -18,6 +18,13 @@ from conductor.redis_contract.records import PreparedItem
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# One OpenMP thread for every torch and vLLM the tests run, in this process or a child (which inherits
+# it): before any test module loads torch. The suite keeps both cores of a 2-core machine busy with
+# three test processes, and an engine's second thread spin-waits for a core another test holds: the
+# torch and conformance modules took 40 to 51 s of CPU beside a load, 14 s with one thread. The tiny
+# models gain nothing from a second thread; a caller's own setting stays.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 # CONDUCTOR_TEST_CLUSTER=1 runs the suite on a one-node Redis Cluster that owns every slot, where
 # Redis refuses any command or script touching two slots (tests/test_cluster_slots.py runs a
