@@ -144,6 +144,12 @@ def test_an_idle_worker_on_three_shards_sends_under_one_command_a_second_and_wak
         stop_fleet(workers, threads)
 
 
+def _parts(w: Worker) -> dict:
+    """The maintenance parts (the model's, each shard's) of an idle worker."""
+    assert w.idle is not None
+    return w.idle.maint.parts  # type: ignore[attr-defined]
+
+
 def test_the_idle_holder_of_every_part_sends_about_one_command_a_second(cluster, monkeypatch):
     """One idle worker of a model over three shards holds every part's lease (the model's, each
     shard's): with nothing in flight it sends a BLPOP and two beats a period (the model's keys, a
@@ -163,7 +169,13 @@ def test_the_idle_holder_of_every_part_sends_about_one_command_a_second(cluster,
                    and all(c.r.get(K.ModelKeys(n).maint_lease) == b"i0" for n in names)):
             assert time.monotonic() < deadline, "the worker did not go idle holding every lease"
             time.sleep(0.1)
-        time.sleep(12.0)  # past every part's first full sweep (at its turn), which a quiet part runs once
+        # past every part's first full sweep (at its turn), which a quiet part runs once: its next is
+        # QUIET_FULL_SWEEP_S away (about 10 s at this TTL; a loaded machine's turns come later)
+        while not (set(_parts(workers[0])) == set(names)
+                   and all(p._full_next - time.monotonic() > maintenance.QUIET_FULL_SWEEP_S / 2
+                           for p in _parts(workers[0]).values())):
+            assert time.monotonic() < deadline + 30, "the quiet parts' full sweeps did not run"
+            time.sleep(0.1)
         rate = sent.rates({"i0": workers[0].c.r}, 12.0)["i0"]
         assert all(c.r.get(K.ModelKeys(n).maint_lease) == b"i0" for n in names)  # kept by its beats
         assert 0.5 < rate <= 2.5, rate  # a period is 2 s: 4 commands a period are 2 a second
