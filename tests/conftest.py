@@ -31,6 +31,28 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # part of it that way in every run).
 CLUSTER = os.environ.get("CONDUCTOR_TEST_CLUSTER") == "1"
 
+# The modules that take longest, longest first (a loaded full run's times, 2026-12-04): pytest-xdist
+# hands out whole modules (--dist loadfile) in collection order (--no-loadscope-reorder), so these start
+# at once and the run ends on short ones. Its own order, by the number of tests, started the one-test
+# modules (test_chaos.py, test_answer_deaths.py, about 50 s each when loaded) last. The rest follow by
+# their number of tests, most first, as pytest-xdist would have it.
+LONGEST_FIRST = ["test_engines_vllm.py", "test_bench_smoke.py", "test_script_acl_atomicity.py",
+                 "test_disk_tier.py", "test_shards.py", "test_engines_openai.py", "test_accounting_stateful.py",
+                 "test_cli_newcomer.py", "test_answer_ledger.py", "test_durable_intake.py", "test_handoff.py",
+                 "test_worker_outage.py", "test_tenant_keys.py", "test_idle_shards.py", "test_cli_basics.py",
+                 "test_acl.py", "test_badinput.py", "test_cli_trust.py", "test_shards_chaos.py",
+                 "test_engines_conformance.py", "test_chaos.py", "test_idle_rate.py", "test_engines_torch.py",
+                 "test_exit_status.py", "test_cli.py", "test_memory_cap.py", "test_answer_deaths.py"]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
+    count: dict[str, int] = {}
+    for it in items:
+        count[it.path.name] = count.get(it.path.name, 0) + 1
+    # a stable sort: each module's tests keep their order
+    items.sort(key=lambda it: (rank.get(it.path.name, len(rank)), -count[it.path.name], str(it.path)))
+
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[EmbeddedRedis]:
