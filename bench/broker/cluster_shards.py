@@ -55,6 +55,13 @@ class Cluster:
         self.dir = tempfile.mkdtemp(prefix="cdr-shards-")
         self.ports: list[int] = []
         self.procs: list[subprocess.Popen[bytes]] = []
+        try:
+            self._start(masters)
+        except BaseException:
+            self.close()  # a start that failed halfway leaves no server running (nothing else would stop it)
+            raise
+
+    def _start(self, masters: int) -> None:
         for i in range(masters):
             d = Path(self.dir) / str(i)
             d.mkdir()
