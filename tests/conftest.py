@@ -18,11 +18,40 @@ from conductor.redis_contract.records import PreparedItem
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# One OpenMP thread for every torch and vLLM the tests run, in this process or a child (which inherits
+# it): before any test module loads torch. The suite keeps both cores of a 2-core machine busy with
+# three test processes, and an engine's second thread spin-waits for a core another test holds: the
+# torch and conformance modules took 40 to 51 s of CPU beside a load, 14 s with one thread. The tiny
+# models gain nothing from a second thread; a caller's own setting stays.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 # CONDUCTOR_TEST_CLUSTER=1 runs the suite on a one-node Redis Cluster that owns every slot, where
 # Redis refuses any command or script touching two slots (tests/test_cluster_slots.py runs a
 # part of it that way in every run).
 CLUSTER = os.environ.get("CONDUCTOR_TEST_CLUSTER") == "1"
+
+# The modules that take longest, longest first (a loaded full run's times, 2026-12-04): pytest-xdist
+# hands out whole modules (--dist loadfile) in collection order (--no-loadscope-reorder), so these start
+# at once and the run ends on short ones. Its own order, by the number of tests, started the one-test
+# modules (test_chaos.py, test_answer_deaths.py, about 50 s each when loaded) last. The rest follow by
+# their number of tests, most first, as pytest-xdist would have it.
+LONGEST_FIRST = ["test_engines_vllm.py", "test_bench_smoke.py", "test_script_acl_atomicity.py",
+                 "test_disk_tier.py", "test_shards.py", "test_engines_openai.py", "test_accounting_stateful.py",
+                 "test_cli_newcomer.py", "test_answer_ledger.py", "test_durable_intake.py", "test_handoff.py",
+                 "test_worker_outage.py", "test_tenant_keys.py", "test_idle_shards.py", "test_cli_basics.py",
+                 "test_acl.py", "test_badinput.py", "test_cli_trust.py", "test_shards_chaos.py",
+                 "test_engines_conformance.py", "test_chaos.py", "test_idle_rate.py", "test_engines_torch.py",
+                 "test_exit_status.py", "test_cli.py", "test_memory_cap.py", "test_answer_deaths.py"]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: k for k, name in enumerate(LONGEST_FIRST)}
+    count: dict[str, int] = {}
+    for it in items:
+        count[it.path.name] = count.get(it.path.name, 0) + 1
+    # a stable sort: each module's tests keep their order
+    items.sort(key=lambda it: (rank.get(it.path.name, len(rank)), -count[it.path.name], str(it.path)))
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,8 @@ Llama the module writes: the contract from vLLM's configuration, request options
 item answered at once, claims paced by the engine's room, a SIGKILLed worker's batch answered once by
 another, a dead engine core's batches given back, and a file end to end through ``conductor run``.
 
-One engine is built for the module (about 11 s); the worker processes load their own."""
+One engine is built for the module (about 11 s); the worker processes load their own, the two the kill
+tests stop started with it (their loads, about 25 s each, overlap it and the in-process tests)."""
 
 from __future__ import annotations
 
@@ -13,16 +14,19 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from conductor.client import Conductor
+from conductor.client import Conductor, connect
+from conductor.embedded import EmbeddedRedis
 from conductor.redis_contract import keys as K
 from conductor.redis_contract.records import Batch, BatchItem
 from conductor.workers.engines.reaper import alive, descendants
 from conductor.workers.worker import Worker, WorkerOptions
-from tests.conftest import ROOT, cli
+from tests.conftest import CLUSTER, ROOT, cli
 from tests.helpers import wait_for
 from tests.real_engine_kit import (
     KV_BYTES,
@@ -46,8 +50,42 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_model(tmp_path_factory.mktemp("vllm"))
 
 
+@dataclass
+class Warm:
+    """A worker process in vLLM's own process layout (the default), on a Redis of its own."""
+    srv: EmbeddedRedis
+    c: Conductor
+    proc: subprocess.Popen
+    log: Path
+
+
 @pytest.fixture(scope="module")
-def eng(model_dir: Path):
+def warm(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Warm]]:
+    """The workers the kill tests stop ("victim" and "mp"), started before the module's engine is built:
+    each loads three processes of torch and vLLM (about 25 s), which opened each of those tests. Each has
+    a Redis of its own: the session's is flushed by every test that uses it."""
+    tmp = tmp_path_factory.mktemp("warm")
+    out: dict[str, Warm] = {}
+    try:
+        for name in ("victim", "mp"):
+            srv = EmbeddedRedis(cluster=CLUSTER).start()
+            c = Conductor(connect(srv.url))
+            c.ensure_model("tiny")  # a worker refuses a model its Redis does not know
+            log = tmp / f"{name}.log"
+            out[name] = Warm(srv, c, _worker_proc(srv.url, model_dir, name, log, dict(vllm_env(), **MULTIPROCESS)),
+                             log)
+        yield out
+    finally:
+        for w in out.values():
+            if w.proc.poll() is None:
+                w.proc.kill()
+                w.proc.wait(30)
+            w.c.r.close()
+            w.srv.close()
+
+
+@pytest.fixture(scope="module")
+def eng(model_dir: Path, warm: dict[str, Warm]):
     os.environ.update(VLLM_ENV)
     from conductor.workers.engines.vllm_engine import VllmEngine
     e = VllmEngine("tiny", model_path=str(model_dir), max_batch_size=BATCH,
@@ -184,25 +222,23 @@ def _finish_with(c: Conductor, eng, job: str, dead: str) -> None:
     w.deregister()
 
 
-def _worker_mid_batch(c: Conductor, url: str, model_dir: Path, job: str, name: str,
-                      log: Path) -> tuple[subprocess.Popen, list[dict]]:
-    """A worker in vLLM's own process layout (the default) that has claimed a batch of ``job`` and not
-    finished the job; its process and the job's lines."""
+def _worker_mid_batch(w: Warm, job: str, name: str) -> list[dict]:
+    """``job`` submitted to the warm worker ``name`` (up or still loading), once it has claimed a batch
+    of it and not finished the job; the job's lines."""
     # two batches of 64 tokens: long enough to catch it mid-batch, short enough for the module engine to finish
     lines = shaped_lines(16, shapes=2, max_tokens=64)
-    c.ensure_model("tiny")
+    c, p = w.c, w.proc
     submit_lines(c, job, lines)
-    p = _worker_proc(url, model_dir, name, log, dict(vllm_env(), **MULTIPROCESS))
     wait_for(lambda: _pending(c, name) > 0 or p.poll() is not None, "the worker claims a batch", timeout=240)
-    assert p.poll() is None, log.read_text()[-2000:]
+    assert p.poll() is None, w.log.read_text()[-2000:]
     assert c.status(job)["completed"] < len(lines)  # mid-batch, its work not all written
-    return p, lines
+    return lines
 
 
-def test_a_sigkilled_worker_s_batch_is_answered_once_by_another(redis_url: str, cdr: Conductor,
-                                                                 model_dir: Path, eng, tmp_path: Path):
-    c = cdr
-    p, lines = _worker_mid_batch(c, redis_url, model_dir, "kill", "victim", tmp_path / "victim.log")
+def test_a_sigkilled_worker_s_batch_is_answered_once_by_another(warm: dict[str, Warm], eng):
+    w = warm["victim"]
+    c, p = w.c, w.proc
+    lines = _worker_mid_batch(w, "kill", "victim")
     try:
         vllm_procs = descendants(p.pid)
         assert any("VLLM" in Path(f"/proc/{d}/comm").read_text() for d in vllm_procs)
@@ -217,13 +253,12 @@ def test_a_sigkilled_worker_s_batch_is_answered_once_by_another(redis_url: str, 
     assert_each_once(c, "kill", [x["custom_id"] for x in lines])
 
 
-def test_a_dead_engine_core_s_batches_go_back_and_are_answered_once(redis_url: str, cdr: Conductor,
-                                                                    model_dir: Path, eng, tmp_path: Path):
+def test_a_dead_engine_core_s_batches_go_back_and_are_answered_once(warm: dict[str, Warm], eng):
     """The engine core (a process of vLLM's own) is SIGKILLed mid-batch: the worker gives its batches back
     and exits 2, and nothing of it runs on."""
-    c = cdr
-    log = tmp_path / "mp.log"
-    p, lines = _worker_mid_batch(c, redis_url, model_dir, "core", "mp", log)
+    w = warm["mp"]
+    c, p, log = w.c, w.proc, w.log
+    lines = _worker_mid_batch(w, "core", "mp")
     try:
         vllm_procs = descendants(p.pid)
         # VLLM::EngineCore, its name cut to 15 characters

@@ -79,7 +79,8 @@ def test_an_idle_worker_on_three_shards_sends_under_one_command_a_second_and_wak
     for name in (model, *shards):
         c.ensure_model(name)
         c.r.set(K.ModelKeys(name).maint_lease, "elsewhere", px=120_000)
-    workers, threads = _fleet(url, model, 3)
+    # a batch runs about 1.5 s (sim, time scale 2, 128 tokens): long enough to read its holder's heartbeats
+    workers, threads = _fleet(url, model, 3, time_scale=2.0)
     try:
         deadline = time.monotonic() + 30
         # each through a beat of a shard: its heartbeat there outlives the TTL (a round of the keyspaces)
@@ -111,26 +112,42 @@ def test_an_idle_worker_on_three_shards_sends_under_one_command_a_second_and_wak
 
         # work submitted to the last shard rings the model's doorbell: a worker wakes and serves it
         # within a few seconds, far under its next turn on that shard (a round: 20 s)
-        it = item("late", 10, model=model, prefix=("shard 2",))
+        it = item("late", 10, model=model, prefix=("shard 2",), max_tokens=128)
         c.r.hset(K.ModelKeys(model).shard_of, it.sig, 2)
         rings = sum(w.idle.bell.rings for w in workers if w.idle is not None)
+        held = K.ModelKeys(shards[2]).batches
         s, us = c.r.time()
         c.submit([it], "j")
         deadline = time.monotonic() + 15
+        # woken for work, its heartbeats are back to the TTL's own on every keyspace while it holds the
+        # batch: had it died with it, the batch would come back a TTL after, not a round after
+        # (IdleBeat._unstretch). Read while the batch is pending (before and after the reads), not once
+        # it is done: its next idle beat stretches a shard's heartbeat to a round again.
+        seen: list[tuple[str, dict[str, int]]] = []
         while not (rows := c.read_results("j")):
             assert time.monotonic() < deadline, "work on shard 2 did not wake an idle worker"
+            if pending := c.r.xpending_range(held, K.GROUP, "-", "+", 1):
+                holder = pending[0]["consumer"].decode()
+                ttls = {n: c.r.pttl(K.ModelKeys(n).heartbeat(holder)) for n in (model, *shards)}
+                if c.r.xpending_range(held, K.GROUP, "-", "+", 1, consumername=holder):
+                    seen.append((holder, ttls))
             time.sleep(0.02)
         assert rows[0].model == model and c.status("j")["models"][shards[2]]["submitted"] == 1
         assert rows[0].claimed_at - (s * 1000 + us / 1000) < 2500, rows[0]
         assert sum(w.idle.bell.rings for w in workers if w.idle is not None) > rings
-        # woken for work, its heartbeats are back to the TTL's own on every keyspace: had it died with
-        # the batch, the batch would come back a TTL after, not a round after (IdleBeat._unstretch)
         served = next(w for w in workers if w.name == rows[0].worker)
         assert served.idle is not None
-        for name in (model, *shards):
-            assert c.r.pttl(K.ModelKeys(name).heartbeat(served.name)) <= served.idle.ttl_ms, name
+        assert seen and {h for h, _ in seen} == {served.name}, seen
+        for _, ttls in seen:
+            assert all(0 < v <= served.idle.ttl_ms for v in ttls.values()), ttls
     finally:
         stop_fleet(workers, threads)
+
+
+def _parts(w: Worker) -> dict:
+    """The maintenance parts (the model's, each shard's) of an idle worker."""
+    assert w.idle is not None
+    return w.idle.maint.parts  # type: ignore[attr-defined]
 
 
 def test_the_idle_holder_of_every_part_sends_about_one_command_a_second(cluster, monkeypatch):
@@ -152,7 +169,13 @@ def test_the_idle_holder_of_every_part_sends_about_one_command_a_second(cluster,
                    and all(c.r.get(K.ModelKeys(n).maint_lease) == b"i0" for n in names)):
             assert time.monotonic() < deadline, "the worker did not go idle holding every lease"
             time.sleep(0.1)
-        time.sleep(12.0)  # past every part's first full sweep (at its turn), which a quiet part runs once
+        # past every part's first full sweep (at its turn), which a quiet part runs once: its next is
+        # QUIET_FULL_SWEEP_S away (about 10 s at this TTL; a loaded machine's turns come later)
+        while not (set(_parts(workers[0])) == set(names)
+                   and all(p._full_next - time.monotonic() > maintenance.QUIET_FULL_SWEEP_S / 2
+                           for p in _parts(workers[0]).values())):
+            assert time.monotonic() < deadline + 30, "the quiet parts' full sweeps did not run"
+            time.sleep(0.1)
         rate = sent.rates({"i0": workers[0].c.r}, 12.0)["i0"]
         assert all(c.r.get(K.ModelKeys(n).maint_lease) == b"i0" for n in names)  # kept by its beats
         assert 0.5 < rate <= 2.5, rate  # a period is 2 s: 4 commands a period are 2 a second

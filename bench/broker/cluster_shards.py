@@ -55,19 +55,32 @@ class Cluster:
         self.dir = tempfile.mkdtemp(prefix="cdr-shards-")
         self.ports: list[int] = []
         self.procs: list[subprocess.Popen[bytes]] = []
+        try:
+            self._start(masters)
+        except BaseException:
+            self.close()  # a start that failed halfway leaves no server running (nothing else would stop it)
+            raise
+
+    def _start(self, masters: int) -> None:
         for i in range(masters):
-            port = _free_port()
-            while port + 10000 > 65535 or port in self.ports:
-                port = _free_port()
             d = Path(self.dir) / str(i)
             d.mkdir()
-            self.procs.append(subprocess.Popen(
-                ["redis-server", "--port", str(port), "--cluster-enabled", "yes", "--cluster-config-file",
-                 str(d / "nodes.conf"), "--dir", str(d), "--save", "", "--appendonly", "no", "--bind", "127.0.0.1"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            # a free port can be taken (its own or its bus port, +10000) before the server binds it, by
+            # another process of a busy machine: that server exits, and the next port is tried
+            for _ in range(5):
+                port = _free_port()
+                while port + 10000 > 65535 or port in self.ports:
+                    port = _free_port()
+                proc = subprocess.Popen(
+                    ["redis-server", "--port", str(port), "--cluster-enabled", "yes", "--cluster-config-file",
+                     str(d / "nodes.conf"), "--dir", str(d), "--save", "", "--appendonly", "no", "--bind",
+                     "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                self.procs.append(proc)
+                if _wait_ping(port, proc):
+                    break
+            else:
+                raise RuntimeError("no redis-server of the cluster started on a free port in 5 tries")
             self.ports.append(port)
-        for port in self.ports:
-            _wait_ping(port)
         subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in self.ports],
                         "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True)
         deadline = time.monotonic() + 30
@@ -89,12 +102,17 @@ class Cluster:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def _wait_ping(port: int) -> None:
+def _wait_ping(port: int, proc: subprocess.Popen[bytes]) -> bool:
+    """True once ``proc`` answers on ``port``; False when it exited first (its port was taken, maybe by
+    another redis-server: the one that answers must be ``proc``)."""
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
         try:
-            if redis.Redis(port=port).ping():
-                return
+            if redis.Redis(port=port).info("server")["process_id"] == proc.pid:
+                return True
+            time.sleep(0.05)
         except redis.ConnectionError:
             time.sleep(0.05)
     raise RuntimeError(f"redis-server on {port} never answered")
