@@ -23,6 +23,13 @@ local INST_FIELDS = {'state', 'rr', 'tokens', 'last_intake_ms', 'idx', 'items', 
   'in_items', 'in_out', 'activated_ms'}
 local function inst_info(c, inst) return hmget_named(inst_key(c.base, inst), INST_FIELDS) end
 
+-- Whether later items of the instance's shape wait in the disk tier's store (its stored tokens).
+local function stored_behind(c, inst)
+  if c.stored <= 0 or c.cfg.resident_tokens <= 0 then return false end
+  local shape = string.match(inst, '^([^:]+):')
+  return num(redis.call('HGET', c.base .. ':shape:' .. shape, 'stored_tokens')) > 0
+end
+
 -- Whether segments of the instance's shape still wait in the disk tier's store (issue 37): then it
 -- is not at its end, and the feeder loads them into it (conductor/tier/feeder.py takes a served
 -- shape's segments first, up to the ceiling, and fills Redis with other work only up to the
@@ -40,15 +47,7 @@ local function awaits_store(c, inst, info, room)
     or (room and num(c.intake.tokens) + math.floor(ceiling / RULES.SEGMENT_PARTS) > ceiling) then
     return false
   end
-  local shape = string.match(inst, '^([^:]+):')
-  return num(redis.call('HGET', c.base .. ':shape:' .. shape, 'stored_tokens')) > 0
-end
-
--- Whether later items of the instance's shape wait in the disk tier's store (its stored tokens).
-local function stored_behind(c, inst)
-  if c.stored <= 0 or c.cfg.resident_tokens <= 0 then return false end
-  local shape = string.match(inst, '^([^:]+):')
-  return num(redis.call('HGET', c.base .. ':shape:' .. shape, 'stored_tokens')) > 0
+  return stored_behind(c, inst)
 end
 
 -- The instance's fill and ready indices follow the config they were derived under (lib.lua
