@@ -246,24 +246,56 @@ def test_pause_covers_every_shard(cluster, tmp_path):
     assert Conductor(connect(url)).status("pj")["submitted"] == 60
 
 
-def test_the_request_path_of_a_sharded_model_is_served(redis_url):
-    # RequestClient takes no cluster URL; shards work on one Redis too (all on one node)
-    from conductor.client.request import RequestClient
-    model = "reqy"
-    cli("config", model, "--create", "quiet_ms=200", "shards=3", url=redis_url)
-    w = _worker(redis_url, model, "req-w")
+def test_the_request_path_of_a_sharded_model_on_the_cluster(cluster):
+    # RequestClient and AsyncRequestClient on a ?cluster=1 URL: each request on its shape's shard
+    # (its item, seal and reply list in that shard's slot, on that shard's master), answered once
+    import asyncio
+
+    from conductor.client.request import AsyncRequestClient, RequestClient
+    url, model = cluster.url, "reqy"
+    cli("config", model, "--create", "quiet_ms=200", "shards=3", url=url)
+    ws = [_worker(url, model, f"req-w{i}") for i in range(2)]
     try:
-        c = Conductor(connect(redis_url))
+        c = Conductor(connect(url))
         deadline = time.monotonic() + 30
-        while not c.r.exists(K.ModelKeys(model).heartbeat("req-w")):
+        while not all(c.r.exists(K.ModelKeys(model).heartbeat(f"req-w{i}")) for i in range(2)):
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        with RequestClient(redis_url, model=model, max_in_flight=2) as rc:  # on the model's own keys
-            res = rc.generate("hello", prefix=("sys",), max_tokens=4, timeout=20)
-            assert res.error is None and res.output and res.model == model
+        prefixes = [(f"sys {k}",) for k in range(9)]
+        with RequestClient(url, model=model, max_in_flight=4) as rc:
+            got = [rc.generate(f"hello {k}", prefix=prefixes[k], max_tokens=4, timeout=30, payload={"k": k})
+                   for k in range(9)]
+            assert [g.payload for g in got] == [{"k": k} for k in range(9)]
+            assert all(g.error is None and g.output and g.model == model and g.job == rc.job for g in got)
+            cap = rc.capacity()
+            assert cap.workers == 2 and cap.waiting_tokens == 0
+            job = rc.job
+
+        async def many() -> list:
+            async with AsyncRequestClient(url, model=model, max_in_flight=8) as ac:
+                return [ac.job, *await asyncio.gather(*(ac.generate(f"again {k}", prefix=prefixes[k], max_tokens=4,
+                                                                     timeout=30) for k in range(9)))]
+        ajob, *agot = asyncio.run(many())
+        assert all(g.error is None and g.output and g.model == model for g in agot)
+        # the requests went to the shards that hold their shapes (more than one), none to the model's own keys
+        shards = S.shard_names(model, 3)
+        placed = {int(v) for v in c.r.hvals(K.ModelKeys(model).shard_of)}
+        assert len(placed) >= 2
+        st = c.status(job)
+        assert sum(st["models"].get(n, {}).get("submitted", 0) for n in shards) == 9, st
+        assert not st["models"].get(model, {}).get("submitted"), st
+        # each answer once, in the job's merged results
+        rows = c.read_results(job)
+        assert sorted(r.id for r in rows) == sorted(g.id for g in got) and {r.model for r in rows} == {model}
+        assert len(c.read_results(ajob)) == 9
+        # the shards sit on different masters: the requests reached more than one of them
+        masters = {c.r.get_node_from_key(K.ModelKeys(shards[i]).base).port for i in placed}
+        assert len(masters) >= 2
     finally:
-        w.terminate()
-        assert w.wait(30) == 0
+        for w in ws:
+            w.terminate()
+        for w in ws:
+            assert w.wait(30) == 0
 
 
 def test_a_host_agent_serves_every_shard(redis_url):

@@ -7,6 +7,12 @@ list (``cdr:{M}:reply:<job>:<id>``), to which complete.lua pushes the result as 
 no polling. The submit is sealed in the same round trip (seal.lua): a request must not wait
 quiet_ms for the release gate.
 
+A sharded model (issue 36) takes each request on its shape's shard, as a batch job's items
+(shard_route.py): the item, its seal and its reply list are the shard's (``cdr:{M~s.k}:...``), the
+model's doorbell rung in the same round trip; the job is registered and classed on a shard at its
+first request there. A ``?cluster=1`` URL gives cluster clients: each command goes to the node
+that owns its key's slot.
+
 Admission is the token-level queue's: the model's ``max_waiting_tokens`` refuses with
 ``QueueFull`` (carrying the waiting figure). The permits (``max_in_flight``, 64 by default) only
 bound what one client has in flight; ``capacity()`` is advisory and never gates.
@@ -28,7 +34,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
-import redis.asyncio as aioredis
 
 from conductor.client import Conductor
 from conductor.client.fleet import live_workers
@@ -37,7 +42,7 @@ from conductor.errors import BadInput, ClientClosed, QueueFull, RequestTimeout, 
 from conductor.formats.native import from_native
 from conductor.redis_contract import keys as K
 from conductor.redis_contract import script_calls as calls
-from conductor.redis_contract.connection import connect
+from conductor.redis_contract.connection import connect, connect_async
 from conductor.redis_contract.records import JobClass, PreparedItem, Result, result_decoder
 from conductor.redis_contract.rules import REPLY_TTL_MS
 from conductor.redis_contract.script_calls import raise_script_error
@@ -100,9 +105,12 @@ class _Core:
             raise UnknownModel(model, served)
         self.permits = Permits(max_in_flight)
         self.job = f"{K.REQUEST_JOB_PREFIX}{secrets.token_hex(8)}"
+        self.job_class = job_class
         self.c._register_job(self.job, model)
         # interactive by default: claimed before any batch work at the next claim (issue 26)
         self.c.set_job_class(self.job, [model], job_class)
+        self.ready = {model}  # the model and the shards the job is registered and classed on
+        self.route_lock = threading.Lock()  # the Conductor's layout cache is one thread's at a time
         self.closed = False
         self.waiting_on: set[str] = set()  # reply keys with a waiter, woken by close()
         self.submit_sha = self.c.r.script_load(self.c.scripts.submit.script)
@@ -112,15 +120,39 @@ class _Core:
         return from_native({"id": secrets.token_hex(12), "model": self.model, "prefix": list(prefix),
                             "prompt": prompt, "max_tokens": max_tokens, "payload": payload})
 
-    def commands(self, it: PreparedItem) -> list[tuple[Any, ...]]:
-        """The submit and the seal as EVALSHA commands (their KEYS from script_calls.py)."""
-        return [calls.submit(self.mk, self.job, [it]).command(self.submit_sha),
-                calls.seal(self.mk).command(self.seal_sha)]
+    def place(self, it: PreparedItem) -> tuple[PreparedItem, K.ModelKeys]:
+        """The item under the name that takes it (its shape's shard on a sharded model, else the
+        model) and that name's keys; the job registered and classed there first (a shard's first
+        request of this client: a few round trips, once). Blocking: the async client runs it in a
+        thread when it may read Redis."""
+        with self.route_lock:
+            ((name, (placed,)),) = self.c.route({self.model: [it]}).items()
+            if name not in self.ready:
+                self.c._register_job(self.job, name)
+                jc = self.job_class
+                self.c._confirmed(calls.job_class(self.c._intake_model(name), self.job, jc.tenant, jc.priority,
+                                                  jc.deadline_ms))
+                self.ready.add(name)
+        return placed, K.ModelKeys(name)
 
-    def queue_capacity_reads(self, pipe: Any) -> None:
-        """What capacity() needs, queued on a pipeline (sync or asyncio): waiting tokens, the
-        model's ceiling, the registered contracts."""
-        pipe.hget(self.mk.intake, "tokens")
+    def commands(self, it: PreparedItem, mk: K.ModelKeys) -> list[tuple[Any, ...]]:
+        """The submit and the seal as EVALSHA commands (their KEYS from script_calls.py); on a shard,
+        the model's doorbell rung too (an idle worker of a sharded model waits on the model's)."""
+        out = [calls.submit(mk, self.job, [it]).command(self.submit_sha), calls.seal(mk).command(self.seal_sha)]
+        if mk.model != self.model:
+            out += [("LPUSH", self.mk.doorbell, 1), ("LTRIM", self.mk.doorbell, 0, 15)]
+        return out
+
+    def names(self) -> list[str]:
+        """The model's shards that may hold work (the model itself when it is not sharded)."""
+        with self.route_lock:
+            return self.c.shards(self.model)
+
+    def queue_capacity_reads(self, pipe: Any, names: list[str]) -> None:
+        """What capacity() needs, queued on a pipeline (sync or asyncio): waiting tokens of each
+        shard (``names``), the model's ceiling, the registered contracts."""
+        for name in names:
+            pipe.hget(K.ModelKeys(name).intake, "tokens")
         pipe.hget(self.mk.cfg, "max_waiting_tokens")
         pipe.hgetall(self.mk.workers)
 
@@ -129,8 +161,10 @@ class _Core:
             raise ClientClosed("the request client was closed while this request waited")
         return result_decoder.decode(raw)
 
-    def capacity(self, state: Any, cfg_max: Any, contracts: dict[Any, Any], alive: list[str]) -> Capacity:
+    def capacity(self, replies: list[Any], alive: list[str]) -> Capacity:
         import json
+        *waiting, cfg_max, contracts = replies
+        state = sum(int(x) for x in waiting if x is not None)
         budget = 0
         for name in alive:
             raw = contracts.get(name.encode())
@@ -163,16 +197,15 @@ class RequestClient(_PermitCounts):
         self._core = _Core(url, model, max_in_flight, JobClass(tenant, priority))
         self.model, self.job = model, self._core.job
         # Blocking reads wait as long as their request's timeout: no socket timeout under them.
-        self._block = redis.Redis.from_url(url, socket_timeout=None, socket_connect_timeout=10)
+        self._block = connect(url, blocking=True)
         self._lock = threading.Lock()
 
     def capacity(self) -> Capacity:
         """Advisory load figure; reads Redis, never waits for a permit."""
         r = self._core.c.r
         pipe = r.pipeline(transaction=False)
-        self._core.queue_capacity_reads(pipe)
-        state, cfg_max, contracts = pipe.execute()
-        return self._core.capacity(state, cfg_max, contracts, live_workers(r, self.model))
+        self._core.queue_capacity_reads(pipe, self._core.names())
+        return self._core.capacity(pipe.execute(), live_workers(r, self.model))
 
     def generate(self, prompt: str, *, prefix: tuple[str, ...] | list[str] = (), max_tokens: int,
                  timeout: float, payload: Any = None) -> Result:
@@ -187,19 +220,25 @@ class RequestClient(_PermitCounts):
             if core.closed:
                 raise ClientClosed("the request client was closed while this request waited for a permit")
             raise RequestTimeout(f"no permit came back within {timeout:g}s ({core.permits.n} requests in flight)")
-        key = core.mk.reply(core.job, it.id)
         try:
             if core.closed:
                 raise ClientClosed("the request client is closed")
+            it, mk = core.place(it)
+            key = mk.reply(core.job, it.id)
             pipe = self._block.pipeline(transaction=False)
-            for cmd in core.commands(it):
+            for cmd in core.commands(it, mk):
                 pipe.execute_command(*cmd)
             replies = pipe.execute(raise_on_error=False)
             if isinstance(replies[0], redis.exceptions.NoScriptError):
                 core.submit_sha = self._block.script_load(core.c.scripts.submit.script)
                 core.seal_sha = self._block.script_load(core.c.scripts.seal.script)
-                replies = [self._block.execute_command(*core.commands(it)[0])]
-                self._block.execute_command(*core.commands(it)[1])
+                cmds = core.commands(it, mk)
+                try:
+                    replies = [self._block.execute_command(*cmds[0])]
+                except redis.ResponseError as e:
+                    replies = [e]
+                for cmd in cmds[1:]:
+                    self._block.execute_command(*cmd)
             _script_reply(replies[0])
             with self._lock:
                 if core.closed:
@@ -245,15 +284,16 @@ class AsyncRequestClient(_PermitCounts):
                  priority: str = "interactive") -> None:
         self._core = _Core(url, model, max_in_flight, JobClass(tenant, priority))
         self.model, self.job = model, self._core.job
-        self._r = aioredis.Redis.from_url(url, socket_timeout=None, socket_connect_timeout=10)
+        self._r = connect_async(url)
         self._waiters: deque[asyncio.Future[Any]] = deque()
 
     async def capacity(self) -> Capacity:
+        names = await asyncio.to_thread(self._core.names)
         async with self._r.pipeline(transaction=False) as pipe:
-            self._core.queue_capacity_reads(pipe)
-            state, cfg_max, contracts = await pipe.execute()
+            self._core.queue_capacity_reads(pipe, names)
+            replies = await pipe.execute()
         alive = await asyncio.to_thread(live_workers, self._core.c.r, self.model)
-        return self._core.capacity(state, cfg_max, contracts, alive)
+        return self._core.capacity(replies, alive)
 
     def _give(self, permit: int) -> None:
         self._core.permits.give(permit)
@@ -294,22 +334,25 @@ class AsyncRequestClient(_PermitCounts):
         deadline = time.monotonic() + timeout
         it = core.item(prompt, prefix, max_tokens, payload)
         permit = await self._take(timeout + SAFETY_MARGIN_S, timeout)
-        key = core.mk.reply(core.job, it.id)
         try:  # a cancelled task passes through here too (CancelledError): the permit returns
             if core.closed:
                 raise ClientClosed("the request client is closed")
+            it, mk = await asyncio.to_thread(core.place, it)
+            key = mk.reply(core.job, it.id)
             async with self._r.pipeline(transaction=False) as pipe:
-                for cmd in core.commands(it):
+                for cmd in core.commands(it, mk):
                     pipe.execute_command(*cmd)
                 replies = await pipe.execute(raise_on_error=False)
             if isinstance(replies[0], redis.exceptions.NoScriptError):
                 core.submit_sha = await self._r.script_load(core.c.scripts.submit.script)
                 core.seal_sha = await self._r.script_load(core.c.scripts.seal.script)
+                cmds = core.commands(it, mk)
                 try:
-                    replies = [await self._r.execute_command(*core.commands(it)[0])]
+                    replies = [await self._r.execute_command(*cmds[0])]
                 except redis.ResponseError as e:
                     replies = [e]
-                await self._r.execute_command(*core.commands(it)[1])
+                for cmd in cmds[1:]:
+                    await self._r.execute_command(*cmd)
             _script_reply(replies[0])
             if core.closed:
                 raise ClientClosed("the request client was closed while this request was sent")

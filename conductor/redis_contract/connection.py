@@ -14,28 +14,31 @@ from redis.retry import Retry
 from conductor.errors import RedisUnavailable
 
 
-def connect(url: str, *, timeout: float = 10.0, retries: int = 8) -> redis.Redis:
+def connect(url: str, *, timeout: float = 10.0, retries: int = 8, blocking: bool = False) -> redis.Redis:
     """A client with bounded-backoff reconnects; raises RedisUnavailable with one clear line.
 
     ``retries``: 8 (0.05 s doubling to a 2 s cap, about 9 s in all) rides out a restart; a caller
     that must answer within a deadline of its own (a Prometheus scrape) asks for fewer.
+    ``blocking``: no read timeout (``timeout`` still bounds the connect), for a client whose
+    blocking reads (BLPOP) wait as long as their own timeout says.
 
     ``?cluster=1`` on the URL (any node of a Redis Cluster) gives a cluster client: every key of
     a model lives in one slot, so each script runs on the node that owns it.
     """
     shown = redact_url(url)
     url, cluster = _cluster_flag(url)
+    read_timeout = None if blocking else timeout
     try:
         _refuse_bad_credentials_at_once(url, timeout)
         if cluster:
             cluster_client = _Cluster.from_url(
-                url, socket_timeout=timeout, socket_connect_timeout=timeout,
+                url, socket_timeout=read_timeout, socket_connect_timeout=timeout,
                 retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=retries))
             cluster_client.ping()
             return cluster_client  # type: ignore[return-value]
         client: redis.Redis = redis.Redis.from_url(
             url,
-            socket_timeout=timeout,
+            socket_timeout=read_timeout,
             socket_connect_timeout=timeout,
             retry=Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=retries),
             # CLUSTERDOWN: a cluster node refused the command before running it (a restart or a
@@ -51,6 +54,19 @@ def connect(url: str, *, timeout: float = 10.0, retries: int = 8) -> redis.Redis
     except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
         raise RedisUnavailable(f"cannot reach Redis at {shown}: {e}") from None
     return client
+
+
+def connect_async(url: str) -> Any:
+    """An asyncio client (redis.asyncio) for blocking reads (no read timeout), a cluster client for a
+    ``?cluster=1`` URL. Not probed: its caller reached the same URL with ``connect`` first. (Imported
+    here: only the asyncio request client needs redis.asyncio.)"""
+    import redis.asyncio as aioredis
+    import redis.asyncio.cluster as aiocluster
+    url, cluster = _cluster_flag(url)
+    if cluster:
+        return aiocluster.RedisCluster.from_url(
+            url, socket_timeout=None, socket_connect_timeout=10)
+    return aioredis.Redis.from_url(url, socket_timeout=None, socket_connect_timeout=10)
 
 
 class _Cluster(redis.RedisCluster):
