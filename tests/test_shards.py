@@ -298,6 +298,65 @@ def test_the_request_path_of_a_sharded_model_on_the_cluster(cluster):
             assert w.wait(30) == 0
 
 
+def test_requests_waiting_when_the_count_changes_follow_their_items(cluster):
+    # requests wait on three shards with no worker; the count goes 3 -> 1 and the migration moves
+    # them to the model's own keys like any item; a worker then answers them there, and each
+    # waiting caller, following its item, gets its answer once (they stayed before, and the
+    # migration's give-backs counted deliveries until it dead-lettered them)
+    import threading
+
+    from conductor.client import shard_migrate
+    from conductor.client.request import RequestClient
+    url, model = cluster.url, "folly"
+    cli("config", model, "--create", "quiet_ms=100", "shards=3", url=url)
+    c = Conductor(connect(url))
+    w = _worker(url, model, "f-w")
+    deadline = time.monotonic() + 30
+    while not c.r.exists(K.ModelKeys(model).heartbeat("f-w")):
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    rc = RequestClient(url, model=model, max_in_flight=8)
+    w.terminate()
+    assert w.wait(30) == 0
+    got: dict[int, object] = {}
+
+    def ask(k: int) -> None:
+        try:
+            got[k] = rc.generate(f"wait {k}", prefix=(f"sys {k}",), max_tokens=4, timeout=90)
+        except Exception as e:  # noqa: BLE001 - the assertion below names it
+            got[k] = e
+    ts = [threading.Thread(target=ask, args=(k,)) for k in range(6)]
+    for t in ts:
+        t.start()
+    olds = S.shard_names(model, 3)
+    while c.status(rc.job)["submitted"] < 6:
+        assert time.monotonic() < deadline + 30, (got, c.status(rc.job))
+        time.sleep(0.05)
+    assert sum(c.status(rc.job)["models"].get(n, {}).get("submitted", 0) for n in olds) == 6
+    assert len({int(v) for v in c.r.hvals(K.ModelKeys(model).shard_of)}) >= 2
+    c.set_config(model, {"shards": 1})
+    assert shard_migrate.old_shards(c, model) == olds
+    time.sleep(0.3)  # past quiet_ms
+    while not c.drained(olds):
+        assert time.monotonic() < deadline + 60, c.status(rc.job)
+        shard_migrate.step(c, model, "mv", batches=50)
+        time.sleep(0.05)
+    st = c.status(rc.job)
+    assert st["models"][model]["submitted"] == 6 and not any(st["models"].get(n, {}).get("submitted") for n in olds)
+    w = _worker(url, model, "f-w2")
+    try:
+        for t in ts:
+            t.join(60)
+        assert all(not t.is_alive() for t in ts)
+        assert all(getattr(g, "error", "x") is None and g.output for g in got.values()), got  # type: ignore[attr-defined]
+        rows = c.read_results(rc.job)
+        assert sorted(r.id for r in rows) == sorted(g.id for g in got.values())  # type: ignore[attr-defined]
+    finally:
+        rc.close()
+        w.terminate()
+        assert w.wait(30) == 0
+
+
 def test_a_host_agent_serves_every_shard(redis_url):
     import threading
 

@@ -49,6 +49,9 @@ from conductor.redis_contract.script_calls import raise_script_error
 
 MAX_TIMEOUT_S = 3600.0
 SAFETY_MARGIN_S = 5.0  # a permit not given back this long after its request's timeout returns by itself
+# A waiting request reads its reply list this long at a time, then looks whether a change of the
+# model's shard count moved its item (_Core.follow): about the producers' own layout cache (LAYOUT_TTL_S).
+FOLLOW_S = 2.0
 _CLOSED = b"\x00closed"  # pushed to in-flight reply lists by close(): their waiters wake at once
 _WAITING = re.compile(r"holds (\d+) waiting tokens")
 
@@ -134,6 +137,23 @@ class _Core:
                                                   jc.deadline_ms))
                 self.ready.add(name)
         return placed, K.ModelKeys(name)
+
+    @staticmethod
+    def slice_s(left: float) -> float:
+        """How long one blocking read waits: what the request has left, at most FOLLOW_S."""
+        return max(0.001, round(min(left, FOLLOW_S), 3))
+
+    def follow(self, it: PreparedItem, keys: list[str]) -> None:
+        """After a read that came back empty: where the item waits now. A change of the model's
+        shard count moves a waiting request like any item (shard_migrate.py), to its shape's shard
+        under the new count, where complete.lua then pushes its answer: that list goes first in
+        ``keys`` (read blocking), the ones it left after it (read once a slice: it may have been
+        answered there first)."""
+        with self.route_lock:
+            ((name, _),) = self.c.route({self.model: [it]}).items()
+        key = K.ModelKeys(name).reply(self.job, it.id)
+        if key not in keys:
+            keys.insert(0, key)
 
     def commands(self, it: PreparedItem, mk: K.ModelKeys) -> list[tuple[Any, ...]]:
         """The submit and the seal as EVALSHA commands (their KEYS from script_calls.py); on a shard,
@@ -224,37 +244,52 @@ class RequestClient(_PermitCounts):
             if core.closed:
                 raise ClientClosed("the request client is closed")
             it, mk = core.place(it)
-            key = mk.reply(core.job, it.id)
-            pipe = self._block.pipeline(transaction=False)
-            for cmd in core.commands(it, mk):
-                pipe.execute_command(*cmd)
-            replies = pipe.execute(raise_on_error=False)
-            if isinstance(replies[0], redis.exceptions.NoScriptError):
-                core.submit_sha = self._block.script_load(core.c.scripts.submit.script)
-                core.seal_sha = self._block.script_load(core.c.scripts.seal.script)
-                cmds = core.commands(it, mk)
-                try:
-                    replies = [self._block.execute_command(*cmds[0])]
-                except redis.ResponseError as e:
-                    replies = [e]
-                for cmd in cmds[1:]:
-                    self._block.execute_command(*cmd)
-            _script_reply(replies[0])
-            with self._lock:
-                if core.closed:
-                    raise ClientClosed("the request client was closed while this request was sent")
-                core.waiting_on.add(key)
-            try:
-                left = deadline - time.monotonic()
-                got = self._block.blpop([key], timeout=max(0.001, round(left, 3))) if left > 0 else None
-            finally:
-                with self._lock:
-                    core.waiting_on.discard(key)
-            if got is None:
-                raise RequestTimeout(f"no result within {timeout:g}s (item {it.id} of job {core.job} stays queued)")
-            return core.result(got[1])
+            self._send(it, mk)
+            return self._wait(it, [mk.reply(core.job, it.id)], deadline, timeout)
         finally:
             core.permits.give(permit)
+
+    def _send(self, it: PreparedItem, mk: K.ModelKeys) -> None:
+        core = self._core
+        pipe = self._block.pipeline(transaction=False)
+        for cmd in core.commands(it, mk):
+            pipe.execute_command(*cmd)
+        replies = pipe.execute(raise_on_error=False)
+        if isinstance(replies[0], redis.exceptions.NoScriptError):
+            core.submit_sha = self._block.script_load(core.c.scripts.submit.script)
+            core.seal_sha = self._block.script_load(core.c.scripts.seal.script)
+            cmds = core.commands(it, mk)
+            try:
+                replies = [self._block.execute_command(*cmds[0])]
+            except redis.ResponseError as e:
+                replies = [e]
+            for cmd in cmds[1:]:
+                self._block.execute_command(*cmd)
+        _script_reply(replies[0])
+
+    def _wait(self, it: PreparedItem, keys: list[str], deadline: float, timeout: float) -> Result:
+        """The item's answer, read from keys[0] a slice at a time (_Core.follow may put another first)."""
+        core = self._core
+        while True:
+            with self._lock:
+                if core.closed:
+                    raise ClientClosed("the request client was closed while this request waited")
+                core.waiting_on.add(keys[0])
+            try:
+                left = deadline - time.monotonic()
+                got = self._block.blpop([keys[0]], timeout=core.slice_s(left)) if left > 0 else None
+            finally:
+                with self._lock:
+                    core.waiting_on.discard(keys[0])
+            if got is not None:
+                return core.result(got[1])
+            if deadline - time.monotonic() <= 0:
+                raise RequestTimeout(f"no result within {timeout:g}s (item {it.id} of job {core.job} stays queued)")
+            core.follow(it, keys)
+            for k in keys[1:]:  # a list it left: answered there before the item moved
+                raw: Any = self._block.lpop(k)
+                if raw is not None:
+                    return core.result(raw)
 
     def close(self) -> None:
         """Refuse new requests and wake every waiting one with ClientClosed (their permits return)."""
@@ -338,35 +373,50 @@ class AsyncRequestClient(_PermitCounts):
             if core.closed:
                 raise ClientClosed("the request client is closed")
             it, mk = await asyncio.to_thread(core.place, it)
-            key = mk.reply(core.job, it.id)
-            async with self._r.pipeline(transaction=False) as pipe:
-                for cmd in core.commands(it, mk):
-                    pipe.execute_command(*cmd)
-                replies = await pipe.execute(raise_on_error=False)
-            if isinstance(replies[0], redis.exceptions.NoScriptError):
-                core.submit_sha = await self._r.script_load(core.c.scripts.submit.script)
-                core.seal_sha = await self._r.script_load(core.c.scripts.seal.script)
-                cmds = core.commands(it, mk)
-                try:
-                    replies = [await self._r.execute_command(*cmds[0])]
-                except redis.ResponseError as e:
-                    replies = [e]
-                for cmd in cmds[1:]:
-                    await self._r.execute_command(*cmd)
-            _script_reply(replies[0])
-            if core.closed:
-                raise ClientClosed("the request client was closed while this request was sent")
-            core.waiting_on.add(key)
-            try:
-                left = deadline - time.monotonic()
-                got = await self._r.blpop([key], timeout=max(0.001, round(left, 3))) if left > 0 else None
-            finally:
-                core.waiting_on.discard(key)
-            if got is None:
-                raise RequestTimeout(f"no result within {timeout:g}s (item {it.id} of job {core.job} stays queued)")
-            return core.result(got[1])
+            await self._send(it, mk)
+            return await self._wait(it, [mk.reply(core.job, it.id)], deadline, timeout)
         finally:
             self._give(permit)
+
+    async def _send(self, it: PreparedItem, mk: K.ModelKeys) -> None:
+        core = self._core
+        async with self._r.pipeline(transaction=False) as pipe:
+            for cmd in core.commands(it, mk):
+                pipe.execute_command(*cmd)
+            replies = await pipe.execute(raise_on_error=False)
+        if isinstance(replies[0], redis.exceptions.NoScriptError):
+            core.submit_sha = await self._r.script_load(core.c.scripts.submit.script)
+            core.seal_sha = await self._r.script_load(core.c.scripts.seal.script)
+            cmds = core.commands(it, mk)
+            try:
+                replies = [await self._r.execute_command(*cmds[0])]
+            except redis.ResponseError as e:
+                replies = [e]
+            for cmd in cmds[1:]:
+                await self._r.execute_command(*cmd)
+        _script_reply(replies[0])
+
+    async def _wait(self, it: PreparedItem, keys: list[str], deadline: float, timeout: float) -> Result:
+        """The item's answer, read from keys[0] a slice at a time (_Core.follow may put another first)."""
+        core = self._core
+        while True:
+            if core.closed:
+                raise ClientClosed("the request client was closed while this request waited")
+            core.waiting_on.add(keys[0])
+            try:
+                left = deadline - time.monotonic()
+                got = await self._r.blpop([keys[0]], timeout=core.slice_s(left)) if left > 0 else None
+            finally:
+                core.waiting_on.discard(keys[0])
+            if got is not None:
+                return core.result(got[1])
+            if deadline - time.monotonic() <= 0:
+                raise RequestTimeout(f"no result within {timeout:g}s (item {it.id} of job {core.job} stays queued)")
+            await asyncio.to_thread(core.follow, it, keys)
+            for k in keys[1:]:  # a list it left: answered there before the item moved
+                raw = await self._r.lpop(k)
+                if raw is not None:
+                    return core.result(raw)
 
     async def close(self) -> None:
         core = self._core

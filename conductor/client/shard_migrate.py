@@ -13,9 +13,11 @@ is claimable in one place at any time; a migration that dies between the steps l
 batch pending under its name (a reclaim hands it back to the old shard: run there, or moved later)
 or a moving list, which the next step submits again (the ids already there are skipped).
 
-Request items (a request job, conductor/client/request.py) stay: their caller waits on the model's
-own keys; a batch holding one is given back (fail.lua, one delivery counted) and its shard is left
-to the workers for this step."""
+Request items (a request job, conductor/client/request.py) move like any item: their caller waits
+on its reply list a slice at a time and follows the item to its shape's shard under the new count
+(request.py _Core.follow), reading the list it left too. (They stayed on the old shard before, a
+batch holding one given back with a delivery counted each step: at max_deliveries the migration
+itself dead-lettered them.)"""
 
 from __future__ import annotations
 
@@ -95,9 +97,6 @@ def step(c: MigrateClient, model: str, consumer: str, *, batches: int = 8) -> in
         for _ in range(batches):
             batch, _why = c.claim(contract, consumer)
             if batch is None:
-                break
-            if any(it.job.startswith(K.REQUEST_JOB_PREFIX) for it in batch.items):
-                c.fail(batch, consumer, "a request item stays on the model's own keys (shard migration)")
                 break
             found = _token(c, shard, batch.batch_id)
             if found is None:
