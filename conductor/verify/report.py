@@ -8,7 +8,7 @@ from typing import Any
 import redis
 
 from conductor.tier.object_store import Store
-from conductor.verify.checks import Report, verify
+from conductor.verify.checks import Report, verify, verify_confirmed
 from conductor.verify.repair import repair
 from conductor.verify.tier_truth import repair_store
 
@@ -40,6 +40,10 @@ def cli_verify(r: redis.Redis, models: list[str], *, do_repair: bool = False, sh
                ledger: bool = True, as_json: bool = False, store: Store | None = None) -> int:
     """``conductor inspect --verify [--repair]``: 0 when every counter equals its truth, else 1.
 
+    A row that differs, or a ledger finding, is read again by a second pass (verify_confirmed) and
+    counts only when that pass finds the same: on a live system one pass can catch a submit between
+    two of its reads (a job created after the pass listed the model's jobs).
+
     With ``do_repair`` the counters that differ are rewritten, the changes printed, and the
     exit status tells whether a second verification found everything equal. ``store``: the disk
     tier's, whose segment files are then checked (and a lost segment's items answered on repair).
@@ -48,7 +52,7 @@ def cli_verify(r: redis.Redis, models: list[str], *, do_repair: bool = False, sh
     status = 0
     docs = []
     for model in models:
-        report = verify(r, model, items=ledger, store=store)
+        report = verify_confirmed(r, model, items=ledger, store=store)
         doc: dict[str, Any] = {"model": model, "rows": [dict(key=x.key, field=x.field, recorded=x.recorded,
                                                              truth=x.truth, diff=x.diff, kind=x.kind)
                                                         for x in report.rows if show_all or x.diff],
