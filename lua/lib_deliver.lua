@@ -122,9 +122,9 @@ local function take_batch(c, inst, parts, acc, flags, info)
       if popped then push_all(c.batch_items_key, popped[2]) end
     end
     redis.call('LTRIM', base .. ':lanetok:' .. inst .. ':' .. lane, k, '-1')
-    local meta, mk = seg.meta, seg.mk
-    local left, left_tok = seg.items - seg.k, (meta.tokens or 0) - seg.sum
-    if left <= 0 and now - (meta.last_ms or 0) >= cfg.lane_quiet_ms then
+    local mk = seg.mk
+    local left, left_tok = seg.items - seg.k, (seg.tokens or 0) - seg.sum
+    if left <= 0 and now - (seg.last_ms or 0) >= cfg.lane_quiet_ms then
       retire_lane(c, inst, lane)  -- its keys and index entries go: nothing to update first
     elseif left <= 0 then
       redis.call('ZREM', ik .. ':fill', lane)

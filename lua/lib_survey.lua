@@ -85,10 +85,12 @@ end
 -- other worker is warming, among the STAGED_LOOK with the most tokens, holding at least `need`
 -- tokens: (inst, tokens, work) or nil. Every staged instance another worker's next: the first
 -- rather than let it wait on a worker that may not come back for it soon (its prewarm is lost).
-local STAGED_LOOK = 64
+-- STAGED_LOOK is 64: the ZREVRANGE's last index, as text (a Lua number argument costs Redis a '%.17g'
+-- format: the Redis cost notes' eighth pass)
+local STAGED_LAST = '63'
 local function top_staged(c, need, tenant)
   local best, any = nil, nil
-  for _, inst in ipairs(redis.call('ZREVRANGE', c.base .. ':staged', 0, STAGED_LOOK - 1)) do
+  for _, inst in ipairs(redis.call('ZREVRANGE', c.base .. ':staged', '0', STAGED_LAST)) do
     local tokens, work, out, h = inst_work(c, inst)
     if tokens >= (need or 0) and (not tenant or (h.tenant or '') == tenant) then
       local cand = {inst, tokens, work, out, h.dl}
@@ -119,7 +121,7 @@ end
 -- hygiene_idle_ms (stuck). Finishes active instances that emptied with no live worker on them.
 local function survey(c, need)
   local cfg, now, budget = c.cfg, c.now, c.cfg.budget_tokens
-  local actives = redis.call('ZRANGE', c.active_key, 0, -1)
+  local actives = redis.call('ZRANGE', c.active_key, '0', '-1')
   local n = #actives > 0 and attachments(c) or {}
   local ten, stuck = {}, nil
   local function rec(h)
@@ -151,7 +153,7 @@ local function survey(c, need)
       finish(c, inst)  -- emptied, and no live worker serves it
     end
   end
-  for _, inst in ipairs(redis.call('ZREVRANGE', c.base .. ':staged', 0, STAGED_LOOK - 1)) do
+  for _, inst in ipairs(redis.call('ZREVRANGE', c.base .. ':staged', '0', STAGED_LAST)) do
     local tokens, work, out, h = inst_work(c, inst)
     local x = rec(h)
     x.work = x.work + work
