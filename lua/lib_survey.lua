@@ -76,7 +76,7 @@ local function free_for(c, h)
   if h.state ~= 'warming' then return true end
   if h.free == nil then
     local by = redis.call('HGET', inst_key(c.base, h.inst), 'warming_for')
-    h.free = by == c.consumer or not by or not alive(c.base, by)
+    h.free = by == c.consumer or not by or not alive(c, by)
   end
   return h.free
 end
