@@ -34,8 +34,9 @@ local function deliver(c, sig, ep, lane, maxlen, flags, dv, n, waiting_tok, wait
   c.vtc_entry = nil
   -- Whole numbers go to Redis as '%d' text: Redis formats a Lua number argument with '%.17g', about
   -- 2.3k instructions, string.format's '%d' a fraction of that (the same digits below 2^53; the
-  -- Redis cost notes' eighth pass). The counters read as digit strings convert once (`+ 0`, where
-  -- num()'s tonumber converts twice). vtc's limit is a fraction: it stays a number.
+  -- Redis cost notes' eighth pass). The counters go through num(), not a raising `+ 0`: this runs
+  -- after the claim's first writes, where a junk field must not stop the script halfway. vtc's limit
+  -- is a fraction: it stays a number.
   local fmt = string.format
   local bid = redis.call('XADD', c.batches_key, '*', 'sig', sig, 'ep', fmt('%d', ep), 'lane', fmt('%d', lane),
     'n', fmt('%d', n), 'plen', fmt('%d', pad8(maxlen)), 'w', c.consumer, 'ts', c.now_s, 'k', c.token,
@@ -43,13 +44,13 @@ local function deliver(c, sig, ep, lane, maxlen, flags, dv, n, waiting_tok, wait
   -- XCLAIM FORCE puts the entry straight into the consumer's pending list (delivery count 1,
   -- the consumer created if new) without reading it back; nothing reads the group with '>'.
   redis.call('XCLAIM', c.batches_key, GROUP, c.consumer, '0', bid, 'FORCE', 'JUSTID')
-  redis.call('HSET', state_key, 'inflight_batches', fmt('%d', (st.inflight_batches or 0) + 1),
-    'inflight_items', fmt('%d', (st.inflight_items or 0) + n), 'batches', fmt('%d', (st.batches or 0) + 1),
-    'reclaimed_items', fmt('%d', (st.reclaimed_items or 0) - reclaimed))
+  redis.call('HSET', state_key, 'inflight_batches', fmt('%d', num(st.inflight_batches) + 1),
+    'inflight_items', fmt('%d', num(st.inflight_items) + n), 'batches', fmt('%d', num(st.batches) + 1),
+    'reclaimed_items', fmt('%d', num(st.reclaimed_items) - reclaimed))
   if waiting_items > 0 then
     local it = c.intake
-    redis.call('HSET', c.intake_key, 'tokens', fmt('%d', (it.tokens or 0) - waiting_tok),
-      'items', fmt('%d', (it.items or 0) - waiting_items))
+    redis.call('HSET', c.intake_key, 'tokens', fmt('%d', num(it.tokens) - waiting_tok),
+      'items', fmt('%d', num(it.items) - waiting_items))
   end
   if flags % 2 == 1 then
     redis.call('HINCRBY', state_key, 'cleanup_batches', '1')
@@ -105,7 +106,8 @@ end
 local function take_batch(c, inst, parts, acc, flags, info)
   local base, cfg, now = c.base, c.cfg, c.now
   local ik = base .. ':inst:' .. inst
-  -- whole numbers as '%d' text and digit strings converted once, as in deliver()
+  -- whole numbers as '%d' text; the fields read as strings through num(), as in deliver() (after
+  -- the lane's items moved, nothing may raise)
   local fmt = string.format
   for i, seg in ipairs(parts) do
     local lane = seg.lane
@@ -123,8 +125,8 @@ local function take_batch(c, inst, parts, acc, flags, info)
     end
     redis.call('LTRIM', base .. ':lanetok:' .. inst .. ':' .. lane, k, '-1')
     local mk = seg.mk
-    local left, left_tok = seg.items - seg.k, (seg.tokens or 0) - seg.sum
-    if left <= 0 and now - (seg.last_ms or 0) >= cfg.lane_quiet_ms then
+    local left, left_tok = seg.items - seg.k, num(seg.tokens) - seg.sum
+    if left <= 0 and now - num(seg.last_ms) >= cfg.lane_quiet_ms then
       retire_lane(c, inst, lane)  -- its keys and index entries go: nothing to update first
     elseif left <= 0 then
       redis.call('ZREM', ik .. ':fill', lane)
@@ -137,17 +139,17 @@ local function take_batch(c, inst, parts, acc, flags, info)
     end
   end
   local first = parts[1].lane
-  local inst_tokens = (info.tokens or 0) - acc.sum
-  redis.call('HSET', ik, 'tokens', fmt('%d', inst_tokens), 'items', fmt('%d', (info.items or 0) - acc.k),
-    'batches', fmt('%d', (info.batches or 0) + 1), 'rr', first, 'taken', fmt('%d', (info.taken or 0) + acc.sum),
+  local inst_tokens = num(info.tokens) - acc.sum
+  redis.call('HSET', ik, 'tokens', fmt('%d', inst_tokens), 'items', fmt('%d', num(info.items) - acc.k),
+    'batches', fmt('%d', num(info.batches) + 1), 'rr', first, 'taken', fmt('%d', num(info.taken) + acc.sum),
     'claimed_ms', c.now_s)
   inst_written(c, inst)
   if #parts > 1 then redis.call('HINCRBY', c.state_key, 'neighbour_fills', '1') end
   if info.state ~= 'staged' and not c.hot and not c.lent then maybe_warm(c, inst_tokens, info.tenant) end
   -- the tenant's service (lib_fair.lua): padded input tokens and the items' output limits
-  local placed = (info.in_items or 0) + 0
+  local placed = num(info.in_items)
   charge(c, info.tenant, c.disk and acc.sum or acc.k * pad8(acc.maxlen), acc.k,
-    placed > 0 and (info.in_out or 0) / placed or 0)
+    placed > 0 and num(info.in_out) / placed or 0)
   local sig, ep = string.match(inst, '^(%x+):(%d+)$')
   return deliver(c, sig, tonumber(ep), tonumber(first), acc.maxlen, flags, 1, acc.k, acc.sum, acc.k, 0)
 end
