@@ -86,6 +86,9 @@ local intake = seen.intake
 local c = {base = base, state_key = state_key, batches_key = batches_key, reclaimed_key = reclaimed_key,
   batch_items_key = batch_items_key, consumer = consumer, token = token, max_items = max_items,
   max_tokens = max_tokens, cfg = cfg, now = now, disk = cfg.mode == 'disk', st = st, intake_key = intake_key,
+  -- now as '%d' text for the commands that write it (lib_deliver.lua: a Lua number argument costs
+  -- Redis a '%.17g' format)
+  now_s = string.format('%d', now),
   intake = intake, active_key = base .. ':active', affinity_key = base .. ':affinity',
   -- staged instances' fields read in this call (lib_survey.lua staged_fields)
   work = {},

@@ -32,21 +32,29 @@ local function deliver(c, sig, ep, lane, maxlen, flags, dv, n, waiting_tok, wait
   -- charge) for complete.lua's output ratio; a reclaimed batch was counted at its first claim.
   local vtc = c.vtc_entry or {}
   c.vtc_entry = nil
-  local bid = redis.call('XADD', c.batches_key, '*', 'sig', sig, 'ep', ep, 'lane', lane,
-    'n', n, 'plen', pad8(maxlen), 'w', c.consumer, 'ts', c.now, 'k', c.token, 'dv', dv, 'fl', flags, unpack(vtc))
+  -- Whole numbers go to Redis as '%d' text: Redis formats a Lua number argument with '%.17g', about
+  -- 2.3k instructions, string.format's '%d' a fraction of that (the same digits below 2^53; the
+  -- Redis cost notes' eighth pass). The counters go through num(), not a raising `+ 0`: this runs
+  -- after the claim's first writes, where a junk field must not stop the script halfway. vtc's limit
+  -- is a fraction: it stays a number.
+  local fmt = string.format
+  local bid = redis.call('XADD', c.batches_key, '*', 'sig', sig, 'ep', fmt('%d', ep), 'lane', fmt('%d', lane),
+    'n', fmt('%d', n), 'plen', fmt('%d', pad8(maxlen)), 'w', c.consumer, 'ts', c.now_s, 'k', c.token,
+    'dv', fmt('%d', dv), 'fl', fmt('%d', flags), unpack(vtc))
   -- XCLAIM FORCE puts the entry straight into the consumer's pending list (delivery count 1,
   -- the consumer created if new) without reading it back; nothing reads the group with '>'.
-  redis.call('XCLAIM', c.batches_key, GROUP, c.consumer, 0, bid, 'FORCE', 'JUSTID')
-  redis.call('HSET', state_key, 'inflight_batches', num(st.inflight_batches) + 1,
-    'inflight_items', num(st.inflight_items) + n, 'batches', num(st.batches) + 1,
-    'reclaimed_items', num(st.reclaimed_items) - reclaimed)
+  redis.call('XCLAIM', c.batches_key, GROUP, c.consumer, '0', bid, 'FORCE', 'JUSTID')
+  redis.call('HSET', state_key, 'inflight_batches', fmt('%d', num(st.inflight_batches) + 1),
+    'inflight_items', fmt('%d', num(st.inflight_items) + n), 'batches', fmt('%d', num(st.batches) + 1),
+    'reclaimed_items', fmt('%d', num(st.reclaimed_items) - reclaimed))
   if waiting_items > 0 then
     local it = c.intake
-    redis.call('HSET', c.intake_key, 'tokens', num(it.tokens) - waiting_tok, 'items', num(it.items) - waiting_items)
+    redis.call('HSET', c.intake_key, 'tokens', fmt('%d', num(it.tokens) - waiting_tok),
+      'items', fmt('%d', num(it.items) - waiting_items))
   end
   if flags % 2 == 1 then
-    redis.call('HINCRBY', state_key, 'cleanup_batches', 1)
-    redis.call('HINCRBY', state_key, 'cleanup_items', n)
+    redis.call('HINCRBY', state_key, 'cleanup_batches', '1')
+    redis.call('HINCRBY', state_key, 'cleanup_items', fmt('%d', n))
   end
   return {1, bid, sig, ep, lane, pad8(maxlen), c.now, flags, dv, n, c.warming_now}
 end
@@ -98,41 +106,45 @@ end
 local function take_batch(c, inst, parts, acc, flags, info)
   local base, cfg, now = c.base, c.cfg, c.now
   local ik = base .. ':inst:' .. inst
+  -- whole numbers as '%d' text; the fields read as strings through num(), as in deliver() (after
+  -- the lane's items moved, nothing may raise)
+  local fmt = string.format
   for i, seg in ipairs(parts) do
     local lane = seg.lane
     local lk = base .. ':lane:' .. inst .. ':' .. lane
+    local k = fmt('%d', seg.k)
     if i == 1 then
       -- SORT BY nosort keeps list order and reads only the range it stores: the common batch,
       -- one lane's head, moves lane -> batch list without its bytes entering Lua.
-      redis.call('SORT', lk, 'BY', 'nosort', 'LIMIT', '0', seg.k, 'STORE', c.batch_items_key)
-      redis.call('LTRIM', lk, seg.k, '-1')
+      redis.call('SORT', lk, 'BY', 'nosort', 'LIMIT', '0', k, 'STORE', c.batch_items_key)
+      redis.call('LTRIM', lk, k, '-1')
     else
       -- the lane's head taken off and read in one command (LRANGE and LTRIM would be two)
-      local popped = redis.call('LMPOP', '1', lk, 'LEFT', 'COUNT', seg.k)
+      local popped = redis.call('LMPOP', '1', lk, 'LEFT', 'COUNT', k)
       if popped then push_all(c.batch_items_key, popped[2]) end
     end
-    redis.call('LTRIM', base .. ':lanetok:' .. inst .. ':' .. lane, seg.k, '-1')
-    local meta, mk = seg.meta, seg.mk
-    local rep = num(meta.rep)
-    local left, left_tok = num(meta.items) - seg.k, num(meta.tokens) - seg.sum
-    if left <= 0 and now - num(meta.last_ms) >= cfg.lane_quiet_ms then
+    redis.call('LTRIM', base .. ':lanetok:' .. inst .. ':' .. lane, k, '-1')
+    local mk = seg.mk
+    local left, left_tok = seg.items - seg.k, num(seg.tokens) - seg.sum
+    if left <= 0 and now - num(seg.last_ms) >= cfg.lane_quiet_ms then
       retire_lane(c, inst, lane)  -- its keys and index entries go: nothing to update first
     elseif left <= 0 then
       redis.call('ZREM', ik .. ':fill', lane)
       redis.call('ZREM', ik .. ':ready', lane)
-      redis.call('HSET', mk, 'items', left, 'tokens', left_tok)
+      redis.call('HSET', mk, 'items', fmt('%d', left), 'tokens', fmt('%d', left_tok))
       redis.call('HDEL', mk, 'since_ms')
     else
-      redis.call('HSET', mk, 'items', left, 'tokens', left_tok, 'since_ms', now)
-      if not lane_is_ready(cfg, left, left_tok, rep) then redis.call('ZREM', ik .. ':ready', lane) end
+      redis.call('HSET', mk, 'items', fmt('%d', left), 'tokens', fmt('%d', left_tok), 'since_ms', c.now_s)
+      if not lane_is_ready(cfg, left, left_tok, seg.rep) then redis.call('ZREM', ik .. ':ready', lane) end
     end
   end
   local first = parts[1].lane
   local inst_tokens = num(info.tokens) - acc.sum
-  redis.call('HSET', ik, 'tokens', inst_tokens, 'items', num(info.items) - acc.k, 'batches', num(info.batches) + 1,
-    'rr', first, 'taken', num(info.taken) + acc.sum, 'claimed_ms', now)
+  redis.call('HSET', ik, 'tokens', fmt('%d', inst_tokens), 'items', fmt('%d', num(info.items) - acc.k),
+    'batches', fmt('%d', num(info.batches) + 1), 'rr', first, 'taken', fmt('%d', num(info.taken) + acc.sum),
+    'claimed_ms', c.now_s)
   inst_written(c, inst)
-  if #parts > 1 then redis.call('HINCRBY', c.state_key, 'neighbour_fills', 1) end
+  if #parts > 1 then redis.call('HINCRBY', c.state_key, 'neighbour_fills', '1') end
   if info.state ~= 'staged' and not c.hot and not c.lent then maybe_warm(c, inst_tokens, info.tenant) end
   -- the tenant's service (lib_fair.lua): padded input tokens and the items' output limits
   local placed = num(info.in_items)

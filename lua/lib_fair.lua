@@ -32,8 +32,9 @@ end
 local RATIO_MIN_LIMITS = 4000
 local function out_ratio(c, tenant)
   local v = redis.call('HMGET', c.base .. ':vtc_ratio', tenant .. ':lim', tenant .. ':out', '#:lim', '#:out')
-  local lim, out = tonumber(v[1] or '') or 0, tonumber(v[2] or '') or 0
-  if lim < RATIO_MIN_LIMITS then lim, out = tonumber(v[3] or '') or 0, tonumber(v[4] or '') or 0 end
+  -- numbers complete.lua writes (HINCRBYFLOAT), or absent: `+ 0` converts once, where tonumber converts twice
+  local lim, out = (v[1] or 0) + 0, (v[2] or 0) + 0
+  if lim < RATIO_MIN_LIMITS then lim, out = (v[3] or 0) + 0, (v[4] or 0) + 0 end
   if lim < 1 then return 1 end
   return math.min(2, math.max(0.05, out / lim))
 end

@@ -28,15 +28,18 @@ end
 -- Memory mode pads a batch to the rep of the longest lane it takes from (the rep bounds every
 -- item: lanes only grow), so each lane keeps one padded length: its graph is built once, and
 -- ahead of time by the pre-warm signal, which names the lanes' padded reps.
--- Returns the lane's part {lane, k, sum, meta, mk} or nil.
-local LANE_META = {'rep', 'last_ms', 'items', 'tokens'}
+-- Returns the lane's part {lane, k, sum, mk, rep, items, tokens, last_ms} or nil (tokens and last_ms as read).
 local function plan_lane(c, inst, lane, acc)
   local disk, max_items, max_tokens = c.disk, c.max_items, c.max_tokens
   local mk = c.base .. ':lanemeta:' .. inst .. ':' .. lane
-  local meta = hmget_named(mk, LANE_META)
+  -- the lane's fields go into the part itself (take_batch reads tokens and last_ms), no table of
+  -- their own; rep and items are numbers submit.lua and take_batch write, or absent: converted once
+  -- here (`+ 0`: one strtod, where num()'s tonumber makes two)
+  local m = redis.call('HMGET', mk, 'rep', 'last_ms', 'items', 'tokens')
+  local rep, items = (m[1] or 0) + 0, (m[3] or 0) + 0
   local room = max_items - acc.k
   if not disk then
-    local plen = pad8(math.max(acc.maxlen, num(meta.rep)))
+    local plen = pad8(math.max(acc.maxlen, rep))
     -- The first item always goes: one larger than the budget travels alone.
     room = math.min(room, math.max(math.floor(max_tokens / plen), acc.k == 0 and 1 or 0) - acc.k)
   end
@@ -44,9 +47,11 @@ local function plan_lane(c, inst, lane, acc)
     acc.full = true
     return nil
   end
-  local want = math.min(room, num(meta.items))
+  local want = math.min(room, items)
   if want <= 0 then return nil end
-  local toks = redis.call('LRANGE', c.base .. ':lanetok:' .. inst .. ':' .. lane, 0, want - 1)
+  -- a whole number sent as '%d' text: Redis formats a Lua number argument with '%.17g' (about 2.3k
+  -- instructions, the eighth pass)
+  local toks = redis.call('LRANGE', c.base .. ':lanetok:' .. inst .. ':' .. lane, '0', string.format('%d', want - 1))
   local k, sum, mx = acc.k, 0, 0
   for i = 1, #toks do
     local tok = toks[i] + 0  -- submit.lua wrote it as digits; one conversion where tonumber makes two
@@ -59,9 +64,9 @@ local function plan_lane(c, inst, lane, acc)
     if tok > mx then mx = tok end
   end
   if k == acc.k then return nil end
-  local seg = {lane = lane, k = k - acc.k, sum = sum, meta = meta, mk = mk}
+  local seg = {lane = lane, k = k - acc.k, sum = sum, mk = mk, rep = rep, items = items, tokens = m[4], last_ms = m[2]}
   acc.k, acc.sum = k, acc.sum + sum
-  acc.maxlen = math.max(acc.maxlen, disk and mx or num(meta.rep))
+  acc.maxlen = math.max(acc.maxlen, disk and mx or rep)
   if k >= max_items or (not disk and (k + 1) * pad8(acc.maxlen) > max_tokens) then acc.full = true end
   return seg
 end
@@ -85,7 +90,7 @@ local function plan_batch(c, inst, first)
     from = from + 1
   end
   while not acc.full do
-    local lanes = redis.call('ZRANGE', ik .. ':fill', from, from + 15)
+    local lanes = redis.call('ZRANGE', ik .. ':fill', string.format('%d', from), string.format('%d', from + 15))
     if #lanes == 0 then break end
     for _, lane in ipairs(lanes) do
       if lane ~= first then

@@ -16,7 +16,7 @@
 -- The staged instance whose oldest item has waited aging_ms, or nil.
 local function aged(c)
   if c.cfg.aging_ms <= 0 then return nil end
-  local old = redis.call('ZRANGE', c.base .. ':staged_age', 0, 0, 'WITHSCORES')
+  local old = redis.call('ZRANGE', c.base .. ':staged_age', '0', '0', 'WITHSCORES')
   if old[1] and c.now - tonumber(old[2]) >= c.cfg.aging_ms then return old[1] end
   return nil
 end

@@ -78,7 +78,7 @@ end
 local function serve_hot(c)
   local hot_key = c.base .. ':hot'
   for _ = 1, 4 do
-    local inst = redis.call('ZRANGE', hot_key, 0, 0)[1]
+    local inst = redis.call('ZRANGE', hot_key, '0', '0')[1]
     if not inst then return nil end
     local info = inst_info(c, inst)
     if info.state and num(info.items) > 0 then
@@ -147,8 +147,11 @@ end
 local function serve(c, inst, info)
   local ik = inst_key(c.base, inst)
   local flags = c.cleanup and 1 or 0
-  local lane = redis.call('ZRANGEBYSCORE', ik .. ':ready', '(' .. num(info.rr), '+inf', 'LIMIT', 0, 1)[1]
-  if not lane then lane = redis.call('ZRANGE', ik .. ':ready', 0, 0)[1] end
+  -- rr is a lane id as take_batch wrote it ('%d' digits, -1 at first): used as the text it is, where
+  -- num() and the concatenation would convert it twice and format it back ('%.14g'); numbers as text
+  -- (a Lua number argument costs Redis a '%.17g' format: the Redis cost notes' eighth pass)
+  local lane = redis.call('ZRANGEBYSCORE', ik .. ':ready', '(' .. (info.rr or '0'), '+inf', 'LIMIT', '0', '1')[1]
+  if not lane then lane = redis.call('ZRANGE', ik .. ':ready', '0', '0')[1] end
   if lane then
     local r = take_from(c, inst, lane, flags, info)
     if r then return r end

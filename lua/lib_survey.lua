@@ -35,7 +35,11 @@ local function staged_fields(c, inst)
   return h
 end
 
--- fields: ACTIVE_FIELDS for an active instance; nil for a staged one (staged_fields)
+-- fields: ACTIVE_FIELDS for an active instance; nil for a staged one (staged_fields). A staged
+-- instance's figures and deadline are kept in h with its fields (survey and top_staged weigh the
+-- same ones; inst_written drops both). The counters are numbers the scripts write, or absent:
+-- `(v or 0) + 0` converts a digit string once, where num()'s tonumber converts it twice (Lua 5.1
+-- tests, then converts: two strtod; bench/RESULTS.md, the Redis cost notes' eighth pass).
 local function inst_work(c, inst, fields)
   local h
   if fields then
@@ -43,10 +47,14 @@ local function inst_work(c, inst, fields)
     h.inst = inst
   else
     h = staged_fields(c, inst)
+    if h.t then return h.t, h.w, h.o, h end
   end
-  local tokens, placed = num(h.tokens), num(h.in_items)
-  local mean_out = placed > 0 and num(h.in_out) / placed or 0
-  return tokens, tokens + c.cfg.decode_weight * num(h.items) * mean_out, mean_out, h
+  local tokens, placed = (h.tokens or 0) + 0, (h.in_items or 0) + 0
+  local mean_out = placed > 0 and (h.in_out or 0) / placed or 0
+  local work = tokens + c.cfg.decode_weight * (h.items or 0) * mean_out
+  -- a staged instance's deadline (0: none) too: survey and top_staged compare by it (before())
+  if not fields then h.t, h.w, h.o, h.dl = tokens, work, mean_out, (h.deadline or 0) + 0 end
+  return tokens, work, mean_out, h
 end
 
 -- Which of two staged instances of one tenant goes first: the one due earlier (a deadline before
@@ -68,7 +76,7 @@ local function free_for(c, h)
   if h.state ~= 'warming' then return true end
   if h.free == nil then
     local by = redis.call('HGET', inst_key(c.base, h.inst), 'warming_for')
-    h.free = by == c.consumer or not by or not alive(c.base, by)
+    h.free = by == c.consumer or not by or not alive(c, by)
   end
   return h.free
 end
@@ -77,13 +85,15 @@ end
 -- other worker is warming, among the STAGED_LOOK with the most tokens, holding at least `need`
 -- tokens: (inst, tokens, work) or nil. Every staged instance another worker's next: the first
 -- rather than let it wait on a worker that may not come back for it soon (its prewarm is lost).
-local STAGED_LOOK = 64
+-- STAGED_LOOK is 64: the ZREVRANGE's last index, as text (a Lua number argument costs Redis a '%.17g'
+-- format: the Redis cost notes' eighth pass)
+local STAGED_LAST = '63'
 local function top_staged(c, need, tenant)
   local best, any = nil, nil
-  for _, inst in ipairs(redis.call('ZREVRANGE', c.base .. ':staged', 0, STAGED_LOOK - 1)) do
+  for _, inst in ipairs(redis.call('ZREVRANGE', c.base .. ':staged', '0', STAGED_LAST)) do
     local tokens, work, out, h = inst_work(c, inst)
     if tokens >= (need or 0) and (not tenant or (h.tenant or '') == tenant) then
-      local cand = {inst, tokens, work, out, num(h.deadline)}
+      local cand = {inst, tokens, work, out, h.dl}
       if not any or before(cand, any) then any = cand end
       if (not best or before(cand, best)) and free_for(c, h) then best = cand end
     end
@@ -111,7 +121,7 @@ end
 -- hygiene_idle_ms (stuck). Finishes active instances that emptied with no live worker on them.
 local function survey(c, need)
   local cfg, now, budget = c.cfg, c.now, c.cfg.budget_tokens
-  local actives = redis.call('ZRANGE', c.active_key, 0, -1)
+  local actives = redis.call('ZRANGE', c.active_key, '0', '-1')
   local n = #actives > 0 and attachments(c) or {}
   local ten, stuck = {}, nil
   local function rec(h)
@@ -138,17 +148,17 @@ local function survey(c, need)
       if room and k > 0 and w / k > x.load then x.over, x.load, x.over_work, x.over_k = inst, w / k, w, k end
       if room and w / (k + 1) > x.hshare then x.help, x.hshare = inst, w / (k + 1) end
       -- its workers live but took nothing from it for hygiene_idle_ms (gated, or stuck): helped
-      if now - math.max(num(h.claimed_ms), num(h.activated_ms)) >= cfg.hygiene_idle_ms then stuck = inst end
+      if now - math.max((h.claimed_ms or 0) + 0, (h.activated_ms or 0) + 0) >= cfg.hygiene_idle_ms then stuck = inst end
     else
       finish(c, inst)  -- emptied, and no live worker serves it
     end
   end
-  for _, inst in ipairs(redis.call('ZREVRANGE', c.base .. ':staged', 0, STAGED_LOOK - 1)) do
+  for _, inst in ipairs(redis.call('ZREVRANGE', c.base .. ':staged', '0', STAGED_LAST)) do
     local tokens, work, out, h = inst_work(c, inst)
     local x = rec(h)
     x.work = x.work + work
     if tokens >= need then
-      local cand = {inst, tokens, work, out, num(h.deadline)}
+      local cand = {inst, tokens, work, out, h.dl}
       local mine = inst == c.warming_now and h.state == 'warming'
       if mine then cand[6] = true end  -- the one this worker prepared for goes first
       if not x.any or before(cand, x.any) then x.any = cand end

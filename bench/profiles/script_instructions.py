@@ -124,8 +124,9 @@ class Server:
     def _dumps(self) -> list[str]:
         return [p.name for p in self.out.iterdir() if p.name.startswith("cg.out.")]
 
-    def take(self) -> list[int]:
-        """The instructions of each EVALSHA profiled since the last take, in order."""
+    def take(self, keep: Path | None = None) -> list[int]:
+        """The instructions of each EVALSHA profiled since the last take, in order; their profiles
+        moved into ``keep`` when given (else removed)."""
         new = sorted((n for n in self._dumps() if n not in self.seen), key=lambda n: int(n.rsplit(".", 1)[1]))
         out = []
         for name in new:
@@ -135,7 +136,10 @@ class Server:
                 if line.startswith(("totals:", "summary:")):
                     total = int(line.split()[1])
             out.append(total or 0)
-            (self.out / name).unlink()
+            if keep is not None:
+                (self.out / name).rename(keep / name)
+            else:
+                (self.out / name).unlink()
         return out
 
     def url(self) -> str:
@@ -152,9 +156,9 @@ class Server:
             self.proc.kill()
 
 
-def _wrap(w: Worker, srv: Server, log: list[tuple[str, int, int, bool]]) -> None:
+def _wrap(w: Worker, srv: Server, log: list[tuple[str, int, int, bool]], keep_claims: Path | None = None) -> None:
     """Note each claim (idle or with its batch's items; whether the worker's engine was busy) and complete
-    (its results) with its instructions."""
+    (its results) with its instructions; each claim's profile moved into ``keep_claims`` when given."""
     c = w.c
     claim, complete = c.claim, c.complete
 
@@ -163,7 +167,7 @@ def _wrap(w: Worker, srv: Server, log: list[tuple[str, int, int, bool]]) -> None
         busy = w.engine.active() > 0
         batch, why = claim(contract, consumer)
         kind = "claim" if batch is not None else f"claim:{why}" + (" (engine busy)" if busy else " (engine empty)")
-        log.append((kind, len(batch.items) if batch else 0, sum(srv.take()), busy))
+        log.append((kind, len(batch.items) if batch else 0, sum(srv.take(keep_claims)), busy))
         return batch, why
 
     def completed(batch: Any, results: Any, **kw: Any) -> Any:
@@ -178,11 +182,12 @@ def _wrap(w: Worker, srv: Server, log: list[tuple[str, int, int, bool]]) -> None
 
 def measure(items: int, workers: int, out: Path, say: Callable[[str], None] = print,
             copy: str | None = None, wake: str = "bell", workload: str = "w2",
-            per_call: bool = True) -> dict[str, Any]:
+            per_call: bool = True, keep_claims: Path | None = None) -> dict[str, Any]:
     """Run the job on a fresh server under callgrind; per call kind, instructions a call and an item.
     ``copy``: on the scripts with COPIES[copy]'s part taken out; ``wake``: the drive's idle wait
     (bench/packing/suite.py SuiteConfig.wake); ``workload``: WORKLOADS' spec; ``per_call`` False: no
-    figures per call, one profile of the whole run left in ``out``/cg.out (by_function reads it)."""
+    figures per call, one profile of the whole run left in ``out``/cg.out (by_function reads it);
+    ``keep_claims``: each claim call's profile kept there (bench/profiles/claim_lua_profile.py reads them)."""
     thaw = freeze_clock(int(time.time()), copy)
     srv = Server(out, per_call)
     try:
@@ -198,7 +203,7 @@ def measure(items: int, workers: int, out: Path, say: Callable[[str], None] = pr
             w = Worker(c, eng, WorkerOptions(name=f"cg-w{i}", high_water=cfg.high_water, low_water=cfg.low_water,
                                              heartbeat_ttl_s=3600.0))
             w.register()
-            _wrap(w, srv, log)
+            _wrap(w, srv, log, keep_claims)
             ws.append(w)
         srv.take()
         producer.submit(wl.items, "cost", seal=True)
