@@ -1,22 +1,26 @@
-"""claim.lua's own Lua work by Lua function (issue 36): the w16 job's claims replayed in Lua 5.1 (lupa),
-outside Redis, with every ``redis.call`` answered by a live redis-server, and the VM's work counted per
-function.
+"""claim.lua's, complete.lua's or submit.lua's own Lua work by Lua function (issue 36): the w16 job's calls
+of one script replayed in Lua 5.1 (lupa), outside Redis, with every ``redis.call`` answered by a live
+redis-server, and the VM's work counted per function.
 
     .venv/bin/python bench/profiles/claim_lua_profile.py --workers 16 --items 24000 --workload w16 [--top 30]
+    .venv/bin/python bench/profiles/claim_lua_profile.py --script complete ...   # or --script submit
+    .venv/bin/python bench/profiles/claim_lua_profile.py --script submit --callgrind ...
 
 Needs ``pip install lupa`` (``lupa.lua51``: the Lua version Redis 7 embeds); not a dependency of the project.
 
 How: the same job as bench/profiles/script_instructions.py (its WORKLOADS, frozen clock and drive) on a plain
-redis-server; each worker's claim runs the expanded claim.lua (conductor/redis_contract/scripts.py) in a
-lupa Lua 5.1 state instead of EVALSHA, then the LRANGE of its batch list on the server, as the client's
-round trip does. ``redis.call``/``pcall`` go to the server one command at a time (numbers sent as Redis sends
+redis-server; each call of ``--script`` runs the expanded script (conductor/redis_contract/scripts.py) in a
+lupa Lua 5.1 state instead of EVALSHA: a worker's claim, then the LRANGE of its batch list on the server, as
+the client's round trip does; a worker's complete through Call.run (the Script object swapped); the
+producer's submit.lua chunks one at a time (the client streams them two in flight: same chunks, same order;
+the seal is not replayed). ``redis.call``/``pcall`` go to the server one command at a time (numbers sent as Redis sends
 them, '%.17g'; replies made Lua values as Redis makes them: integers numbers, nil false, arrays tables,
 errors raised or ``{err=}``), ``redis.acl_check_cmd`` answers yes (the default user), ``cjson.encode`` and
-``cmsgpack`` are Python's. The run is single-threaded, so a claim replayed this way writes what EVALSHA
+``cmsgpack`` are Python's. The run is single-threaded, so a call replayed this way writes what EVALSHA
 would have written, and the job goes on as it does under the harness (same batches, same makespan).
 
 What is counted, per Lua function (named by its ``local function NAME`` line in the expanded script;
-``main`` is the chunk: defining the includes' functions and claim.lua's own body): VM instructions
+``main`` is the chunk: defining the includes' functions and the script's own body): VM instructions
 (``debug.sethook`` count hook at every instruction: exact; self and inclusive, inclusive through a shadow
 stack kept by the call/return hooks, tail returns popped), calls, C functions called from it by name
 (``string.format``, ``tonumber``, ``unpack``...) and ``redis.call``s made from it. How good: VM instructions
@@ -27,11 +31,12 @@ side of a command (its ACL check, argument and reply conversion, about 6.9k x86 
 work) is attributed to the function that called it by the commands column only; the number arguments
 column counts the Lua numbers passed to commands (each a '%.17g' format in Redis).
 
-``--callgrind``: the other half, by C function, for claim calls only: bench/profiles/script_instructions.py's
-run (redis-server under callgrind, same job) with each claim call's profile kept, then summed: x86
-instructions a claim by C function (self), and the inclusive cost of the calls into TARGETS (strtod: a
-string made a number, by tonumber twice or by arithmetic once; snprintf: Redis formatting a Lua number
-argument; sprintf: Lua's own number formatting and string.format). This redis-server's Lua is static and
+``--callgrind``: the other half, by C function, for the calls of ``--script``:
+bench/profiles/script_instructions.py's run (redis-server under callgrind, same job, the real EVALSHAs) with
+each call's profile kept (submit: its chunks and the seal), then summed: x86 instructions a call by C function
+(self), and the inclusive cost of the calls into TARGETS (strtod: a string made a number, by tonumber twice
+or by arithmetic once; snprintf: Redis formatting a Lua number argument; sprintf: Lua's own number
+formatting and string.format). This redis-server's Lua is static and
 stripped, so its own functions show as addresses (on the 7.0.15 build measured: the largest, about 12 %
 self, is the VM's loop, luaV_execute).
 """
@@ -39,6 +44,7 @@ self, is the VM's loop, luaV_execute).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import re
 import shutil
 import subprocess
@@ -58,10 +64,14 @@ from bench.common.workload import WorkloadSpec, generate  # noqa: E402
 from bench.packing import suite  # noqa: E402
 from bench.profiles.script_instructions import WORKLOADS, freeze_clock  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
+from conductor.client.submit_stream import SUBMIT_CHUNK, count_submit_reply  # noqa: E402
 from conductor.embedded import free_port  # noqa: E402
+from conductor.redis_contract import script_calls as calls  # noqa: E402
 from conductor.redis_contract import scripts as S  # noqa: E402
 from conductor.workers.worker import Worker, WorkerOptions  # noqa: E402
 
+# the scripts ``--script`` profiles: those of an item's way through (issue 36's cost an item)
+SCRIPTS = ("claim", "complete", "submit")
 # The Lua side: the redis table, the hooks and the counters. PY is the Python bridge (rcall, json, msgpack).
 PRELUDE = r"""
 local PY = ...
@@ -151,17 +161,22 @@ local function err_reply(m) return {err = m} end
 local function ok_reply(m) return {ok = m} end
 local function acl() return true end
 local function json(v) local r = PY.json(v); return r end
+local function json_decode(v) local r = PY.json_decode(v); return r end
+local function sha1hex(v) local r = PY.sha1hex(v); return r end
 local function mp_pack(v) local r = PY.mp_pack(v); return r end
 local function mp_unpack(v) local r = PY.mp_unpack(v); return r end
-for _, f in ipairs({bump, send, argstr, rcall, rpcall, err_reply, ok_reply, acl, json, mp_pack, mp_unpack}) do
+for _, f in ipairs({bump, send, argstr, rcall, rpcall, err_reply, ok_reply, acl, json, json_decode, sha1hex,
+                    mp_pack, mp_unpack}) do
   GLUE[f] = true
 end
-redis = {call = rcall, pcall = rpcall, error_reply = err_reply, status_reply = ok_reply, acl_check_cmd = acl}
-cjson = {encode = json}
+redis = {call = rcall, pcall = rpcall, error_reply = err_reply, status_reply = ok_reply, acl_check_cmd = acl,
+         sha1hex = sha1hex}
+-- cjson.null: a value of its own (Redis's is a light userdata), which the decode's nulls are
+cjson = {encode = json, decode = json_decode, null = PY.null}
 cmsgpack = {pack = mp_pack, unpack = mp_unpack}
 
-local function run(src, keys, argv)
-  local f = assert(loadstring(src, '=claim'))
+local function run(src, name, keys, argv)
+  local f = assert(loadstring(src, '=' .. name))
   KEYS, ARGV = keys, argv
   stack, depth = {}, 0
   debug.sethook(hook, 'cr', 1)
@@ -177,9 +192,10 @@ return run, PROF, name_line
 
 
 class Replay:
-    """claim.lua run in lupa's Lua 5.1 against a live server (module docstring)."""
+    """One script (claim.lua, complete.lua or submit.lua) run in lupa's Lua 5.1 against a live server
+    (module docstring)."""
 
-    def __init__(self, url: str, src: str) -> None:
+    def __init__(self, url: str, src: str, script: str = "claim") -> None:
         from lupa import lua51  # type: ignore[import-untyped]  # optional, see the docstring
 
         self.lupa = lua51
@@ -189,11 +205,14 @@ class Replay:
         self.src = src.encode() if isinstance(src, str) else src
         if self.src.startswith(b"#!"):
             self.src = b"--" + self.src  # the shebang line (flags) is Redis's, not Lua's
-        bridge = self.lua.table_from({b"rcall": self._rcall, b"json": self._json,
+        self.null = self.lua.table()
+        bridge = self.lua.table_from({b"rcall": self._rcall, b"json": self._json, b"json_decode": self._json_decode,
+                                      b"sha1hex": self._sha1hex, b"null": self.null,
                                       b"mp_pack": self._mp_pack, b"mp_unpack": self._mp_unpack})
         self.run, self.prof, self.name_line = self.lua.execute(PRELUDE, bridge)
         self.lines = self._function_lines(self.src.decode())
-        self.claims = 0
+        self.script = script
+        self.calls = 0
 
     @staticmethod
     def _function_lines(src: str) -> dict[int, str]:
@@ -223,6 +242,14 @@ class Replay:
     def _json(self, v: Any) -> bytes:
         return msgspec.json.encode(v.decode() if isinstance(v, bytes) else v)
 
+    def _json_decode(self, s: bytes) -> Any:
+        """cjson.decode: a malformed text raises (in Lua, as cjson's error does)."""
+        return self._to_lua_deep(msgspec.json.decode(s))
+
+    @staticmethod
+    def _sha1hex(s: bytes) -> bytes:
+        return hashlib.sha1(s).hexdigest().encode()
+
     def _plain(self, v: Any) -> Any:
         if self.lupa.lua_type(v) == "table":
             keys = list(v.keys())
@@ -239,11 +266,13 @@ class Replay:
 
     def _to_lua_deep(self, v: Any) -> Any:
         if isinstance(v, dict):
-            return self.lua.table_from({k: self._to_lua_deep(x) for k, x in v.items()})
+            return self.lua.table_from({self._to_lua_deep(k): self._to_lua_deep(x) for k, x in v.items()})
         if isinstance(v, list):
             return self.lua.table_from([self._to_lua_deep(x) for x in v])
         if isinstance(v, str):
             return v.encode()
+        if v is None:
+            return self.null
         return v
 
     def _from_lua(self, v: Any) -> Any:
@@ -267,11 +296,20 @@ class Replay:
             return int(v)
         return v
 
-    def claim(self, keys: list[Any], argv: list[Any]) -> Any:
-        self.claims += 1
+    def call(self, keys: list[Any], argv: list[Any]) -> Any:
+        """One call of the script, its reply as redis-py gives an EVALSHA's (an error reply returned)."""
+        self.calls += 1
         enc = [k if isinstance(k, bytes) else str(k).encode() for k in keys]
         arg = [a if isinstance(a, bytes) else str(a).encode() for a in argv]
-        return self._from_lua(self.run(self.src, self.lua.table_from(enc), self.lua.table_from(arg)))
+        reply = self.run(self.src, self.script.encode(), self.lua.table_from(enc), self.lua.table_from(arg))
+        return self._from_lua(reply)
+
+    def __call__(self, keys: list[Any], args: list[Any], client: Any = None) -> Any:
+        """As a registered script is called (scripts.Scripts): what Call.run sends its script through."""
+        reply = self.call(keys, args)
+        if isinstance(reply, redis.ResponseError):
+            raise reply
+        return reply
 
     def name(self, f: Any) -> str:
         line = int(self.name_line(f))
@@ -316,11 +354,12 @@ class Replay:
                 + (f"; number arguments: {nums}" if nums else "") + (f"; from {by}" if by else ""))
 
     def table(self, top: int) -> str:
-        """The profile: ``top`` functions by their own VM instructions, a claim call each."""
+        """The profile: ``top`` functions by their own VM instructions, a call of the script each."""
         total = max(int(self.prof[b"total"]), 1)
         rows = self._rows()
-        c = max(self.claims, 1)
-        out = [f"{self.claims} claims, {total / c:,.0f} VM instructions a claim; per claim call:",
+        c = max(self.calls, 1)
+        s = self.script
+        out = [f"{self.calls} {s} calls, {total / c:,.0f} VM instructions a call; per {s} call:",
                f"  {'self %':>6s} {'self':>7s} {'incl %':>6s} {'calls':>6s}  function: C calls, [commands]"]
         for name, v in sorted(rows.items(), key=lambda kv: -kv[1]["self"])[:top]:
             out.append(self._line(name, v, total, c))
@@ -328,12 +367,25 @@ class Replay:
         for v in rows.values():
             for k, n in v["c"].items():
                 ctot[k] = ctot.get(k, 0) + n
-        out.append("  C functions a claim, all callers: " + ", ".join(
+        out.append(f"  C functions a {s} call, all callers: " + ", ".join(
             f"{k} {n / c:.1f}" for k, n in sorted(ctot.items(), key=lambda kv: -kv[1])[:16]))
         return "\n".join(out)
 
 
-def run(items: int, workers: int, workload: str, top: int) -> str:
+def _replay_submit(producer: Conductor, rep: Replay) -> None:
+    """The producer's submit.lua calls made one at a time through ``rep`` (the same chunks, in order,
+    which the client otherwise streams two in flight over a connection of its own)."""
+
+    def submit_calls(mk: Any, job: str, its: Any, report: Any, progress: Any = None, idle: Any = None) -> None:
+        for start in range(0, len(its), SUBMIT_CHUNK):
+            count_submit_reply(producer._confirmed(calls.submit(mk, job, its[start:start + SUBMIT_CHUNK])), report)
+
+    producer.scripts.submit = rep  # type: ignore[assignment]
+    producer._submit_calls = submit_calls  # type: ignore[method-assign]
+
+
+def run(items: int, workers: int, workload: str, top: int, script: str = "claim") -> str:
+    """The job with every call of ``script`` replayed in Lua 5.1 (module docstring); its profile."""
     thaw = freeze_clock(int(time.time()))
     d = Path(tempfile.mkdtemp(prefix="claim-lua-"))
     port = free_port()
@@ -348,11 +400,13 @@ def run(items: int, workers: int, workload: str, top: int) -> str:
                 break
             except redis.ConnectionError:
                 time.sleep(0.1)
-        rep = Replay(url, S.source("claim"))
+        rep = Replay(url, S.source(script), script)
         wl = generate(WorkloadSpec(items=items, **WORKLOADS[workload]))
         cfg = suite.SuiteConfig(workers=workers, wake="bell")
         producer = Conductor(connect(url))
         producer.ensure_model(wl.spec.model)
+        if script == "submit":
+            _replay_submit(producer, rep)
         engines = suite._engines(cfg, wl.spec.model)
         ws = []
         for i, eng in enumerate(engines):
@@ -362,10 +416,13 @@ def run(items: int, workers: int, workload: str, top: int) -> str:
             w.register()
 
             def round_trip(call: Any, mk: Any, consumer: str, token: str, c: Any = c) -> tuple[Any, Any]:
-                reply = rep.claim(call.keys, call.args)
+                reply = rep.call(call.keys, call.args)
                 return reply, c.r.lrange(mk.batch_items(token), 0, -1)
 
-            c._round_trip = round_trip  # type: ignore[method-assign]
+            if script == "claim":
+                c._round_trip = round_trip  # type: ignore[method-assign]
+            elif script == "complete":
+                c.scripts.complete = rep  # type: ignore[assignment]  # Call.run: calls it as a Script
             ws.append(w)
         producer.submit(wl.items, "cost", seal=True)
         finished = lambda: sum(w.finished for w in ws)  # noqa: E731
@@ -387,15 +444,16 @@ TARGETS = ("scriptCall", "____strtod_l_internal", "__snprintf_chk", "__sprintf_c
            "realloc", "lpFind")
 
 
-def callgrind_claims(items: int, workers: int, workload: str, top: int) -> str:
-    """Claim calls' x86 instructions by C function (module docstring, ``--callgrind``)."""
+def callgrind_calls(items: int, workers: int, workload: str, top: int, script: str = "claim") -> str:
+    """``script``'s calls' x86 instructions by C function (module docstring, ``--callgrind``)."""
     from bench.profiles import script_instructions as SI
 
-    with tempfile.TemporaryDirectory(prefix="cg-claims-") as d:
-        out, keep = Path(d) / "run", Path(d) / "claims"
+    with tempfile.TemporaryDirectory(prefix=f"cg-{script}-") as d:
+        out, keep = Path(d) / "run", Path(d) / "calls"
         out.mkdir()
         keep.mkdir()
-        res = SI.measure(items, workers, out, say=lambda _line: None, workload=workload, keep_claims=keep)
+        res = SI.measure(items, workers, out, say=lambda _line: None, workload=workload, keep=keep,
+                         keep_script=script)
         own: dict[str, int] = {}
         incl: dict[str, list[int]] = {t: [0, 0] for t in TARGETS}
         files = list(keep.iterdir())
@@ -403,10 +461,11 @@ def callgrind_claims(items: int, workers: int, workload: str, top: int) -> str:
             _sum_profile(f.read_text(), own, incl)
     n = max(len(files), 1)
     total = sum(own.values())
-    lines = [SI.report(res), f"{len(files)} claim calls, {total / n:,.0f} instructions a call; by C function, self:"]
+    lines = [SI.report(res), f"{len(files)} {script} calls, {total / n:,.0f} instructions a call, "
+             f"{total / items:,.0f} an item of the job; by C function, self:"]
     for name, v in sorted(own.items(), key=lambda kv: -kv[1])[:top]:
         lines.append(f"  {v / n:10,.0f} {100 * v / total:5.1f} %  {name}")
-    lines.append("inclusive, a claim call: " + "; ".join(
+    lines.append(f"inclusive, a {script} call: " + "; ".join(
         f"{t} {v[0] / n:,.0f} ({v[1] / n:.1f} calls)" for t, v in incl.items()))
     return "\n".join(lines)
 
@@ -449,12 +508,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="w2")
     p.add_argument("--top", type=int, default=30)
-    p.add_argument("--callgrind", action="store_true", help="claim calls by C function, under callgrind")
+    p.add_argument("--script", choices=SCRIPTS, default="claim", help="the script profiled")
+    p.add_argument("--callgrind", action="store_true", help="the script's calls by C function, under callgrind")
     a = p.parse_args(argv)
     if a.callgrind:
-        print(callgrind_claims(a.items, a.workers, a.workload, a.top))
+        print(callgrind_calls(a.items, a.workers, a.workload, a.top, a.script))
     else:
-        print(run(a.items, a.workers, a.workload, a.top))
+        print(run(a.items, a.workers, a.workload, a.top, a.script))
     return 0
 
 

@@ -156,9 +156,12 @@ class Server:
             self.proc.kill()
 
 
-def _wrap(w: Worker, srv: Server, log: list[tuple[str, int, int, bool]], keep_claims: Path | None = None) -> None:
+def _wrap(w: Worker, srv: Server, log: list[tuple[str, int, int, bool]], keep: Path | None = None,
+          keep_script: str = "claim") -> None:
     """Note each claim (idle or with its batch's items; whether the worker's engine was busy) and complete
-    (its results) with its instructions; each claim's profile moved into ``keep_claims`` when given."""
+    (its results) with its instructions; each ``keep_script`` call's profile moved into ``keep`` when given."""
+    keep_claims = keep if keep_script == "claim" else None
+    keep_completes = keep if keep_script == "complete" else None
     c = w.c
     claim, complete = c.claim, c.complete
 
@@ -173,7 +176,7 @@ def _wrap(w: Worker, srv: Server, log: list[tuple[str, int, int, bool]], keep_cl
     def completed(batch: Any, results: Any, **kw: Any) -> Any:
         srv.take()
         out = complete(batch, results, **kw)
-        log.append(("complete", len(results), sum(srv.take()), True))
+        log.append(("complete", len(results), sum(srv.take(keep_completes)), True))
         return out
 
     c.claim = claimed  # type: ignore[method-assign]
@@ -182,12 +185,13 @@ def _wrap(w: Worker, srv: Server, log: list[tuple[str, int, int, bool]], keep_cl
 
 def measure(items: int, workers: int, out: Path, say: Callable[[str], None] = print,
             copy: str | None = None, wake: str = "bell", workload: str = "w2",
-            per_call: bool = True, keep_claims: Path | None = None) -> dict[str, Any]:
+            per_call: bool = True, keep: Path | None = None, keep_script: str = "claim") -> dict[str, Any]:
     """Run the job on a fresh server under callgrind; per call kind, instructions a call and an item.
     ``copy``: on the scripts with COPIES[copy]'s part taken out; ``wake``: the drive's idle wait
     (bench/packing/suite.py SuiteConfig.wake); ``workload``: WORKLOADS' spec; ``per_call`` False: no
     figures per call, one profile of the whole run left in ``out``/cg.out (by_function reads it);
-    ``keep_claims``: each claim call's profile kept there (bench/profiles/claim_lua_profile.py reads them)."""
+    ``keep``: each call's profile of ``keep_script`` (claim, complete, or submit: its chunks and the seal) kept
+    there (bench/profiles/claim_lua_profile.py --callgrind reads them)."""
     thaw = freeze_clock(int(time.time()), copy)
     srv = Server(out, per_call)
     try:
@@ -203,11 +207,11 @@ def measure(items: int, workers: int, out: Path, say: Callable[[str], None] = pr
             w = Worker(c, eng, WorkerOptions(name=f"cg-w{i}", high_water=cfg.high_water, low_water=cfg.low_water,
                                              heartbeat_ttl_s=3600.0))
             w.register()
-            _wrap(w, srv, log, keep_claims)
+            _wrap(w, srv, log, keep, keep_script)
             ws.append(w)
         srv.take()
         producer.submit(wl.items, "cost", seal=True)
-        sub = srv.take()
+        sub = srv.take(keep if keep_script == "submit" else None)
         say(f"  submit: {len(sub)} calls (chunks, the seal), {sum(sub) / items / 1000:.1f}k instructions an item")
         finished = lambda: sum(w.finished for w in ws)  # noqa: E731
         makespan, _ = suite.drive(ws, engines, items, finished, None, 3600.0, wake=cfg.wake)
