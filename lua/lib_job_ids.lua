@@ -32,7 +32,9 @@ local function id_conflicts(job_sums, done_key, stored_key, argv, ids, n, sums)
   local packed = packed_sums(string.sub(done_key, 1, -7) .. ':packed', ids, want)
   for i, p in pairs(packed) do known[i] = p end
   local unknown, nu = {}, 0
-  for _, i in ipairs(want) do
+  -- a numeric loop: ipairs calls its iterator (a C function) once per new id
+  for j = 1, nw do
+    local i = want[j]
     if not known[i] then nu = nu + 1; unknown[nu] = i end
   end
   local stored = packed_view(stored_key, ids, unknown)

@@ -24,7 +24,7 @@ local function check_items(argv, n, job)
   -- so a backlog sent in a few calls gets the lanes its whole depth deserves.
   local call_depth = {}
   -- The loop runs once per item: globals read once here, int_in (lib.lua) written out below.
-  local cjson_decode, byte, type, floor = cjson.decode, string.byte, type, math.floor
+  local cjson_decode, byte, type = cjson.decode, string.byte, type
   local max_rec, max_id, max_tok, max_out = RULES.MAX_RECORD_BYTES, RULES.MAX_ID_BYTES, RULES.MAX_INPUT_TOKENS,
     RULES.MAX_OUTPUT_TOKENS
   for i = 0, n - 1 do
@@ -41,8 +41,9 @@ local function check_items(argv, n, job)
     end
     -- Workers decode the record as it is stored: a malformed one would fail every delivery until
     -- dead-lettered.
+    -- A text that starts with '[' and decodes is an array: no type() call needed once the byte is seen.
     local ok, d = pcall(cjson_decode, rec)
-    if not ok or type(d) ~= 'table' or byte(rec, 1) ~= 91 or #d < 5 or #d > 6 then
+    if not ok or byte(rec, 1) ~= 91 or #d < 5 or #d > 6 then
       return nil, redis.error_reply('ERR_ARG record: must be a JSON array [id, job, input_tokens, ' ..
         'max_tokens, prompt, payload] at item ' .. i)
     end
@@ -53,10 +54,11 @@ local function check_items(argv, n, job)
     if d[2] ~= job then
       return nil, redis.error_reply('ERR_ARG job: the record names another job than the call at item ' .. i)
     end
-    if type(tok) ~= 'number' or not (tok >= 1 and tok <= max_tok and tok == floor(tok)) then
+    -- x % 1 == 0: whole, as x == floor(x) for the finite x the bounds leave, without a C call
+    if type(tok) ~= 'number' or not (tok >= 1 and tok <= max_tok and tok % 1 == 0) then
       return nil, redis.error_reply('ERR_ARG input_tokens: must be an integer in 1..' .. max_tok .. ' at item ' .. i)
     end
-    if type(mt) ~= 'number' or not (mt >= 1 and mt <= max_out and mt == floor(mt)) then
+    if type(mt) ~= 'number' or not (mt >= 1 and mt <= max_out and mt % 1 == 0) then
       return nil, redis.error_reply('ERR_ARG max_tokens: must be an integer in 1..' .. max_out .. ' at item ' .. i)
     end
     if type(d[5]) ~= 'string' then
