@@ -9,15 +9,25 @@
 local function batch_members(items_key)
   local members = {}
   local match = string.match  -- read once: the loop runs once per item
-  for _, rec in ipairs(redis.call('LRANGE', items_key, '0', '-1')) do
+  local recs = redis.call('LRANGE', items_key, '0', '-1')
+  -- a numeric loop: ipairs calls its iterator (a C function) once per item
+  for i = 1, #recs do
+    local rec = recs[i]
+    -- a match gives strings: only a decoded record's fields need their type checked
     local id, job = match(rec, '^%["([^"\\]*)","([^"\\]*)",')
     if not id then
       local ok, d = pcall(cjson.decode, rec)
-      if ok and type(d) == 'table' then id, job = d[1], d[2] end
+      if ok and type(d) == 'table' and type(d[1]) == 'string' and type(d[2]) == 'string' then
+        id, job = d[1], d[2]
+      end
     end
-    if type(id) == 'string' and type(job) == 'string' then
-      members[job] = members[job] or {}
-      members[job][id] = true
+    if id then
+      local m = members[job]
+      if not m then
+        m = {}
+        members[job] = m
+      end
+      m[id] = true
     end
   end
   return members

@@ -146,9 +146,9 @@ end
 
 -- Whether each id of ids (a list) is answered: marks[i] == 'd' (the done marks' HMGET) or packed.
 local function done_or_packed(key, ids, marks)
-  local want = {}
+  local want, nw = {}, 0  -- counted: the length operator is a search in Lua 5.1
   for i = 1, #ids do
-    if marks[i] ~= 'd' then want[#want + 1] = i end
+    if marks[i] ~= 'd' then nw = nw + 1; want[nw] = i end
   end
   local packed = packed_sums(key, ids, want)
   for i in pairs(packed) do marks[i] = 'd' end

@@ -19,13 +19,20 @@
 -- job, which never ends; g.request says which). Returns jobs, order.
 local function results_by_job(base, argv, n)
   local jobs, order = {}, {}
+  -- A batch's results are nearly always of one job: the last result's job and table are kept, so a
+  -- result of the same job looks nothing up (job names are interned strings: == compares pointers).
+  local last, g = nil, nil
   for i = 0, n - 1 do
     local o = 4 + 4 * i
-    local g = jobs[argv[o]]
-    if not g then
-      g = {ids = {}, at = {}, state = {}, n = 0}
-      jobs[argv[o]] = g
-      order[#order + 1] = argv[o]
+    local job = argv[o]
+    if job ~= last then
+      g = jobs[job]
+      if not g then
+        g = {ids = {}, at = {}, state = {}, n = 0}
+        jobs[job] = g
+        order[#order + 1] = job
+      end
+      last = job
     end
     -- g.n counts the job's results (the length operator is a search in Lua 5.1, once a result)
     local j = g.n + 1
@@ -50,25 +57,31 @@ local function write_results(base, state_key, jobs, order, argv)
   local written, done_ok, done_err, out_tokens = 0, 0, 0, 0
   for _, job in ipairs(order) do
     local g, jk = jobs[job], base .. ':job:' .. job
-    local marks, nm, seen, ok_n, err_n, last = {}, 0, {}, 0, 0, nil
-    for j, id in ipairs(g.ids) do
-      if g.state[j] ~= 'd' and not seen[id] then
+    -- news: the argv positions of the new results, whose tokens add_tokens counts after the loop
+    local marks, nm, seen, ok_n, err_n, last, news = {}, 0, {}, 0, 0, nil, {}
+    -- numeric loop (ipairs calls its iterator, a C function, once per result); g's fields read once
+    local ids, state, at, request = g.ids, g.state, g.at, g.request
+    local results_key = jk .. ':results'  -- made once, not concatenated (and interned) once a result
+    for j = 1, g.n do
+      local id = ids[j]
+      if state[j] ~= 'd' and not seen[id] then
         seen[id] = true
-        local o = g.at[j]
+        local o = at[j]
         nm = nm + 2
         marks[nm - 1], marks[nm] = id, 'd'
-        last = redis.call('XADD', jk .. ':results', '*', 'id', id, 'r', argv[o + 3])
-        if g.request then
+        last = redis.call('XADD', results_key, '*', 'id', id, 'r', argv[o + 3])
+        if request then
           local rk = base .. ':reply:' .. job .. ':' .. id
           redis.call('LPUSH', rk, argv[o + 3])
           redis.call('PEXPIRE', rk, RULES.REPLY_TTL_MS)
         end
         if argv[o + 2] == 'ok' then ok_n = ok_n + 1 else err_n = err_n + 1 end
-        add_tokens(g, argv[o + 3])
+        news[ok_n + err_n] = o
       end
     end
-    for s = 1, #marks, 2000 do
-      redis.call('HSET', jk .. ':items', unpack(marks, s, math.min(s + 1999, #marks)))
+    if ok_n + err_n > 0 then add_tokens(g, argv, news, ok_n + err_n) end
+    for s = 1, nm, 2000 do
+      redis.call('HSET', jk .. ':items', unpack(marks, s, math.min(s + 1999, nm)))
     end
     if ok_n > 0 then redis.call('HINCRBY', jk, 'completed', fmt('%d', ok_n)) end
     if err_n > 0 then redis.call('HINCRBY', jk, 'failed', fmt('%d', err_n)) end

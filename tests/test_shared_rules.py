@@ -159,6 +159,28 @@ def test_lua_reads_the_whole_numbers_of_a_python_result(redis_url):
     assert got == [tricky.output_tokens, out_at, tricky.batch_padded_len, pin_at, tricky.output_tokens]
 
 
+def test_add_tokens_sums_what_result_int_reads(redis_url):
+    """lib_service.lua add_tokens writes result_int out for its two fields: the same sums, for a field
+    name inside the output text, a field missing, and the two fields in the other order."""
+    r = redis.Redis.from_url(redis_url)
+    tricky = msgspec.structs.replace(RESULTS[0], output=',"output_tokens":999,"batch_padded_len":5')
+    recs = [json_encoder.encode(RESULTS[0]), json_encoder.encode(tricky), b'{"id":"x","output_tokens":4}',
+            b'{"id":"x","batch_padded_len":7,"output_tokens":3}']
+    got = _eval(r, "--@include lib_service.lua\n"
+                   "local g, ats, pin, pout = {}, {}, 0, 0 "
+                   "for i = 1, #ARGV do ats[i] = i - 3 end "  # add_tokens reads argv[o + 3]
+                   "add_tokens(g, ARGV, ats, #ARGV) "
+                   "for i = 1, #ARGV do "
+                   "  local out, e = result_int(ARGV[i], 'output_tokens') "
+                   "  pout = pout + (out or 0) "
+                   "  pin = pin + (result_int(ARGV[i], 'batch_padded_len', e) or 0) "
+                   "end "
+                   "return {g.pin, g.pout, pin, pout}", *recs)
+    pin = RESULTS[0].batch_padded_len + tricky.batch_padded_len + 7
+    out = RESULTS[0].output_tokens + tricky.output_tokens + 4 + 3
+    assert got == [pin, out, pin, out]
+
+
 def test_a_rule_changed_in_python_changes_the_loaded_lua(redis_url, monkeypatch):
     r = redis.Redis.from_url(redis_url)
     monkeypatch.setitem(rules.LUA_RULES, "MAX_ID_BYTES", 77)
