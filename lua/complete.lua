@@ -40,9 +40,9 @@
 --@include lib_writeback.lua
 
 local base, state_key, batches_key = KEYS[1], KEYS[2], KEYS[3]
-local bid, final, n = complete_args(ARGV)
+local bid, final, n, jobs = complete_args(ARGV)
 if not bid then return final end
-local refused = complete_refused(base, state_key, batches_key, ARGV, n) or paused(state_key)
+local refused = complete_refused(base, state_key, batches_key, jobs) or paused(state_key)
 if refused then return refused end
 
 -- The batch and its items, read before any write.

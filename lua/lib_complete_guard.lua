@@ -9,7 +9,8 @@
 --@include lib_job_end.lua
 --@include lib_service.lua
 
--- complete.lua's ARGV checked (its header): returns bid, final, n; or nil and the error reply.
+-- complete.lua's ARGV checked (its header): returns bid, final, n and the results' jobs (each once, in
+-- the order they first appear); or nil and the error reply.
 local function complete_args(argv)
   local bid, final, n = argv[1], argv[2], tonumber(argv[3])
   if not stream_id_ok(bid) then
@@ -25,7 +26,7 @@ local function complete_args(argv)
   end
   -- A batch's results name one job or a few: each name is checked once (a pattern match per result
   -- cost about a microsecond each).
-  local named = {}
+  local named, jobs = {}, {}
   local max_id = RULES.MAX_ID_BYTES  -- read once: the loop runs once per result
   for i = 0, n - 1 do
     local o = 4 + 4 * i
@@ -35,6 +36,7 @@ local function complete_args(argv)
         return nil, redis.error_reply('ERR_ARG job: invalid job name at result ' .. i)
       end
       named[job] = true
+      jobs[#jobs + 1] = job
     end
     local id_len, status = #argv[o + 1], argv[o + 2]
     if id_len < 1 or id_len > max_id then
@@ -48,11 +50,12 @@ local function complete_args(argv)
       return nil, redis.error_reply('ERR_ARG result: larger than 33554432 bytes at result ' .. i)
     end
   end
-  return bid, final, n
+  return bid, final, n, jobs
 end
 
--- The error reply when the caller's ACL refuses a command this call may run, or nil.
-local function complete_refused(base, state_key, batches_key, argv, n)
+-- The error reply when the caller's ACL refuses a command this call may run, or nil. jobs: the
+-- results' jobs, each once (complete_args), not a pass over every result.
+local function complete_refused(base, state_key, batches_key, jobs)
   return acl_refused(function(ok)
     if not (ok('HGET', state_key) and ok('HINCRBY', state_key) and ok('XRANGE', batches_key) and service_ok(ok, base)
         and output_ratio_ok(ok, base)
@@ -60,21 +63,16 @@ local function complete_refused(base, state_key, batches_key, argv, n)
         and ok('XINFO', 'STREAM', batches_key) and ok('LRANGE', base .. ':bat:0') and ok('DEL', base .. ':bat:0')) then
       return false
     end
-    local seen = {}
-    for i = 0, n - 1 do
-      local job = argv[4 + 4 * i]
-      if not seen[job] then
-        seen[job] = true
-        local jk = base .. ':job:' .. job
-        if not (ok('HMGET', jk .. ':items') and ok('HSET', jk .. ':items') and ok('HMGET', jk .. ':packed')
-            and ok('HGET', jk .. ':packed') and ok('XADD', jk .. ':results') and ok('HINCRBY', jk)
-            and ok('HGET', base .. ':in:' .. job) and job_end_ok(ok, base, job)) then
-          return false
-        end
-        local rk = base .. ':reply:' .. job .. ':0'
-        if is_request(job) and not (ok('LPUSH', rk) and ok('PEXPIRE', rk)) then
-          return false
-        end
+    for _, job in ipairs(jobs) do
+      local jk = base .. ':job:' .. job
+      if not (ok('HMGET', jk .. ':items') and ok('HSET', jk .. ':items') and ok('HMGET', jk .. ':packed')
+          and ok('HGET', jk .. ':packed') and ok('XADD', jk .. ':results') and ok('HINCRBY', jk)
+          and ok('HGET', base .. ':in:' .. job) and job_end_ok(ok, base, job)) then
+        return false
+      end
+      local rk = base .. ':reply:' .. job .. ':0'
+      if is_request(job) and not (ok('LPUSH', rk) and ok('PEXPIRE', rk)) then
+        return false
       end
     end
     return true
