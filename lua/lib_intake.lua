@@ -76,26 +76,20 @@ local function shape_ctx(s, sig, depth_sig)
 end
 
 -- Spend structure before spending waste: open a lane when joining the best neighbour would
--- pad more than a threshold that rises as the lane budget fills. pad8 (lib.lua) is written out as
--- x + (-x) % 8 (the multiple of 8 at or above x, what ceil(x / 8) * 8 gives) and the search's
--- midpoint as (s - s % 2) / 2: arithmetic in the VM, where math.ceil and math.floor are C calls
--- (about eight an item; Lua's % is floored, so both are exact for the whole numbers here).
+-- pad more than a threshold that rises as the lane budget fills. pad8 (lib.lua) written out as x + (-x) % 8
+-- and the midpoint as (s - s % 2) / 2: VM arithmetic (% is floored: exact for whole numbers), not math's C calls.
 local function choose_lane(cfg, ctx, tok)
   local reps, ids = ctx.reps, ctx.ids
   local nl = #reps
   local lo, hi = 1, nl + 1
   while lo < hi do
-    local s = lo + hi
-    local mid = (s - s % 2) / 2
+    local s = lo + hi; local mid = (s - s % 2) / 2
     if reps[mid] >= tok then hi = mid else lo = mid + 1 end
   end
   local up = lo
   local p = tok + (-tok) % 8
   local best, cost = nil, nil
-  if up <= nl then
-    local r = reps[up]
-    best = up; cost = r + (-r) % 8 - p
-  end
+  if up <= nl then local r = reps[up]; best = up; cost = r + (-r) % 8 - p end
   if up > 1 then
     local r = reps[up - 1]
     local c = p - (r + (-r) % 8)
