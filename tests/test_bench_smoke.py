@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -355,6 +356,20 @@ def test_drive_idle_conductor_worker_waits_on_the_doorbell_instead_of_polling():
         Worker._pull = pull
     assert counts["bell"]["idle"] * 3 < counts["poll"]["idle"], counts
     assert counts["bell"]["batches"] == counts["poll"]["batches"], counts
+
+
+@pytest.mark.parametrize("script,fn", [("claim", "plan_lane"), ("complete", "write_results"),
+                                       ("submit", "choose_lane")])
+def test_the_lua_profile_replays_each_script_by_function(script, fn):
+    # bench/profiles/claim_lua_profile.py's quick form: a small job's calls of the script replayed in
+    # Lua 5.1 (lupa) against a real redis-server, the VM's instructions counted by Lua function
+    p = subprocess.run([sys.executable, "bench/profiles/claim_lua_profile.py", "--items", "400", "--workers", "2",
+                        "--workload", "w2", "--script", script, "--top", "8"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    m = re.search(rf"(\d+) {script} calls?, ([\d,]+) VM instructions a call", p.stdout)
+    assert m and int(m.group(1)) > 0 and int(m.group(2).replace(",", "")) > 1000, p.stdout[-2000:]
+    assert re.search(rf"^\s+[\d.]+\s+\d+\s+[\d.]+\s+[\d.]+\s+{fn}:", p.stdout, re.M), p.stdout[-2000:]
 
 
 @pytest.mark.slow  # about 8 s: redis-server under valgrind
