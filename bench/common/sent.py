@@ -44,13 +44,16 @@ def install() -> None:
     global _original
     if _original is not None:
         return
-    _original = AbstractConnection.send_packed_command
+    original: Any = AbstractConnection.send_packed_command
+    _original = original
 
     def counted(self: AbstractConnection, command: Any, check_health: bool = True) -> None:
         data = command if isinstance(command, (bytes, bytearray, memoryview)) else b"".join(command)
         with _lock:
             _counts[id(self)] += commands_in(bytes(data))
-        _original(self, command, check_health)
+        # the method captured here, not the module's: a thread that entered this wrapper just before
+        # uninstall() still sends its command (it raised TypeError on a None, in a full test run)
+        original(self, command, check_health)
 
     AbstractConnection.send_packed_command = counted  # type: ignore[method-assign]
 
