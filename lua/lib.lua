@@ -20,8 +20,9 @@ local function load_cfg(cfg_key, names)
   names = names or CFG_NAMES
   local raw = redis.call('HMGET', cfg_key, unpack(names))
   local cfg = {}
-  for i, name in ipairs(names) do
-    local v = raw[i]
+  -- a numeric loop: ipairs' iterator is a C call a field (every script loads its config)
+  for i = 1, #names do
+    local name, v = names[i], raw[i]
     if v then
       if name ~= 'mode' then v = tonumber(v) or CFG_DEFAULTS[name] end
       cfg[name] = v

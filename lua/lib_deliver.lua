@@ -109,7 +109,8 @@ local function take_batch(c, inst, parts, acc, flags, info)
   -- whole numbers as '%d' text; the fields read as strings through num(), as in deliver() (after
   -- the lane's items moved, nothing may raise)
   local fmt = string.format
-  for i, seg in ipairs(parts) do
+  for i = 1, #parts do
+    local seg = parts[i]
     local lane = seg.lane
     local lk = base .. ':lane:' .. inst .. ':' .. lane
     local k = fmt('%d', seg.k)

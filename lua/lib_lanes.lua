@@ -104,7 +104,8 @@ local function plan_batch(c, inst, first)
   while not acc.full do
     local lanes = redis.call('ZRANGE', ik .. ':fill', string.format('%d', from), string.format('%d', from + 15))
     if #lanes == 0 then break end
-    for _, lane in ipairs(lanes) do
+    for i = 1, #lanes do
+      local lane = lanes[i]
       if lane ~= first then
         local seg = plan_lane(c, inst, lane, acc)
         if seg then parts[#parts + 1] = seg end

@@ -27,7 +27,7 @@ local ACTIVE_FIELDS = {'tokens', 'items', 'in_items', 'in_out', 'state', 'tenant
 local function staged_fields(c, inst)
   local h = c.work[inst]
   if h then return h end
-  local r = redis.call('HMGET', inst_key(c.base, inst), 'tokens', 'items', 'in_items', 'in_out', 'state', 'tenant',
+  local r = redis.call('HMGET', c.base .. ':inst:' .. inst, 'tokens', 'items', 'in_items', 'in_out', 'state', 'tenant',
     'prio', 'deadline')
   h = {tokens = r[1], items = r[2], in_items = r[3], in_out = r[4], state = r[5], tenant = r[6], prio = r[7],
     deadline = r[8], inst = inst}
@@ -75,7 +75,7 @@ end
 local function free_for(c, h)
   if h.state ~= 'warming' then return true end
   if h.free == nil then
-    local by = redis.call('HGET', inst_key(c.base, h.inst), 'warming_for')
+    local by = redis.call('HGET', c.base .. ':inst:' .. h.inst, 'warming_for')
     h.free = by == c.consumer or not by or not alive(c, by)
   end
   return h.free
@@ -90,7 +90,9 @@ end
 local STAGED_LAST = '63'
 local function top_staged(c, need, tenant)
   local best, any = nil, nil
-  for _, inst in ipairs(redis.call('ZREVRANGE', c.base .. ':staged', '0', STAGED_LAST)) do
+  local staged = redis.call('ZREVRANGE', c.base .. ':staged', '0', STAGED_LAST)
+  for i = 1, #staged do
+    local inst = staged[i]
     local tokens, work, out, h = inst_work(c, inst)
     if tokens >= (need or 0) and (not tenant or (h.tenant or '') == tenant) then
       local cand = {inst, tokens, work, out, h.dl}
@@ -119,6 +121,7 @@ end
 -- workers (orphan) and its staged candidate (cand: before(), holding at least `need` tokens, this
 -- worker's warming one first). Also returns an instance whose workers took nothing from it for
 -- hygiene_idle_ms (stuck). Finishes active instances that emptied with no live worker on them.
+-- (Numeric loops here and in top_staged: ipairs' iterator is a C call an instance.)
 local function survey(c, need)
   local cfg, now, budget = c.cfg, c.now, c.cfg.budget_tokens
   local actives = redis.call('ZRANGE', c.active_key, '0', '-1')
@@ -135,7 +138,8 @@ local function survey(c, need)
     end
     return x
   end
-  for _, inst in ipairs(actives) do
+  for i = 1, #actives do
+    local inst = actives[i]
     local t, w, _, h = inst_work(c, inst, ACTIVE_FIELDS)
     local k = n[inst] or 0
     if t > 0 then
@@ -148,12 +152,15 @@ local function survey(c, need)
       if room and k > 0 and w / k > x.load then x.over, x.load, x.over_work, x.over_k = inst, w / k, w, k end
       if room and w / (k + 1) > x.hshare then x.help, x.hshare = inst, w / (k + 1) end
       -- its workers live but took nothing from it for hygiene_idle_ms (gated, or stuck): helped
-      if now - math.max((h.claimed_ms or 0) + 0, (h.activated_ms or 0) + 0) >= cfg.hygiene_idle_ms then stuck = inst end
+      local cl, ac = (h.claimed_ms or 0) + 0, (h.activated_ms or 0) + 0
+      if now - (cl > ac and cl or ac) >= cfg.hygiene_idle_ms then stuck = inst end
     else
       finish(c, inst)  -- emptied, and no live worker serves it
     end
   end
-  for _, inst in ipairs(redis.call('ZREVRANGE', c.base .. ':staged', '0', STAGED_LAST)) do
+  local staged = redis.call('ZREVRANGE', c.base .. ':staged', '0', STAGED_LAST)
+  for i = 1, #staged do
+    local inst = staged[i]
     local tokens, work, out, h = inst_work(c, inst)
     local x = rec(h)
     x.work = x.work + work
