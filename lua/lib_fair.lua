@@ -29,14 +29,20 @@ end
 -- follows recent work). Until the tenant has RATIO_MIN_LIMITS of its own, the model's ("#": every
 -- tenant's), so that a tenant whose first results have not come back is priced as the others are,
 -- not at its full limits; 1 before any result. Clamped: a limit is a mean.
+-- Read once per claim and tenant, as the weight is: a claim's fair check (fair_gap) and its charge
+-- ask of the same tenant, and no claim writes M:vtc_ratio (complete.lua does).
 local RATIO_MIN_LIMITS = 4000
 local function out_ratio(c, tenant)
+  c.ratios = c.ratios or {}
+  local r = c.ratios[tenant]
+  if r then return r end
   local v = redis.call('HMGET', c.base .. ':vtc_ratio', tenant .. ':lim', tenant .. ':out', '#:lim', '#:out')
   -- numbers complete.lua writes (HINCRBYFLOAT), or absent: `+ 0` converts once, where tonumber converts twice
   local lim, out = (v[1] or 0) + 0, (v[2] or 0) + 0
   if lim < RATIO_MIN_LIMITS then lim, out = (v[3] or 0) + 0, (v[4] or 0) + 0 end
-  if lim < 1 then return 1 end
-  return math.min(2, math.max(0.05, out / lim))
+  r = lim < 1 and 1 or math.min(2, math.max(0.05, out / lim))
+  c.ratios[tenant] = r
+  return r
 end
 
 -- What one batch costs its tenant's counter at claim: padded input tokens plus decode_weight times
