@@ -23,6 +23,7 @@ local function inst_written(c, inst) c.work[inst] = nil end
 local function activate(c, inst, reason, detached)
   local ik = inst_key(c.base, inst)
   redis.call('ZREM', c.base .. ':staged', inst)
+  c.staged_top = nil  -- lib_survey.lua staged_top: M:staged changed
   redis.call('ZREM', c.base .. ':staged_age', inst)
   redis.call('HSET', ik, 'state', 'active', 'activated_ms', c.now, 'activated_by', reason)
   inst_written(c, inst)
@@ -75,6 +76,7 @@ local function preempt(c, inst)
   redis.call('HSET', ik, 'state', 'staged', 'preempted_ms', c.now)
   inst_written(c, inst)
   redis.call('ZADD', c.base .. ':staged', num(redis.call('HGET', ik, 'tokens')), inst)
+  c.staged_top = nil
   redis.call('ZADD', c.base .. ':staged_age', c.now, inst)
   redis.call('ZREM', c.active_key, inst)
   redis.call('HINCRBY', c.state_key, 'preemptions', 1)

@@ -88,9 +88,19 @@ end
 -- STAGED_LOOK is 64: the ZREVRANGE's last index, as text (a Lua number argument costs Redis a '%.17g'
 -- format: the Redis cost notes' eighth pass)
 local STAGED_LAST = '63'
+-- Read once until the claim changes M:staged (activate and preempt, lib_lifecycle.lua, clear
+-- c.staged_top): survey and the pre-warm pick after it ask the same ZREVRANGE, 64 names a reply.
+local function staged_top(c)
+  local s = c.staged_top
+  if not s then
+    s = redis.call('ZREVRANGE', c.base .. ':staged', '0', STAGED_LAST)
+    c.staged_top = s
+  end
+  return s
+end
 local function top_staged(c, need, tenant)
   local best, any = nil, nil
-  local staged = redis.call('ZREVRANGE', c.base .. ':staged', '0', STAGED_LAST)
+  local staged = staged_top(c)
   for i = 1, #staged do
     local inst = staged[i]
     local tokens, work, out, h = inst_work(c, inst)
@@ -158,7 +168,7 @@ local function survey(c, need)
       finish(c, inst)  -- emptied, and no live worker serves it
     end
   end
-  local staged = redis.call('ZREVRANGE', c.base .. ':staged', '0', STAGED_LAST)
+  local staged = staged_top(c)
   for i = 1, #staged do
     local inst = staged[i]
     local tokens, work, out, h = inst_work(c, inst)
