@@ -64,9 +64,15 @@ local function plan_lane(c, inst, lane, acc)
   -- instructions, the eighth pass)
   local toks = redis.call('LRANGE', c.base .. ':lanetok:' .. inst .. ':' .. lane, '0', string.format('%d', want - 1))
   local k, sum, mx = acc.k, 0, 0
-  for i = 1, #toks do
-    local tok = toks[i] + 0  -- submit.lua wrote it as digits; one conversion where tonumber makes two
-    if disk and k > 0 and acc.sum + sum + tok > max_tokens then
+  -- submit.lua wrote each as digits: `+` converts it once, where tonumber makes two. Memory mode
+  -- takes every token read (room bounded the LRANGE) and pads to the rep: only their sum is needed.
+  if not disk then
+    for i = 1, #toks do sum = sum + toks[i] end
+    k = k + #toks
+  end
+  for i = 1, disk and #toks or 0 do
+    local tok = toks[i] + 0
+    if k > 0 and acc.sum + sum + tok > max_tokens then
       acc.full = true
       break
     end
