@@ -132,9 +132,7 @@ class _Core:
             ((name, (placed,)),) = self.c.route({self.model: [it]}).items()
             if name not in self.ready:
                 self.c._register_job(self.job, name)
-                jc = self.job_class
-                self.c._confirmed(calls.job_class(self.c._intake_model(name), self.job, jc.tenant, jc.priority,
-                                                  jc.deadline_ms))
+                self.c.set_job_class(self.job, [name], self.job_class)
                 self.ready.add(name)
         return placed, K.ModelKeys(name)
 

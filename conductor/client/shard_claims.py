@@ -74,7 +74,8 @@ class ShardClaims:
         if names == [contract.model]:
             return self.c.claim(contract, consumer)
         if self.model not in names:
-            # the request path (conductor/client/request.py) keeps a sharded model's own keys
+            # items on the model's own keys while it is sharded: only a request client of a landing before
+            # requests followed the shards (conductor/client/request.py) still sends them there
             names = [*names, self.model]
         reasons = []
         now = time.monotonic()
