@@ -37,9 +37,9 @@ local function out_ratio(c, tenant)
   local r = c.ratios[tenant]
   if r then return r end
   local v = redis.call('HMGET', c.base .. ':vtc_ratio', tenant .. ':lim', tenant .. ':out', '#:lim', '#:out')
-  -- numbers complete.lua writes (HINCRBYFLOAT), or absent: `+ 0` converts once, where tonumber converts twice
-  local lim, out = (v[1] or 0) + 0, (v[2] or 0) + 0
-  if lim < RATIO_MIN_LIMITS then lim, out = (v[3] or 0) + 0, (v[4] or 0) + 0 end
+  -- num(), never a raising `+ 0`: a claim reads this after its first writes (the charge, in take_batch)
+  local lim, out = num(v[1]), num(v[2])
+  if lim < RATIO_MIN_LIMITS then lim, out = num(v[3]), num(v[4]) end
   r = lim < 1 and 1 or math.min(2, math.max(0.05, out / lim))
   c.ratios[tenant] = r
   return r

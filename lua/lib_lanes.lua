@@ -33,10 +33,10 @@ local function plan_lane(c, inst, lane, acc)
   local disk, max_items, max_tokens = c.disk, c.max_items, c.max_tokens
   local mk = c.base .. ':lanemeta:' .. inst .. ':' .. lane
   -- the lane's fields go into the part itself (take_batch reads tokens and last_ms), no table of
-  -- their own; rep and items are numbers submit.lua and take_batch write, or absent: converted once
-  -- here (`+ 0`: one strtod, where num()'s tonumber makes two)
+  -- their own; rep and items through num(), never a raising `+ 0` (a claim may have written before it
+  -- plans: an activation, a sweep)
   local m = redis.call('HMGET', mk, 'rep', 'last_ms', 'items', 'tokens')
-  local rep, items = (m[1] or 0) + 0, (m[3] or 0) + 0
+  local rep, items = num(m[1]), num(m[3])
   -- min, max and floor written out (a C call each costs about ten VM instructions; this runs for
   -- every lane a batch takes): the same numbers for the whole numbers these are
   local room = max_items - acc.k

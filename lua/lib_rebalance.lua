@@ -23,12 +23,12 @@
 -- loans it costs 0.98x (bench/RESULTS.md, fairness notes).
 local FAIR_GAP_BATCHES = 1.0
 local function fair_gap(c, info)
-  -- counters the scripts write, or absent: `+ 0` converts once, where num()'s tonumber converts twice
-  local placed, items = (info.in_items or 0) + 0, (info.items or 0) + 0
-  local mean_out = placed > 0 and (info.in_out or 0) / placed or 0
+  -- num(), never a raising `+ 0`: a claim may have written before it weighs a loan
+  local placed, items = num(info.in_items), num(info.items)
+  local mean_out = placed > 0 and num(info.in_out) / placed or 0
   -- a batch of this instance as claim charges it (lib_fair.lua charge): its items' padded tokens
   -- under this worker's contract, and the output expected of their limits
-  local per_item = items > 0 and pad8(math.ceil((info.tokens or 0) / items)) or c.max_tokens
+  local per_item = items > 0 and pad8(math.ceil(num(info.tokens) / items)) or c.max_tokens
   local n = math.max(1, math.min(c.max_items, math.floor(c.max_tokens / per_item)))
   local tenant = info.tenant or ''
   local expect = mean_out * (tenant ~= '' and out_ratio(c, tenant) or 1)

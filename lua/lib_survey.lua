@@ -37,9 +37,8 @@ end
 
 -- fields: ACTIVE_FIELDS for an active instance; nil for a staged one (staged_fields). A staged
 -- instance's figures and deadline are kept in h with its fields (survey and top_staged weigh the
--- same ones; inst_written drops both). The counters are numbers the scripts write, or absent:
--- `(v or 0) + 0` converts a digit string once, where num()'s tonumber converts it twice (Lua 5.1
--- tests, then converts: two strtod; bench/RESULTS.md, the Redis cost notes' eighth pass).
+-- same ones; inst_written drops both). The counters go through num(), never a raising `+ 0`: a
+-- survey runs after the claim's first writes (an affinity, a sweep, finish() in its own loop).
 local function inst_work(c, inst, fields)
   local h
   if fields then
@@ -49,11 +48,11 @@ local function inst_work(c, inst, fields)
     h = staged_fields(c, inst)
     if h.t then return h.t, h.w, h.o, h end
   end
-  local tokens, placed = (h.tokens or 0) + 0, (h.in_items or 0) + 0
-  local mean_out = placed > 0 and (h.in_out or 0) / placed or 0
-  local work = tokens + c.cfg.decode_weight * (h.items or 0) * mean_out
+  local tokens, placed = num(h.tokens), num(h.in_items)
+  local mean_out = placed > 0 and num(h.in_out) / placed or 0
+  local work = tokens + c.cfg.decode_weight * num(h.items) * mean_out
   -- a staged instance's deadline (0: none) too: survey and top_staged compare by it (before())
-  if not fields then h.t, h.w, h.o, h.dl = tokens, work, mean_out, (h.deadline or 0) + 0 end
+  if not fields then h.t, h.w, h.o, h.dl = tokens, work, mean_out, num(h.deadline) end
   return tokens, work, mean_out, h
 end
 
@@ -162,7 +161,7 @@ local function survey(c, need)
       if room and k > 0 and w / k > x.load then x.over, x.load, x.over_work, x.over_k = inst, w / k, w, k end
       if room and w / (k + 1) > x.hshare then x.help, x.hshare = inst, w / (k + 1) end
       -- its workers live but took nothing from it for hygiene_idle_ms (gated, or stuck): helped
-      local cl, ac = (h.claimed_ms or 0) + 0, (h.activated_ms or 0) + 0
+      local cl, ac = num(h.claimed_ms), num(h.activated_ms)
       if now - (cl > ac and cl or ac) >= cfg.hygiene_idle_ms then stuck = inst end
     else
       finish(c, inst)  -- emptied, and no live worker serves it
