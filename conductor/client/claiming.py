@@ -49,7 +49,7 @@ class Claiming(ConductorCore):
         else:
             if isinstance(reply, CLUSTER_REFUSALS):
                 raise reply  # still refused: the worker rides it out (workers/transient.py)
-            raise RuntimeError("claim.lua: no usable reply after 3 attempts")
+            raise RuntimeError(f"claim.lua: no usable reply after 3 attempts (the last: {reply!r})")
         got = call.reply(reply)
         if isinstance(got, calls.NoBatch):
             return None, got.reason
@@ -76,7 +76,10 @@ class Claiming(ConductorCore):
         """'ran' (reply and items usable), 'again' (refused before it ran: try once more) or
         'nogroup'; an error reply the claim cannot ride out raises, mapped like every script's."""
         if isinstance(reply, redis.exceptions.NoScriptError):
-            self.r.script_load(self.scripts.claim.script)  # a restart or SCRIPT FLUSH emptied the cache
+            # a restart, a SCRIPT FLUSH or a failover (a replica's cache starts empty) emptied the cache of
+            # the node the claim went to: loaded there, through the pool _send_two used, not on whichever
+            # nodes the cluster client holds for primaries while its view of a failover is behind
+            redis.Redis(connection_pool=self._pool_for(K.ModelKeys(model).base)).script_load(self.scripts.claim.script)
             return "again"
         if isinstance(reply, CLUSTER_REFUSALS):
             # Refused before it ran (the LRANGE read nothing): a cluster restarting, or the
