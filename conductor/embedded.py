@@ -2,9 +2,10 @@
 
 It listens on 127.0.0.1 and a free port, keeps its files in a temporary folder, and is
 stopped (and the folder removed) on exit. ``kill()`` and ``restart()`` exist for tests that
-break things for real. With ``die_with_parent`` (``conductor run``) the server also gets SIGTERM
-from the kernel when the process that started it dies, however it dies (Linux), so that a
-SIGKILLed run leaves no server behind.
+break things for real. The server also gets SIGTERM from the kernel when the process that started
+it dies, however it dies (Linux), so that a SIGKILLed run, benchmark or test process leaves no
+server behind; only a server started from another thread than the main one is not tied (the
+kernel's tie is to the starting thread, which may end before the server should).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -57,6 +59,15 @@ def tie_to_parent(sig: int = signal.SIGTERM, own_group: bool = True) -> Callable
     return setup
 
 
+def child_tie() -> Callable[[], None] | None:
+    """The ``preexec_fn`` that ties a helper child (a server, a benchmark's worker) to this process:
+    ``tie_to_parent`` in its caller's process group, so that Ctrl-C still reaches both, when called
+    from the main thread; None from any other thread, whose end would kill the child too early."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return tie_to_parent(own_group=False)
+
+
 def find_server() -> str:
     path = os.environ.get("CONDUCTOR_REDIS_SERVER") or shutil.which("redis-server")
     if not path:
@@ -69,7 +80,7 @@ def find_server() -> str:
 class EmbeddedRedis:
     def __init__(self, *, port: int | None = None, appendonly: bool = False, appendfsync: str = "always",
                  extra: list[str] | None = None, dir: str | None = None, cluster: bool = False,
-                 own_all_slots: bool = True, die_with_parent: bool = False) -> None:
+                 own_all_slots: bool = True, die_with_parent: bool | None = None) -> None:
         self.port = port or free_port()
         # A port free_port() found can be taken before redis-server binds it (any outgoing connection
         # may get it from the same ephemeral range): a first start on ports chosen here tries new ones.
@@ -88,6 +99,7 @@ class EmbeddedRedis:
         self._own_dir = dir is None
         self.dir = Path(dir or tempfile.mkdtemp(prefix="conductor-redis-"))
         self.proc: subprocess.Popen[bytes] | None = None
+        # None: tied to this process when started (or restarted) from the main thread (child_tie)
         self.die_with_parent = die_with_parent
 
     @property
@@ -123,10 +135,15 @@ class EmbeddedRedis:
                     self.bus_port = free_port()
         raise AssertionError("unreachable")
 
+    def _tie(self) -> Callable[[], None] | None:
+        if self.die_with_parent is None:
+            return child_tie()
+        return tie_to_parent(own_group=False) if self.die_with_parent else None
+
     def _start(self, timeout: float) -> None:
         self.proc = subprocess.Popen(self.args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=True,
-                                     preexec_fn=tie_to_parent(own_group=False) if self.die_with_parent else None)
+                                     preexec_fn=self._tie())
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import redis
 
-from conductor.embedded import find_server
+from conductor.embedded import child_tie, find_server
 
 
 class SecureRedis:
@@ -26,7 +26,8 @@ class SecureRedis:
         log = self.dir / "redis.log"
         self.proc = subprocess.Popen([find_server(), "--bind", "127.0.0.1", "--dir", str(self.dir), "--save", "",
                                       "--logfile", str(log), *self.args],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=child_tie())
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

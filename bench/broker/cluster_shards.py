@@ -34,6 +34,7 @@ import redis  # noqa: E402
 from bench.common.report import command_line, machine, now_utc, publish, table  # noqa: E402
 from bench.common.workload import make_items  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
+from conductor.embedded import child_tie  # noqa: E402
 from conductor.redis_contract import keys as K  # noqa: E402
 from conductor.redis_contract import shards as S  # noqa: E402
 
@@ -74,7 +75,7 @@ class Cluster:
                 proc = subprocess.Popen(
                     ["redis-server", "--port", str(port), "--cluster-enabled", "yes", "--cluster-config-file",
                      str(d / "nodes.conf"), "--dir", str(d), "--save", "", "--appendonly", "no", "--bind",
-                     "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                     "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=child_tie())
                 self.procs.append(proc)
                 if _wait_ping(port, proc):
                     break
@@ -145,7 +146,8 @@ def run_one(cl: Cluster, model: str, shards: int, shapes: int, items: int, worke
     procs = [subprocess.Popen([sys.executable, "-m", "conductor", "--log-level", "warning", "worker", "--engine", "sim",
                                "--sim-time-scale", "0", "--model", model, "--name", f"w{i}", "--max-batch-size", "64",
                                "--max-batch-tokens", "65536", "--max-input-len", "8192"],
-                              env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL) for i in range(workers)]
+                              env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL, preexec_fn=child_tie())
+             for i in range(workers)]
     try:
         deadline = time.monotonic() + 600
         while not c.status(job)["done"]:
@@ -175,7 +177,8 @@ def idle_rate(cl: Cluster, model: str, shards: int, seconds: float) -> tuple[flo
     c.set_config(model, {"shards": shards})
     env = dict(os.environ, CONDUCTOR_REDIS_URL=cl.url)
     p = subprocess.Popen([sys.executable, "-m", "conductor", "--log-level", "warning", "worker", "--engine", "sim",
-                          "--model", model, "--name", "idle"], env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL)
+                          "--model", model, "--name", "idle"], env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL,
+                         preexec_fn=child_tie())
     try:
         time.sleep(4.0)
         before = [_cpu_calls(port) for port in cl.ports]

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.common.report import command_line, machine, now_utc, table, write_section  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
-from conductor.embedded import EmbeddedRedis  # noqa: E402
+from conductor.embedded import EmbeddedRedis, child_tie  # noqa: E402
 from conductor.formats.native import from_native  # noqa: E402
 
 QUICK = {"quiet_ms": 50, "release_batches": 0, "activate_batches": 0}
@@ -105,7 +105,8 @@ def run_mode(url: str, a: argparse.Namespace, mode: str, depth: int = 0) -> dict
     t0 = time.monotonic()
     if mode == "direct":
         procs = [subprocess.Popen([sys.executable, __file__, "--direct-worker", url, f"w{i}", str(a.batch),
-                                   str(a.time_scale)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+                                   str(a.time_scale)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                  preexec_fn=child_tie())
                  for i in range(a.gpus)]
         outs = [p.communicate(timeout=600)[0] for p in procs]
         lat = [x for o in outs for x in json.loads(o.splitlines()[-1])["claim_to_engine_ms"]]

@@ -42,7 +42,7 @@ from bench.common import sent  # noqa: E402
 from bench.common.report import command_line, git_rev, machine, median, now_utc, pct, table, write_section  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.client.request import RequestClient  # noqa: E402
-from conductor.embedded import EmbeddedCluster, EmbeddedRedis  # noqa: E402
+from conductor.embedded import EmbeddedCluster, EmbeddedRedis, child_tie  # noqa: E402
 from conductor.formats.native import from_native  # noqa: E402
 from conductor.redis_contract import keys as K  # noqa: E402
 from conductor.redis_contract import shards as S  # noqa: E402
@@ -361,7 +361,8 @@ def requests(url: str, seq: int) -> dict:
     env = dict(os.environ, CONDUCTOR_REDIS_URL=url)
     p = subprocess.Popen([sys.executable, "-m", "conductor", "--log-level", "warning", "worker", "--engine", "sim",
                           "--model", "m", "--name", "rw", "--max-batch-size", "64", "--max-batch-tokens", "8192",
-                          "--max-input-len", "4096", "--sim-time-scale", "0"], env=env, cwd=str(ROOT))
+                          "--max-input-len", "4096", "--sim-time-scale", "0"], env=env, cwd=str(ROOT),
+                         preexec_fn=child_tie())
     try:
         deadline = time.monotonic() + 30
         while True:

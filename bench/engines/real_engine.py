@@ -53,7 +53,7 @@ if __package__ in (None, ""):
 
 from bench.common.report import command_line, git_rev, machine, now_utc, publish, table  # noqa: E402
 from bench.engines.real_engine_files import write as write_file  # noqa: E402
-from conductor.embedded import free_port  # noqa: E402
+from conductor.embedded import child_tie, free_port  # noqa: E402
 from conductor.workers.engines.random_model import ModelSize, write_random_llama  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -203,7 +203,7 @@ def run_runners(s: Setup, name: str, kind: str, srcs: list[Path], expected: int,
         if bind is not None:
             env[("CUDA_VISIBLE_DEVICES" if s.gpu else "VLLM_CPU_OMP_THREADS_BIND")] = bind
         procs.append(subprocess.Popen(runner_cmd(s, src, out, port), env=env, stdout=subprocess.DEVNULL,
-                                      stderr=(s.work / f"{name}-{kind}-{k}.log").open("wb")))
+                                      stderr=(s.work / f"{name}-{kind}-{k}.log").open("wb"), preexec_fn=child_tie()))
         scrapers.append(Scraper(port))
         outs.append(out)
     for p in procs:
@@ -263,7 +263,8 @@ def run_openai(s: Setup, kind: str, src: Path, expected: int) -> Case:
     server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
                                str(s.model_dir), "--served-model-name", MODEL, "--port", str(port),
                                *s.engine_flags()], env=s.env, stdout=subprocess.DEVNULL,
-                              stderr=(s.work / f"serve-{kind}.log").open("wb"), start_new_session=True)
+                              stderr=(s.work / f"serve-{kind}.log").open("wb"), start_new_session=True,
+                              preexec_fn=child_tie())
     scraper = Scraper(port)
     try:
         case, _ = run_conductor(s, "d", kind, src, expected,

@@ -38,7 +38,7 @@ if __package__ in (None, ""):
 
 from bench.common.report import command_line, git_rev, machine, now_utc, table, write_section  # noqa: E402
 from conductor.client import Conductor  # noqa: E402
-from conductor.embedded import EmbeddedRedis  # noqa: E402
+from conductor.embedded import EmbeddedRedis, child_tie  # noqa: E402
 from conductor.formats.lines import parse_line  # noqa: E402
 from conductor.tier.object_store import Store  # noqa: E402
 
@@ -91,7 +91,8 @@ def follow(c: Conductor, res: CapRun, cmd: list[str], env: dict[str, str], t0: f
     """Run the following reader until it exits, or until no result came for ``stall_s``."""
     err_path = Path(res.work) / "reader.err"
     with err_path.open("wb") as err_f:
-        reader = subprocess.Popen(cmd, env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=err_f)
+        reader = subprocess.Popen(cmd, env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=err_f,
+                                  preexec_fn=child_tie())
     last, last_t = -1, time.monotonic()
     while reader.poll() is None:
         time.sleep(0.5)
@@ -163,7 +164,7 @@ def run(n: int, maxmemory: str, work: Path, *, stall_s: float = 60.0, timeout_s:
                     procs.append(subprocess.Popen(
                         [*base, "worker", "--engine", "sim", "--model", MODEL, "--name", f"w{k}",
                          "--max-batch-size", "256", "--max-batch-tokens", "16384", "--max-input-len", "4096"],
-                        env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=log_f))
+                        env=env, cwd=str(ROOT), stdout=subprocess.DEVNULL, stderr=log_f, preexec_fn=child_tie()))
 
         try:
             if order == "fleet-first":

@@ -65,7 +65,7 @@ from bench.packing import suite  # noqa: E402
 from bench.profiles.script_instructions import WORKLOADS, freeze_clock  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
 from conductor.client.submit_stream import SUBMIT_CHUNK, count_submit_reply  # noqa: E402
-from conductor.embedded import free_port  # noqa: E402
+from conductor.embedded import child_tie, free_port  # noqa: E402
 from conductor.redis_contract import script_calls as calls  # noqa: E402
 from conductor.redis_contract import scripts as S  # noqa: E402
 from conductor.workers.worker import Worker, WorkerOptions  # noqa: E402
@@ -390,7 +390,8 @@ def run(items: int, workers: int, workload: str, top: int, script: str = "claim"
     d = Path(tempfile.mkdtemp(prefix="claim-lua-"))
     port = free_port()
     proc = subprocess.Popen([shutil.which("redis-server") or "redis-server", "--port", str(port), "--save", "",
-                             "--appendonly", "no", "--dir", str(d)], stdout=subprocess.DEVNULL)
+                             "--appendonly", "no", "--dir", str(d)], stdout=subprocess.DEVNULL,
+                            preexec_fn=child_tie())
     url = f"redis://127.0.0.1:{port}/0"
     try:
         r = redis.Redis.from_url(url)

@@ -54,7 +54,7 @@ import redis  # noqa: E402
 from bench.common.workload import WorkloadSpec, generate  # noqa: E402
 from bench.packing import suite  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
-from conductor.embedded import free_port  # noqa: E402
+from conductor.embedded import child_tie, free_port  # noqa: E402
 from conductor.redis_contract import scripts as S  # noqa: E402
 from conductor.workers.worker import Worker, WorkerOptions  # noqa: E402
 
@@ -108,7 +108,7 @@ class Server:
             [VALGRIND, "--tool=callgrind", f"--callgrind-out-file={out}/cg.out", "--collect-atstart=no",
              "--toggle-collect=evalShaCommand", *dump,
              "redis-server", "--port", str(self.port), "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=child_tie())
         self.r = redis.Redis(port=self.port)
         deadline = time.monotonic() + 60
         while True:
