@@ -100,11 +100,11 @@ def test_frames_split_across_reads():
     fr = FrameReader()
     a, b = socket.socketpair()
     try:
-        send(a, Done(batch_id="1-0", results=[]))
-        send(a, Done(batch_id="2-0", results=[]))
+        send(a, Done(key="m/1-0", results=[]))
+        send(a, Done(key="m/2-0", results=[]))
         data = b.recv(1 << 16)
         got = fr.feed(data[:5]) + fr.feed(data[5:])
-        assert [m.batch_id for m in got if isinstance(m, Done)] == ["1-0", "2-0"]
+        assert [m.key for m in got if isinstance(m, Done)] == ["m/1-0", "m/2-0"]
         assert not any(isinstance(m, Hello) for m in got)
     finally:
         a.close()
@@ -143,7 +143,7 @@ def test_a_sigkilled_gpu_process_has_its_batch_failed_back_and_run_once(cdr, red
     t = agent_thread(agent)
     victim = agent.gpus[0]
     wait_for(lambda: victim.outstanding and agent.claim_to_engine_ms, what="a batch in GPU process 0's engine")
-    held = set(victim.outstanding)
+    held = {b.batch_id for b in victim.outstanding.values()}
     os.kill(victim.proc.pid, signal.SIGKILL)
     t.join(timeout=60)
     assert not t.is_alive()
@@ -205,6 +205,34 @@ def test_a_stopped_agent_finishes_or_hands_back_what_it_holds(cdr, redis_url):
     assert not t.is_alive()
     assert not cdr.r.xpending_range(agent.keys.batches, K.GROUP, "-", "+", 10, consumername="ag")
     assert cdr.status("j")["completed"] < len(ids)  # it stopped early: the rest went back, not lost
+    run_until_done(worker(cdr, name="w2"))
+    once_each(cdr, ids)
+
+
+def test_an_agent_whose_completer_fails_hands_its_batches_back_and_raises(cdr, redis_url):
+    from conductor.errors import ConductorError
+    from tests.worker_kit import run_until_done, worker
+    ids = submit(cdr, 40, max_tokens=32)
+    agent = HostAgent(Conductor(connect(redis_url)), spec(time_scale=1.0), 2, WorkerOptions(name="ag"))
+
+    def write_fails(batch, done) -> None:  # a write the agent cannot make (was: a result complete.lua refused)
+        raise RuntimeError("refused")
+    agent._write = write_fails
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            agent.run()
+        except BaseException as e:  # noqa: BLE001
+            failed.append(e)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    # before: the completer thread died, the heartbeat kept every batch leased and the agent waited forever
+    t.join(timeout=30)
+    assert not t.is_alive()
+    assert len(failed) == 1 and isinstance(failed[0], ConductorError) and "refused" in str(failed[0])
+    assert not cdr.r.xpending_range(agent.keys.batches, K.GROUP, "-", "+", 10, consumername="ag")  # handed back
+    assert not cdr.r.hexists(agent.keys.workers, "ag")
     run_until_done(worker(cdr, name="w2"))
     once_each(cdr, ids)
 

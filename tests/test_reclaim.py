@@ -39,7 +39,7 @@ def test_live_consumer_with_extended_lease_is_never_robbed(cdr):
     w = Worker(cdr, SimEngine("m"), WorkerOptions(name="slow", heartbeat_ttl_s=0.6))
     w.register()
     assert w._pull()  # claimed and admitted, never stepped: a long batch in progress
-    (bid,) = list(w.inflight)
+    (bid,) = [e.batch.batch_id for e in w.inflight.values()]
     hb = threading.Thread(target=w._heartbeat_loop, daemon=True)
     hb.start()
     try:

@@ -357,7 +357,8 @@ def test_requests_waiting_when_the_count_changes_follow_their_items(cluster):
         assert w.wait(30) == 0
 
 
-def test_a_host_agent_serves_every_shard(redis_url):
+@pytest.mark.parametrize("same_ids", [False, True], ids=["ids", "same-ids"])
+def test_a_host_agent_serves_every_shard(redis_url, same_ids):
     import threading
 
     from conductor.workers.host_agent import HostAgent
@@ -365,13 +366,16 @@ def test_a_host_agent_serves_every_shard(redis_url):
     from tests.helpers import quick
     c = Conductor(connect(redis_url))
     quick(c, "agy", shards=3)
+    if same_ids:  # its GPU processes hold batches of two shards with one id (the failure it had)
+        _same_batch_ids(c, "agy")
     c.submit([item(f"a{i}", 10 + i % 40, model="agy", prefix=(f"sys {i % 9}",), max_tokens=8) for i in range(240)],
              "aj")
     used = [n for n in c.shards("agy") if c.status("aj")["models"].get(n)]
     assert len(used) == 3
     spec = {"kind": "sim", "model": "agy", "max_batch_size": 8, "max_batch_tokens": 8192, "max_input_len": 4096,
-            "time_scale": 0.0}
-    agent = HostAgent(Conductor(connect(redis_url)), spec, 2, WorkerOptions(name="ag", idle_exit_s=1.0))
+            "time_scale": 3.0 if same_ids else 0.0}
+    opts = WorkerOptions(name="ag", idle_exit_s=1.0, wake="poll" if same_ids else "bell")
+    agent = HostAgent(Conductor(connect(redis_url)), spec, 2, opts, depth=8 if same_ids else 2)
     t = threading.Thread(target=agent.run, daemon=True)
     t.start()
     t.join(timeout=60)
@@ -380,6 +384,39 @@ def test_a_host_agent_serves_every_shard(redis_url):
     _once([{"id": r.id} for r in rows], 240, prefix="a")
     assert {r.model for r in rows} == {"agy"}
     assert all(int(c.r.hget(K.ModelKeys(n).job("aj"), "completed") or 0) > 0 for n in used)
+
+
+def _same_batch_ids(c: Conductor, model: str) -> list[str]:
+    """Every shard of ``model`` issues the same batch ids from here on: each batches stream's last id set
+    to one id in the future, so that XADD '*' counts up from it alike on each (two shards issue one id
+    in one millisecond by chance; here always). Returns the shards."""
+    names = c.shards(model)
+    for n in names:
+        c.ensure_model(n)
+        c.r.execute_command("XSETID", K.ModelKeys(n).batches, "9999999999999-0")
+    return names
+
+
+def test_a_worker_holding_batches_of_two_shards_with_one_id_answers_each(redis_url):
+    from conductor.workers.engines.sim import SimEngine
+    from conductor.workers.worker import Worker, WorkerOptions
+    from tests.helpers import quick
+    c = Conductor(connect(redis_url))
+    quick(c, "dupy", shards=3)
+    names = _same_batch_ids(c, "dupy")
+    c.submit([item(f"d{i}", 10 + i % 40, model="dupy", prefix=(f"sys {i % 9}",), max_tokens=8) for i in range(240)],
+             "dj", seal=True)
+    assert sum(1 for n in names if c.status("dj")["models"].get(n)) == 3
+    # batches of 8 into an engine of 32 sequences: the worker holds several at once
+    engine = SimEngine("dupy", max_batch_size=8, max_num_seqs=256, time_scale=3.0)
+    w = Worker(Conductor(connect(redis_url)), engine,
+               WorkerOptions(name="dw", idle_exit_s=1.0, wake="poll", pending_ceiling=1000))
+    w.run()
+    rows = c.read_results("dj")
+    _once([{"id": r.id} for r in rows], 240, prefix="d")
+    # the shards did issue one id to several batches (a batch holds one shape, a shape lives on one shard)
+    assert len({r.batch for r in rows}) < len({(r.batch, r.shape) for r in rows})
+    assert w.finished == 240
 
 
 def test_a_change_of_count_moves_waiting_shapes_to_their_new_shards(cluster, tmp_path):

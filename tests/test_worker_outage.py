@@ -166,3 +166,33 @@ def connect_lazily(url: str):
     """A client that has not connected (conductor's connect() pings at once, and nothing listens here)."""
     import redis
     return redis.Redis.from_url(url)
+
+
+def test_a_sharded_models_worker_keeps_its_shard_batches_through_an_outage(fresh_server, tmp_path):
+    # The worker's rejoin after an outage kept only the batches pending under its name on the model's own
+    # keys: it dropped every batch it held on another shard (their results unwritten, their items run
+    # again once its lease lapsed there).
+    log = tmp_path / "a.log"
+    c = client(fresh_server.url)
+    quick(c, shards=3)
+    c.submit([item(f"s{k:03d}", 10, prefix=(f"sys {k % 9}",), max_tokens=100) for k in range(96)], "j", seal=True)
+
+    def held() -> int:
+        return sum(c.r.xpending(K.ModelKeys(n).batches, K.GROUP)["pending"] for n in c.shards("m") if n != "m")
+    a = start(fresh_server.url, "A", log, "--sim-time-scale", "1")
+    try:
+        wait_for(lambda: held() >= 2, timeout=60, what="A to hold batches on the shards")
+        fresh_server.kill()
+        wait_for(lambda: said(log, "redis_down"), timeout=60, what="A to notice")
+        fresh_server.start()  # the same server, its data kept (AOF)
+        wait_for(lambda: said(log, "redis_back"), timeout=60, what="A to come back")
+        back = said(log, "redis_back")[0]
+        assert "dropped_batches" not in back, back
+        c = client(fresh_server.url)
+        wait_for(lambda: c.status("j")["done"], timeout=120, what="the job to end")
+    finally:
+        a.send_signal(signal.SIGTERM)
+        assert a.wait(60) == 0
+    rows = [json.loads(r) for r in c.results("j")]
+    assert Counter(r["id"] for r in rows) == {f"s{k:03d}": 1 for k in range(96)}
+    assert {r["deliveries"] for r in rows} == {1}  # none ran twice

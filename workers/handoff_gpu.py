@@ -61,22 +61,22 @@ class GpuProcess:
                 continue
             h = decode_handoff(body)
             b = h.batch
-            self.running[b.batch_id] = _Running(b, len(b.items))
+            self.running[b.key] = _Running(b, len(b.items))
             bad = [it for it in b.items if it.unreadable]
             items = [it for it in b.items if not it.unreadable]
             try:
                 refused = self.engine.admit(b, items) if items else []
             except Exception as e:  # noqa: BLE001 - any engine failure: the agent fails the batch back
-                del self.running[b.batch_id]
-                send(self.sock, Refused(batch_id=b.batch_id, error=f"engine {self.engine.kind}: {e!r}"))
+                del self.running[b.key]
+                send(self.sock, Refused(key=b.key, error=f"engine {self.engine.kind}: {e!r}"))
                 continue
-            send(self.sock, Took(batch_id=b.batch_id, pos=self.ring.pos,
+            send(self.sock, Took(key=b.key, pos=self.ring.pos,
                                  claim_to_engine_ms=(time.monotonic() - h.claim_start) * 1000))
             self._finish(refused + [Finished(b, it, "", 0, ResultError("bad_record", it.unreadable)) for it in bad])
 
     def _finish(self, finished: list[Finished]) -> None:
         for fin in finished:
-            run = self.running.get(fin.batch.batch_id)
+            run = self.running.get(fin.batch.key)
             if run is None:
                 continue
             b, it = fin.batch, fin.item
@@ -88,8 +88,8 @@ class GpuProcess:
                 deliveries=it.deliveries, payload=it.payload))
             run.left -= 1
             if run.left == 0:
-                del self.running[b.batch_id]
-                send(self.sock, Done(batch_id=b.batch_id, results=run.results))
+                del self.running[b.key]
+                send(self.sock, Done(key=b.key, results=run.results))
 
 
 def main(argv: list[str] | None = None) -> int:

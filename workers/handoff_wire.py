@@ -33,18 +33,18 @@ class Hello(msgspec.Struct, tag=True):
 
 
 class Took(msgspec.Struct, tag=True):
-    batch_id: str
+    key: str  # Batch.key: a batch id alone is not unique over a sharded model's shards
     pos: int  # the ring position read up to
     claim_to_engine_ms: float  # from the claim's start to the batch's admit
 
 
 class Done(msgspec.Struct, tag=True):
-    batch_id: str
+    key: str
     results: list[Result]
 
 
 class Refused(msgspec.Struct, tag=True):
-    batch_id: str
+    key: str
     error: str  # the engine could not take the batch: the agent fails it back
 
 

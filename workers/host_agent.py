@@ -87,7 +87,7 @@ class _Gpu:
     ring: RingWriter
     frames: FrameReader = field(default_factory=FrameReader)
     hello: Hello | None = None
-    outstanding: dict[str, Batch] = field(default_factory=dict)
+    outstanding: dict[str, Batch] = field(default_factory=dict)  # by Batch.key
     alive: bool = True
 
 
@@ -115,6 +115,7 @@ class HostAgent(Worker):
         super().__init__(conductor, _Remote(hello.kind, hello.contract), opts)
         self._room = threading.Condition(self._lock)
         self._completer: threading.Thread | None = None
+        self._completer_error: BaseException | None = None
 
     # ------------------------------------------------------------------ GPU processes
     def _spawn(self, index: int, base: str) -> _Gpu:
@@ -166,7 +167,13 @@ class HostAgent(Worker):
             data = b""
         if not data:
             return False
-        for msg in gpu.frames.feed(data):
+        try:
+            msgs = gpu.frames.feed(data)
+        except ValueError as e:  # a frame that does not decode: the process is broken
+            event("gpu_broken", gpu=gpu.name, error=str(e))
+            gpu.proc.kill()
+            return False
+        for msg in msgs:  # a failure to act on one is the agent's, not the process's: it reaches run()
             self._handle(gpu, msg)
         return True
 
@@ -180,20 +187,20 @@ class HostAgent(Worker):
                 self.claim_to_engine_ms.append(msg.claim_to_engine_ms)
                 del self.claim_to_engine_ms[:-100_000]
         elif isinstance(msg, Done):
-            batch = gpu.outstanding.get(msg.batch_id)
+            batch = gpu.outstanding.get(msg.key)
             if batch is not None:
                 self._write(batch, msg)
-                self._release(gpu, msg.batch_id)
+                self._release(gpu, msg.key)
                 self.finished += len(msg.results)
         elif isinstance(msg, Refused):
-            batch = gpu.outstanding.get(msg.batch_id)
+            batch = gpu.outstanding.get(msg.key)
             if batch is not None:
                 self._fail_back(batch, msg.error)
-                self._release(gpu, msg.batch_id)
+                self._release(gpu, msg.key)
 
-    def _release(self, gpu: _Gpu, batch_id: str) -> None:
+    def _release(self, gpu: _Gpu, key: str) -> None:
         with self._room:
-            gpu.outstanding.pop(batch_id, None)
+            gpu.outstanding.pop(key, None)
             self._room.notify_all()
 
     def _write(self, batch: Batch, done: Done) -> None:
@@ -242,22 +249,28 @@ class HostAgent(Worker):
 
     def _complete_loop(self) -> None:
         """The completer thread: every GPU process's messages, results written as they come."""
+        try:
+            self._receive_until_stopped()
+        except BaseException as e:  # noqa: BLE001 - any failure: said, and run() raises it
+            # Nothing would write results from here on while the heartbeat thread kept their batches
+            # leased: the agent stops claiming, hands its batches back at once and exits with the error.
+            self._completer_error = e
+            event("completer_failed", worker=self.name, error=repr(e))
+            self.stopping.set()
+            with self._room:
+                self._room.notify_all()
+
+    def _receive_until_stopped(self) -> None:
         while not self._hb_stop.is_set():
             for key, _ in self.sel.select(timeout=0.2):
                 gpu: _Gpu = key.data
-                try:
-                    alive = self._receive(gpu)
-                except ValueError as e:  # a frame that does not decode: treat the process as broken
-                    event("gpu_broken", gpu=gpu.name, error=str(e))
-                    gpu.proc.kill()
-                    alive = False
-                if not alive:
+                if not self._receive(gpu):
                     self._gpu_died(gpu)
 
     # ------------------------------------------------------------------ handing over
     def leased_ids(self) -> list[str]:
         with self._lock:
-            return [bid for g in self.gpus for bid in g.outstanding]
+            return [b.batch_id for g in self.gpus for b in g.outstanding.values()]
 
     def _gpu_with_room(self) -> _Gpu | None:
         # half the ring free: the next batch record fits (shm_ring.RingWriter.max_record)
@@ -271,12 +284,12 @@ class HostAgent(Worker):
             with self._room:
                 if not gpu.alive:
                     raise OSError("the process died")
-                gpu.outstanding[batch.batch_id] = batch  # before the wake-up: its answer may be quick
+                gpu.outstanding[batch.key] = batch  # before the wake-up: its answer may be quick
                 pos = gpu.ring.write(KIND_BATCH, body)
             gpu.sock.sendall(pos.to_bytes(8, "little"))
         except (RingFull, ValueError, OSError) as e:
             with self._room:
-                gpu.outstanding.pop(batch.batch_id, None)
+                gpu.outstanding.pop(batch.key, None)
             self._fail_back(batch, f"handoff to {gpu.name}: {e}")
 
     def _claim_for(self, gpu: _Gpu) -> bool:
@@ -316,6 +329,9 @@ class HostAgent(Worker):
             self.deregister()
             self.close_gpus()
             event("agent_stopped", worker=self.name, **self.summary())
+        if self._completer_error is not None:
+            raise ConductorError(f"agent: its completer thread failed: {self._completer_error!r}") \
+                from self._completer_error
 
     def _claim_loop(self) -> None:  # noqa: C901 - the worker loop's order (maintenance, room, claim, bell, exits) in one place
         from .shard_maintenance import for_worker
@@ -356,7 +372,8 @@ class HostAgent(Worker):
         deadline = time.monotonic() + self.opts.drain_s
         event("draining", worker=self.name, batches=len(self.leased_ids()))
         with self._room:
-            while any(g.outstanding for g in self.gpus) and time.monotonic() < deadline:
+            while (self._completer_error is None and any(g.outstanding for g in self.gpus)
+                   and time.monotonic() < deadline):
                 self._room.wait(timeout=0.1)
         left = self.leased_ids()
         if left:

@@ -258,13 +258,15 @@ class OutageHandling:
         lost_group = isinstance(pending, redis.ResponseError) and "NOGROUP" in str(pending)
         if isinstance(pending, Exception) and not lost_group:
             raise pending
-        mine = set() if lost_group else {as_str(p["message_id"]) for p in pending}
+        own = self.contract.model
+        mine = set() if lost_group else {f"{own}/{as_str(p['message_id'])}" for p in pending}
+        mine |= self._pending_on_shards()
         with self._lock:
-            gone = {e.batch.batch_id: e.batch for e in self.inflight.values() if e.batch.batch_id not in mine}
-            gone.update((b.batch_id, b) for b, _, _ in self.retry if b.batch_id not in mine)
-            for bid in gone:
-                self.inflight.pop(bid, None)
-            self.retry = deque(r for r in self.retry if r[0].batch_id not in gone)
+            gone = {e.batch.key: e.batch for e in self.inflight.values() if e.batch.key not in mine}
+            gone.update((b.key, b) for b, _, _ in self.retry if b.key not in mine)
+            for key in gone:
+                self.inflight.pop(key, None)
+            self.retry = deque(r for r in self.retry if r[0].key not in gone)
         if lost_group or not registered:
             self.c.ensure_model(self.contract.model, force=True)
             self.register(say=False)
@@ -275,13 +277,32 @@ class OutageHandling:
             out.update(dropped_batches=len(gone), dropped_items=sum(len(b.items) for b in gone.values()))
         return out
 
+    def _pending_on_shards(self) -> set[str]:
+        """Batch.key of each batch this worker holds on another shard of its model that is still pending
+        under its name there: the model's own pending list says nothing of a shard's (a shard whose
+        group is gone holds none of them)."""
+        with self._lock:
+            shards = {e.batch.model for e in self.inflight.values()} | {b.model for b, _, _ in self.retry}
+        shards.discard(self.contract.model)
+        keys: set[str] = set()
+        for name in sorted(shards):
+            try:
+                pending = self.c.r.xpending_range(K.ModelKeys(name).batches, K.GROUP, "-", "+", 10_000,
+                                                  consumername=self.name)
+            except redis.ResponseError as e:
+                if "NOGROUP" not in str(e):
+                    raise
+                continue
+            keys |= {f"{name}/{as_str(p['message_id'])}" for p in pending}
+        return keys
+
     def _leave_pending(self) -> None:
         """Stopping with Redis away: nothing more can be written. The batches stay pending under
         this name: once its heartbeat lapses a live worker's sweep reclaims them, or a restart
         under this name takes them back at once (take_name)."""
         with self._lock:
-            left = {e.batch.batch_id: e.batch for e in self.inflight.values()}
-            left.update((b.batch_id, b) for b, _, _ in self.retry)
+            left = {e.batch.key: e.batch for e in self.inflight.values()}
+            left.update((b.key, b) for b, _, _ in self.retry)
             ids = sorted(left)
             items = sum(len(b.items) for b in left.values())
             unwritten = (sum(len(r) for _, r, _ in self.retry)

@@ -68,17 +68,17 @@ class Worker(WorkerStart, OutageHandling):
     def _collect(self, finished: list[Finished]) -> None:
         touched: dict[str, InFlight] = {}
         for fin in finished:
-            entry = self.inflight.get(fin.batch.batch_id)
+            entry = self.inflight.get(fin.batch.key)
             if entry is None:
                 continue
             entry.results.append(self._result(fin))
             entry.left -= 1
             self.finished += 1
             self.output_tokens += fin.output_tokens
-            touched[fin.batch.batch_id] = entry
+            touched[fin.batch.key] = entry
             if entry.left == 0:
                 with self._lock:
-                    del self.inflight[fin.batch.batch_id]
+                    del self.inflight[fin.batch.key]
                     self.retry.append((entry.batch, entry.unsent(), True))
         if getattr(self.engine, "streams_results", False):
             # Items of one batch finish far apart on an engine that batches continuously (a long
@@ -139,7 +139,7 @@ class Worker(WorkerStart, OutageHandling):
         self.batches_claimed += 1
         self.metrics.claimed(batch)
         with self._lock:
-            self.inflight[batch.batch_id] = InFlight(batch, len(batch.items))
+            self.inflight[batch.key] = InFlight(batch, len(batch.items))
         items, unreadable = batch.items, [it for it in batch.items if it.unreadable]
         if unreadable:
             items = [it for it in batch.items if not it.unreadable]
@@ -159,7 +159,7 @@ class Worker(WorkerStart, OutageHandling):
     def _give_back_failed(self, batch: Batch, err: Exception) -> None:
         """The engine could not take a batch: requeue it (fail.lua counts deliveries, dead-letters at N)."""
         with self._lock:
-            self.inflight.pop(batch.batch_id, None)
+            self.inflight.pop(batch.key, None)
         event("admit_failed", worker=self.name, batch=batch.batch_id, error=repr(err))
         try:
             self.c.fail(batch, self.name, f"engine {self.engine.kind}: {err!r}")

@@ -71,7 +71,7 @@ class WorkerStart:
         # the model's shards, when it has some (issue 36): claims rotate over them, the rest is on each
         self.shards = ShardClaims(conductor, self.contract.model)
         self.members = ShardMembers(conductor, self.shards)
-        self.inflight: dict[str, InFlight] = {}
+        self.inflight: dict[str, InFlight] = {}  # by Batch.key
         self.retry: deque[tuple[Batch, list[Result], bool]] = deque()
         self.stopping = threading.Event()
         # Separate from ``stopping``: leases must keep being extended while the worker drains.

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 class _Row(msgspec.Struct):
     batch: str = ""
+    shape: str = ""
     batch_size: int = 0
     batch_padded_len: int = 0
     input_tokens: int = 0
@@ -25,7 +26,8 @@ class RunSummary:
     def __init__(self) -> None:
         self.results = 0
         self.actual_tokens = 0
-        self._batches: dict[str, int] = {}  # batch id -> its padded tokens
+        # (shape, batch id) -> its padded tokens: a batch id is unique only on its shard, a shape lives on one
+        self._batches: dict[tuple[str, str], int] = {}
         self.prefix_hit_tokens: int | None = None
         self.unread = ""  # why the workers' figures are unknown: the port and the error
         self.engine_queries = self.engine_hits = 0  # the engine's own prefix-cache count (vllm), in its tokens
@@ -37,7 +39,7 @@ class RunSummary:
         if not row.batch:  # an item answered without running (dead-lettered): no batch to count
             return
         self.actual_tokens += row.input_tokens
-        self._batches.setdefault(row.batch, row.batch_padded_len * row.batch_size)
+        self._batches.setdefault((row.shape, row.batch), row.batch_padded_len * row.batch_size)
 
     @property
     def batches(self) -> int:

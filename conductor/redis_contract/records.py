@@ -71,6 +71,13 @@ class Batch(msgspec.Struct):
     warming: str = ""  # the shape instance "sig:epoch" being pre-warmed, if any (the pre-warm signal)
 
     @property
+    def key(self) -> str:
+        """The batch among all a worker holds: a stream id is unique only in its stream, and each shard of
+        a sharded model has its own (two shards can issue the same id in one millisecond). A stream id
+        has no '/', so the last one splits the key again."""
+        return f"{self.model}/{self.batch_id}"
+
+    @property
     def padded_tokens(self) -> int:
         return self.padded_len * len(self.items)
 
