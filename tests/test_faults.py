@@ -32,6 +32,31 @@ def test_scripts_reload_after_script_flush_also_inside_pipelines(cdr):
     assert cdr.status("j")["done"] and len(cdr.read_results("j")) == 1200
 
 
+def test_a_claim_refused_before_it_ran_on_every_try_is_a_refusal_to_ride_out(cdr, monkeypatch):
+    # test_a_planned_failover_mid_run_every_id_once failed once on 'claim.lua: no usable reply after 3
+    # attempts', a RuntimeError that stopped the worker; the script had not run on any try
+    from conductor.client.claiming import Claiming
+    from conductor.workers.transient import RIDE_OUT, is_transient
+    quick(cdr)
+    cdr.submit([item(i, 10) for i in range(3)], "j")
+    real = Claiming._round_trip
+    tries: list[str] = []
+
+    def noscript(self, call, mk, consumer, token):  # as a node whose script cache keeps coming back empty
+        tries.append(token)
+        return redis.exceptions.NoScriptError("No matching script. Please use EVAL."), []
+    monkeypatch.setattr(Claiming, "_round_trip", noscript)
+    try:
+        cdr.claim(C, "w")
+        raise AssertionError("the claim returned")
+    except RIDE_OUT as e:
+        assert is_transient(e) and "no usable reply after 3 attempts" in str(e) and "No matching script" in str(e)
+    assert len(tries) == 3
+    monkeypatch.setattr(Claiming, "_round_trip", real)
+    b, _ = cdr.claim(C, "w")  # nothing was claimed by the refused tries: the next claim takes all three
+    assert b is not None and len(b.items) == 3
+
+
 def test_client_rides_out_a_redis_crash_and_restart(fresh_server):
     cdr = Conductor(connect(fresh_server.url))
     quick(cdr)

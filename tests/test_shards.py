@@ -273,8 +273,16 @@ def test_the_request_path_of_a_sharded_model_on_the_cluster(cluster):
 
         async def many() -> list:
             async with AsyncRequestClient(url, model=model, max_in_flight=8) as ac:
-                return [ac.job, *await asyncio.gather(*(ac.generate(f"again {k}", prefix=prefixes[k], max_tokens=4,
-                                                                     timeout=30) for k in range(9)))]
+                out = [ac.job, *await asyncio.gather(*(ac.generate(f"again {k}", prefix=prefixes[k], max_tokens=4,
+                                                                    timeout=30) for k in range(9)))]
+                # a placed shape on a shard the job is ready on is placed in the event loop, as place() places it
+                # (no thread hop); a new shape needs Redis (its shard read and recorded): place_now declines
+                core = ac._core
+                it = core.item("p", prefixes[0], 4, None)
+                now = core.place_now(it)
+                assert now is not None and now[1].model == core.place(it)[1].model != model
+                assert core.place_now(core.item("p", ("a shape not yet placed",), 4, None)) is None
+                return out
         ajob, *agot = asyncio.run(many())
         assert all(g.error is None and g.output and g.model == model for g in agot)
         # the requests went to the shards that hold their shapes (more than one), none to the model's own keys

@@ -25,6 +25,8 @@ what is measured. The request figures use one `conductor worker` process (sim, t
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -41,7 +43,7 @@ import redis  # noqa: E402
 from bench.common import sent  # noqa: E402
 from bench.common.report import command_line, git_rev, machine, median, now_utc, pct, table, write_section  # noqa: E402
 from conductor.client import Conductor, connect  # noqa: E402
-from conductor.client.request import RequestClient  # noqa: E402
+from conductor.client.request import AsyncRequestClient, RequestClient  # noqa: E402
 from conductor.embedded import EmbeddedCluster, EmbeddedRedis, child_tie  # noqa: E402
 from conductor.formats.native import from_native  # noqa: E402
 from conductor.redis_contract import keys as K  # noqa: E402
@@ -393,11 +395,36 @@ def requests(url: str, seq: int) -> dict:
             list(ex.map(one, range(300)))
         wall = time.perf_counter() - t0
         rc.close()
-        return {"p50": pct(lat, 50), "p99": pct(lat, 99), "server_us": server_us, "conc_p50": pct(conc, 50),
-                "conc_p99": pct(conc, 99), "conc_wall": wall, "permits_back": rc.available_permits}
+        out = {"p50": pct(lat, 50), "p99": pct(lat, 99), "server_us": server_us, "conc_p50": pct(conc, 50),
+               "conc_p99": pct(conc, 99), "conc_wall": wall, "permits_back": rc.available_permits}
+        return out | asyncio.run(async_requests(url, seq))
     finally:
         p.terminate()
         p.wait(30)
+
+
+async def async_requests(url: str, seq: int) -> dict:
+    """The same through AsyncRequestClient: ``seq`` requests one after another, then 300 at once (one
+    event loop, no threads of the caller's)."""
+    async with AsyncRequestClient(url, model="m") as rc:
+        for _ in range(20):
+            await rc.generate("warm", max_tokens=4, timeout=10)
+        lat = []
+        for k in range(seq):
+            t = time.perf_counter()
+            await rc.generate(f"a{k}", max_tokens=4, timeout=10)
+            lat.append((time.perf_counter() - t) * 1000)
+        conc: list[float] = []
+
+        async def one(k: int) -> None:
+            t = time.perf_counter()
+            await rc.generate(f"ac{k}", max_tokens=4, timeout=60)
+            conc.append((time.perf_counter() - t) * 1000)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(k) for k in range(300)))
+        wall = time.perf_counter() - t0
+    return {"async_p50": pct(lat, 50), "async_p99": pct(lat, 99), "async_conc_p50": pct(conc, 50),
+            "async_conc_p99": pct(conc, 99), "async_conc_wall": wall}
 
 
 def main() -> None:
@@ -414,7 +441,13 @@ def main() -> None:
     ap.add_argument("--sharded", action="store_true",
                     help="issue 36's idle figures on a model sharded over a Redis Cluster of each --masters")
     ap.add_argument("--masters", type=int, nargs="+", default=[3, 6], help="cluster sizes (--sharded)")
+    ap.add_argument("--requests-only", action="store_true",
+                    help="only the request path (sync and async clients), printed, RESULTS.md untouched")
     args = ap.parse_args()
+    if args.requests_only:
+        with EmbeddedRedis() as srv:
+            print(json.dumps({k: round(v, 3) for k, v in requests(srv.url, args.requests).items()}))
+        return
     if args.sharded:
         sharded_main(args)
         return
@@ -452,7 +485,10 @@ def main() -> None:
             f"Redis's server time {q['server_us'] / 1000:.3f} ms per request (all commands: submit, seal, "
             f"BLPOP, claim, complete, heartbeat); 300 concurrent requests (threads) under 64 permits: "
             f"p50 {q['conc_p50']:.1f} ms, p99 {q['conc_p99']:.1f} ms, {q['conc_wall']:.2f} s for all, "
-            f"{q['permits_back']} of 64 permits back after.\n")
+            f"{q['permits_back']} of 64 permits back after. The same through `AsyncRequestClient` (one event "
+            f"loop): sequential p50 {q['async_p50']:.2f} ms, p99 {q['async_p99']:.2f} ms; 300 concurrent "
+            f"(asyncio.gather) p50 {q['async_conc_p50']:.1f} ms, p99 {q['async_conc_p99']:.1f} ms, "
+            f"{q['async_conc_wall']:.2f} s for all.\n")
     print(body)
     if args.write_results:
         write_section("idle_fleet", body)

@@ -49,7 +49,11 @@ class Claiming(ConductorCore):
         else:
             if isinstance(reply, CLUSTER_REFUSALS):
                 raise reply  # still refused: the worker rides it out (workers/transient.py)
-            raise RuntimeError(f"claim.lua: no usable reply after 3 attempts (the last: {reply!r})")
+            # Each try was refused before the script ran (NOSCRIPT again: a failover's empty cache met
+            # on each try; a token in use): nothing was written, so this is a refusal to ride out and
+            # claim again later, as a cluster's is, not an error that stops the worker.
+            last = f"{type(reply).__name__}: {reply}"
+            raise redis.exceptions.TryAgainError(f"claim.lua: no usable reply after 3 attempts (the last: {last})")
         got = call.reply(reply)
         if isinstance(got, calls.NoBatch):
             return None, got.reason

@@ -127,7 +127,7 @@ class _Core:
         """The item under the name that takes it (its shape's shard on a sharded model, else the
         model) and that name's keys; the job registered and classed there first (a shard's first
         request of this client: a few round trips, once). Blocking: the async client runs it in a
-        thread when it may read Redis."""
+        thread when place_now cannot answer."""
         with self.route_lock:
             ((name, (placed,)),) = self.c.route({self.model: [it]}).items()
             if name not in self.ready:
@@ -135,6 +135,20 @@ class _Core:
                 self.c.set_job_class(self.job, [name], self.job_class)
                 self.ready.add(name)
         return placed, K.ModelKeys(name)
+
+    def place_now(self, it: PreparedItem) -> tuple[PreparedItem, K.ModelKeys] | None:
+        """place() when it needs no Redis read (the layout and the shape's shard cached, the job ready
+        there) and the route lock is free, else None: the async client then runs place() in a thread.
+        Never blocks, so the event loop may call it."""
+        if not self.route_lock.acquire(blocking=False):
+            return None
+        try:
+            got = self.c.route_cached(self.model, it)
+        finally:
+            self.route_lock.release()
+        if got is None or got[0] not in self.ready:
+            return None
+        return got[1], K.ModelKeys(got[0])
 
     @staticmethod
     def slice_s(left: float) -> float:
@@ -370,7 +384,11 @@ class AsyncRequestClient(_PermitCounts):
         try:  # a cancelled task passes through here too (CancelledError): the permit returns
             if core.closed:
                 raise ClientClosed("the request client is closed")
-            it, mk = await asyncio.to_thread(core.place, it)
+            # a thread hop only when placing reads Redis (a layout over LAYOUT_TTL_S old, a new shape)
+            placed = core.place_now(it)
+            if placed is None:
+                placed = await asyncio.to_thread(core.place, it)
+            it, mk = placed
             await self._send(it, mk)
             return await self._wait(it, [mk.reply(core.job, it.id)], deadline, timeout)
         finally:

@@ -88,6 +88,21 @@ class Sharding(ConductorCore):
                 out.setdefault(name, []).append(msgspec.structs.replace(it, model=name))
         return out
 
+    def route_cached(self, model: str, it: PreparedItem) -> tuple[str, PreparedItem] | None:
+        """route() of one item when it needs no Redis read (the layout read within LAYOUT_TTL_S, the
+        shape's shard known): (name, item under that name); None when route() would read Redis."""
+        got = getattr(self, "_layouts", {}).get(model)
+        if got is None or time.monotonic() - got[0] >= LAYOUT_TTL_S:
+            return None
+        count = got[1].count
+        if count <= 1 or S.is_shard(model):
+            return model, it
+        s = self._placed.get((model, count), {}).get(it.sig)
+        if s is None:
+            return None
+        name = S.shard_names(model, count)[s]
+        return name, msgspec.structs.replace(it, model=name)
+
     def _placement(self, model: str, count: int, its: Iterable[PreparedItem]) -> dict[str, int]:
         """Each shape's shard: recorded, else the least loaded (waiting tokens of the shard plus
         what this call places there), largest new shapes first; recorded with HSETNX, so racing
