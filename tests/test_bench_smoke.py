@@ -387,6 +387,40 @@ def test_holder_sweep_quick_form_runs():
     assert "commands/s, the holder of every part" in out and "lua:lease" in out
 
 
+def test_real_engine_takes_a_users_file_and_says_what_it_needs(tmp_path):
+    """bench/engines/real_engine.py --input: a copy with the bench's model name, never the input rewritten; a line
+    without an output limit or without messages refused naming the line; every comparison the cases allow is
+    made for it, with no goal (the goals are the generated families')."""
+    import json as _json
+
+    from bench.engines.real_engine import MODEL, Case, input_copy, ratios
+    src = tmp_path / "batch.jsonl"
+    good = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "theirs", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}}
+    src.write_text(_json.dumps(good) + "\n\n")
+    work = tmp_path / "w"
+    work.mkdir()
+    name, copy, n = input_copy(src, work)
+    assert (name, n) == ("input-batch", 1) and copy.parent == work
+    assert _json.loads(copy.read_text())["body"]["model"] == MODEL
+    assert _json.loads(src.read_text().splitlines()[0])["body"]["model"] == "theirs"
+    assert input_copy(src, work)[0] == "input-batch-2"  # a second file of that name gets its own copy
+    no_limit = dict(good, body={"model": "m", "messages": []})
+    src.write_text(_json.dumps(good) + "\n" + _json.dumps(no_limit) + "\n")
+    with pytest.raises(SystemExit, match="line 2: body.max_tokens: required"):
+        input_copy(src, work)
+    src.write_text(_json.dumps({"custom_id": "x", "body": {"prompt": "p", "max_tokens": 2}}) + "\n")
+    with pytest.raises(SystemExit, match="line 1: needs custom_id and body.messages"):
+        input_copy(src, work)
+
+    def case(name: str, wall: float) -> Case:
+        return Case(name, "input-batch", wall, 1, 1, 0, 0, 1, None, "")
+    got = {w: (round(r, 2), g) for w, r, g in ratios([case("a", 60), case("b", 30), case("a2 halves", 40),
+                                                       case("c", 20), case("d", 30)])}
+    assert got == {"(b) over (a), input-batch": (2.0, None), "(c) over two half-file runners, input-batch": (2.0, None),
+                   "(d) over (b), input-batch": (1.0, None)}
+
+
 def test_real_engine_gives_every_engine_the_same_settings_on_a_gpu_too(tmp_path):
     """bench/engines/real_engine.py: vLLM's runner and server and the conductor's engine get the same settings:
     on a CPU eager with the given KV cache (as before), on a GPU vLLM's own memory share unless --kv-mb, and

@@ -278,19 +278,25 @@ def test_a_dead_engine_core_s_batches_go_back_and_are_answered_once(warm: dict[s
 
 
 def test_a_file_end_to_end_through_conductor_run_is_the_benchmarks_quick_form(tmp_path: Path, model_dir: Path):
-    """bench/engines/real_engine.py's case (b) on a short prefix-heavy file: ``conductor run --engine vllm`` answers
-    every line once without an error, and vLLM's own prefix cache served part of the prompts."""
+    """bench/engines/real_engine.py's case (b) on a short prefix-heavy file of the family, given as a user's own
+    (``--input``: another draw, another model name): ``conductor run --engine vllm`` answers every line once
+    without an error, vLLM's own prefix cache served part of the prompts, and the input is left as it was."""
+    from bench.engines.real_engine_files import write as write_file
+    mine = write_file(tmp_path / "mine.jsonl", "prefix", 24, "someone/their-model", seed=11)
+    before = mine.read_bytes()
     out = tmp_path / "bench.json"
     env = {k: v for k, v in VLLM_ENV.items() if k not in os.environ}
     os.environ.update(env)  # the bench's processes take this process's environment
     try:
         from bench.engines.real_engine import main
-        assert main(["--files", "prefix", "--cases", "b", "--lines", "24", "--model-dir", str(model_dir),
-                     "--no-write", "--json", str(out)]) == 0
+        assert main(["--input", str(mine), "--cases", "b", "--model-dir", str(model_dir), "--work",
+                     str(tmp_path / "work"), "--json", str(out)]) == 0
     finally:
         for k in env:
             os.environ.pop(k, None)
+    assert mine.read_bytes() == before
     (case, _ratios) = json.loads(out.read_text())
+    assert case["file"] == "input-mine"
     assert case["name"] == "b" and case["answered"] == case["expected"] == 24 and case["errors"] == 0
     assert case["twice"] == 0 and case["output_tokens"] > 0
     assert case["hit_rate"] > 0.3, case  # 24 lines over 24 prompts of 500 to 1,500 tokens: most repeat one

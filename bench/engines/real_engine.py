@@ -4,6 +4,8 @@
     .venv/bin/python -m bench.engines.real_engine --files prefix --cases a,b --lines 96 --no-write   # a short look
     .venv/bin/python -m bench.engines.real_engine --gpu    # on a GPU host: a larger random model
     python3 -m bench.engines.real_engine --gpu --eager --files prefix --cases a,b --work /tmp/re  # a short GPU look
+    .venv/bin/python -m bench.engines.real_engine --seed 11 --shapes 40 --no-write   # other files of the same family
+    .venv/bin/python -m bench.engines.real_engine --input my_batch.jsonl            # every case on a file of yours
 
 The bench writes a random-initialised Llama (workers/engines/random_model.py; on this CPU 6 layers,
 hidden 512, a byte-level tokenizer; with --gpu 16 layers, hidden 2048) and the files of
@@ -307,8 +309,48 @@ def core_halves() -> list[str]:
     return [",".join(map(str, cores[:half])), ",".join(map(str, cores[half:] or cores[:half]))]
 
 
-def run_file(s: Setup, kind: str, lines: int, cases: list[str]) -> list[Case]:
-    src = write_file(s.work / f"{kind}.jsonl", kind, lines, MODEL)
+def input_copy(path: Path, work: Path) -> tuple[str, Path, int]:
+    """A user's OpenAI batch file (``--input``) as the bench runs it: each line's ``body.model`` set to the
+    bench's model, in a copy under ``work`` (the input is never written). Returns (its name in the report,
+    the copy, its lines). Each line needs a ``custom_id``, ``body.messages`` and an output limit
+    (``body.max_tokens`` or ``body.max_completion_tokens``): without one, vLLM's runner decodes to the
+    model's length and the conductor to the model's default, and the two would not do the same work."""
+    out: list[str] = []
+    for n, ln in enumerate(path.read_text().splitlines(), 1):
+        if not ln.strip():
+            continue
+        try:
+            rec = json.loads(ln)
+            body = rec["body"]
+            ok = isinstance(rec["custom_id"], str) and isinstance(body["messages"], list)
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            raise SystemExit(f"--input {path}: line {n}: needs custom_id and body.messages (an OpenAI chat batch line)")
+        if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+            raise SystemExit(f"--input {path}: line {n}: body.max_tokens: required here (both sides must decode alike)")
+        body["model"] = MODEL
+        out.append(json.dumps(rec) + "\n")
+    if not out:
+        raise SystemExit(f"--input {path}: no lines")
+    name, k = f"input-{path.stem}", 1
+    while (work / f"{name}.jsonl").exists():  # another --input of the same name
+        k += 1
+        name = f"input-{path.stem}-{k}"
+    copy = work / f"{name}.jsonl"
+    if copy.resolve() == path.resolve():
+        raise SystemExit(f"--input {path}: the bench's copy would overwrite it; give another --work")
+    copy.write_text("".join(out))
+    return name, copy, len(out)
+
+
+def run_file(s: Setup, kind: str, lines: int, cases: list[str], *, seed: int = 7, shapes: int = 24,
+             src: Path | None = None) -> list[Case]:
+    """The cases on one file: a generated one of ``kind`` (``lines`` lines of real_engine_files.py's ``seed`` and
+    ``shapes``), or ``src`` (an --input copy, ``kind`` its name): there every case runs, (c) and (d) too."""
+    generated = src is None
+    if src is None:
+        src = write_file(s.work / f"{kind}.jsonl", kind, lines, MODEL, shapes=shapes, seed=seed)
     ptok = prompt_tokens(s.model_dir, src)
     out: list[Case] = []
     vllm = ["--engine", "vllm", "--model-path", str(s.model_dir), *s.conductor_engine_args()]
@@ -321,16 +363,16 @@ def run_file(s: Setup, kind: str, lines: int, cases: list[str]) -> list[Case]:
               f"hits {hit} {c.note}", flush=True)
     if "a" in cases:
         add(run_runners(s, "a", kind, [src], lines, [None]))
-        if kind == "prefix":
-            srt = write_file(s.work / "prefix-sorted.jsonl", "prefix-sorted", lines, MODEL)
+        if generated and kind == "prefix":
+            srt = write_file(s.work / "prefix-sorted.jsonl", "prefix-sorted", lines, MODEL, shapes=shapes, seed=seed)
             add(run_runners(s, "a sorted", kind, [srt], lines, [None]))
     if "b" in cases:
         add(run_conductor(s, "b", kind, src, lines, vllm, 1)[0])
-    if "c" in cases and kind == "prefix":
+    if "c" in cases and (kind == "prefix" or not generated):
         binds: list[str | None] = ["0", "1"] if s.gpu else [*core_halves()]
         add(run_runners(s, "a2 halves", kind, halves(src, s.work), lines, binds))
         add(run_conductor(s, "c", kind, src, lines, vllm, 2)[0])
-    if "d" in cases and kind in ("prefix", "mixed"):
+    if "d" in cases and (kind in ("prefix", "mixed") or not generated):
         add(run_openai(s, kind, src, lines))
     return out
 
@@ -343,12 +385,14 @@ def ratios(cases: list[Case]) -> list[tuple[str, float, float | None]]:
     def speedup(what: str, num: tuple[str, str], den: tuple[str, str], goal: float | None) -> None:
         if num in by and den in by:
             out.append((what, by[den] / by[num], goal))
-    for f in ("prefix", "unique", "mixed"):
+    files = list(dict.fromkeys(c.file for c in cases))  # the generated kinds' goals; an --input file has none
+    for f in files:
         speedup(f"(b) over (a), {f}", (f, "b"), (f, "a"), GOALS.get(f"b/a {f}"))
     speedup("(a, sorted) over (a), prefix: the limit", ("prefix", "a sorted"), ("prefix", "a"), None)
-    speedup("(c) over two half-file runners, prefix", ("prefix", "c"), ("prefix", "a2 halves"), GOALS["c/a2 prefix"])
-    for f in ("prefix", "mixed"):
-        speedup(f"(d) over (b), {f}", (f, "d"), (f, "b"), GOALS["d/b"])
+    for f in files:
+        speedup(f"(c) over two half-file runners, {f}", (f, "c"), (f, "a2 halves"), GOALS.get(f"c/a2 {f}"))
+    for f in files:
+        speedup(f"(d) over (b), {f}", (f, "d"), (f, "b"), GOALS["d/b"] if f in ("prefix", "mixed") else None)
     return out
 
 
@@ -385,7 +429,7 @@ def report(cases: list[Case], args: argparse.Namespace, size: ModelSize, kv_byte
         f"Model: a random Llama written by the bench ({size.layers} layers, hidden {size.hidden}, {size.heads} "
         f"heads, {size.kv_heads} KV heads, byte-level tokenizer), vLLM {_vllm_version()}"
         + engine_settings(args, kv_bytes) + ".",
-        f"Files: {args.lines} OpenAI chat lines each (bench/engines/real_engine_files.py); every line greedy.",
+        files_line(args),
         "Wall seconds from a command's start to its end, model load included on every side; tokens per second "
         "over that wall time. Load: from the start until the engine took its first request (a runner's or "
         "server's vLLM counters first showing on its /metrics; the conductor's first claim, which a worker "
@@ -396,6 +440,17 @@ def report(cases: list[Case], args: argparse.Namespace, size: ModelSize, kv_byte
         "",
         table(["comparison", "speed ratio", "goal", ""], rat),
     ])
+
+
+def files_line(args: argparse.Namespace) -> str:
+    """What the report says of its files: the generated ones' draw, and each --input file."""
+    out = []
+    if args.files:
+        out.append(f"{args.lines} OpenAI chat lines each (bench/engines/real_engine_files.py, seed {args.seed}, "
+                   f"{args.shapes} system prompts); every line greedy")
+    out += [f"{Path(p).name} (given with --input; each line's body.model set to the bench's model, all else "
+            "as given)" for p in args.input]
+    return "Files: " + "; ".join(out) + "."
 
 
 def _vllm_version() -> str:
@@ -413,7 +468,13 @@ def _vllm_version() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--files", default="prefix,unique,mixed", help="comma list of prefix, unique, mixed")
+    p.add_argument("--files", default=None, help="comma list of prefix, unique, mixed (default: all three; none "
+                   "with --input unless given)")
+    p.add_argument("--seed", type=int, default=7, help="the generated files' draw (real_engine_files.py)")
+    p.add_argument("--shapes", type=int, default=24, help="system prompts of the generated files")
+    p.add_argument("--input", action="append", default=[], metavar="FILE",
+                   help="an OpenAI chat batch file of your own (repeatable): every case on it, beside or instead of "
+                        "the generated files; RESULTS.md is then left as it is")
     p.add_argument("--cases", default="a,b,c,d", help="comma list of a, b, c, d")
     p.add_argument("--lines", type=int, default=384)
     p.add_argument("--gpu", action="store_true", help="a GPU host: the larger model, vLLM's own memory settings")
@@ -426,6 +487,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-write", action="store_true", help="do not rewrite the RESULTS.md section")
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args(argv)
+    if args.files is None:
+        args.files = "" if args.input else "prefix,unique,mixed"
+    for path in args.input:
+        if not Path(path).is_file():
+            p.error(f"--input: {path} is not a file")
     size = GPU_SIZE if args.gpu else CPU_SIZE
     kv_mb = args.kv_mb if args.kv_mb is not None or args.gpu else 32
     with tempfile.TemporaryDirectory(prefix="real-engine-") as tmp:
@@ -435,11 +501,15 @@ def main(argv: list[str] | None = None) -> int:
         env = dict(os.environ, VLLM_LOGGING_LEVEL="WARNING", PYTHONWARNINGS="ignore")
         s = Setup(model_dir, work, args.gpu, None if kv_mb is None else kv_mb << 20, env, eager=args.eager)
         cases: list[Case] = []
-        for kind in args.files.split(","):
-            cases += run_file(s, kind, args.lines, args.cases.split(","))
+        for kind in [k for k in args.files.split(",") if k]:
+            cases += run_file(s, kind, args.lines, args.cases.split(","), seed=args.seed, shapes=args.shapes)
+        for path in args.input:
+            name, copy, n = input_copy(Path(path), work)
+            cases += run_file(s, name, n, args.cases.split(","), src=copy)
         text = report(cases, args, size, s.kv_bytes)
         # a GPU run has a section of its own: the CPU figures stay beside it
-        publish(text, "real-engines-gpu" if args.gpu else "real-engines", write=not args.no_write,
+        # a run on --input files is printed only: the section holds the generated files' figures
+        publish(text, "real-engines-gpu" if args.gpu else "real-engines", write=not (args.no_write or args.input),
                 json_path=args.json, data=[c.__dict__ for c in cases] + [{"ratios": ratios(cases)}])
     return 0 if all(c.clean for c in cases) else 1
 
