@@ -32,6 +32,35 @@ def test_dead_consumer_batches_are_served_before_lanes(cdr):
     assert not nxt.reclaimed and {i.id[0] for i in nxt.items} == {"b"}
 
 
+def test_a_heartbeat_that_fails_once_on_a_bug_keeps_beating(cdr):
+    """An unexpected error in one beat (a bug, not Redis) ended the heartbeat thread: the lease lapsed while the
+    worker still ran its batch, and the next sweep handed the batch on (it would run twice)."""
+    quick(cdr)
+    cdr.submit([item(i, 10) for i in range(4)], "j")
+    w = Worker(cdr, SimEngine("m"), WorkerOptions(name="slow", heartbeat_ttl_s=0.6))
+    w.register()
+    assert w._pull()
+    real, beats = w._beat, []
+
+    def first_fails(claiming: bool = False) -> None:
+        beats.append(1)
+        if len(beats) == 1:
+            raise TypeError("a bug in one beat")
+        real(claiming)
+    w._beat = first_fails
+    hb = threading.Thread(target=w._heartbeat_loop, daemon=True)
+    hb.start()
+    try:
+        for _ in range(6):
+            time.sleep(0.25)
+            assert cdr.reclaim_dead("m")["batches"] == 0
+        assert hb.is_alive() and len(beats) >= 4
+    finally:
+        w.stopping.set()
+        w._hb_stop.set()
+        hb.join()
+
+
 def test_live_consumer_with_extended_lease_is_never_robbed(cdr):
     """A real Worker's heartbeat thread keeps the key alive and extends the lease (XCLAIM JUSTID)."""
     quick(cdr)

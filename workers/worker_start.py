@@ -214,6 +214,9 @@ class WorkerStart:
                 if self._rides_out and "NOGROUP" in str(e):
                     self._rejoin_needed.set()
                 event("heartbeat_failed", worker=self.name, error=str(e))
+            except Exception as e:  # noqa: BLE001 - a bug in one beat must not end the thread: the leases would
+                # lapse while the worker runs their batches, and a sweep would hand them to another
+                event("heartbeat_failed", worker=self.name, error=repr(e))
 
     def _outage(self, e: BaseException) -> bool:
         """True when ``e`` is Redis going away and the link says so (once per outage)."""
