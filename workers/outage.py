@@ -303,7 +303,7 @@ class OutageHandling:
         with self._lock:
             left = {e.batch.key: e.batch for e in self.inflight.values()}
             left.update((b.key, b) for b, _, _ in self.retry)
-            ids = sorted(left)
+            ids = sorted(b.batch_id for b in left.values())  # the stream ids, as before (a shard's may repeat)
             items = sum(len(b.items) for b in left.values())
             unwritten = (sum(len(r) for _, r, _ in self.retry)
                          + sum(len(e.results) - e.sent for e in self.inflight.values()))
