@@ -4,6 +4,8 @@ consumer is deleted only once its pending list is empty."""
 
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from conductor.redis_contract import keys as K
 from conductor.workers.engines.sim import SimEngine
@@ -14,6 +16,30 @@ from tests.helpers import MK, contract, drain, quick, results_for
 
 def consumer_names(cdr):
     return {row["name"] for row in cdr.consumers("m")}
+
+
+def slow_worker_holding_a_batch(cdr) -> Worker:
+    """A real Worker with a 0.6 s heartbeat TTL that claimed and admitted a batch and never steps it: a long
+    batch in progress."""
+    quick(cdr)
+    cdr.submit([item(i, 10) for i in range(4)], "j")
+    w = Worker(cdr, SimEngine("m"), WorkerOptions(name="slow", heartbeat_ttl_s=0.6))
+    w.register()
+    assert w._pull()
+    return w
+
+
+@contextmanager
+def heartbeat_thread(w: Worker) -> Iterator[threading.Thread]:
+    """The worker's heartbeat thread, running for the block."""
+    hb = threading.Thread(target=w._heartbeat_loop, daemon=True)
+    hb.start()
+    try:
+        yield hb
+    finally:
+        w.stopping.set()
+        w._hb_stop.set()  # the heartbeat thread's own stop (it outlives the loop while draining)
+        hb.join()
 
 
 def test_dead_consumer_batches_are_served_before_lanes(cdr):
@@ -35,11 +61,7 @@ def test_dead_consumer_batches_are_served_before_lanes(cdr):
 def test_a_heartbeat_that_fails_once_on_a_bug_keeps_beating(cdr):
     """An unexpected error in one beat (a bug, not Redis) ended the heartbeat thread: the lease lapsed while the
     worker still ran its batch, and the next sweep handed the batch on (it would run twice)."""
-    quick(cdr)
-    cdr.submit([item(i, 10) for i in range(4)], "j")
-    w = Worker(cdr, SimEngine("m"), WorkerOptions(name="slow", heartbeat_ttl_s=0.6))
-    w.register()
-    assert w._pull()
+    w = slow_worker_holding_a_batch(cdr)
     real, beats = w._beat, []
 
     def first_fails(claiming: bool = False) -> None:
@@ -48,30 +70,18 @@ def test_a_heartbeat_that_fails_once_on_a_bug_keeps_beating(cdr):
             raise TypeError("a bug in one beat")
         real(claiming)
     w._beat = first_fails
-    hb = threading.Thread(target=w._heartbeat_loop, daemon=True)
-    hb.start()
-    try:
+    with heartbeat_thread(w) as hb:
         for _ in range(6):
             time.sleep(0.25)
             assert cdr.reclaim_dead("m")["batches"] == 0
         assert hb.is_alive() and len(beats) >= 4
-    finally:
-        w.stopping.set()
-        w._hb_stop.set()
-        hb.join()
 
 
 def test_live_consumer_with_extended_lease_is_never_robbed(cdr):
     """A real Worker's heartbeat thread keeps the key alive and extends the lease (XCLAIM JUSTID)."""
-    quick(cdr)
-    cdr.submit([item(i, 10) for i in range(4)], "j")
-    w = Worker(cdr, SimEngine("m"), WorkerOptions(name="slow", heartbeat_ttl_s=0.6))
-    w.register()
-    assert w._pull()  # claimed and admitted, never stepped: a long batch in progress
+    w = slow_worker_holding_a_batch(cdr)
     (bid,) = [e.batch.batch_id for e in w.inflight.values()]
-    hb = threading.Thread(target=w._heartbeat_loop, daemon=True)
-    hb.start()
-    try:
+    with heartbeat_thread(w):
         for _ in range(6):
             time.sleep(0.25)
             assert cdr.reclaim_dead("m")["batches"] == 0
@@ -81,10 +91,6 @@ def test_live_consumer_with_extended_lease_is_never_robbed(cdr):
         assert [x["message_id"].decode() for x in p] == [bid]
         assert p[0]["times_delivered"] == 1  # JUSTID extends without counting a delivery
         assert p[0]["time_since_delivered"] < 400
-    finally:
-        w.stopping.set()
-        w._hb_stop.set()  # the heartbeat thread's own stop (it outlives the loop while draining)
-        hb.join()
     time.sleep(0.7)  # heartbeat key expires: now it is dead
     assert cdr.reclaim_dead("m")["batches"] == 1
     assert "slow" not in consumer_names(cdr)
