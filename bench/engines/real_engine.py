@@ -334,12 +334,12 @@ def input_copy(path: Path, work: Path) -> tuple[str, Path, int]:
     if not out:
         raise SystemExit(f"--input {path}: no lines")
     name, k = f"input-{path.stem}", 1
-    while (work / f"{name}.jsonl").exists():  # another --input of the same name
+    # a name no file in work has: another --input of the same name, or the input itself when it lies there,
+    # is never written over
+    while (work / f"{name}.jsonl").exists():
         k += 1
         name = f"input-{path.stem}-{k}"
     copy = work / f"{name}.jsonl"
-    if copy.resolve() == path.resolve():
-        raise SystemExit(f"--input {path}: the bench's copy would overwrite it; give another --work")
     copy.write_text("".join(out))
     return name, copy, len(out)
 
